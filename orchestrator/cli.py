@@ -1,0 +1,123 @@
+"""The ``kvtide`` command.
+
+kvtide up [CONFIG] [--demo]     start (or join) Ray and serve the app; --demo runs the
+                                multi-turn demo once the engines are up, then stops
+kvtide demo [--url URL]         run the multi-turn demo against a running endpoint
+kvtide model tiny DIR           write the tiny local model to DIR
+kvtide config                   print the embedded default config as YAML
+kvtide doctor [--fix]           check this environment (and repair what is safe to)
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from orchestrator import runtime
+    from orchestrator.config import load_config
+
+    config = load_config(args.config)
+    runtime.start_ray(config)
+    try:
+        runtime.deploy(config)
+        if args.demo:
+            from orchestrator.demo import format_table, run_demo
+
+            url = f"http://{config.server.host}:{config.server.port}"
+            print(format_table(run_demo(url, num_turns=args.turns)), flush=True)
+            return 0
+        print("press Ctrl-C to stop", file=sys.stderr, flush=True)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            stop.wait()
+        except KeyboardInterrupt:
+            pass
+        return 0
+    finally:
+        runtime.shutdown()
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from orchestrator.demo import format_table, run_demo
+
+    print(format_table(run_demo(args.url, num_turns=args.turns)))
+    return 0
+
+
+def _cmd_model(args: argparse.Namespace) -> int:
+    from engines.tiny_model import generate_tiny_model
+
+    path = generate_tiny_model(args.dir)
+    print(f"wrote the tiny model to {path}")
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    from orchestrator.config import ConfigFile
+
+    print(yaml.safe_dump(ConfigFile().model_dump(), sort_keys=False), end="")
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from orchestrator.doctor import run_doctor
+
+    return run_doctor(fix=args.fix)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvtide", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="serve kvtide (embedded default without CONFIG)")
+    up.add_argument("config", nargs="?", help="kvtide YAML config (see docs/config.md)")
+    up.add_argument("--demo", action="store_true", help="run the demo, then stop")
+    up.add_argument("--turns", type=int, default=3, help="demo turns (default 3)")
+    up.set_defaults(func=_cmd_up)
+
+    demo = sub.add_parser("demo", help="multi-turn demo against a running endpoint")
+    demo.add_argument("--url", default="http://127.0.0.1:8000")
+    demo.add_argument("--turns", type=int, default=3)
+    demo.set_defaults(func=_cmd_demo)
+
+    model = sub.add_parser("model", help="model utilities")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    tiny = model_sub.add_parser("tiny", help="write the tiny local model")
+    tiny.add_argument("dir")
+    tiny.set_defaults(func=_cmd_model)
+
+    cfg = sub.add_parser("config", help="print the embedded default config")
+    cfg.set_defaults(func=_cmd_config)
+
+    doctor = sub.add_parser("doctor", help="check the environment")
+    doctor.add_argument(
+        "--fix",
+        action="store_true",
+        help="uninstall torchvision/torchaudio/torchcodec builds that fail to load",
+    )
+    doctor.set_defaults(func=_cmd_doctor)
+
+    args = parser.parse_args(argv)
+    from orchestrator.errors import KVTideError
+
+    try:
+        return int(args.func(args))
+    except KVTideError as exc:
+        print(f"kvtide: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

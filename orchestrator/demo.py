@@ -1,0 +1,168 @@
+"""A multi-turn conversation against a running kvtide endpoint, one table row per turn.
+
+Turn 1 carries a long document, so its prompt KV is worth keeping; later turns add the
+answer and a short question. With a session id, the decode engine keeps each turn's KV
+and the next turn's prefill pulls it back instead of recomputing it. A last row sends a
+fresh prompt of the same length without a session: the recompute baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+__all__ = ["TurnRow", "format_table", "long_document", "run_demo", "stream_chat"]
+
+_WORDS = (
+    "cache token prefill decode engine session rack domain tensor block layer turn agent "
+    "tool plan search result memory transfer context model queue batch latency throughput"
+).split()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TurnRow:
+    turn: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_completion_tokens: int
+    ttft_s: float
+    tokens_per_s: float
+    kv_source: str
+    answer: str
+
+
+def long_document(num_words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(_WORDS) for _ in range(num_words))
+
+
+def stream_chat(
+    client: httpx.Client,
+    model: str,
+    messages: list[dict[str, str]],
+    *,
+    max_tokens: int,
+    session_id: str | None,
+    turn: str,
+) -> TurnRow:
+    """One streamed chat turn; measures TTFT and decode speed at the client."""
+    headers = {"x-session-id": session_id} if session_id else {}
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.monotonic()
+    t_first: float | None = None
+    parts: list[str] = []
+    final: dict[str, Any] = {}
+    with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            raise RuntimeError(f"turn {turn}: HTTP {resp.status_code}: {resp.text}")
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"turn {turn}: {event['error']['message']}")
+            for choice in event.get("choices", []):
+                text = choice.get("delta", {}).get("content")
+                if text:
+                    t_first = t_first or time.monotonic()
+                    parts.append(text)
+            if event.get("usage"):
+                final = event
+    t_end = time.monotonic()
+    use, ext = final.get("usage", {}), final.get("kvtide", {})
+    num_out = int(use.get("completion_tokens", 0))
+    ttft = (t_first or t_end) - t0
+    return TurnRow(
+        turn=turn,
+        num_prompt_tokens=int(use.get("prompt_tokens", 0)),
+        num_cached_tokens=int(use.get("prompt_tokens_details", {}).get("cached_tokens", 0)),
+        num_completion_tokens=num_out,
+        ttft_s=ttft,
+        tokens_per_s=(num_out - 1) / (t_end - (t_first or t_end)) if num_out > 1 else 0.0,
+        kv_source=str(ext.get("kv_source", "?")),
+        answer="".join(parts),
+    )
+
+
+def run_demo(
+    base_url: str = "http://127.0.0.1:8000",
+    *,
+    model: str | None = None,
+    num_turns: int = 3,
+    document_words: int = 1500,
+    max_tokens: int = 32,
+    timeout_s: float = 300.0,
+) -> list[TurnRow]:
+    questions = [
+        "Summarise the document above in one line.",
+        "Which engine keeps the cache between turns?",
+        "And what happens after the time to live?",
+        "List three tools the agent used.",
+        "Say it again, shorter.",
+    ]
+    session = f"demo-{uuid.uuid4().hex[:8]}"
+    rows: list[TurnRow] = []
+    with httpx.Client(base_url=base_url, timeout=timeout_s) as client:
+        model = model or client.get("/v1/models").json()["data"][0]["id"]
+        doc = long_document(document_words, seed=7)
+        messages = [{"role": "user", "content": f"{doc}\n\n{questions[0]}"}]
+        for i in range(num_turns):
+            row = stream_chat(
+                client, model, messages, max_tokens=max_tokens, session_id=session, turn=str(i + 1)
+            )
+            rows.append(row)
+            messages += [
+                {"role": "assistant", "content": row.answer},
+                {"role": "user", "content": questions[(i + 1) % len(questions)]},
+            ]
+        # Baseline: a fresh conversation as long as the last turn, no session to reuse.
+        fresh = long_document(document_words + 60 * num_turns, seed=11)
+        rows.append(
+            stream_chat(
+                client,
+                model,
+                [{"role": "user", "content": fresh}],
+                max_tokens=max_tokens,
+                session_id=None,
+                turn="fresh",
+            )
+        )
+    return rows
+
+
+def format_table(rows: list[TurnRow]) -> str:
+    head = ("turn", "prompt tok", "cached tok", "TTFT s", "tok/s", "prompt KV came from")
+    lines = [f"{head[0]:>5} {head[1]:>10} {head[2]:>10} {head[3]:>8} {head[4]:>7}  {head[5]}"]
+    labels = {
+        "sent_back": "sent back from decode (previous turn's KV)",
+        "prefix_cache": "prefix cache on prefill",
+        "recomputed": "recomputed on prefill",
+    }
+    for r in rows:
+        lines.append(
+            f"{r.turn:>5} {r.num_prompt_tokens:>10,} {r.num_cached_tokens:>10,} "
+            f"{r.ttft_s:>8.3f} {r.tokens_per_s:>7.1f}  {labels.get(r.kv_source, r.kv_source)}"
+        )
+    reused = [r for r in rows if r.kv_source == "sent_back"]
+    fresh = [r for r in rows if r.turn == "fresh"]
+    if reused and fresh:
+        ratio = fresh[0].ttft_s / max(1e-9, reused[-1].ttft_s)
+        lines.append(
+            f"turn {reused[-1].turn} reused {reused[-1].num_cached_tokens:,} prompt tokens: "
+            f"TTFT {ratio:.1f}x lower than recomputing a prompt of the same length"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,80 @@
+"""Token continuity across a session's turns.
+
+A client sends each turn as text (chat messages); re-tokenizing the previous answer
+does not always give back the tokens the model generated (a BPE tokenizer has many
+tokenizations of one string, and models do emit non-canonical ones). The KV kept by the
+decode engine belongs to the *generated* tokens, so a re-tokenized history would fail
+the KV policy's prefix check and recompute every turn.
+
+``SessionTokens`` remembers, per session, the exact text the last turn covered (rendered
+prompt + generated text) and its token ids. When the next turn's rendered text starts
+with that text, the new token ids are the remembered ids followed by the tokens of the
+new suffix: the same text, the model's own tokens, and a prefix the KV policy can verify.
+If the client rewrote the history, the text does not match and the prompt is tokenized
+from scratch (and the KV policy then recomputes). Bounded: oldest sessions are dropped
+first; entries older than ``ttl_s`` are ignored. The clock is passed in.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["SessionTokens"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Turn:
+    text: str
+    token_ids: tuple[int, ...]
+    stored_s: float
+
+
+class SessionTokens:
+    def __init__(self, *, max_sessions: int = 50_000, ttl_s: float = 480.0) -> None:
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        self.max_sessions = max_sessions
+        self.ttl_s = ttl_s
+        self._turns: OrderedDict[str, _Turn] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._turns)
+
+    def encode(
+        self,
+        session_id: str | None,
+        text: str,
+        *,
+        full: Callable[[str], Sequence[int]],
+        suffix: Callable[[str], Sequence[int]],
+        now_s: float,
+    ) -> list[int]:
+        """Token ids of ``text``, continuing the session's last turn where it matches.
+
+        ``full`` tokenizes a whole prompt (with any BOS); ``suffix`` a continuation.
+        """
+        turn = self._turns.get(session_id) if session_id is not None else None
+        if (
+            turn is not None
+            and now_s - turn.stored_s <= self.ttl_s
+            and len(text) > len(turn.text)
+            and text.startswith(turn.text)
+        ):
+            return [*turn.token_ids, *suffix(text[len(turn.text) :])]
+        return list(full(text))
+
+    def remember(
+        self, session_id: str | None, text: str, token_ids: Sequence[int], now_s: float
+    ) -> None:
+        """Record what this turn covered: its prompt text + generated text, and ids."""
+        if session_id is None:
+            return
+        self._turns[session_id] = _Turn(text, tuple(token_ids), now_s)
+        self._turns.move_to_end(session_id)
+        while len(self._turns) > self.max_sessions:
+            self._turns.popitem(last=False)
+
+    def forget(self, session_id: str) -> None:
+        self._turns.pop(session_id, None)

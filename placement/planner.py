@@ -1,0 +1,434 @@
+"""Placing tensor-parallel engines inside one NVLink domain each.
+
+A TP engine is only fast when every shard talks to every other over NVLink, so an
+engine's shards never span NVLink domains. Among the domains that can host it the
+planner takes the one whose free GPUs afterwards still cut best into TP16 and TP8
+engines (`leftover_for_large_engines`), then the tightest fit (fewest free GPUs
+left), which fills partly used domains and keeps empty racks whole for the large
+engines that need them. Inside the domain it uses as few nodes as possible: whole
+free trays first for engines larger than a tray, and for the tray that finishes
+the engine (or an engine that fits on one tray) the tray whose free GPUs fit it
+most tightly, so that partial trays fill up before whole ones are broken.
+
+`choose_placement` is the decision, a pure function of the ledger and the
+request. `PlacementPlanner` wraps it in check/act pairs (`plan`/`can_place`,
+`place`) and `release`. "Cannot place" is an `Unplaceable` value that lists every
+domain's free GPUs against what was asked, never an exception.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from placement.errors import DuplicateEngine, InvalidRequest, UnknownEngine
+from placement.topology import (
+    ClusterLedger,
+    ClusterSnapshot,
+    ClusterTopology,
+    DomainState,
+    NodeClaim,
+)
+
+__all__ = [
+    "LARGE_TP_SIZES",
+    "MAX_TP_SIZE",
+    "EngineRequest",
+    "PlacementDecision",
+    "PlacementPlan",
+    "PlacementPlanner",
+    "ShardAssignment",
+    "Unplaceable",
+    "choose_placement",
+    "describe_domains",
+    "leftover_for_large_engines",
+]
+
+MAX_TP_SIZE = 16
+"""The largest TP size kvtide places: four NVL72 trays, or beyond an HGX node."""
+
+LARGE_TP_SIZES = (16, 8)
+"""TP sizes whose room the planner protects: they need many GPUs of one domain."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineRequest:
+    """One engine to place: `tp_size` shards of one GPU and `num_cpus_per_shard` CPUs.
+
+    Any TP size from 1 to 16 is accepted; whether the model's heads divide by it is
+    the engine's concern, not the placement's. `role` ("prefill", "decode", ...) is
+    carried into the plan and does not change where the engine goes.
+    """
+
+    engine_id: str
+    tp_size: int
+    role: str
+    num_cpus_per_shard: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.engine_id:
+            raise InvalidRequest("an engine request needs a non-empty engine_id")
+        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int):
+            raise InvalidRequest(
+                f"engine {self.engine_id!r}: tp_size must be an int, got {self.tp_size!r}"
+            )
+        if not 1 <= self.tp_size <= MAX_TP_SIZE:
+            raise InvalidRequest(
+                f"engine {self.engine_id!r}: tp_size={self.tp_size} is outside "
+                f"1..{MAX_TP_SIZE}; use 1, 2, 4, 8 or 16"
+            )
+        if not self.role:
+            raise InvalidRequest(f"engine {self.engine_id!r} needs a role")
+        if self.num_cpus_per_shard < 0:
+            raise InvalidRequest(
+                f"engine {self.engine_id!r}: num_cpus_per_shard="
+                f"{self.num_cpus_per_shard} is negative; use 0 or more"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardAssignment:
+    """Where TP rank `rank` runs.
+
+    `local_rank` counts the engine's shards on that node from 0. `gpu_index` is the
+    GPU the ledger reserved on the node; under Ray, Ray picks the physical device
+    for a bundle, so treat it as the ledger's bookkeeping, not CUDA_VISIBLE_DEVICES.
+    """
+
+    rank: int
+    node_id: str
+    local_rank: int
+    gpu_index: int
+    num_cpus: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlacementPlan:
+    """Everything the code that calls Ray needs to know about one engine's placement.
+
+    Contract: all shards are in `domain_id`; `shards` are ordered by rank, ranks on
+    one node are contiguous (node by node, then local rank) and the node holding
+    rank 0 comes first. `bundles` follows the same order.
+    """
+
+    engine_id: str
+    role: str
+    tp_size: int
+    domain_id: str
+    shards: tuple[ShardAssignment, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.shards) != self.tp_size:
+            raise ValueError(f"{len(self.shards)} shards for TP{self.tp_size}")
+        seen: list[str] = []
+        for rank, shard in enumerate(self.shards):
+            if shard.rank != rank:
+                raise ValueError(f"shard {rank} carries rank {shard.rank}")
+            if not seen or seen[-1] != shard.node_id:
+                if shard.node_id in seen:
+                    raise ValueError(f"ranks on node {shard.node_id!r} are not contiguous")
+                seen.append(shard.node_id)
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        """The engine's nodes, the one holding rank 0 first."""
+        return tuple(dict.fromkeys(shard.node_id for shard in self.shards))
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_ids)
+
+    def shards_on(self, node_id: str) -> tuple[ShardAssignment, ...]:
+        return tuple(shard for shard in self.shards if shard.node_id == node_id)
+
+    @property
+    def bundles(self) -> tuple[dict[str, float], ...]:
+        """One resource bundle per shard, in rank order."""
+        return tuple({"GPU": 1.0, "CPU": shard.num_cpus} for shard in self.shards)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Unplaceable:
+    """The answer when no domain can host an engine now; `reason` says why."""
+
+    engine_id: str
+    tp_size: int
+    reason: str
+    domains: tuple[DomainState, ...]
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+PlacementDecision = PlacementPlan | Unplaceable
+
+# A candidate placement inside one domain: (node ordinal, number of shards) pairs,
+# rank 0's node first.
+_Picks = list[tuple[int, int]]
+
+
+def choose_placement(ledger: ClusterLedger, request: EngineRequest) -> PlacementDecision:
+    """Decide where `request` goes given what `ledger` holds; changes nothing.
+
+    Domains that can host the engine are ranked by, in order: GPUs the domain
+    would leave over for TP16/TP8 engines afterwards, free GPUs it would have left
+    (best fit), nodes the engine would span, partly used nodes the placement adds,
+    and domain order. Raises `DuplicateEngine` when the engine is already placed.
+    """
+    if ledger.holds(request.engine_id):
+        raise DuplicateEngine(f"engine {request.engine_id!r} is already placed; release it first")
+    tp_size = request.tp_size
+    best_key: tuple[int, int, int, int, int] | None = None
+    best_picks: _Picks = []
+    best_domain = -1
+    cpu_short: list[int] = []
+    leftover = _leftover_table(max(ledger.free_gpus_by_domain(), default=0))
+    for domain, free in enumerate(ledger.free_gpus_by_domain()):
+        if free < tp_size:
+            continue
+        left = free - tp_size
+        coarse = (leftover[left], left)
+        if best_key is not None and coarse > best_key[:2]:
+            continue  # cannot win: skip the node scan
+        picks = _pick_nodes(ledger, domain, request)
+        if picks is None:
+            cpu_short.append(domain)
+            continue
+        key = (*coarse, len(picks), _new_partial_nodes(ledger, picks), domain)
+        if best_key is None or key < best_key:
+            best_key, best_picks, best_domain = key, picks, domain
+    if best_key is None:
+        return _unplaceable(ledger, request, cpu_short)
+    return _plan_from_picks(ledger, request, best_domain, best_picks)
+
+
+def leftover_for_large_engines(num_free_gpus: int) -> int:
+    """GPUs of a domain left over once its free GPUs are cut into TP16, then TP8 engines.
+
+    `num_free % 16 + num_free % 8`: 0 for 64 free GPUs, 8 for a whole NVL72 rack
+    (72 = 4 x 16 + 8, the 8 can still take a TP8) or a whole HGX node, 4 + 4 for 68.
+    The planner keeps this smallest, so that free GPUs stay in shapes the large
+    engines can use.
+    """
+    return sum(num_free_gpus % size for size in LARGE_TP_SIZES)
+
+
+@functools.cache
+def _leftover_table(max_free_gpus: int) -> tuple[int, ...]:
+    # Powers of two up to the next one above the largest domain: few distinct keys.
+    size = 1 << max(max_free_gpus, 1).bit_length()
+    return tuple(leftover_for_large_engines(free) for free in range(size + 1))
+
+
+def _pick_nodes(ledger: ClusterLedger, domain: int, request: EngineRequest) -> _Picks | None:
+    """The fewest nodes of `domain` that host the engine, or None if CPUs run short.
+
+    Repeat until every shard has a node: if one node can take all remaining shards,
+    take the node whose free GPUs fit them most tightly (lowest ordinal on ties) and
+    stop; otherwise take a node with the most free GPUs (a whole tray when there is
+    one). Largest-first keeps the node count minimal; the tight fit at the end keeps
+    whole trays whole.
+    """
+    remaining = request.tp_size
+    cpus = request.num_cpus_per_shard
+    max_gpus = ledger.domain_max_gpus_per_node(domain)
+    used: set[int] = set()
+    picks: _Picks = []
+    while remaining > 0:
+        fit = _tightest_node(ledger, domain, remaining, max_gpus, used, cpus)
+        if fit is not None:
+            picks.append((fit, remaining))
+            return picks
+        largest = _largest_node(ledger, domain, max_gpus, used, cpus)
+        if largest is None:
+            return None
+        ordinal, shards = largest
+        picks.append((ordinal, shards))
+        used.add(ordinal)
+        remaining -= shards
+    return picks
+
+
+def _tightest_node(
+    ledger: ClusterLedger, domain: int, shards: int, max_gpus: int, used: set[int], cpus: float
+) -> int | None:
+    for num_free in range(shards, max_gpus + 1):
+        for ordinal in sorted(ledger.nodes_with_free_gpus(domain, num_free)):
+            if ordinal not in used and ledger.max_shards(ordinal, cpus) >= shards:
+                return ordinal
+    return None
+
+
+def _largest_node(
+    ledger: ClusterLedger, domain: int, top: int, used: set[int], cpus: float
+) -> tuple[int, int] | None:
+    for num_free in range(top, 0, -1):
+        for ordinal in sorted(ledger.nodes_with_free_gpus(domain, num_free)):
+            if ordinal in used:
+                continue
+            shards = ledger.max_shards(ordinal, cpus)
+            if shards > 0:
+                return ordinal, shards
+    return None
+
+
+def _new_partial_nodes(ledger: ClusterLedger, picks: _Picks) -> int:
+    """How many more nodes are partly used after the placement than before."""
+    delta = 0
+    for ordinal, shards in picks:
+        total = ledger.node_spec(ordinal).num_gpus
+        before = ledger.free_gpus(ordinal)
+        after = before - shards
+        delta += (0 < after < total) - (0 < before < total)
+    return delta
+
+
+def _plan_from_picks(
+    ledger: ClusterLedger, request: EngineRequest, domain: int, picks: _Picks
+) -> PlacementPlan:
+    shards: list[ShardAssignment] = []
+    for ordinal, count in picks:
+        node_id = ledger.node_spec(ordinal).node_id
+        gpu_indices = ledger.free_gpu_indices(ordinal)[:count]
+        for local_rank, gpu_index in enumerate(gpu_indices):
+            shards.append(
+                ShardAssignment(
+                    rank=len(shards),
+                    node_id=node_id,
+                    local_rank=local_rank,
+                    gpu_index=gpu_index,
+                    num_cpus=request.num_cpus_per_shard,
+                )
+            )
+    return PlacementPlan(
+        engine_id=request.engine_id,
+        role=request.role,
+        tp_size=request.tp_size,
+        domain_id=ledger.domain_ids[domain],
+        shards=tuple(shards),
+    )
+
+
+def describe_domains(domains: Sequence[DomainState]) -> str:
+    """One line per domain: free GPUs of total and the largest free node."""
+    return "\n".join(
+        f"  {d.domain_id}: {d.num_free_gpus} of {d.num_gpus} GPUs free, "
+        f"largest free node {d.largest_free_node_gpus} GPUs"
+        for d in domains
+    )
+
+
+def _unplaceable(
+    ledger: ClusterLedger, request: EngineRequest, cpu_short: list[int]
+) -> Unplaceable:
+    domains = ledger.snapshot().domains
+    tp_size = request.tp_size
+    head = f"engine {request.engine_id!r} (TP{tp_size}, {request.role}) cannot be placed: "
+    largest_domain = max(d.num_gpus for d in domains)
+    if tp_size > largest_domain:
+        why = (
+            f"no NVLink domain has {tp_size} GPUs at all (the largest has "
+            f"{largest_domain}) and an engine's shards never span domains; "
+            f"use a TP size of at most {largest_domain} or add a larger domain."
+        )
+    elif cpu_short:
+        names = ", ".join(ledger.domain_ids[d] for d in cpu_short)
+        why = (
+            f"{names} {'has' if len(cpu_short) == 1 else 'have'} {tp_size} or more "
+            f"free GPUs, but their nodes lack the {request.num_cpus_per_shard:g} free "
+            f"CPUs each shard needs; lower num_cpus_per_shard or release engines there."
+        )
+    else:
+        total_free = sum(d.num_free_gpus for d in domains)
+        why = (
+            f"no NVLink domain has {tp_size} free GPUs ({total_free} are free across "
+            f"{len(domains)} domains, but an engine's shards never span domains); "
+            f"release engines in one domain or lower the TP size."
+        )
+    reason = f"{head}{why}\nFree GPUs per domain:\n{describe_domains(domains)}"
+    return Unplaceable(engine_id=request.engine_id, tp_size=tp_size, reason=reason, domains=domains)
+
+
+class PlacementPlanner:
+    """kvtide's planner: one NVLink domain per engine, best fit across domains.
+
+    Queries (`plan`, `can_place`, `plan_many`, `plan_of`, `snapshot`) never change
+    state; `place`, `place_many` and `release` do. Several engines placed at once
+    go largest TP first, which packs better than arrival order.
+    """
+
+    def __init__(self, topology: ClusterTopology) -> None:
+        self._ledger = ClusterLedger(topology)
+        self._plans: dict[str, PlacementPlan] = {}
+
+    @property
+    def ledger(self) -> ClusterLedger:
+        return self._ledger
+
+    def snapshot(self) -> ClusterSnapshot:
+        return self._ledger.snapshot()
+
+    def plan(self, request: EngineRequest) -> PlacementDecision:
+        return choose_placement(self._ledger, request)
+
+    def can_place(self, request: EngineRequest) -> bool:
+        return isinstance(self.plan(request), PlacementPlan)
+
+    def place(self, request: EngineRequest) -> PlacementDecision:
+        decision = choose_placement(self._ledger, request)
+        if isinstance(decision, PlacementPlan):
+            self._commit(decision)
+        return decision
+
+    def release(self, engine_id: str) -> PlacementPlan:
+        """Free the engine's GPUs and CPUs; returns the plan it held."""
+        if engine_id not in self._plans:
+            raise UnknownEngine(f"engine {engine_id!r} is not placed; nothing to release")
+        self._ledger.release(engine_id)
+        return self._plans.pop(engine_id)
+
+    def plan_of(self, engine_id: str) -> PlacementPlan:
+        if engine_id not in self._plans:
+            raise UnknownEngine(f"engine {engine_id!r} is not placed")
+        return self._plans[engine_id]
+
+    def plan_many(self, requests: Sequence[EngineRequest]) -> tuple[PlacementDecision, ...]:
+        """What `place_many` would decide, tried out on a copy of the ledger."""
+        trial = PlacementPlanner.__new__(PlacementPlanner)
+        trial._ledger = self._ledger.copy()
+        trial._plans = dict(self._plans)
+        return trial.place_many(requests)
+
+    def place_many(self, requests: Sequence[EngineRequest]) -> tuple[PlacementDecision, ...]:
+        """Place each engine it can, largest TP first; results in request order."""
+        ids = [request.engine_id for request in requests]
+        repeated = sorted({engine_id for engine_id in ids if ids.count(engine_id) > 1})
+        if repeated:
+            raise InvalidRequest(f"engine ids repeated within one batch: {repeated}")
+        for request in requests:
+            if self._ledger.holds(request.engine_id):
+                raise DuplicateEngine(
+                    f"engine {request.engine_id!r} is already placed; release it first"
+                )
+        order = sorted(range(len(requests)), key=lambda i: -requests[i].tp_size)
+        results: dict[int, PlacementDecision] = {}
+        for i in order:
+            results[i] = self.place(requests[i])
+        return tuple(results[i] for i in range(len(requests)))
+
+    def _commit(self, plan: PlacementPlan) -> None:
+        claims = [
+            NodeClaim(
+                node_id=node_id,
+                num_gpus=len(on_node := plan.shards_on(node_id)),
+                num_cpus=sum(shard.num_cpus for shard in on_node),
+            )
+            for node_id in plan.node_ids
+        ]
+        grants = self._ledger.claim(plan.engine_id, claims)
+        # The plan named the lowest free GPU indices, which is what claim hands out.
+        assert [g.gpu_indices for g in grants] == [
+            tuple(s.gpu_index for s in plan.shards_on(g.node_id)) for g in grants
+        ]
+        self._plans[plan.engine_id] = plan

@@ -1,0 +1,405 @@
+"""The KV lifecycle policy: per session, where its KV lives and what the next turn does with it.
+
+Import everything from here; the value types live in `policies.kv_records`.
+
+Pure and single-threaded: every method takes the time as ``now_s`` and returns its
+decisions (a `TurnDecision` or a list of `Effect`s) for the orchestrator to apply.
+The orchestrator calls, per turn::
+
+    decision = kv.on_turn_start(session_id, prompt_token_ids, now_s)
+    # PULL_FROM_DECODE: prefill with decision.record.transfer_params; if the pull
+    #   fails or hangs: kv.on_pull_result(session_id, ok=False, now_s=...) and prefill
+    #   again without params. RECOMPUTE: plain prefill.
+    effects = kv.on_turn_finished(session_id, engine_id=..., token_ids_covered=...,
+                                  block_ids=..., transfer_params=..., expiry_s=..., now_s=...)
+    # or, when the turn failed or the engine kept no KV:
+    effects = kv.on_turn_abandoned(session_id, now_s=...)
+
+and, outside turns, ``renew`` (SDK heartbeat), ``close``, ``on_tick`` (every second or
+so), ``on_engine_lost``. Every started turn must end with ``on_turn_finished`` or
+``on_turn_abandoned``: a session with a turn in flight is never evicted.
+
+Books kept (invariants checked by the tests after every call):
+- ``bytes_held(e)`` = sum of ``bytes_held`` over records booked on engine ``e``,
+  including records handed to a pull that has not resolved yet;
+- ``idle_bytes(e)`` = the same over sessions with no turn in flight, and never above
+  ``idle_budget_bytes_per_engine`` after a call returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from policies.errors import InvalidTurn
+from policies.kv_books import KVBooks, SessionState
+from policies.kv_cost import decide_turn, kv_bytes
+from policies.kv_records import (
+    Effect,
+    Evict,
+    EvictReason,
+    Expire,
+    KVLifecycleConfig,
+    KVRecord,
+    KVStats,
+    RecomputeReason,
+    Release,
+    ReleaseReason,
+    TurnAction,
+    TurnDecision,
+    prefix_hash,
+)
+
+__all__ = [
+    "Effect",
+    "Evict",
+    "EvictReason",
+    "Expire",
+    "KVLifecycle",
+    "KVLifecycleConfig",
+    "KVRecord",
+    "KVStats",
+    "RecomputeReason",
+    "Release",
+    "ReleaseReason",
+    "TurnAction",
+    "TurnDecision",
+    "prefix_hash",
+]
+
+
+class KVLifecycle:
+    """Records of where each session's KV lives, and the decisions made from them."""
+
+    def __init__(self, config: KVLifecycleConfig | None = None) -> None:
+        self._config = config if config is not None else KVLifecycleConfig()
+        self._books = KVBooks(
+            safety_margin_s=self._config.safety_margin_s, lease_ttl_s=self._config.lease_ttl_s
+        )
+        self._num_pulls = 0
+        self._num_declines = 0
+        self._num_expiries = 0
+        self._num_evictions = 0
+        self._num_releases = 0
+        self._recomputes = dict.fromkeys(RecomputeReason, 0)
+
+    @property
+    def config(self) -> KVLifecycleConfig:
+        return self._config
+
+    # -- turns -------------------------------------------------------------------
+
+    def on_turn_start(
+        self, session_id: str, prompt_token_ids: Sequence[int], now_s: float
+    ) -> TurnDecision:
+        """Decide what this turn's prefill does; the turn is in flight until it ends.
+
+        Starts the session if unknown and renews its lease. A PULL hands the record to
+        the prefill: it is not offered again, and stays booked until the pull resolves.
+        """
+        books = self._books
+        session = books.session(session_id, now_s)
+        books.begin_turn(session_id, session)
+        books.extend_lease(session_id, session, now_s)
+        if session.record is None:
+            reason = (
+                RecomputeReason.PULL_IN_FLIGHT
+                if session.pulling is not None
+                else session.lost_reason or RecomputeReason.NO_RECORD
+            )
+            decision = TurnDecision(
+                session_id=session_id, action=TurnAction.RECOMPUTE, reason=reason
+            )
+        else:
+            decision = decide_turn(session.record, prompt_token_ids, now_s, self._config)
+        if decision.action is TurnAction.PULL_FROM_DECODE:
+            books.begin_pull(session_id, session)
+            self._num_pulls += 1
+        else:
+            assert decision.reason is not None
+            self._recomputes[decision.reason] += 1
+        return decision
+
+    def on_pull_result(self, session_id: str, *, ok: bool, now_s: float) -> list[Effect]:
+        """Resolve the pull a PULL decision started; unknown or resolved pulls are ignored.
+
+        ``ok=True``: the prefill read the blocks and the engine freed them. Reporting
+        success is optional: ``on_turn_finished`` implies it. ``ok=False`` (failed,
+        declined or timed out by the orchestrator): the record is never offered again,
+        and the turn goes on as a recompute.
+        """
+        session = self._books.sessions.get(session_id)
+        if session is None or session.pulling is None:
+            return []
+        record = self._books.end_pull(session_id, session)
+        if ok:
+            return []
+        self._num_declines += 1
+        self._recomputes[RecomputeReason.FAILED_PULL] += 1
+        if session.record is None:
+            session.lost_reason = RecomputeReason.FAILED_PULL
+        return [self._release(record, ReleaseReason.FAILED_PULL)]
+
+    def on_turn_finished(
+        self,
+        session_id: str,
+        *,
+        engine_id: str,
+        token_ids_covered: Sequence[int],
+        block_ids: Sequence[int],
+        transfer_params: Mapping[str, object],
+        expiry_s: float | None,
+        now_s: float,
+        pool_id: str = "decode",
+    ) -> list[Effect]:
+        """Record the KV the turn's engine kept, replacing the session's previous record.
+
+        ``token_ids_covered``: exactly the tokens whose KV the blocks hold (vLLM's
+        ``remote_num_tokens`` first tokens of prompt + output). ``expiry_s``: the
+        engine's expiry converted to the clock of ``now_s``; None means
+        ``now_s + ttl_s``. A finished turn also resolves its pull as a success.
+        """
+        if not engine_id:
+            raise InvalidTurn(
+                f"on_turn_finished({session_id!r}): engine_id is empty; "
+                "name the engine that kept the KV"
+            )
+        if len(token_ids_covered) == 0:
+            raise InvalidTurn(
+                f"on_turn_finished({session_id!r}): no token ids covered; "
+                "call on_turn_abandoned when the engine kept no KV"
+            )
+        config = self._config
+        num_tokens = len(token_ids_covered)
+        record = KVRecord(
+            session_id=session_id,
+            engine_id=engine_id,
+            pool_id=pool_id,
+            block_ids=tuple(block_ids),
+            num_tokens=num_tokens,
+            prefix_hash=prefix_hash(token_ids_covered),
+            expiry_s=now_s + config.ttl_s if expiry_s is None else expiry_s,
+            last_used_s=now_s,
+            bytes_held=kv_bytes(num_tokens, config),
+            transfer_params=transfer_params,
+        )
+        books = self._books
+        session = books.session(session_id, now_s)  # started anew if closed meanwhile
+        effects: list[Effect] = []
+        if session.pulling is not None:  # the prefill ran, so the read completed
+            books.end_pull(session_id, session)
+        old = session.record
+        if old is not None:
+            books.detach(session_id, session)
+            if (old.engine_id, old.block_ids) != (record.engine_id, record.block_ids):
+                effects.append(self._release(old, ReleaseReason.SUPERSEDED))
+        books.attach(session_id, session, record)
+        books.end_turn(session_id, session, now_s)
+        if now_s >= record.offer_deadline_s(config.safety_margin_s):
+            effects.append(self._expire(session_id, session))
+        effects.extend(self._enforce_budget(engine_id))
+        return effects
+
+    def on_turn_abandoned(self, session_id: str, *, now_s: float) -> list[Effect]:
+        """End a turn that kept no KV (failed, cancelled, or no params came back).
+
+        The previous record, if the turn did not pull it, stays: it still covers a
+        prefix of the conversation. A pull left unresolved counts as failed.
+        """
+        session = self._books.sessions.get(session_id)
+        if session is None:
+            return []
+        effects: list[Effect] = []
+        if session.pulling is not None:
+            record = self._books.end_pull(session_id, session)
+            self._num_declines += 1
+            if session.record is None:
+                session.lost_reason = RecomputeReason.FAILED_PULL
+            effects.append(self._release(record, ReleaseReason.FAILED_PULL))
+        self._books.end_turn(session_id, session, now_s)
+        if session.record is not None:
+            effects.extend(self._enforce_budget(session.record.engine_id))
+        return effects
+
+    # -- leases and time -----------------------------------------------------------
+
+    def renew(self, session_id: str, now_s: float) -> bool:
+        """Extend the session's lease (SDK heartbeat); False if kvtide no longer knows it.
+
+        Never extends how long its blocks are offered: that ends at engine expiry
+        minus the safety margin, fixed when the engine kept them.
+        """
+        session = self._books.sessions.get(session_id)
+        if session is None:
+            return False
+        self._books.extend_lease(session_id, session, now_s)
+        return True
+
+    def close(self, session_id: str, now_s: float) -> list[Effect]:
+        """Forget the session and release its record. Closing twice is a no-op.
+
+        A pull in flight resolves on its own (the read frees the blocks, or they
+        expire); a turn finishing after the close starts a fresh, unrenewed session.
+        """
+        session = self._books.sessions.get(session_id)
+        if session is None:
+            return []
+        return self._forget(session_id, session, ReleaseReason.CLOSED)
+
+    def on_tick(self, now_s: float) -> list[Effect]:
+        """Expire what is due: records at expiry minus margin, hung pulls at expiry, idle leases.
+
+        Touches only what is due (heaps), not every session.
+        """
+        books = self._books
+        effects: list[Effect] = []
+        for session_id in books.offer_deadlines.pop_due(now_s):
+            effects.append(self._expire(session_id, books.sessions[session_id]))
+        for session_id in books.pull_deadlines.pop_due(now_s):
+            session = books.sessions[session_id]
+            record = books.end_pull(session_id, session)
+            if session.record is None:
+                session.lost_reason = RecomputeReason.EXPIRED
+            self._num_expiries += 1
+            effects.append(Expire(record=record))
+        for session_id in books.lease_deadlines.pop_due(now_s):
+            session = books.sessions[session_id]
+            if session.active:  # defensive: end_turn sets the lease deadline again
+                continue
+            effects.extend(self._forget(session_id, session, ReleaseReason.LEASE_EXPIRED))
+        for engine_id in list(books.idle_bytes):
+            effects.extend(self._enforce_budget(engine_id))
+        books.prune(now_s)
+        return effects
+
+    def on_engine_lost(self, engine_id: str, now_s: float) -> list[Effect]:
+        """The engine died or restarted: its blocks are gone, stop offering them.
+
+        Pulls in flight from it fail on their own; report them with ``on_pull_result``.
+        """
+        effects: list[Effect] = []
+        for session_id in sorted(self._books.sessions_by_engine.get(engine_id, ())):
+            session = self._books.sessions[session_id]
+            effects.append(self._evict(session_id, session, EvictReason.ENGINE_LOST))
+        return effects
+
+    # -- restart --------------------------------------------------------------------
+
+    @classmethod
+    def rebuild(
+        cls,
+        records: Iterable[KVRecord],
+        *,
+        now_s: float,
+        config: KVLifecycleConfig | None = None,
+    ) -> tuple[KVLifecycle, list[Effect]]:
+        """Rebuild the books from records that engines and routers report after a restart.
+
+        A session reported more than once keeps its newest record (latest
+        ``last_used_s``, then ``expiry_s``), booked once; an older one holding other
+        blocks is released, one holding the same blocks is a duplicate and dropped
+        silently. Records past their offer deadline are expired. Every session gets
+        a fresh lease: heartbeats from before the restart are lost.
+        """
+        kv = cls(config)
+        effects: list[Effect] = []
+        newest: dict[str, KVRecord] = {}
+        for record in records:
+            kept = newest.get(record.session_id)
+            if kept is None:
+                newest[record.session_id] = record
+                continue
+            newer, older = (
+                (record, kept)
+                if (record.last_used_s, record.expiry_s) > (kept.last_used_s, kept.expiry_s)
+                else (kept, record)
+            )
+            newest[record.session_id] = newer
+            if (older.engine_id, older.block_ids) != (newer.engine_id, newer.block_ids):
+                effects.append(kv._release(older, ReleaseReason.SUPERSEDED))
+        margin_s = kv._config.safety_margin_s
+        for session_id, record in newest.items():
+            session = kv._books.session(session_id, now_s)
+            kv._books.attach(session_id, session, record)
+            if now_s >= record.offer_deadline_s(margin_s):
+                effects.append(kv._expire(session_id, session))
+        for engine_id in list(kv._books.idle_bytes):
+            effects.extend(kv._enforce_budget(engine_id))
+        return kv, effects
+
+    # -- queries (side-effect free) ---------------------------------------------------
+
+    def record(self, session_id: str) -> KVRecord | None:
+        """The session's current record (not one handed to a pull), if any."""
+        session = self._books.sessions.get(session_id)
+        return None if session is None else session.record
+
+    def records(self) -> list[KVRecord]:
+        """Every current record: what ``rebuild`` needs to restore these books."""
+        return list(self._books.records())
+
+    def pulls_in_flight(self) -> list[KVRecord]:
+        """Records handed to a prefill whose pull has not resolved (for pull timeouts)."""
+        return list(self._books.pulling_records())
+
+    def bytes_held(self, engine_id: str) -> int:
+        """Bytes booked on the engine, including records with a pull in flight."""
+        return self._books.held_bytes.get(engine_id, 0)
+
+    def idle_bytes(self, engine_id: str) -> int:
+        """Bytes booked on the engine by sessions with no turn in flight."""
+        return self._books.idle_bytes.get(engine_id, 0)
+
+    def num_sessions(self) -> int:
+        return len(self._books.sessions)
+
+    def stats(self) -> KVStats:
+        return KVStats(
+            num_sessions=len(self._books.sessions),
+            num_records=self._books.num_records(),
+            num_pulls=self._num_pulls,
+            num_declines=self._num_declines,
+            num_expiries=self._num_expiries,
+            num_evictions=self._num_evictions,
+            num_releases=self._num_releases,
+            recomputes_by_reason=tuple(self._recomputes.items()),
+        )
+
+    # -- effects --------------------------------------------------------------------------
+
+    def _expire(self, session_id: str, session: SessionState) -> Expire:
+        record = self._books.detach(session_id, session)
+        session.lost_reason = RecomputeReason.EXPIRED
+        self._num_expiries += 1
+        return Expire(record=record)
+
+    def _release(self, record: KVRecord, reason: ReleaseReason) -> Release:
+        self._num_releases += 1
+        return Release(record=record, reason=reason)
+
+    def _evict(self, session_id: str, session: SessionState, reason: EvictReason) -> Evict:
+        record = self._books.detach(session_id, session)
+        session.lost_reason = RecomputeReason.EVICTED
+        self._num_evictions += 1
+        return Evict(record=record, reason=reason)
+
+    def _forget(
+        self, session_id: str, session: SessionState, reason: ReleaseReason
+    ) -> list[Effect]:
+        effects: list[Effect] = []
+        if session.record is not None:
+            effects.append(self._release(self._books.detach(session_id, session), reason))
+        self._books.forget(session_id)
+        return effects
+
+    def _enforce_budget(self, engine_id: str) -> list[Effect]:
+        """Evict idle records on the engine, nearest expiry first, until within budget."""
+        budget = self._config.idle_budget_bytes_per_engine
+        effects: list[Effect] = []
+        if budget is None:
+            return effects
+        books = self._books
+        while books.idle_bytes.get(engine_id, 0) > budget:
+            session_id = books.idle_nearest_expiry(engine_id)
+            assert session_id is not None
+            effects.append(self._evict(session_id, books.sessions[session_id], EvictReason.BUDGET))
+        return effects

