@@ -7,7 +7,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from orchestrator.config import KVTideConfig
 
@@ -90,3 +91,14 @@ def shutdown() -> None:
         serve.shutdown()
     finally:
         ray.shutdown()
+
+
+@contextmanager
+def running(config: KVTideConfig, *, say: Callable[[str], None] = _say) -> Iterator[str]:
+    """Start Ray, deploy ``config`` and yield the base URL; shut everything down after."""
+    start_ray(config, say=say)
+    try:
+        deploy(config, say=say)
+        yield f"http://{config.server.host}:{config.server.port}"
+    finally:
+        shutdown()

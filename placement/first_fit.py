@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from placement.errors import DuplicateEngine, UnknownEngine
-from placement.planner import EngineRequest, ShardAssignment, Unplaceable, describe_domains
+from placement.plan import EngineRequest, ShardAssignment, Unplaceable
+from placement.planner import describe_domains
 from placement.topology import ClusterLedger, ClusterSnapshot, ClusterTopology, NodeClaim
 
 __all__ = ["FirstFitPlacement", "FirstFitPlanner"]
@@ -80,7 +81,7 @@ class FirstFitPlanner:
             if remaining == 0:
                 break
         if remaining > 0:
-            domains = ledger.snapshot().domains
+            domains = ledger.domain_states()
             where = "one domain" if self._within_domain else "the whole cluster"
             reason = (
                 f"engine {request.engine_id!r} (TP{request.tp_size}) cannot be placed: "

@@ -20,9 +20,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from placement.errors import DuplicateEngine, InvalidRequest, UnknownEngine
+from placement.plan import (
+    MAX_TP_SIZE,
+    EngineRequest,
+    PlacementDecision,
+    PlacementPlan,
+    ShardAssignment,
+    Unplaceable,
+)
 from placement.topology import (
     ClusterLedger,
     ClusterSnapshot,
@@ -31,10 +38,12 @@ from placement.topology import (
     NodeClaim,
 )
 
+# The value types of `placement.plan` are re-exported: callers need one import.
 __all__ = [
     "LARGE_TP_SIZES",
     "MAX_TP_SIZE",
     "EngineRequest",
+    "PickMemo",
     "PlacementDecision",
     "PlacementPlan",
     "PlacementPlanner",
@@ -45,130 +54,24 @@ __all__ = [
     "leftover_for_large_engines",
 ]
 
-MAX_TP_SIZE = 16
-"""The largest TP size kvtide places: four NVL72 trays, or beyond an HGX node."""
-
 LARGE_TP_SIZES = (16, 8)
 """TP sizes whose room the planner protects: they need many GPUs of one domain."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EngineRequest:
-    """One engine to place: `tp_size` shards of one GPU and `num_cpus_per_shard` CPUs.
-
-    Any TP size from 1 to 16 is accepted; whether the model's heads divide by it is
-    the engine's concern, not the placement's. `role` ("prefill", "decode", ...) is
-    carried into the plan and does not change where the engine goes.
-    """
-
-    engine_id: str
-    tp_size: int
-    role: str
-    num_cpus_per_shard: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not self.engine_id:
-            raise InvalidRequest("an engine request needs a non-empty engine_id")
-        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int):
-            raise InvalidRequest(
-                f"engine {self.engine_id!r}: tp_size must be an int, got {self.tp_size!r}"
-            )
-        if not 1 <= self.tp_size <= MAX_TP_SIZE:
-            raise InvalidRequest(
-                f"engine {self.engine_id!r}: tp_size={self.tp_size} is outside "
-                f"1..{MAX_TP_SIZE}; use 1, 2, 4, 8 or 16"
-            )
-        if not self.role:
-            raise InvalidRequest(f"engine {self.engine_id!r} needs a role")
-        if self.num_cpus_per_shard < 0:
-            raise InvalidRequest(
-                f"engine {self.engine_id!r}: num_cpus_per_shard="
-                f"{self.num_cpus_per_shard} is negative; use 0 or more"
-            )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ShardAssignment:
-    """Where TP rank `rank` runs.
-
-    `local_rank` counts the engine's shards on that node from 0. `gpu_index` is the
-    GPU the ledger reserved on the node; under Ray, Ray picks the physical device
-    for a bundle, so treat it as the ledger's bookkeeping, not CUDA_VISIBLE_DEVICES.
-    """
-
-    rank: int
-    node_id: str
-    local_rank: int
-    gpu_index: int
-    num_cpus: float
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PlacementPlan:
-    """Everything the code that calls Ray needs to know about one engine's placement.
-
-    Contract: all shards are in `domain_id`; `shards` are ordered by rank, ranks on
-    one node are contiguous (node by node, then local rank) and the node holding
-    rank 0 comes first. `bundles` follows the same order.
-    """
-
-    engine_id: str
-    role: str
-    tp_size: int
-    domain_id: str
-    shards: tuple[ShardAssignment, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.shards) != self.tp_size:
-            raise ValueError(f"{len(self.shards)} shards for TP{self.tp_size}")
-        seen: list[str] = []
-        for rank, shard in enumerate(self.shards):
-            if shard.rank != rank:
-                raise ValueError(f"shard {rank} carries rank {shard.rank}")
-            if not seen or seen[-1] != shard.node_id:
-                if shard.node_id in seen:
-                    raise ValueError(f"ranks on node {shard.node_id!r} are not contiguous")
-                seen.append(shard.node_id)
-
-    @property
-    def node_ids(self) -> tuple[str, ...]:
-        """The engine's nodes, the one holding rank 0 first."""
-        return tuple(dict.fromkeys(shard.node_id for shard in self.shards))
-
-    @property
-    def num_nodes(self) -> int:
-        return len(self.node_ids)
-
-    def shards_on(self, node_id: str) -> tuple[ShardAssignment, ...]:
-        return tuple(shard for shard in self.shards if shard.node_id == node_id)
-
-    @property
-    def bundles(self) -> tuple[dict[str, float], ...]:
-        """One resource bundle per shard, in rank order."""
-        return tuple({"GPU": 1.0, "CPU": shard.num_cpus} for shard in self.shards)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Unplaceable:
-    """The answer when no domain can host an engine now; `reason` says why."""
-
-    engine_id: str
-    tp_size: int
-    reason: str
-    domains: tuple[DomainState, ...]
-
-    def __str__(self) -> str:
-        return self.reason
-
-
-PlacementDecision = PlacementPlan | Unplaceable
 
 # A candidate placement inside one domain: (node ordinal, number of shards) pairs,
 # rank 0's node first.
 _Picks = list[tuple[int, int]]
 
+PickMemo = dict[tuple[int, int, float], tuple[int, "_Picks | None", int]]
+"""(domain, tp_size, cpus per shard) -> (domain version, picks, partial nodes added).
 
-def choose_placement(ledger: ClusterLedger, request: EngineRequest) -> PlacementDecision:
+Optional memory for `choose_placement`, valid for one ledger only: a domain's node
+choice is reused while the domain's version is unchanged.
+"""
+
+
+def choose_placement(
+    ledger: ClusterLedger, request: EngineRequest, *, memo: PickMemo | None = None
+) -> PlacementDecision:
     """Decide where `request` goes given what `ledger` holds; changes nothing.
 
     Domains that can host the engine are ranked by, in order: GPUs the domain
@@ -191,11 +94,11 @@ def choose_placement(ledger: ClusterLedger, request: EngineRequest) -> Placement
         coarse = (leftover[left], left)
         if best_key is not None and coarse > best_key[:2]:
             continue  # cannot win: skip the node scan
-        picks = _pick_nodes(ledger, domain, request)
+        picks, partial = _pick_nodes_memo(ledger, domain, request, memo)
         if picks is None:
             cpu_short.append(domain)
             continue
-        key = (*coarse, len(picks), _new_partial_nodes(ledger, picks), domain)
+        key = (*coarse, len(picks), partial, domain)
         if best_key is None or key < best_key:
             best_key, best_picks, best_domain = key, picks, domain
     if best_key is None:
@@ -219,6 +122,20 @@ def _leftover_table(max_free_gpus: int) -> tuple[int, ...]:
     # Powers of two up to the next one above the largest domain: few distinct keys.
     size = 1 << max(max_free_gpus, 1).bit_length()
     return tuple(leftover_for_large_engines(free) for free in range(size + 1))
+
+
+def _pick_nodes_memo(
+    ledger: ClusterLedger, domain: int, request: EngineRequest, memo: PickMemo | None
+) -> tuple[_Picks | None, int]:
+    key = (domain, request.tp_size, request.num_cpus_per_shard)
+    version = ledger.domain_version(domain)
+    if memo is not None and key in memo and memo[key][0] == version:
+        return memo[key][1], memo[key][2]
+    picks = _pick_nodes(ledger, domain, request)
+    partial = 0 if picks is None else _new_partial_nodes(ledger, picks)
+    if memo is not None:
+        memo[key] = (version, picks, partial)
+    return picks, partial
 
 
 def _pick_nodes(ledger: ClusterLedger, domain: int, request: EngineRequest) -> _Picks | None:
@@ -322,7 +239,7 @@ def describe_domains(domains: Sequence[DomainState]) -> str:
 def _unplaceable(
     ledger: ClusterLedger, request: EngineRequest, cpu_short: list[int]
 ) -> Unplaceable:
-    domains = ledger.snapshot().domains
+    domains = ledger.domain_states()
     tp_size = request.tp_size
     head = f"engine {request.engine_id!r} (TP{tp_size}, {request.role}) cannot be placed: "
     largest_domain = max(d.num_gpus for d in domains)
@@ -361,6 +278,7 @@ class PlacementPlanner:
     def __init__(self, topology: ClusterTopology) -> None:
         self._ledger = ClusterLedger(topology)
         self._plans: dict[str, PlacementPlan] = {}
+        self._memo: PickMemo = {}
 
     @property
     def ledger(self) -> ClusterLedger:
@@ -370,13 +288,13 @@ class PlacementPlanner:
         return self._ledger.snapshot()
 
     def plan(self, request: EngineRequest) -> PlacementDecision:
-        return choose_placement(self._ledger, request)
+        return choose_placement(self._ledger, request, memo=self._memo)
 
     def can_place(self, request: EngineRequest) -> bool:
         return isinstance(self.plan(request), PlacementPlan)
 
     def place(self, request: EngineRequest) -> PlacementDecision:
-        decision = choose_placement(self._ledger, request)
+        decision = choose_placement(self._ledger, request, memo=self._memo)
         if isinstance(decision, PlacementPlan):
             self._commit(decision)
         return decision
@@ -398,6 +316,7 @@ class PlacementPlanner:
         trial = PlacementPlanner.__new__(PlacementPlanner)
         trial._ledger = self._ledger.copy()
         trial._plans = dict(self._plans)
+        trial._memo = dict(self._memo)  # the trial's versions diverge from ours
         return trial.place_many(requests)
 
     def place_many(self, requests: Sequence[EngineRequest]) -> tuple[PlacementDecision, ...]:

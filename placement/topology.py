@@ -203,7 +203,7 @@ class ClusterLedger:
     """Which GPUs and CPUs of a `ClusterTopology` each engine holds.
 
     Nodes and domains are also addressed by ordinal (their position in
-    `node_ids` / `domain_ids`) so that planners can scan indexes without building
+    `topology.nodes` / `domain_ids`) so that planners can scan indexes without building
     objects. Queries never mutate; only `claim` and `release` do.
     """
 
@@ -213,6 +213,7 @@ class ClusterLedger:
         "_domain_index",
         "_domain_max_gpus",
         "_domain_nodes",
+        "_domain_version",
         "_engines",
         "_free_gpus",
         "_free_mcpus",
@@ -244,13 +245,12 @@ class ClusterLedger:
         ]
         for ordinal, node in enumerate(topology.nodes):
             self._bucket[self._node_domain[ordinal]][node.num_gpus].add(ordinal)
+        # Bumped whenever anything on one of the domain's nodes changes; lets a
+        # planner reuse what it worked out for a domain that has not changed since.
+        self._domain_version = [0 for _ in domain_ids]
         self._engines: dict[str, tuple[Grant, ...]] = {}
 
     # -- queries (side-effect free) -------------------------------------------------
-
-    @property
-    def node_ids(self) -> tuple[str, ...]:
-        return tuple(node.node_id for node in self.topology.nodes)
 
     @property
     def domain_ids(self) -> tuple[str, ...]:
@@ -259,9 +259,6 @@ class ClusterLedger:
     @property
     def engine_ids(self) -> tuple[str, ...]:
         return tuple(self._engines)
-
-    def node_ordinal(self, node_id: str) -> int:
-        return self._node_index[node_id]
 
     def node_spec(self, ordinal: int) -> NodeSpec:
         return self.topology.nodes[ordinal]
@@ -279,6 +276,10 @@ class ClusterLedger:
     def free_gpus_by_domain(self) -> Sequence[int]:
         """Free GPUs of every domain, by domain ordinal (a live read-only view)."""
         return self._domain_free
+
+    def domain_version(self, domain: int) -> int:
+        """Changes whenever a claim or release touches the domain."""
+        return self._domain_version[domain]
 
     def domain_max_gpus_per_node(self, domain: int) -> int:
         return self._domain_max_gpus[domain]
@@ -314,6 +315,27 @@ class ClusterLedger:
             raise UnknownEngine(f"engine {engine_id!r} holds no GPUs in this ledger")
         return self._engines[engine_id]
 
+    def domain_states(self) -> tuple[DomainState, ...]:
+        """Every domain's free capacity, without a per-node copy (cheap)."""
+        states = []
+        for d, domain_id in enumerate(self._domain_index):
+            ordinals = self._domain_nodes[d]
+            free = [len(self._free_gpus[n]) for n in ordinals]
+            specs = [self.topology.nodes[n] for n in ordinals]
+            states.append(
+                DomainState(
+                    domain_id=domain_id,
+                    node_ids=tuple(spec.node_id for spec in specs),
+                    num_gpus=sum(spec.num_gpus for spec in specs),
+                    num_free_gpus=self._domain_free[d],
+                    largest_free_node_gpus=max(free),
+                    num_whole_free_nodes=sum(
+                        0 < f == spec.num_gpus for f, spec in zip(free, specs, strict=True)
+                    ),
+                )
+            )
+        return tuple(states)
+
     def snapshot(self) -> ClusterSnapshot:
         nodes = tuple(
             NodeState(
@@ -326,18 +348,7 @@ class ClusterLedger:
             )
             for i, spec in enumerate(self.topology.nodes)
         )
-        domains = tuple(
-            DomainState(
-                domain_id=domain_id,
-                node_ids=tuple(nodes[n].node_id for n in self._domain_nodes[d]),
-                num_gpus=sum(nodes[n].num_gpus for n in self._domain_nodes[d]),
-                num_free_gpus=self._domain_free[d],
-                largest_free_node_gpus=max(nodes[n].num_free_gpus for n in self._domain_nodes[d]),
-                num_whole_free_nodes=sum(nodes[n].is_whole_free for n in self._domain_nodes[d]),
-            )
-            for d, domain_id in enumerate(self._domain_index)
-        )
-        return ClusterSnapshot(nodes=nodes, domains=domains)
+        return ClusterSnapshot(nodes=nodes, domains=self.domain_states())
 
     def copy(self) -> ClusterLedger:
         """An independent ledger in the same state, for trying decisions out."""
@@ -351,6 +362,7 @@ class ClusterLedger:
         other._free_gpus = [list(free) for free in self._free_gpus]
         other._free_mcpus = list(self._free_mcpus)
         other._domain_free = list(self._domain_free)
+        other._domain_version = list(self._domain_version)
         other._bucket = [[set(b) for b in buckets] for buckets in self._bucket]
         other._engines = dict(self._engines)
         return other
@@ -385,6 +397,7 @@ class ClusterLedger:
             taken, self._free_gpus[ordinal] = free[: claim.num_gpus], free[claim.num_gpus :]
             self._free_mcpus[ordinal] -= _to_milli(claim.num_cpus)
             self._move(ordinal, len(free), len(free) - claim.num_gpus)
+            self._domain_version[self._node_domain[ordinal]] += 1
             grants.append(
                 Grant(node_id=claim.node_id, gpu_indices=tuple(taken), num_cpus=claim.num_cpus)
             )
@@ -401,6 +414,7 @@ class ClusterLedger:
             self._free_gpus[ordinal] = sorted(self._free_gpus[ordinal] + list(grant.gpu_indices))
             self._free_mcpus[ordinal] += _to_milli(grant.num_cpus)
             self._move(ordinal, before, before + len(grant.gpu_indices))
+            self._domain_version[self._node_domain[ordinal]] += 1
         return grants
 
     def _move(self, ordinal: int, old_free: int, new_free: int) -> None:

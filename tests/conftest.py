@@ -68,14 +68,10 @@ def kvtide_app(short_tmp: Path) -> Iterator[RunningApp]:
     from engines.tiny_model import generate_tiny_model
 
     generate_tiny_model(config.model.resolved_path())
-    runtime.start_ray(config)
-    try:
-        runtime.deploy(config)
+    with runtime.running(config) as base_url:
         yield RunningApp(
-            base_url=f"http://127.0.0.1:{port}",
+            base_url=base_url,
             model=config.model.name,
             model_path=config.model.resolved_path(),
             config=config,
         )
-    finally:
-        runtime.shutdown()

@@ -260,6 +260,19 @@ def test_release_makes_the_gpus_available_again() -> None:
         planner.release("big-1")
 
 
+def test_a_plan_sees_every_change_to_the_ledger_since_the_last_one() -> None:
+    planner = PlacementPlanner(TOPOLOGY)
+    # Asked twice, the planner gives the same answer: trays 0-3 of rack a.
+    assert layout(placed(planner.plan(request("dec-big", 16)))) == whole_trays("a", 0, 1, 2, 3)
+    assert layout(placed(planner.plan(request("dec-big", 16)))) == whole_trays("a", 0, 1, 2, 3)
+
+    # Tray 0 is taken outside the planner (say, for maintenance). The next answer
+    # moves one tray along instead of reusing what it worked out before.
+    occupy(planner, [NodeClaim(node_id=tray("a", 0), num_gpus=4, num_cpus=4)])
+    plan = placed(planner.place(request("dec-big", 16)))
+    assert layout(plan) == whole_trays("a", 1, 2, 3, 4)
+
+
 def test_several_engines_at_once_go_largest_first() -> None:
     planner = PlacementPlanner(TOPOLOGY)
     batch = [

