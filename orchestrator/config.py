@@ -102,6 +102,13 @@ class KVSection(_Edge):
     pull_timeout_s: float = Field(
         30.0, gt=0, description="Bound on a prefill that pulls KV; past it kvtide recomputes."
     )
+    idle_budget_mib_per_engine: float | None = Field(
+        None,
+        gt=0,
+        description="Most KV (MiB) idle sessions may keep on one decode engine; "
+        "past it the idle sessions nearest expiry are drained back to prefill. Empty: no bound "
+        "(blocks still expire at the TTL).",
+    )
 
     @model_validator(mode="after")
     def _margin_below_ttl(self) -> KVSection:
@@ -177,6 +184,7 @@ class KVConfig:
     kv_load_failure_policy: Literal["fail", "recompute"]
     safety_margin_s: float
     pull_timeout_s: float
+    idle_budget_mib_per_engine: float | None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from policies.kv_lifecycle import KVLifecycle, KVLifecycleConfig, TurnAction
+from policies.kv_lifecycle import Effect, KVLifecycle, KVLifecycleConfig, TurnAction
 
-__all__ = ["KVPlanner", "TurnPlan", "kv_lifecycle_config"]
+__all__ = ["KVPlanner", "TurnPlan", "kv_lifecycle_config", "Effect"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,9 +80,10 @@ class KVPlanner:
             )
         return TurnPlan(kind="recompute", reason=str(decision.reason))
 
-    def pull_failed(self, session_id: str | None, now_s: float) -> None:
-        if session_id is not None:
-            self.lifecycle.on_pull_result(session_id, ok=False, now_s=now_s)
+    def pull_failed(self, session_id: str | None, now_s: float) -> list[Effect]:
+        if session_id is None:
+            return []
+        return self.lifecycle.on_pull_result(session_id, ok=False, now_s=now_s)
 
     def turn_finished(
         self,
@@ -90,18 +91,17 @@ class KVPlanner:
         token_ids: Sequence[int],
         kv_transfer_params: Mapping[str, Any] | None,
         now_s: float,
-    ) -> None:
+    ) -> list[Effect]:
         """Record the blocks the decode engine kept (its final ``kv_transfer_params``)."""
         if session_id is None:
-            return
+            return []
         params = kv_transfer_params or {}
         num_tokens = int(params.get("remote_num_tokens") or 0)
         engine_id = str(params.get("remote_engine_id") or "")
         if not params.get("do_remote_decode") or num_tokens <= 0 or not engine_id:
             # The engine kept nothing to send back (send-back off, or an aborted turn).
-            self.lifecycle.on_turn_abandoned(session_id, now_s=now_s)
-            return
-        self.lifecycle.on_turn_finished(
+            return self.lifecycle.on_turn_abandoned(session_id, now_s=now_s)
+        return self.lifecycle.on_turn_finished(
             session_id,
             engine_id=engine_id,
             token_ids_covered=token_ids[:num_tokens],
@@ -113,16 +113,17 @@ class KVPlanner:
             now_s=now_s,
         )
 
-    def abandon(self, session_id: str | None, now_s: float) -> None:
-        if session_id is not None:
-            self.lifecycle.on_turn_abandoned(session_id, now_s=now_s)
+    def abandon(self, session_id: str | None, now_s: float) -> list[Effect]:
+        if session_id is None:
+            return []
+        return self.lifecycle.on_turn_abandoned(session_id, now_s=now_s)
 
-    def tick(self, now_s: float) -> int:
-        """Expire and evict what is due; returns how many records were dropped."""
-        return len(self.lifecycle.on_tick(now_s))
+    def tick(self, now_s: float) -> list[Effect]:
+        """Expire and evict what is due."""
+        return self.lifecycle.on_tick(now_s)
 
-    def close(self, session_id: str, now_s: float) -> None:
-        self.lifecycle.close(session_id, now_s)
+    def close(self, session_id: str, now_s: float) -> list[Effect]:
+        return self.lifecycle.close(session_id, now_s)
 
     def stats(self) -> dict[str, Any]:
         s = self.lifecycle.stats()

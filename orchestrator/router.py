@@ -11,6 +11,14 @@
    engine pulls the prompt's KV over NIXL);
 4. hand the decode engine's final params (its kept blocks) back to the planner.
 
+Draining. vLLM 0.32's decode engine pins every P/D request's blocks until its TTL
+(``decoder_kv_blocks_ttl``) unless a prefill engine reads them; only a completed read
+frees them early. So the router *drains* blocks nobody will reuse — a request without a
+session, a session closed or evicted by the memory budget — with a ``max_tokens=1``
+pull into the prefill engine (where the KV lands in its evictable prefix cache). A drain
+needs the exact tokens the blocks hold (checked against the record's prefix hash): KV
+pulled under the wrong tokens would poison the prefill engine's prefix cache.
+
 Pools are reached through ``PoolClient`` so this module has no Ray in it and is tested
 with hand-written fakes; ``orchestrator.serve`` passes Serve deployment handles.
 """
@@ -18,15 +26,17 @@ with hand-written fakes; ``orchestrator.serve`` passes Serve deployment handles.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engines.base import GenerateChunk, GenerateRequest
 from orchestrator.errors import EngineUnavailable
-from orchestrator.kv_planner import KVPlanner, TurnPlan
+from orchestrator.kv_planner import Effect, KVPlanner, TurnPlan
+from policies.kv_lifecycle import prefix_hash
 
 __all__ = ["KV_SOURCES", "PoolClient", "Router", "TurnReport"]
 
@@ -99,12 +109,63 @@ class Router:
         planner: KVPlanner,
         pull_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        tokens_of: Callable[[str], Sequence[int] | None] = lambda _: None,
     ) -> None:
         self.prefill = prefill
         self.decode = decode
         self.planner = planner
         self.pull_timeout_s = pull_timeout_s
         self.clock = clock
+        self.tokens_of = tokens_of  # a session's exact token ids, for draining
+        self._drains: set[asyncio.Task[None]] = set()
+        self.num_drains = 0
+        self.num_drain_failures = 0
+        self.num_undrainable = 0
+
+    # ---- draining -------------------------------------------------------------------
+
+    def apply(self, effects: Sequence[Effect]) -> None:
+        """Apply the planner's effects: drain records nobody will reuse, when possible."""
+        for effect in effects:
+            if not effect.drainable:
+                continue  # expiring anyway: the engine frees the blocks at its TTL
+            record = effect.record
+            ids = self.tokens_of(record.session_id)
+            if (
+                ids is None
+                or len(ids) <= record.num_tokens
+                or prefix_hash(ids, record.num_tokens) != record.prefix_hash
+            ):
+                self.num_undrainable += 1
+                continue
+            self.drain(dict(record.transfer_params), ids[: record.num_tokens + 1])
+
+    def drain(self, params: dict[str, Any], token_ids: Sequence[int]) -> None:
+        """Free a decode engine's kept blocks by reading them into a prefill engine."""
+        if not params.get("do_remote_decode") or not params.get("remote_block_ids"):
+            return
+        task = asyncio.get_running_loop().create_task(self._drain(params, list(token_ids)))
+        self._drains.add(task)
+        task.add_done_callback(self._drains.discard)
+
+    async def _drain(self, params: dict[str, Any], token_ids: list[int]) -> None:
+        req = GenerateRequest(
+            request_id=f"drain-{uuid.uuid4().hex}",
+            prompt_token_ids=token_ids,
+            max_tokens=1,
+            kv_transfer_params={**params, "do_remote_decode": True, "do_remote_prefill": False},
+        )
+        try:
+            await self._prefill(req, self.pull_timeout_s)
+            self.num_drains += 1
+        except Exception as exc:  # noqa: BLE001 - the blocks still expire at the TTL
+            self.num_drain_failures += 1
+            log.warning("drain of %s failed: %s", params.get("remote_request_id"), exc)
+
+    async def wait_drains(self) -> None:
+        """Wait for the drains in flight (tests and shutdown)."""
+        while self._drains:
+            await asyncio.gather(*list(self._drains), return_exceptions=True)
 
     async def _prefill(self, req: GenerateRequest, timeout_s: float | None) -> GenerateChunk:
         try:
@@ -162,7 +223,7 @@ class Router:
                 yield item
         finally:
             if not done:  # failed, cancelled or the client went away: no record kept
-                self.planner.abandon(session_id, self.clock())
+                self.apply(self.planner.abandon(session_id, self.clock()))
 
     async def _stream(
         self,
@@ -188,7 +249,7 @@ class Router:
             if plan.kind != "pull":
                 raise
             # The pull hung or failed: forget those blocks and prefill from scratch.
-            self.planner.pull_failed(session_id, self.clock())
+            self.apply(self.planner.pull_failed(session_id, self.clock()))
             report.pull_fallback = True
             pre = await self._prefill(
                 GenerateRequest(
@@ -229,8 +290,12 @@ class Router:
             if chunk.finished:
                 report.finish_reason = chunk.finish_reason
                 report.total_s = now - t0
-                self.planner.turn_finished(
-                    session_id, prompt_token_ids + output_ids, chunk.kv_transfer_params, now
+                covered = prompt_token_ids + output_ids
+                if session_id is None and chunk.kv_transfer_params:
+                    # Nobody will pull these blocks back: free them now, not at the TTL.
+                    self.drain(dict(chunk.kv_transfer_params), covered)
+                self.apply(
+                    self.planner.turn_finished(session_id, covered, chunk.kv_transfer_params, now)
                 )
                 report.router_s += self.clock() - now
             yield chunk, report

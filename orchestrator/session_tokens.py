@@ -17,6 +17,7 @@ first; entries older than ``ttl_s`` are ignored. The clock is passed in.
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ __all__ = ["SessionTokens"]
 @dataclass(frozen=True, slots=True)
 class _Turn:
     text: str
-    token_ids: tuple[int, ...]
+    token_ids: array[int]  # 4 bytes a token: sessions hold long histories
     stored_s: float
 
 
@@ -71,10 +72,15 @@ class SessionTokens:
         """Record what this turn covered: its prompt text + generated text, and ids."""
         if session_id is None:
             return
-        self._turns[session_id] = _Turn(text, tuple(token_ids), now_s)
+        self._turns[session_id] = _Turn(text, array("I", token_ids), now_s)
         self._turns.move_to_end(session_id)
         while len(self._turns) > self.max_sessions:
             self._turns.popitem(last=False)
+
+    def token_ids(self, session_id: str) -> Sequence[int] | None:
+        """The exact token ids the session's last turn covered, if remembered."""
+        turn = self._turns.get(session_id)
+        return turn.token_ids if turn is not None else None
 
     def forget(self, session_id: str) -> None:
         self._turns.pop(session_id, None)

@@ -63,6 +63,12 @@ def kvtide_app(short_tmp: Path) -> Iterator[RunningApp]:
             "server": {"port": port},
             "ray": {"temp_dir": str(short_tmp / "ray"), "num_cpus": 8},
             "model": {"path": str(short_tmp / "tiny")},
+            # Short enough for a test to outlive; the budget fits ~32 idle sessions.
+            "kv": {
+                "decoder_kv_blocks_ttl_s": 40,
+                "safety_margin_s": 8,
+                "idle_budget_mib_per_engine": 32,
+            },
         }
     )
     from engines.tiny_model import generate_tiny_model

@@ -109,21 +109,27 @@ class Ingress:
                 recompute_threshold_tokens=kv.kv_recompute_threshold_tokens,
                 kv_bytes_per_token=kv_bytes_per_token_of(self.model_path, config.model.dtype),
                 block_size_tokens=info.block_size,
+                idle_budget_bytes_per_engine=(
+                    None
+                    if kv.idle_budget_mib_per_engine is None
+                    else int(kv.idle_budget_mib_per_engine * 2**20)
+                ),
             )
         )
+        self.session_tokens = SessionTokens(ttl_s=kv.decoder_kv_blocks_ttl_s)
         self.router = Router(
             prefill=HandlePool(prefill),
             decode=HandlePool(decode),
             planner=self.planner,
             pull_timeout_s=kv.pull_timeout_s,
+            tokens_of=self.session_tokens.token_ids,
         )
-        self.session_tokens = SessionTokens(ttl_s=kv.decoder_kv_blocks_ttl_s)
         self._ticker = asyncio.get_running_loop().create_task(self._tick_forever())
 
     async def _tick_forever(self) -> None:
         while True:
             await asyncio.sleep(1.0)
-            self.planner.tick(time.monotonic())
+            self.router.apply(self.planner.tick(time.monotonic()))
 
     # ---- routes ----------------------------------------------------------------------
 
@@ -160,10 +166,29 @@ class Ingress:
         )
         import msgspec
 
+        router = self.router
         return {
-            "kv": self.planner.stats(),
+            "kv": {
+                **self.planner.stats(),
+                "bytes_held": {e: self.planner.lifecycle.bytes_held(e) for e in self._engines()},
+                "num_drains": router.num_drains,
+                "num_drain_failures": router.num_drain_failures,
+                "num_undrainable": router.num_undrainable,
+            },
             "engines": {"prefill": msgspec.to_builtins(pre), "decode": msgspec.to_builtins(dec)},
         }
+
+    def _engines(self) -> list[str]:
+        return sorted({r.engine_id for r in self.planner.lifecycle.records()})
+
+    @fastapi_app.delete("/kvtide/sessions/{session_id}")
+    async def close_session(self, session_id: str) -> dict[str, Any]:
+        """End a session: its kept KV is drained back to prefill (freed on decode now)."""
+        sid = api.parse_session_id(session_id)
+        assert sid is not None
+        self.router.apply(self.planner.close(sid, time.monotonic()))
+        self.session_tokens.forget(sid)
+        return {"id": sid, "object": "session.deleted", "deleted": True}
 
     @fastapi_app.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Any:

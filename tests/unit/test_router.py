@@ -196,3 +196,60 @@ def test_prefill_without_params_is_an_engine_error() -> None:
     router = make_router(FakePool(no_params), FakePool(decode_script))
     with pytest.raises(EngineUnavailable, match="kv_transfer_config"):
         asyncio.run(turn(router, [1, 2, 3], None))
+
+
+def test_blocks_nobody_will_pull_are_drained_back_to_prefill() -> None:
+    prefill, decode = FakePool(prefill_script()), FakePool(decode_script)
+    router = make_router(prefill, decode)
+
+    async def run() -> None:
+        # A request without a session: decode kept its blocks, nobody will ask for them.
+        await turn(router, list(range(100)), None)
+        await router.wait_drains()
+
+    asyncio.run(run())
+    drain = prefill.requests[-1]
+    assert drain.request_id.startswith("drain-") and drain.max_tokens == 1
+    assert drain.kv_transfer_params is not None
+    assert drain.kv_transfer_params["remote_block_ids"] == [[5, 6, 7]]
+    assert drain.kv_transfer_params["do_remote_prefill"] is False
+    # The drain reads exactly the tokens the blocks hold: prompt + output.
+    assert drain.prompt_token_ids == [*range(100), 11, 12, 13]
+    assert router.num_drains == 1
+
+
+def test_closing_a_session_drains_its_record_only_with_matching_tokens() -> None:
+    prefill, decode = FakePool(prefill_script()), FakePool(decode_script)
+    history: dict[str, list[int]] = {}
+    planner = KVPlanner(
+        kv_lifecycle_config(
+            ttl_s=480,
+            safety_margin_s=15,
+            recompute_threshold_tokens=4,
+            kv_bytes_per_token=100,
+            block_size_tokens=16,
+        )
+    )
+    router = Router(
+        prefill=prefill,
+        decode=decode,
+        planner=planner,
+        pull_timeout_s=5,
+        clock=FakeClock(),
+        tokens_of=history.get,
+    )
+
+    async def run() -> None:
+        await turn(router, list(range(100)), "a")
+        await turn(router, list(range(100)), "b")
+        history["a"] = [*range(100), 11, 12, 13]  # what the session's turn covered
+        history["b"] = [*range(1, 101), 11, 12, 13]  # not what b's blocks hold
+        router.apply(planner.close("a", 2000.0))
+        router.apply(planner.close("b", 2000.0))
+        await router.wait_drains()
+
+    asyncio.run(run())
+    drains = [r for r in prefill.requests if r.request_id.startswith("drain-")]
+    # The record covers 102 tokens (prompt + two outputs); the drain sends one more.
+    assert [d.prompt_token_ids for d in drains] == [[*range(100), 11, 12, 13]]
+    assert (router.num_drains, router.num_undrainable) == (1, 1)

@@ -1,0 +1,331 @@
+"""Replay a multi-turn workload through the KV lifecycle policy on a virtual clock.
+
+`simulate(trace, config)` drives one `KVLifecycle` exactly as the orchestrator does:
+``on_turn_start`` when a turn's prefill begins, ``on_turn_finished`` when its decode
+ends (with the tokens the decode engine's blocks cover), ``on_tick`` every ``tick_s``.
+The clock is the simulation's own: nothing reads the wall clock or sleeps, so a run is
+a pure function of the trace and the config.
+
+What it models, per turn of a session:
+
+- the prompt is the conversation so far (synthetic token ids, unique per session, so
+  prefix hashes extend turn over turn) plus the turn's new tokens; a turn that
+  rewrites history replaces every id after the first prompt with fresh ones;
+- the prefill takes ``prompt / prefill_tokens_per_s``, or, when the policy says pull,
+  the policy's transfer estimate plus the tokens after the record at the same rate;
+- the decode takes ``output_tokens / decode_tokens_per_s`` on the session's decode
+  engine (sessions are spread round-robin over ``num_decode_engines``, and stay);
+- the decode engine keeps KV for prompt + output minus the last token (its KV is
+  computed when it is fed back), expiring ``ttl_s`` after the turn ends.
+
+Memory is measured two ways, per engine, summed over its GPUs:
+
+- *held*: what the policy books (``bytes_held``): records it may still offer, and
+  records a pull is reading. The idle budget bounds the idle part of it;
+- *pinned*: what the engine itself keeps under vLLM 0.32's rules: every finished
+  turn's blocks until a read of them completes or ``expiry_s``, whether or not the
+  policy still books them (superseded, evicted or released records are not drained).
+
+Neither counts the KV of sequences being decoded. TTFT saved is, summed over pulls,
+the policy's recompute estimate minus its transfer estimate.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from policies.kv_lifecycle import KVLifecycle, KVLifecycleConfig, RecomputeReason, TurnAction
+from policies.kv_workload import TraceTurn
+
+__all__ = ["SimConfig", "SimResult", "simulate"]
+
+_FINISH, _ARRIVE = 0, 1  # at equal times a turn finishes before the next one starts
+_ID_SPACE = 1 << 40  # token ids of session i lie in [i * 2**40, (i + 1) * 2**40)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimConfig:
+    """The policy under test and the cluster it runs on.
+
+    The policy config carries the cost inputs (``prefill_tokens_per_s``,
+    ``link_bandwidth_gbps``, ``kv_bytes_per_token`` per engine, ...): the simulator
+    prices turns with the same figures the policy decides with.
+    """
+
+    policy: KVLifecycleConfig = field(default_factory=KVLifecycleConfig)
+    num_decode_engines: int = 4
+    decode_tokens_per_s: float = 40.0
+    """Decode speed per user: how long a turn's output takes."""
+    tick_s: float = 1.0
+    """How often ``on_tick`` runs (the orchestrator ticks about once a second)."""
+    measure_window_s: tuple[float, float] | None = None
+    """Time span the mean memory is taken over; None: the whole run. Leave out the
+    warm-up (memory grows for about a TTL) and the drain after the last arrival."""
+
+    def __post_init__(self) -> None:
+        if self.num_decode_engines < 1:
+            raise ValueError(f"SimConfig.num_decode_engines={self.num_decode_engines}: use >= 1")
+        if not (self.decode_tokens_per_s > 0 and self.tick_s > 0):
+            raise ValueError("SimConfig: decode_tokens_per_s and tick_s must be > 0")
+        window = self.measure_window_s
+        if window is not None and not 0 <= window[0] < window[1]:
+            raise ValueError(f"SimConfig.measure_window_s={window}: use (start, end), start < end")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimResult:
+    """What one replay measured. Bytes are per decode engine, summed over its GPUs."""
+
+    num_sessions: int
+    num_turns: int
+    num_pulls: int
+    recomputes_by_reason: tuple[tuple[RecomputeReason, int], ...]
+    """Every reason with its count, in `RecomputeReason` order."""
+    num_expiries: int
+    num_evictions: int
+    num_releases: int
+    mean_held_bytes_per_engine: float
+    """Time-weighted mean over the measure window and the engines."""
+    peak_held_bytes_per_engine: int
+    """Largest ``bytes_held`` of any engine at any moment."""
+    peak_idle_bytes_per_engine: int
+    """Largest ``idle_bytes`` of any engine after any call: never above the budget."""
+    mean_pinned_bytes_per_engine: float
+    peak_pinned_bytes_per_engine: int
+    recompute_s_avoided: float
+    """Prefill seconds the pulled prefixes would have cost to recompute."""
+    transfer_s: float
+    """Seconds the pulls took (estimated transfer time, setup included)."""
+    end_s: float
+    """When the last turn finished."""
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of turns that pulled their prefix back (first turns included)."""
+        return self.num_pulls / self.num_turns if self.num_turns else 0.0
+
+    @property
+    def ttft_saved_s(self) -> float:
+        return self.recompute_s_avoided - self.transfer_s
+
+    @property
+    def ttft_saved_per_turn_s(self) -> float:
+        return self.ttft_saved_s / self.num_turns if self.num_turns else 0.0
+
+    def num_recomputes_for(self, reason: RecomputeReason) -> int:
+        return dict(self.recomputes_by_reason)[reason]
+
+
+def simulate(trace: Sequence[TraceTurn], config: SimConfig) -> SimResult:
+    """Replay ``trace`` (ordered by ``t_s``, as ``trace_from_jsonl`` returns it)."""
+    return _Replay(trace, config).run()
+
+
+@dataclass(slots=True)
+class _Session:
+    session_id: str
+    engine_id: str
+    first_id: int
+    turns_left: int
+    tokens: list[int] = field(default_factory=list)
+    next_id: int = 0
+    first_prompt_tokens: int = 0
+    busy: bool = False
+    waiting: deque[TraceTurn] = field(default_factory=deque)
+
+    def fresh_ids(self, num_tokens: int) -> range:
+        start = self.first_id + self.next_id
+        self.next_id += num_tokens
+        return range(start, start + num_tokens)
+
+
+class _Replay:
+    """One run: the policy, the sessions, the event heap and the meters."""
+
+    def __init__(self, trace: Sequence[TraceTurn], config: SimConfig) -> None:
+        self._config = config
+        self._policy = config.policy
+        self._kv = KVLifecycle(config.policy)
+        self._trace = trace
+        self._engines = [f"decode-{i}" for i in range(config.num_decode_engines)]
+        self._sessions: dict[str, _Session] = {}
+        for turn in trace:
+            session = self._sessions.get(turn.session_id)
+            if session is None:
+                index = len(self._sessions)
+                session = _Session(
+                    session_id=turn.session_id,
+                    engine_id=self._engines[index % len(self._engines)],
+                    first_id=index * _ID_SPACE,
+                    turns_left=0,
+                )
+                self._sessions[turn.session_id] = session
+            session.turns_left += 1
+        self._events: list[tuple[float, int, int, str, int]] = []  # (t, kind, seq, id, payload)
+        self._seq = 0
+        self._next_block = dict.fromkeys(self._engines, 0)
+        # Pinned blocks: engine -> bytes; (engine, first block) -> bytes; expiry heap.
+        self._pinned = dict.fromkeys(self._engines, 0)
+        self._pinned_records: dict[tuple[str, int], int] = {}
+        self._pin_expiries: list[tuple[float, str, int]] = []
+        window = config.measure_window_s
+        self._window = window if window is not None else (0.0, math.inf)
+        self._last_s = 0.0
+        self._held_total = self._pinned_total = 0
+        self._held_area = self._pinned_area = 0.0
+        self._peak_held = self._peak_idle = self._peak_pinned = 0
+        self._recompute_s_avoided = self._transfer_s = 0.0
+
+    def run(self) -> SimResult:
+        for index, turn in enumerate(self._trace):
+            self._push(turn.t_s, _ARRIVE, turn.session_id, index)
+        tick_s = self._config.tick_s
+        next_tick = 0.0
+        now = 0.0
+        while self._events:
+            now, kind, _, session_id, payload = heapq.heappop(self._events)
+            if not self._pin_expiries and self._kv.num_sessions() == 0:
+                next_tick = max(next_tick, math.floor(now / tick_s) * tick_s)  # nothing due
+            while next_tick <= now:
+                self._tick(next_tick)
+                next_tick += tick_s
+            session = self._sessions[session_id]
+            if kind == _ARRIVE:
+                session.waiting.append(self._trace[payload])
+                if not session.busy:
+                    self._start(session, now)
+            else:
+                self._finish(session, payload, now)
+                if session.waiting:
+                    self._start(session, now)
+        self._observe(now)
+        return self._result(now)
+
+    # -- turns ------------------------------------------------------------------------
+
+    def _start(self, session: _Session, now: float) -> None:
+        turn = session.waiting.popleft()
+        session.busy = True
+        tokens = session.tokens
+        if turn.rewrite_history and session.first_prompt_tokens:
+            kept = session.first_prompt_tokens
+            tokens[kept:] = session.fresh_ids(len(tokens) - kept)
+        tokens.extend(session.fresh_ids(turn.new_prompt_tokens))
+        if not session.first_prompt_tokens:
+            session.first_prompt_tokens = len(tokens)
+        decision = self._kv.on_turn_start(session.session_id, tokens, now)
+        rate = self._policy.prefill_tokens_per_s
+        prefill_s = len(tokens) / rate
+        if decision.action is TurnAction.PULL_FROM_DECODE:
+            record = decision.record
+            assert record is not None
+            transfer_s = decision.estimated_transfer_s
+            self._recompute_s_avoided += decision.estimated_recompute_s
+            self._transfer_s += transfer_s
+            prefill_s = transfer_s + (len(tokens) - decision.num_reusable_tokens) / rate
+            # The read completes during the prefill, and the engine frees the blocks.
+            self._unpin(record.engine_id, record.block_ids[0])
+        self._observe(now)
+        decode_s = turn.output_tokens / self._config.decode_tokens_per_s
+        self._push(now + prefill_s + decode_s, _FINISH, session.session_id, turn.output_tokens)
+
+    def _finish(self, session: _Session, output_tokens: int, now: float) -> None:
+        tokens = session.tokens
+        tokens.extend(session.fresh_ids(output_tokens))
+        covered = len(tokens) - 1  # the last output token's KV is computed next turn
+        engine_id = session.engine_id
+        num_blocks = -(-covered // self._policy.block_size_tokens)
+        first_block = self._next_block[engine_id]
+        self._next_block[engine_id] = first_block + num_blocks
+        expiry_s = now + self._policy.ttl_s
+        self._kv.on_turn_finished(
+            session.session_id,
+            engine_id=engine_id,
+            token_ids_covered=tokens[:covered],
+            block_ids=range(first_block, first_block + num_blocks),
+            transfer_params={"remote_engine_id": engine_id, "remote_num_tokens": covered},
+            expiry_s=expiry_s,
+            now_s=now,
+        )
+        self._pin(engine_id, first_block, self._bytes(covered), expiry_s)
+        session.busy = False
+        session.turns_left -= 1
+        if session.turns_left == 0:
+            session.tokens = []  # nothing will read them again
+        self._observe(now)
+
+    def _tick(self, now: float) -> None:
+        self._kv.on_tick(now)
+        while self._pin_expiries and self._pin_expiries[0][0] <= now:
+            _, engine_id, first_block = heapq.heappop(self._pin_expiries)
+            self._unpin(engine_id, first_block)
+        self._observe(now)
+
+    # -- bookkeeping ------------------------------------------------------------------
+
+    def _push(self, at_s: float, kind: int, session_id: str, payload: int) -> None:
+        """Queue an event; ``payload``: the trace index (arrival), output tokens (finish)."""
+        self._seq += 1
+        heapq.heappush(self._events, (at_s, kind, self._seq, session_id, payload))
+
+    def _bytes(self, num_tokens: int) -> int:
+        policy = self._policy
+        blocks = -(-num_tokens // policy.block_size_tokens)
+        return (
+            blocks * policy.block_size_tokens * policy.kv_bytes_per_token
+            + policy.linear_state_bytes_per_sequence
+        )
+
+    def _pin(self, engine_id: str, first_block: int, num_bytes: int, expiry_s: float) -> None:
+        self._pinned_records[engine_id, first_block] = num_bytes
+        self._pinned[engine_id] += num_bytes
+        heapq.heappush(self._pin_expiries, (expiry_s, engine_id, first_block))
+
+    def _unpin(self, engine_id: str, first_block: int) -> None:
+        num_bytes = self._pinned_records.pop((engine_id, first_block), 0)
+        self._pinned[engine_id] -= num_bytes
+
+    def _observe(self, now: float) -> None:
+        """Integrate memory up to ``now`` and take the values after the last call."""
+        start, end = self._window
+        span = max(0.0, min(now, end) - max(self._last_s, start))
+        self._held_area += self._held_total * span
+        self._pinned_area += self._pinned_total * span
+        self._last_s = now
+        kv = self._kv
+        held_total = pinned_total = 0
+        for engine_id in self._engines:
+            held = kv.bytes_held(engine_id)
+            pinned = self._pinned[engine_id]
+            held_total += held
+            pinned_total += pinned
+            self._peak_held = max(self._peak_held, held)
+            self._peak_pinned = max(self._peak_pinned, pinned)
+            self._peak_idle = max(self._peak_idle, kv.idle_bytes(engine_id))
+        self._held_total, self._pinned_total = held_total, pinned_total
+
+    def _result(self, end_s: float) -> SimResult:
+        start, end = self._window
+        span = (min(end, end_s) - start) * len(self._engines)
+        stats = self._kv.stats()
+        return SimResult(
+            num_sessions=len(self._sessions),
+            num_turns=len(self._trace),
+            num_pulls=stats.num_pulls,
+            recomputes_by_reason=stats.recomputes_by_reason,
+            num_expiries=stats.num_expiries,
+            num_evictions=stats.num_evictions,
+            num_releases=stats.num_releases,
+            mean_held_bytes_per_engine=self._held_area / span if span > 0 else 0.0,
+            peak_held_bytes_per_engine=self._peak_held,
+            peak_idle_bytes_per_engine=self._peak_idle,
+            mean_pinned_bytes_per_engine=self._pinned_area / span if span > 0 else 0.0,
+            peak_pinned_bytes_per_engine=self._peak_pinned,
+            recompute_s_avoided=self._recompute_s_avoided,
+            transfer_s=self._transfer_s,
+            end_s=end_s,
+        )
