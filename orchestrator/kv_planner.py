@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from policies.kv_lifecycle import Effect, KVLifecycle, KVLifecycleConfig, TurnAction
 
-__all__ = ["KVPlanner", "TurnPlan", "kv_lifecycle_config", "Effect"]
+__all__ = ["Effect", "KVPlanner", "TurnPlan", "kv_lifecycle_config"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

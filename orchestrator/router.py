@@ -40,6 +40,8 @@ from policies.kv_lifecycle import prefix_hash
 
 __all__ = ["KV_SOURCES", "PoolClient", "Router", "TurnReport"]
 
+log = logging.getLogger("kvtide.router")
+
 # Where a turn's prompt KV came from, as reported to clients.
 KV_SOURCES = {
     "sent_back": "pulled back from the decode engine (previous turn)",
@@ -158,7 +160,7 @@ class Router:
         try:
             await self._prefill(req, self.pull_timeout_s)
             self.num_drains += 1
-        except Exception as exc:  # noqa: BLE001 - the blocks still expire at the TTL
+        except Exception as exc:
             self.num_drain_failures += 1
             log.warning("drain of %s failed: %s", params.get("remote_request_id"), exc)
 
