@@ -27,7 +27,7 @@ __all__ = ["SessionTokens"]
 
 @dataclass(frozen=True, slots=True)
 class _Turn:
-    text: str
+    text: str | None  # None: the turn was sent as token ids (nothing to continue as text)
     token_ids: array[int]  # 4 bytes a token: sessions hold long histories
     stored_s: float
 
@@ -59,6 +59,7 @@ class SessionTokens:
         turn = self._turns.get(session_id) if session_id is not None else None
         if (
             turn is not None
+            and turn.text is not None
             and now_s - turn.stored_s <= self.ttl_s
             and len(text) > len(turn.text)
             and text.startswith(turn.text)
@@ -67,9 +68,10 @@ class SessionTokens:
         return list(full(text))
 
     def remember(
-        self, session_id: str | None, text: str, token_ids: Sequence[int], now_s: float
+        self, session_id: str | None, text: str | None, token_ids: Sequence[int], now_s: float
     ) -> None:
-        """Record what this turn covered: its prompt text + generated text, and ids."""
+        """Record what this turn covered: its prompt text + generated text (None for a
+        prompt sent as token ids), and ids."""
         if session_id is None:
             return
         self._turns[session_id] = _Turn(text, array("I", token_ids), now_s)

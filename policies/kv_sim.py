@@ -36,7 +36,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from policies.kv_lifecycle import KVLifecycle, KVLifecycleConfig, RecomputeReason, TurnAction
 from policies.kv_workload import TraceTurn
@@ -44,7 +44,6 @@ from policies.kv_workload import TraceTurn
 __all__ = ["SimConfig", "SimResult", "simulate"]
 
 _FINISH, _ARRIVE = 0, 1  # at equal times a turn finishes before the next one starts
-_ID_SPACE = 1 << 40  # token ids of session i lie in [i * 2**40, (i + 1) * 2**40)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +61,12 @@ class SimConfig:
     """Decode speed per user: how long a turn's output takes."""
     tick_s: float = 1.0
     """How often ``on_tick`` runs (the orchestrator ticks about once a second)."""
+    token_unit: int = 1
+    """Tokens per synthetic token id. 1 replays token by token. A larger unit (a
+    divisor of the block size and the threshold) makes the id lists, and so the
+    policy's prefix hashes that dominate the run time, that many times shorter: each
+    prompt addition and output is rounded up to whole units, and the policy is run on
+    `policy_in_units`, which prices and books them as the same tokens and bytes."""
     measure_window_s: tuple[float, float] | None = None
     """Time span the mean memory is taken over; None: the whole run. Leave out the
     warm-up (memory grows for about a TTL) and the drain after the last arrival."""
@@ -71,9 +76,30 @@ class SimConfig:
             raise ValueError(f"SimConfig.num_decode_engines={self.num_decode_engines}: use >= 1")
         if not (self.decode_tokens_per_s > 0 and self.tick_s > 0):
             raise ValueError("SimConfig: decode_tokens_per_s and tick_s must be > 0")
+        unit, policy = self.token_unit, self.policy
+        if unit < 1 or policy.block_size_tokens % unit or policy.recompute_threshold_tokens % unit:
+            raise ValueError(
+                f"SimConfig.token_unit={unit}: use a positive divisor of block_size_tokens "
+                f"({policy.block_size_tokens}) and recompute_threshold_tokens "
+                f"({policy.recompute_threshold_tokens}), or 1"
+            )
         window = self.measure_window_s
         if window is not None and not 0 <= window[0] < window[1]:
             raise ValueError(f"SimConfig.measure_window_s={window}: use (start, end), start < end")
+
+    @property
+    def policy_in_units(self) -> KVLifecycleConfig:
+        """The policy config with token counts and rates in ``token_unit``s."""
+        unit, policy = self.token_unit, self.policy
+        if unit == 1:
+            return policy
+        return replace(
+            policy,
+            kv_bytes_per_token=policy.kv_bytes_per_token * unit,
+            block_size_tokens=policy.block_size_tokens // unit,
+            recompute_threshold_tokens=policy.recompute_threshold_tokens // unit,
+            prefill_tokens_per_s=policy.prefill_tokens_per_s / unit,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -129,16 +155,17 @@ def simulate(trace: Sequence[TraceTurn], config: SimConfig) -> SimResult:
 class _Session:
     session_id: str
     engine_id: str
-    first_id: int
     turns_left: int
     tokens: list[int] = field(default_factory=list)
-    next_id: int = 0
+    next_id: int = 1
     first_prompt_tokens: int = 0
     busy: bool = False
     waiting: deque[TraceTurn] = field(default_factory=deque)
 
     def fresh_ids(self, num_tokens: int) -> range:
-        start = self.first_id + self.next_id
+        # Ids need only be unique within the session: records are matched per session.
+        # Small ids keep the policy's prefix hash fast (one-digit ints pack quicker).
+        start = self.next_id
         self.next_id += num_tokens
         return range(start, start + num_tokens)
 
@@ -148,8 +175,9 @@ class _Replay:
 
     def __init__(self, trace: Sequence[TraceTurn], config: SimConfig) -> None:
         self._config = config
-        self._policy = config.policy
-        self._kv = KVLifecycle(config.policy)
+        self._policy = config.policy_in_units  # all token counts below are in units
+        self._unit = config.token_unit
+        self._kv = KVLifecycle(self._policy)
         self._trace = trace
         self._engines = [f"decode-{i}" for i in range(config.num_decode_engines)]
         self._sessions: dict[str, _Session] = {}
@@ -160,7 +188,6 @@ class _Replay:
                 session = _Session(
                     session_id=turn.session_id,
                     engine_id=self._engines[index % len(self._engines)],
-                    first_id=index * _ID_SPACE,
                     turns_left=0,
                 )
                 self._sessions[turn.session_id] = session
@@ -175,6 +202,7 @@ class _Replay:
         window = config.measure_window_s
         self._window = window if window is not None else (0.0, math.inf)
         self._last_s = 0.0
+        self._held = dict.fromkeys(self._engines, 0)  # kv.bytes_held after the last call
         self._held_total = self._pinned_total = 0
         self._held_area = self._pinned_area = 0.0
         self._peak_held = self._peak_idle = self._peak_pinned = 0
@@ -193,6 +221,7 @@ class _Replay:
             while next_tick <= now:
                 self._tick(next_tick)
                 next_tick += tick_s
+            self._advance(now)
             session = self._sessions[session_id]
             if kind == _ARRIVE:
                 session.waiting.append(self._trace[payload])
@@ -202,7 +231,7 @@ class _Replay:
                 self._finish(session, payload, now)
                 if session.waiting:
                     self._start(session, now)
-        self._observe(now)
+        self._advance(now)
         return self._result(now)
 
     # -- turns ------------------------------------------------------------------------
@@ -214,7 +243,7 @@ class _Replay:
         if turn.rewrite_history and session.first_prompt_tokens:
             kept = session.first_prompt_tokens
             tokens[kept:] = session.fresh_ids(len(tokens) - kept)
-        tokens.extend(session.fresh_ids(turn.new_prompt_tokens))
+        tokens.extend(session.fresh_ids(-(-turn.new_prompt_tokens // self._unit)))
         if not session.first_prompt_tokens:
             session.first_prompt_tokens = len(tokens)
         decision = self._kv.on_turn_start(session.session_id, tokens, now)
@@ -229,13 +258,12 @@ class _Replay:
             prefill_s = transfer_s + (len(tokens) - decision.num_reusable_tokens) / rate
             # The read completes during the prefill, and the engine frees the blocks.
             self._unpin(record.engine_id, record.block_ids[0])
-        self._observe(now)
         decode_s = turn.output_tokens / self._config.decode_tokens_per_s
         self._push(now + prefill_s + decode_s, _FINISH, session.session_id, turn.output_tokens)
 
     def _finish(self, session: _Session, output_tokens: int, now: float) -> None:
         tokens = session.tokens
-        tokens.extend(session.fresh_ids(output_tokens))
+        tokens.extend(session.fresh_ids(-(-output_tokens // self._unit)))
         covered = len(tokens) - 1  # the last output token's KV is computed next turn
         engine_id = session.engine_id
         num_blocks = -(-covered // self._policy.block_size_tokens)
@@ -256,14 +284,16 @@ class _Replay:
         session.turns_left -= 1
         if session.turns_left == 0:
             session.tokens = []  # nothing will read them again
-        self._observe(now)
+        self._refresh(engine_id)  # the only engine whose books this call changed
 
     def _tick(self, now: float) -> None:
-        self._kv.on_tick(now)
+        self._advance(now)
+        if self._kv.on_tick(now):  # effects only ever lower the books
+            for engine_id in self._engines:
+                self._refresh(engine_id)
         while self._pin_expiries and self._pin_expiries[0][0] <= now:
             _, engine_id, first_block = heapq.heappop(self._pin_expiries)
             self._unpin(engine_id, first_block)
-        self._observe(now)
 
     # -- bookkeeping ------------------------------------------------------------------
 
@@ -283,30 +313,36 @@ class _Replay:
     def _pin(self, engine_id: str, first_block: int, num_bytes: int, expiry_s: float) -> None:
         self._pinned_records[engine_id, first_block] = num_bytes
         self._pinned[engine_id] += num_bytes
+        self._pinned_total += num_bytes
+        self._peak_pinned = max(self._peak_pinned, self._pinned[engine_id])
         heapq.heappush(self._pin_expiries, (expiry_s, engine_id, first_block))
 
     def _unpin(self, engine_id: str, first_block: int) -> None:
         num_bytes = self._pinned_records.pop((engine_id, first_block), 0)
         self._pinned[engine_id] -= num_bytes
+        self._pinned_total -= num_bytes
 
-    def _observe(self, now: float) -> None:
-        """Integrate memory up to ``now`` and take the values after the last call."""
+    def _advance(self, now: float) -> None:
+        """Integrate memory over the measure window up to ``now``; call before changes.
+
+        Between calls the books do not change, so the integral is exact. Turn starts
+        change no engine's books (a pull keeps its record booked until it resolves);
+        finishes change only the session's engine; ticks only lower them.
+        """
         start, end = self._window
-        span = max(0.0, min(now, end) - max(self._last_s, start))
-        self._held_area += self._held_total * span
-        self._pinned_area += self._pinned_total * span
+        span = min(now, end) - max(self._last_s, start)
+        if span > 0:
+            self._held_area += self._held_total * span
+            self._pinned_area += self._pinned_total * span
         self._last_s = now
-        kv = self._kv
-        held_total = pinned_total = 0
-        for engine_id in self._engines:
-            held = kv.bytes_held(engine_id)
-            pinned = self._pinned[engine_id]
-            held_total += held
-            pinned_total += pinned
-            self._peak_held = max(self._peak_held, held)
-            self._peak_pinned = max(self._peak_pinned, pinned)
-            self._peak_idle = max(self._peak_idle, kv.idle_bytes(engine_id))
-        self._held_total, self._pinned_total = held_total, pinned_total
+
+    def _refresh(self, engine_id: str) -> None:
+        """Take the engine's books after a call that may have changed them."""
+        held = self._kv.bytes_held(engine_id)
+        self._held_total += held - self._held[engine_id]
+        self._held[engine_id] = held
+        self._peak_held = max(self._peak_held, held)
+        self._peak_idle = max(self._peak_idle, self._kv.idle_bytes(engine_id))
 
     def _result(self, end_s: float) -> SimResult:
         start, end = self._window

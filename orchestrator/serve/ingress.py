@@ -12,6 +12,7 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import time
@@ -125,6 +126,10 @@ class Ingress:
             tokens_of=self.session_tokens.token_ids,
         )
         self._ticker = asyncio.get_running_loop().create_task(self._tick_forever())
+        # Session books live long: keep the collector from rescanning start-up objects
+        # (a full pass over large books stalls the event loop for tenths of a second).
+        gc.collect()
+        gc.freeze()
 
     async def _tick_forever(self) -> None:
         while True:
@@ -259,7 +264,7 @@ class Ingress:
     ) -> None:
         """Keep the exact tokens of this turn for the session's next one (see
         ``orchestrator.session_tokens``). Stop strings cut text and tokens apart: skip."""
-        if session_id is None or text is None:
+        if session_id is None:
             return
         out_ids = list(out.token_ids)
         if report.finish_reason == "stop":
@@ -267,9 +272,8 @@ class Ingress:
                 self.session_tokens.forget(session_id)
                 return
             out_ids.pop()  # the template writes the end-of-turn token itself
-        self.session_tokens.remember(
-            session_id, text + "".join(out.text), ids + out_ids, time.monotonic()
-        )
+        covered_text = None if text is None else text + "".join(out.text)
+        self.session_tokens.remember(session_id, covered_text, ids + out_ids, time.monotonic())
 
     async def _serve(
         self, req: api.ApiRequest, text: str | None, ids: list[int] | None, http: Request

@@ -47,3 +47,10 @@ def test_bounded_oldest_first() -> None:
     assert st.encode("c", "xy", full=chars, suffix=chars, now_s=3) == [2, ord("y")]
     st.forget("c")
     assert st.encode("c", "xy", full=chars, suffix=chars, now_s=3) == chars("xy")
+
+
+def test_token_id_turns_are_remembered_for_draining_but_never_continued_as_text() -> None:
+    st = SessionTokens()
+    st.remember("s", None, [5, 6, 7], now_s=0)
+    assert list(st.token_ids("s") or []) == [5, 6, 7]
+    assert st.encode("s", "anything", full=chars, suffix=chars, now_s=1) == chars("anything")

@@ -1,0 +1,281 @@
+"""Turn-2 TTFT with KV send-back against recomputing, and the KV policy's speed.
+
+Part 1 (engines): for 1k, 2k and 4k-token contexts, a two-turn conversation where turn 2
+is turn 1's prompt + answer + a short question. Turn 2's TTFT is measured three ways on
+the same engines in the same run, through kvtide (HTTP) and through vLLM's direct P/D
+flow (engine handles):
+
+* send-back — turn 2's prefill pulls turn 1's KV back from the decode engine;
+* recompute — a fresh prompt of the same length: the prefill engine computes it all.
+
+Part 2 (pure): the KV lifecycle policy at 100,000 live sessions: events per second and
+decision latency (p50/p99) of ``on_turn_start`` + ``on_turn_finished``.
+
+    python benchmarks/sendback.py [--sizes 1024,2048,4096] [--repeats 3] [--skip-engines]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
+
+OUTPUT_TOKENS = 16
+QUESTION_TOKENS = 32
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(10, 1000) for _ in range(n)]
+
+
+async def _direct_turn(
+    prefill: Any, decode: Any, prompt: list[int], pull: dict[str, Any] | None
+) -> tuple[float, list[int], dict[str, Any] | None]:
+    """vLLM's own flow: prefill (optionally pulling KV back), then decode."""
+    from engines.base import GenerateRequest
+
+    params: dict[str, Any] = {"do_remote_decode": True}
+    if pull is not None:
+        params = {**pull, "do_remote_decode": True, "do_remote_prefill": False}
+    rid = uuid.uuid4().hex
+    t0 = time.monotonic()
+    pre = None
+    async for chunk in prefill.generate.remote(
+        GenerateRequest(
+            request_id=rid + "-p", prompt_token_ids=prompt, max_tokens=1, kv_transfer_params=params
+        )
+    ):
+        pre = chunk
+    assert pre is not None and pre.kv_transfer_params
+    ttft = None
+    out: list[int] = []
+    final = None
+    async for chunk in decode.generate.remote(
+        GenerateRequest(
+            request_id=rid + "-d",
+            prompt_token_ids=prompt,
+            max_tokens=OUTPUT_TOKENS,
+            ignore_eos=True,
+            kv_transfer_params=pre.kv_transfer_params,
+        )
+    ):
+        if chunk.token_ids and ttft is None:
+            ttft = time.monotonic() - t0
+        out.extend(chunk.token_ids)
+        final = chunk.kv_transfer_params or final
+    assert ttft is not None
+    return ttft, out, final
+
+
+async def _kvtide_pair(
+    client: httpx.AsyncClient, model: str, rng: random.Random, n: int
+) -> tuple[float, float]:
+    """(turn-2 TTFT with send-back, TTFT recomputing a prompt of the same length)."""
+    session = f"bench-{uuid.uuid4().hex[:8]}"
+    first = _ids(rng, n)
+    r1 = await client.post(
+        "/v1/completions",
+        headers={"x-session-id": session},
+        json={
+            "model": model,
+            "prompt": first,
+            "max_tokens": OUTPUT_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
+    answer = r1.json()["choices"][0]["token_ids"]
+    second = first + answer + _ids(rng, QUESTION_TOKENS)
+    reused = await _server_ttft(client, model, second, session)
+    assert reused[1].get("kv_source") == "sent_back", reused[1]
+    fresh = await _server_ttft(client, model, _ids(rng, len(second)), None)
+    return reused[0], fresh[0]
+
+
+async def _server_ttft(
+    client: httpx.AsyncClient, model: str, prompt: list[int], session: str | None
+) -> tuple[float, dict[str, Any]]:
+    """Client-side TTFT of a streamed completion, and the server's report."""
+    headers = {"x-session-id": session} if session else {}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": OUTPUT_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.monotonic()
+    ttft = None
+    ext: dict[str, Any] = {}
+    async with client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if ttft is None and any(c.get("text") for c in event.get("choices", [])):
+                ttft = time.monotonic() - t0
+            ext = event.get("kvtide") or ext
+    assert ttft is not None
+    return ttft, ext
+
+
+async def _direct_pair(
+    prefill: Any, decode: Any, rng: random.Random, n: int
+) -> tuple[float, float]:
+    first = _ids(rng, n)
+    _, answer, kept = await _direct_turn(prefill, decode, first, None)
+    assert kept is not None and kept.get("remote_block_ids")
+    second = first + answer + _ids(rng, QUESTION_TOKENS)
+    reused, _, _ = await _direct_turn(prefill, decode, second, kept)
+    fresh, _, _ = await _direct_turn(prefill, decode, _ids(rng, len(second)), None)
+    return reused, fresh
+
+
+async def _engines(base_url: str, model: str, sizes: list[int], repeats: int) -> list[str]:
+    from ray import serve
+
+    prefill = serve.get_deployment_handle("prefill-pool", app_name="kvtide").options(stream=True)
+    decode = serve.get_deployment_handle("decode-pool", app_name="kvtide").options(stream=True)
+    rng = random.Random(0)
+    lines = [
+        f"turn-2 TTFT, p50 of {repeats}; turn 2 = turn 1 ({OUTPUT_TOKENS} output tokens) "
+        f"+ {QUESTION_TOKENS} new tokens; recompute = fresh prompt of the same length",
+        f"{'context':>7} {'path':>7} {'send-back ms':>13} {'recompute ms':>13} {'speed-up x':>11}",
+    ]
+    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+        await _kvtide_pair(client, model, rng, 256)  # warm-up
+        for n in sizes:
+            for path in ("direct", "kvtide"):
+                pairs = []
+                for _ in range(repeats):
+                    if path == "direct":
+                        pairs.append(await _direct_pair(prefill, decode, rng, n))
+                    else:
+                        pairs.append(await _kvtide_pair(client, model, rng, n))
+                reused = statistics.median(p[0] for p in pairs)
+                fresh = statistics.median(p[1] for p in pairs)
+                lines.append(
+                    f"{n:>7} {path:>7} {reused * 1e3:>13.1f} {fresh * 1e3:>13.1f} "
+                    f"{fresh / reused:>11.2f}"
+                )
+    return lines
+
+
+def policy_speed(num_sessions: int = 100_000, prompt_tokens: int = 1024) -> list[str]:
+    """Events/s and decision latency of the pure KV policy with ``num_sessions`` live."""
+    from policies.kv_lifecycle import KVLifecycle, KVLifecycleConfig
+
+    kv = KVLifecycle(KVLifecycleConfig(kv_bytes_per_token=4096, block_size_tokens=128))
+    rng = random.Random(1)
+    base = _ids(rng, prompt_tokens)
+    params = {"remote_engine_id": "decode-0", "remote_block_ids": [[1, 2, 3]]}
+    now = 0.0
+    # Populate: every session has finished one turn and holds a record.
+    for i in range(num_sessions):
+        sid = f"s{i}"
+        prompt = [i, *base]
+        kv.on_turn_start(sid, prompt, now)
+        kv.on_turn_finished(
+            sid,
+            engine_id=f"decode-{i % 16}",
+            token_ids_covered=prompt,
+            block_ids=(1, 2, 3),
+            transfer_params=params,
+            expiry_s=None,
+            now_s=now,
+        )
+        now += 0.001
+    # Long-lived books: keep the collector from rescanning them on every pass (the
+    # ingress does the same after start-up).
+    gc.collect()
+    gc.freeze()
+    starts: list[float] = []
+    finishes: list[float] = []
+    t_all = time.perf_counter()
+    num_events = 0
+    for j in range(20_000):
+        i = rng.randrange(num_sessions)
+        sid = f"s{i}"
+        prompt = [i, *base, 7, 8, 9]  # extends the record: a pull decision
+        t0 = time.perf_counter()
+        kv.on_turn_start(sid, prompt, now)
+        t1 = time.perf_counter()
+        kv.on_turn_finished(
+            sid,
+            engine_id=f"decode-{i % 16}",
+            token_ids_covered=[i, *base],
+            block_ids=(1, 2, 3),
+            transfer_params=params,
+            expiry_s=None,
+            now_s=now,
+        )
+        t2 = time.perf_counter()
+        starts.append(t1 - t0)
+        finishes.append(t2 - t1)
+        num_events += 2
+        now += 0.001
+        if j % 1000 == 0:
+            kv.on_tick(now)
+            num_events += 1
+    wall = time.perf_counter() - t_all
+
+    def pct(xs: list[float], q: float) -> float:
+        return sorted(xs)[int(q * (len(xs) - 1))] * 1e6
+
+    return [
+        f"KV policy at {num_sessions:,} live sessions, {prompt_tokens}-token prompts "
+        f"(prefix hashed per turn): {num_events / wall:,.0f} events/s",
+        f"{'call':>17} {'p50 us':>8} {'p99 us':>8}",
+        f"{'on_turn_start':>17} {pct(starts, 0.5):>8.1f} {pct(starts, 0.99):>8.1f}",
+        f"{'on_turn_finished':>17} {pct(finishes, 0.5):>8.1f} {pct(finishes, 0.99):>8.1f}",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="1024,2048,4096")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-engines", action="store_true")
+    args = parser.parse_args()
+    lines: list[str] = []
+    if not args.skip_engines:
+        from orchestrator import runtime
+        from orchestrator.config import parse_config
+        from orchestrator.serve.engine_host import free_port
+
+        tmp = Path(tempfile.mkdtemp(prefix="kvt-bench-"))
+        config = parse_config(
+            {"server": {"port": free_port()}, "ray": {"temp_dir": str(tmp / "ray")}}
+        )
+        with runtime.running(config) as base_url:
+            lines += asyncio.run(
+                _engines(
+                    base_url,
+                    config.model.name,
+                    [int(x) for x in args.sizes.split(",")],
+                    args.repeats,
+                )
+            )
+        lines.append("")
+    lines += policy_speed()
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
