@@ -109,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     doctor.set_defaults(func=_cmd_doctor)
 
+    from orchestrator.plan_cli import add_plan_parser
+
+    add_plan_parser(sub)
     args = parser.parse_args(argv)
     from orchestrator.errors import KVTideError
 

@@ -261,12 +261,17 @@ class DomainPlacer:
             request = requests[placed.engine_id]
             try:
                 new[placed.engine_id] = self.place_engine(request, timeout_s=timeout_s)
-            except PlacementTimeout as err:
+            except PlacementGroupError as err:
+                # Ray did not place what the ledger allowed: report it like the planner would.
                 new[placed.engine_id] = Unplaceable(
                     engine_id=request.engine_id,
                     tp_size=request.tp_size,
                     reason=str(err),
-                    domains=err.domains,
+                    domains=(
+                        err.domains
+                        if isinstance(err, PlacementTimeout)
+                        else self._ledger.domain_states()
+                    ),
                 )
         return tuple(
             Replacement(

@@ -264,7 +264,9 @@ class _Replay:
     def _finish(self, session: _Session, output_tokens: int, now: float) -> None:
         tokens = session.tokens
         tokens.extend(session.fresh_ids(-(-output_tokens // self._unit)))
-        covered = len(tokens) - 1  # the last output token's KV is computed next turn
+        # The last output token's KV is computed next turn. In units of u > 1 tokens,
+        # the unit holding it is covered: ceil((u * len - 1) / u) units.
+        covered = len(tokens) - 1 if self._unit == 1 else len(tokens)
         engine_id = session.engine_id
         num_blocks = -(-covered // self._policy.block_size_tokens)
         first_block = self._next_block[engine_id]

@@ -83,15 +83,20 @@ def test_200_idle_sessions_never_hold_more_decode_kv_than_the_budget(kvtide_app:
         timeout_s=120,
         what="the decode engine to free drained sessions' blocks",
     )
-    # Every evicted session was drained (its exact tokens were known), none failed.
+    # Every evicted session was drained: its exact tokens were known, and the read-back
+    # completed (a drain that fails leaves the blocks to expire at the TTL instead).
     end = _stats(kvtide_app)["kv"]
     evicted = end["num_evictions"] - start["num_evictions"]
-    _wait_for(
-        lambda: _stats(kvtide_app)["kv"]["num_drains"] - start["num_drains"] >= evicted,
-        timeout_s=120,
-        what="every evicted session to be drained",
-    )
-    assert end["num_undrainable"] == start["num_undrainable"]
+
+    def settled() -> bool:
+        now = _stats(kvtide_app)["kv"]
+        done = now["num_drains"] + now["num_drain_failures"]
+        return bool(done - start["num_drains"] - start["num_drain_failures"] >= evicted)
+
+    _wait_for(settled, timeout_s=180, what="every evicted session's drain to finish")
+    final = _stats(kvtide_app)["kv"]
+    assert final["num_undrainable"] == start["num_undrainable"]
+    assert final["num_drain_failures"] == start["num_drain_failures"], final
 
 
 def test_requests_without_a_session_leave_no_kv_pinned_on_decode(kvtide_app: Any) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import pytest
 import ray
+from ray._common.test_utils import wait_for_condition
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group_table
 
@@ -99,6 +100,16 @@ def fake() -> Iterator[FakeCluster]:
             else:
                 os.environ[key] = value
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def kill(fake: FakeCluster, name: str) -> None:
+    """Stop a node's processes and wait (bounded) until Ray's node table says it is dead."""
+    node = fake.nodes.pop(name)
+    fake.cluster.remove_node(node)
+    wait_for_condition(
+        lambda: node.node_id not in {row["NodeID"] for row in ray.nodes() if row["Alive"]},
+        timeout=30,
+    )
 
 
 @pytest.fixture
@@ -225,11 +236,12 @@ def test_tp16_without_a_large_enough_domain_fails_within_the_bound_and_says_why(
     with pytest.raises(PlacementTimeout) as caught:
         create_group(group_spec(plan, pin=Pin.TOPOLOGY), plan, timeout_s=TIMEOUT_S)
     elapsed = time.monotonic() - started
-    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 5
+    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 10  # the rest: explaining, on a busy box
+    assert caught.value.scheduling_state == "NO_RESOURCES"
     message = str(caught.value)
     assert message.startswith(
-        f"engine 'big' (TP16, decode): Ray did not place its placement group within 3 s "
-        f"(scheduling state {caught.value.scheduling_state}); kvtide removed the group.\n"
+        "engine 'big' (TP16, decode): Ray did not place its placement group within 3 s "
+        "(scheduling state NO_RESOURCES); kvtide removed the group.\n"
         "Asked: 16 bundles of {GPU: 1, CPU: 1}, in any one NVLink domain "
         "(nvlink_domain: STRICT_PACK).\n"
     )
@@ -299,8 +311,7 @@ def test_losing_a_node_re_places_its_engine_or_reports_it_unplaceable(
 
     # One of the victim's trays dies. nvl72-a has only the victim's other tray
     # left (4 GPUs), so the victim moves to two whole trays of nvl72-b.
-    lost = fake.name(victim.ranks[-1].node_id)
-    fake.cluster.remove_node(fake.nodes.pop(lost))
+    kill(fake, fake.name(victim.ranks[-1].node_id))
     (moved,) = placer.refresh(timeout_s=30)
     assert moved.engine_id == "victim"
     assert moved.lost_node_ids == (victim.ranks[-1].node_id,)
@@ -311,7 +322,7 @@ def test_losing_a_node_re_places_its_engine_or_reports_it_unplaceable(
     assert placer.engines_on(moved.new.ranks[0].node_id) == ("victim",)
 
     # Then hgx-1 dies. Its TP8 fits nowhere: 8 GPUs are free, 4 in each rack.
-    fake.cluster.remove_node(fake.nodes.pop("h1"))
+    kill(fake, "h1")
     (stranded,) = placer.refresh(timeout_s=30)
     assert stranded.engine_id == "hgx-fill-1" and not stranded.replaced
     assert str(stranded.new) == (
