@@ -24,7 +24,6 @@ import json
 import random
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
+
+from benchmarks.common import direct_turn, embedded_app
 
 PROMPT_TOKENS = 512
 OUTPUT_TOKENS = 32
@@ -69,35 +70,8 @@ def _prompt(rng: random.Random) -> list[int]:
 
 
 async def _direct(prefill: Any, decode: Any, prompt: list[int], rid: str) -> Sample:
-    from engines.base import GenerateRequest
-
-    t0 = time.monotonic()
-    pre = None
-    async for chunk in prefill.generate.remote(
-        GenerateRequest(
-            request_id=rid + "-p",
-            prompt_token_ids=prompt,
-            max_tokens=1,
-            kv_transfer_params={"do_remote_decode": True},
-        )
-    ):
-        pre = chunk
-    assert pre is not None and pre.kv_transfer_params
-    times: list[float] = []
-    n = 0
-    async for chunk in decode.generate.remote(
-        GenerateRequest(
-            request_id=rid + "-d",
-            prompt_token_ids=prompt,
-            max_tokens=OUTPUT_TOKENS,
-            ignore_eos=True,
-            kv_transfer_params=pre.kv_transfer_params,
-        )
-    ):
-        if chunk.token_ids:
-            times.append(time.monotonic())
-            n += len(chunk.token_ids)
-    return Sample(ttft_s=times[0] - t0, itl_s=_gaps(times), num_tokens=n)
+    turn = await direct_turn(prefill, decode, prompt, OUTPUT_TOKENS)
+    return Sample(ttft_s=turn.ttft_s, itl_s=_gaps(turn.token_times), num_tokens=len(turn.token_ids))
 
 
 def _gaps(times: list[float]) -> list[float]:
@@ -152,11 +126,9 @@ async def _level(
     return row
 
 
-async def _run(base_url: str, model: str, levels: list[int], per_level: int) -> list[Row]:
-    from ray import serve
-
-    prefill = serve.get_deployment_handle("prefill-pool", app_name="kvtide").options(stream=True)
-    decode = serve.get_deployment_handle("decode-pool", app_name="kvtide").options(stream=True)
+async def _run(
+    base_url: str, model: str, prefill: Any, decode: Any, levels: list[int], per_level: int
+) -> list[Row]:
     rng = random.Random(0)
     rows: list[Row] = []
     async with httpx.AsyncClient(
@@ -217,21 +189,9 @@ def main() -> None:
     parser.add_argument("--requests-per-level", type=int, default=16)
     args = parser.parse_args()
 
-    from orchestrator import runtime
-    from orchestrator.config import parse_config
-    from orchestrator.serve.engine_host import free_port
-
-    tmp = Path(tempfile.mkdtemp(prefix="kvt-bench-"))
-    config = parse_config({"server": {"port": free_port()}, "ray": {"temp_dir": str(tmp / "ray")}})
-    with runtime.running(config) as base_url:
-        rows = asyncio.run(
-            _run(
-                base_url,
-                config.model.name,
-                [int(x) for x in args.levels.split(",")],
-                args.requests_per_level,
-            )
-        )
+    levels = [int(x) for x in args.levels.split(",")]
+    with embedded_app() as (base_url, model, prefill, decode):
+        rows = asyncio.run(_run(base_url, model, prefill, decode, levels, args.requests_per_level))
     print(format_rows(rows))
 
 

@@ -23,7 +23,6 @@ import json
 import random
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -33,51 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
 
+from benchmarks.common import direct_turn, embedded_app
+
 OUTPUT_TOKENS = 16
 QUESTION_TOKENS = 32
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(10, 1000) for _ in range(n)]
-
-
-async def _direct_turn(
-    prefill: Any, decode: Any, prompt: list[int], pull: dict[str, Any] | None
-) -> tuple[float, list[int], dict[str, Any] | None]:
-    """vLLM's own flow: prefill (optionally pulling KV back), then decode."""
-    from engines.base import GenerateRequest
-
-    params: dict[str, Any] = {"do_remote_decode": True}
-    if pull is not None:
-        params = {**pull, "do_remote_decode": True, "do_remote_prefill": False}
-    rid = uuid.uuid4().hex
-    t0 = time.monotonic()
-    pre = None
-    async for chunk in prefill.generate.remote(
-        GenerateRequest(
-            request_id=rid + "-p", prompt_token_ids=prompt, max_tokens=1, kv_transfer_params=params
-        )
-    ):
-        pre = chunk
-    assert pre is not None and pre.kv_transfer_params
-    ttft = None
-    out: list[int] = []
-    final = None
-    async for chunk in decode.generate.remote(
-        GenerateRequest(
-            request_id=rid + "-d",
-            prompt_token_ids=prompt,
-            max_tokens=OUTPUT_TOKENS,
-            ignore_eos=True,
-            kv_transfer_params=pre.kv_transfer_params,
-        )
-    ):
-        if chunk.token_ids and ttft is None:
-            ttft = time.monotonic() - t0
-        out.extend(chunk.token_ids)
-        final = chunk.kv_transfer_params or final
-    assert ttft is not None
-    return ttft, out, final
 
 
 async def _kvtide_pair(
@@ -139,19 +101,17 @@ async def _direct_pair(
     prefill: Any, decode: Any, rng: random.Random, n: int
 ) -> tuple[float, float]:
     first = _ids(rng, n)
-    _, answer, kept = await _direct_turn(prefill, decode, first, None)
-    assert kept is not None and kept.get("remote_block_ids")
-    second = first + answer + _ids(rng, QUESTION_TOKENS)
-    reused, _, _ = await _direct_turn(prefill, decode, second, kept)
-    fresh, _, _ = await _direct_turn(prefill, decode, _ids(rng, len(second)), None)
-    return reused, fresh
+    one = await direct_turn(prefill, decode, first, OUTPUT_TOKENS)
+    assert one.kept is not None and one.kept.get("remote_block_ids")
+    second = first + one.token_ids + _ids(rng, QUESTION_TOKENS)
+    reused = await direct_turn(prefill, decode, second, OUTPUT_TOKENS, pull=one.kept)
+    fresh = await direct_turn(prefill, decode, _ids(rng, len(second)), OUTPUT_TOKENS)
+    return reused.ttft_s, fresh.ttft_s
 
 
-async def _engines(base_url: str, model: str, sizes: list[int], repeats: int) -> list[str]:
-    from ray import serve
-
-    prefill = serve.get_deployment_handle("prefill-pool", app_name="kvtide").options(stream=True)
-    decode = serve.get_deployment_handle("decode-pool", app_name="kvtide").options(stream=True)
+async def _engines(
+    base_url: str, model: str, prefill: Any, decode: Any, sizes: list[int], repeats: int
+) -> list[str]:
     rng = random.Random(0)
     lines = [
         f"turn-2 TTFT, p50 of {repeats}; turn 2 = turn 1 ({OUTPUT_TOKENS} output tokens) "
@@ -255,23 +215,9 @@ def main() -> None:
     args = parser.parse_args()
     lines: list[str] = []
     if not args.skip_engines:
-        from orchestrator import runtime
-        from orchestrator.config import parse_config
-        from orchestrator.serve.engine_host import free_port
-
-        tmp = Path(tempfile.mkdtemp(prefix="kvt-bench-"))
-        config = parse_config(
-            {"server": {"port": free_port()}, "ray": {"temp_dir": str(tmp / "ray")}}
-        )
-        with runtime.running(config) as base_url:
-            lines += asyncio.run(
-                _engines(
-                    base_url,
-                    config.model.name,
-                    [int(x) for x in args.sizes.split(",")],
-                    args.repeats,
-                )
-            )
+        sizes = [int(x) for x in args.sizes.split(",")]
+        with embedded_app() as (base_url, model, prefill, decode):
+            lines += asyncio.run(_engines(base_url, model, prefill, decode, sizes, args.repeats))
         lines.append("")
     lines += policy_speed()
     print("\n".join(lines))

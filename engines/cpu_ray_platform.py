@@ -53,4 +53,5 @@ def _build_platform() -> type:
         ray_device_key: str = "GPU"
 
     CpuRayPlatform.__module__ = __name__
+    CpuRayPlatform.__qualname__ = "CpuRayPlatform"  # pickles by name, like a top-level class
     return CpuRayPlatform

@@ -16,6 +16,7 @@ __all__ = ["BACKENDS", "UnknownBackend", "create_engine"]
 
 BACKENDS: dict[str, tuple[str, str]] = {
     "vllm": ("engines.vllm_engine", "VLLMEngine"),
+    "simulated": ("engines.simulated", "SimulatedEngine"),
 }
 
 

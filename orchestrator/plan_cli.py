@@ -235,28 +235,35 @@ def _write_plot(
     while contexts[-1] < context_tokens:
         contexts.append(contexts[-1] * 2)
     rows = plan_table(spec, devices, context_tokens=context_tokens, concurrent_users=users, tps=tps)
-    fig = Figure(figsize=(11, 4.5), layout="constrained")
-    per_gpu, per_user = fig.subplots(1, 2)
-    for row in rows:
-        if not row.fits:
-            continue
-        points = [
-            (c, evaluate_shape(spec, row.device, row.shape, ContextMix.single(c), users))
-            for c in contexts
-        ]
-        points = [(c, e) for c, e in points if e.fits]
-        label = f"{row.device.name} tp={row.shape.tp} dcp={row.shape.dcp}"
-        xs = [c for c, _ in points]
-        per_gpu.plot(xs, [e.tokens_per_s_per_gpu for _, e in points], marker="o", label=label)
-        per_user.plot(xs, [e.tokens_per_s_per_user for _, e in points], marker="o", label=label)
-    for ax, what in ((per_gpu, "tokens/s per GPU"), (per_user, "tokens/s per user")):
+    engines = _unique((r.device, r.shape.tp) for r in rows if r.fits)
+    if not engines:
+        print(f"kvtide plan: nothing to plot, no engine above fits; {path} not written.")
+        return 1
+    # One panel per device and TP, one line per DCP degree: where the lines cross is
+    # the context at which DCP starts to pay off for this many users.
+    num_cols = min(3, len(engines))
+    num_rows = -(-len(engines) // num_cols)
+    fig = Figure(figsize=(4.2 * num_cols, 3.4 * num_rows), layout="constrained")
+    axes = fig.subplots(num_rows, num_cols, squeeze=False).flatten()
+    for ax, (device, tp) in zip(axes, engines, strict=False):
+        for row in rows:
+            if (row.device, row.shape.tp) != (device, tp) or not row.fits:
+                continue
+            mixes = [(c, ContextMix.single(c)) for c in contexts]
+            points = [(c, evaluate_shape(spec, device, row.shape, m, users)) for c, m in mixes]
+            xs = [c for c, e in points if e.fits]
+            ys = [e.tokens_per_s_per_gpu for _, e in points if e.fits]
+            ax.plot(xs, ys, marker="o", markersize=3, label=f"dcp={row.shape.dcp}")
+        ax.set_title(f"{device.name} tp={tp}", fontsize="medium")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context tokens")
-        ax.set_ylabel(what)
+        ax.set_ylabel("tokens/s per GPU")
         ax.grid(True, alpha=0.3)
-    per_gpu.legend(fontsize="small")
-    fig.suptitle(f"{spec.name}: decode with {users} concurrent users")
-    fig.savefig(path, dpi=120)
+        ax.legend(fontsize="small")
+    for ax in axes[len(engines) :]:
+        ax.set_visible(False)
+    fig.suptitle(f"{spec.name}: decode throughput with {users} concurrent users")
+    fig.savefig(path, dpi=110)
     print(f"wrote {path}")
     return 0
 

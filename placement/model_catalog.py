@@ -9,6 +9,7 @@ in `placement/data/hf_configs/`.
 from __future__ import annotations
 
 import json
+from functools import cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -30,10 +31,14 @@ BUILTIN_MODELS: dict[str, str] = {
 
 def builtin_model_spec(name: str) -> ModelSpec:
     """The `ModelSpec` of a built-in model (`deepseek-v3`, `kimi-k2`, ...)."""
-    key = name.lower().replace("_", "-")
+    return _builtin(name.lower().replace("_", "-"))
+
+
+@cache
+def _builtin(key: str) -> ModelSpec:  # specs are frozen: one shared instance per model
     if key not in BUILTIN_MODELS:
         raise UnsupportedModel(
-            f"no built-in model named {name!r}; choose one of {', '.join(BUILTIN_MODELS)} "
+            f"no built-in model named {key!r}; choose one of {', '.join(BUILTIN_MODELS)} "
             "or pass the path of a config.json."
         )
     text = (

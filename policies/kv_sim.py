@@ -159,6 +159,7 @@ class _Session:
     tokens: list[int] = field(default_factory=list)
     next_id: int = 1
     first_prompt_tokens: int = 0
+    num_finished: int = 0
     busy: bool = False
     waiting: deque[TraceTurn] = field(default_factory=deque)
 
@@ -199,6 +200,9 @@ class _Replay:
         self._pinned = dict.fromkeys(self._engines, 0)
         self._pinned_records: dict[tuple[str, int], int] = {}
         self._pin_expiries: list[tuple[float, str, int]] = []
+        # When the policy may have something due: (deadline, finish number, session).
+        self._wakes: list[tuple[float, int, str]] = []
+        self._last_tick_s = -math.inf
         window = config.measure_window_s
         self._window = window if window is not None else (0.0, math.inf)
         self._last_s = 0.0
@@ -211,16 +215,10 @@ class _Replay:
     def run(self) -> SimResult:
         for index, turn in enumerate(self._trace):
             self._push(turn.t_s, _ARRIVE, turn.session_id, index)
-        tick_s = self._config.tick_s
-        next_tick = 0.0
         now = 0.0
         while self._events:
             now, kind, _, session_id, payload = heapq.heappop(self._events)
-            if not self._pin_expiries and self._kv.num_sessions() == 0:
-                next_tick = max(next_tick, math.floor(now / tick_s) * tick_s)  # nothing due
-            while next_tick <= now:
-                self._tick(next_tick)
-                next_tick += tick_s
+            self._catch_up(now)
             self._advance(now)
             session = self._sessions[session_id]
             if kind == _ARRIVE:
@@ -275,27 +273,54 @@ class _Replay:
         self._kv.on_turn_finished(
             session.session_id,
             engine_id=engine_id,
-            token_ids_covered=tokens[:covered],
-            block_ids=range(first_block, first_block + num_blocks),
+            token_ids_covered=tokens if covered == len(tokens) else tokens[:covered],
+            block_ids=(first_block,),  # the policy only compares them: one id per record
             transfer_params={"remote_engine_id": engine_id, "remote_num_tokens": covered},
             expiry_s=expiry_s,
             now_s=now,
         )
         self._pin(engine_id, first_block, self._bytes(covered), expiry_s)
+        session.num_finished += 1
+        policy = self._policy
+        for deadline_s in (expiry_s - policy.safety_margin_s, expiry_s, now + policy.lease_ttl_s):
+            heapq.heappush(self._wakes, (deadline_s, session.num_finished, session.session_id))
         session.busy = False
         session.turns_left -= 1
         if session.turns_left == 0:
             session.tokens = []  # nothing will read them again
         self._refresh(engine_id)  # the only engine whose books this call changed
 
-    def _tick(self, now: float) -> None:
-        self._advance(now)
-        if self._kv.on_tick(now):  # effects only ever lower the books
-            for engine_id in self._engines:
-                self._refresh(engine_id)
-        while self._pin_expiries and self._pin_expiries[0][0] <= now:
-            _, engine_id, first_block = heapq.heappop(self._pin_expiries)
-            self._unpin(engine_id, first_block)
+    def _catch_up(self, now: float) -> None:
+        """Run, in time order up to ``now``, the ticks that have something due and the
+        engines' own expiries.
+
+        Ticks keep to the ``tick_s`` grid, but one with nothing due is skipped: it
+        would change nothing. Everything the policy times comes from a finished turn
+        (offer deadline, engine expiry for a pull in flight, lease), so a tick is due
+        at the first grid time at or after one of those of a session's latest finished
+        turn; a later finish replaced the earlier ones.
+        """
+        tick_s, wakes, pins = self._config.tick_s, self._wakes, self._pin_expiries
+        while True:
+            while wakes and self._sessions[wakes[0][2]].num_finished != wakes[0][1]:
+                heapq.heappop(wakes)  # superseded by a later finish of the session
+            tick_at = math.ceil(wakes[0][0] / tick_s) * tick_s if wakes else math.inf
+            tick_at = max(tick_at, self._last_tick_s + tick_s)  # whole ticks, in order
+            pin_at = pins[0][0] if pins else math.inf
+            if min(tick_at, pin_at) > now:
+                return
+            if pin_at < tick_at:  # the engine frees the blocks at their exact expiry
+                self._advance(pin_at)
+                _, engine_id, first_block = heapq.heappop(pins)
+                self._unpin(engine_id, first_block)
+                continue
+            self._advance(tick_at)
+            self._last_tick_s = tick_at
+            while wakes and wakes[0][0] <= tick_at:
+                heapq.heappop(wakes)
+            if self._kv.on_tick(tick_at):  # effects only ever lower the books
+                for engine_id in self._engines:
+                    self._refresh(engine_id)
 
     # -- bookkeeping ------------------------------------------------------------------
 

@@ -108,6 +108,7 @@ def make_router(prefill: FakePool, decode: FakePool, **kw: Any) -> Router:
         planner=planner,
         pull_timeout_s=kw.get("pull_timeout_s", 5.0),
         clock=FakeClock(),
+        tokens_of=kw.get("tokens_of", lambda _: None),
     )
 
 
@@ -221,23 +222,8 @@ def test_blocks_nobody_will_pull_are_drained_back_to_prefill() -> None:
 def test_closing_a_session_drains_its_record_only_with_matching_tokens() -> None:
     prefill, decode = FakePool(prefill_script()), FakePool(decode_script)
     history: dict[str, list[int]] = {}
-    planner = KVPlanner(
-        kv_lifecycle_config(
-            ttl_s=480,
-            safety_margin_s=15,
-            recompute_threshold_tokens=4,
-            kv_bytes_per_token=100,
-            block_size_tokens=16,
-        )
-    )
-    router = Router(
-        prefill=prefill,
-        decode=decode,
-        planner=planner,
-        pull_timeout_s=5,
-        clock=FakeClock(),
-        tokens_of=history.get,
-    )
+    router = make_router(prefill, decode, tokens_of=history.get)
+    planner = router.planner
 
     async def run() -> None:
         await turn(router, list(range(100)), "a")

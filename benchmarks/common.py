@@ -1,0 +1,85 @@
+"""Pieces the engine benchmarks share: the app they start and vLLM's direct P/D flow."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engines.base import GenerateRequest
+
+
+@contextmanager
+def embedded_app() -> Iterator[tuple[str, str, Any, Any]]:
+    """Start the embedded default on a free port; yield (base URL, model name, prefill
+    handle, decode handle) — the handles stream, for driving the engines directly."""
+    from ray import serve
+
+    from orchestrator import runtime
+    from orchestrator.config import parse_config
+    from orchestrator.serve.engine_host import free_port
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvt-bench-"))
+    config = parse_config({"server": {"port": free_port()}, "ray": {"temp_dir": str(tmp / "ray")}})
+    with runtime.running(config) as base_url:
+        handles = [
+            serve.get_deployment_handle(f"{pool}-pool", app_name="kvtide").options(stream=True)
+            for pool in ("prefill", "decode")
+        ]
+        yield base_url, config.model.name, handles[0], handles[1]
+
+
+@dataclass
+class DirectTurn:
+    """One request through vLLM's own P/D flow, timed at the caller."""
+
+    ttft_s: float
+    token_times: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    kept: dict[str, Any] | None = None  # decode's final params: its kept blocks
+
+
+async def direct_turn(
+    prefill: Any,
+    decode: Any,
+    prompt: list[int],
+    max_tokens: int,
+    pull: dict[str, Any] | None = None,
+) -> DirectTurn:
+    """Prefill (``max_tokens=1``, ``do_remote_decode``; pulling ``pull``'s blocks back when
+    given), then decode with the prefill's returned params, as vLLM's P/D proxy does."""
+    params: dict[str, Any] = {"do_remote_decode": True}
+    if pull is not None:
+        params = {**pull, "do_remote_decode": True, "do_remote_prefill": False}
+    rid = uuid.uuid4().hex
+    t0 = time.monotonic()
+    pre = None
+    async for chunk in prefill.generate.remote(
+        GenerateRequest(
+            request_id=rid + "-p", prompt_token_ids=prompt, max_tokens=1, kv_transfer_params=params
+        )
+    ):
+        pre = chunk
+    assert pre is not None and pre.kv_transfer_params
+    turn = DirectTurn(ttft_s=0.0)
+    async for chunk in decode.generate.remote(
+        GenerateRequest(
+            request_id=rid + "-d",
+            prompt_token_ids=prompt,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            kv_transfer_params=pre.kv_transfer_params,
+        )
+    ):
+        if chunk.token_ids:
+            turn.token_times.append(time.monotonic())
+            turn.token_ids.extend(chunk.token_ids)
+        turn.kept = chunk.kv_transfer_params or turn.kept
+    assert turn.token_times, "the decode engine produced no tokens"
+    turn.ttft_s = turn.token_times[0] - t0
+    return turn
