@@ -67,7 +67,9 @@ __all__ = [
 
 PREFILL_LEASE_S = 480.0  # vLLM frees a prefill's unread blocks after this (abort timeout)
 EXPIRY_MARGIN_S = 5.0  # a prefill declines to read decode blocks this close to their expiry
-_PULL_KEYS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host")
+# A pull needs all of these in the params, as NixlConnector checks.
+_PULL_KEYS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host",
+              "remote_port")  # fmt: skip
 
 
 class RequestRejected(ValueError):
@@ -235,6 +237,8 @@ class SimulatedEngine(EngineAdapter):
         blocks = math.ceil((length - 1) / self.config.block_size)
         if not request.prompt_token_ids or request.max_tokens < 1:
             raise RequestRejected("a request needs at least one prompt token and max_tokens >= 1")
+        if request.request_id in self._requests:
+            raise RequestRejected(f"request id {request.request_id!r} is already running here")
         if length > self.spec.max_model_len or blocks > self.kv.num_blocks:
             raise RequestRejected(
                 f"request {request.request_id!r} needs {length} tokens ({blocks} blocks); "

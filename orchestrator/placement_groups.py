@@ -14,21 +14,17 @@ runs each TP rank. Here it becomes:
    node's `nvlink_domain` label read back from Ray's node table, and the ranks
    ordered by node. Bundle order is not node order; `ranks_by_node` fixes that.
 
-Node labels: `nvlink_domain=<id>` names a node's NVLink domain; a GPU node without
-it is its own domain, named by its Ray node id. Ray gives every node the label
-`ray.io/node-id`.
+What Ray says about nodes (labels, GPUs, free GPUs) is read in `orchestrator.ray_nodes`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 import ray
-from ray._private.state import available_resources_per_node
 from ray.util.placement_group import (
     PlacementGroup,
     placement_group,
@@ -38,9 +34,15 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.placement_errors import PlacementMismatch, PlacementTimeout
+from orchestrator.ray_nodes import (
+    NODE_ID_LABEL,
+    NVLINK_DOMAIN_LABEL,
+    domain_states,
+    read_free_gpus,
+    read_ray_nodes,
+)
 from placement.plan import PlacementPlan
 from placement.planner import describe_domains
-from placement.topology import DomainState
 
 __all__ = [
     "NODE_ID_LABEL",
@@ -49,21 +51,12 @@ __all__ = [
     "Pin",
     "PlacedEngine",
     "RankPlacement",
-    "RayNode",
     "bind_ranks",
     "create_group",
-    "domain_states",
     "group_spec",
     "ranks_by_node",
-    "read_ray_nodes",
     "remove_group",
 ]
-
-NVLINK_DOMAIN_LABEL = "nvlink_domain"
-"""The node label that names a node's NVLink domain."""
-
-NODE_ID_LABEL = "ray.io/node-id"
-"""The label Ray itself puts on every node: its node id (hex)."""
 
 
 class Pin(StrEnum):
@@ -196,85 +189,6 @@ def ranks_by_node(
     for index in sorted(shard_bundle_indices):
         by_node.setdefault(bundle_node_ids[index], []).append(index)
     return tuple(index for indices in by_node.values() for index in indices)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RayNode:
-    """One node of Ray's node table, as kvtide sees it.
-
-    `domain_id` is the node's `nvlink_domain` label, or its node id when it has
-    none (`labelled` is then False).
-    """
-
-    node_id: str
-    alive: bool
-    domain_id: str
-    labelled: bool
-    num_gpus: int
-    num_cpus: float
-
-    @classmethod
-    def from_row(
-        cls, row: Mapping[str, Any], *, domain_label: str = NVLINK_DOMAIN_LABEL
-    ) -> RayNode:
-        """From one entry of `ray.nodes()` (pure)."""
-        labels: Mapping[str, str] = row.get("Labels") or {}
-        resources: Mapping[str, float] = row.get("Resources") or {}
-        node_id = str(row["NodeID"])
-        domain = labels.get(domain_label)
-        return cls(
-            node_id=node_id,
-            alive=bool(row.get("Alive", False)),
-            domain_id=domain or node_id,
-            labelled=bool(domain),
-            num_gpus=math.floor(resources.get("GPU", 0)),
-            num_cpus=float(resources.get("CPU", 0.0)),
-        )
-
-
-def read_ray_nodes(
-    *, alive_only: bool = True, domain_label: str = NVLINK_DOMAIN_LABEL
-) -> tuple[RayNode, ...]:
-    """Ray's node table now (needs `ray.init`)."""
-    nodes = (RayNode.from_row(row, domain_label=domain_label) for row in ray.nodes())
-    return tuple(node for node in nodes if node.alive or not alive_only)
-
-
-def domain_states(
-    nodes: Sequence[RayNode], free_gpus: Mapping[str, int]
-) -> tuple[DomainState, ...]:
-    """Each NVLink domain's GPUs and free GPUs, from alive GPU nodes (pure).
-
-    Domains are sorted by id; `free_gpus` maps node id to the GPUs Ray has free.
-    """
-    by_domain: dict[str, list[RayNode]] = {}
-    for node in sorted(nodes, key=lambda n: (n.domain_id, n.node_id)):
-        if node.alive and node.num_gpus > 0:
-            by_domain.setdefault(node.domain_id, []).append(node)
-    states = []
-    for domain_id, members in by_domain.items():
-        free = [min(free_gpus.get(n.node_id, 0), n.num_gpus) for n in members]
-        states.append(
-            DomainState(
-                domain_id=domain_id,
-                node_ids=tuple(n.node_id for n in members),
-                num_gpus=sum(n.num_gpus for n in members),
-                num_free_gpus=sum(free),
-                largest_free_node_gpus=max(free),
-                num_whole_free_nodes=sum(
-                    f == n.num_gpus for f, n in zip(free, members, strict=True)
-                ),
-            )
-        )
-    return tuple(states)
-
-
-def _read_free_gpus() -> dict[str, int]:
-    # Ray has no public per-node view of available resources; `ray status` uses this.
-    return {
-        node_id: math.floor(resources.get("GPU", 0))
-        for node_id, resources in available_resources_per_node().items()
-    }
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -432,7 +346,7 @@ def _timeout(
     spec: GroupSpec, plan: PlacementPlan, timeout_s: float, state: str
 ) -> PlacementTimeout:
     nodes = read_ray_nodes(domain_label=spec.domain_label)
-    domains = domain_states(nodes, _read_free_gpus())
+    domains = domain_states(nodes, read_free_gpus())
     alive = {n.node_id for n in nodes}
     gone = sorted({n for n in spec.planned_node_ids if n is not None and n not in alive})
     lines = [

@@ -78,7 +78,7 @@ class WorkloadConfig:
     num_sessions: int = 2000
     sessions_per_s: float = 0.25
     """Poisson arrival rate of new sessions."""
-    mean_turns_per_session: float = 8.0
+    mean_turns_per_session: float = 6.0
     """Turns per session: 1 + a geometric count with this mean in all."""
     max_turns_per_session: int = 64
     max_context_tokens: int = 128_000

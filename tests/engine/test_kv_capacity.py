@@ -56,7 +56,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, An
         [sys.executable, __file__, str(root)],
         capture_output=True,
         text=True,
-        timeout=480,
+        timeout=900,  # three engine starts; 20-90 s each, more on a loaded box
         env=env,
         cwd=Path(__file__).resolve().parents[2],
     )

@@ -68,19 +68,20 @@ def fake() -> Iterator[FakeCluster]:
     os.environ["RAY_TMPDIR"] = tmp  # Cluster writes the cluster address under $RAY_TMPDIR/ray
     os.environ["RAY_worker_niceness"] = "0"
     os.makedirs(os.path.join(tmp, "ray"))
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 16,
-            "num_gpus": 8,
-            "labels": {"nvlink_domain": "hgx-2"},
-            "temp_dir": tmp,
-            "include_dashboard": False,
-            # No idle workers: nothing here runs tasks but one actor.
-            "_system_config": {"prestart_worker_first_driver": False},
-        },
-    )
+    cluster: Cluster | None = None
     try:
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 16,
+                "num_gpus": 8,
+                "labels": {"nvlink_domain": "hgx-2"},
+                "temp_dir": tmp,
+                "include_dashboard": False,
+                # No idle workers: nothing here runs tasks but one actor.
+                "_system_config": {"prestart_worker_first_driver": False},
+            },
+        )
         nodes = {"h2": cluster.head_node}
         for name, domain in TRAYS.items():
             labels = {"nvlink_domain": domain}
@@ -93,7 +94,8 @@ def fake() -> Iterator[FakeCluster]:
         yield FakeCluster(cluster=cluster, nodes=nodes)
     finally:
         ray.shutdown()
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -100,6 +100,9 @@ def test_a_rewritten_history_recomputes_with_prefix_mismatch() -> None:
         RecomputeReason.NO_RECORD: 1,
         RecomputeReason.PREFIX_MISMATCH: 1,
     }
+    # Turn 3 superseded turn 2's record, whose tokens the session no longer starts
+    # with: the router cannot drain it, and the engine keeps it until its TTL.
+    assert (result.num_drains, result.num_undrainable) == (0, 1)
 
 
 def test_a_turn_sent_early_waits_for_the_previous_one() -> None:
@@ -149,18 +152,20 @@ def test_idle_memory_never_exceeds_the_budget() -> None:
     trace = generate_workload(SMALL, seed=3)
     unbounded = simulate(trace, replace(CONFIG, token_unit=16))
     budget = unbounded.peak_idle_bytes_per_engine // 4
-    bounded = simulate(
-        trace,
-        replace(
-            CONFIG, policy=replace(POLICY, idle_budget_bytes_per_engine=budget), token_unit=16
-        ),
+    config = replace(
+        CONFIG, policy=replace(POLICY, idle_budget_bytes_per_engine=budget), token_unit=16
     )
+    bounded = simulate(trace, config)
     assert bounded.peak_idle_bytes_per_engine <= budget
     assert bounded.num_evictions > 0
     assert bounded.num_recomputes_for(RecomputeReason.EVICTED) > 0
     assert bounded.hit_rate < unbounded.hit_rate
-    # The engines keep evicted blocks until their TTL (nothing drains them).
-    assert bounded.peak_pinned_bytes_per_engine > budget
+    # The router drains evicted records; without drains the engines would keep
+    # their blocks until the TTL, on top of the new ones.
+    assert bounded.num_drains >= bounded.num_evictions
+    undrained = simulate(trace, replace(config, drain=False))
+    assert undrained.num_drains == 0
+    assert undrained.peak_pinned_bytes_per_engine > 2 * bounded.peak_pinned_bytes_per_engine
 
 
 def test_token_units_replay_whole_blocks_like_tokens() -> None:
@@ -215,3 +220,20 @@ def test_the_jsonl_trace_round_trips() -> None:
 def test_an_invalid_trace_line_is_named(line: str, message: str) -> None:
     with pytest.raises(InvalidTrace, match=message):
         trace_from_jsonl([line])
+
+
+def test_public_names_are_pinned() -> None:
+    import policies.kv_sim
+    import policies.kv_sim_memory
+    import policies.kv_workload
+
+    assert sorted(policies.kv_sim.__all__) == ["SimConfig", "SimResult", "simulate"]
+    assert sorted(policies.kv_sim_memory.__all__) == ["EngineMemory"]
+    assert sorted(policies.kv_workload.__all__) == [
+        "InvalidTrace",
+        "TraceTurn",
+        "WorkloadConfig",
+        "generate_workload",
+        "trace_from_jsonl",
+        "trace_to_jsonl",
+    ]

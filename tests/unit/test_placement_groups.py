@@ -11,15 +11,8 @@ import pytest
 
 from orchestrator.cluster import topology_from_nodes
 from orchestrator.placement_errors import PlacementMismatch
-from orchestrator.placement_groups import (
-    GroupSpec,
-    Pin,
-    RayNode,
-    bind_ranks,
-    domain_states,
-    group_spec,
-    ranks_by_node,
-)
+from orchestrator.placement_groups import GroupSpec, Pin, bind_ranks, group_spec, ranks_by_node
+from orchestrator.ray_nodes import RayNode, domain_states
 from placement.errors import InvalidTopology
 from placement.planner import EngineRequest, PlacementPlan, PlacementPlanner
 from placement.topology import ClusterTopology, DomainState, NodeSpec
