@@ -25,6 +25,9 @@ def _has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Ray-tier modules start their own multi-node clusters and need this process free of
+    # any Ray; the engine tier's app holds one until the session ends. Run them first.
+    items.sort(key=lambda item: 0 if "ray" in item.keywords else 1)
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
