@@ -312,8 +312,11 @@ class Ingress:
         out = _Output()
         out.add(first[0])
         report = first[1]  # the router updates this one report as the turn goes
-        async for chunk, _ in turn:
-            out.add(chunk)
+        try:
+            async for chunk, _ in turn:
+                out.add(chunk)
+        finally:
+            await turn.aclose()  # a cancelled request ends its turn now, not at GC
         self._remember(session_id, text, ids, out, report)
         make = api.chat_response if req.kind == "chat" else api.completion_response
         body = make(
