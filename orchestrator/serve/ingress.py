@@ -186,6 +186,23 @@ class Ingress:
     def _engines(self) -> list[str]:
         return sorted({r.engine_id for r in self.planner.lifecycle.records()})
 
+    @fastapi_app.get("/kvtide/sessions/{session_id}")
+    async def get_session(self, session_id: str) -> dict[str, Any]:
+        """Where kvtide holds the session's KV now (``record`` is null when nothing is
+        offered: never recorded, expired, evicted or closed)."""
+        sid = api.parse_session_id(session_id)
+        assert sid is not None
+        rec = self.planner.lifecycle.record(sid)
+        record = None
+        if rec is not None:
+            record = {
+                "engine_id": rec.engine_id,
+                "num_tokens": rec.num_tokens,
+                "bytes_held": rec.bytes_held,
+                "expires_in_s": round(rec.expiry_s - time.monotonic(), 3),
+            }
+        return {"id": sid, "object": "session", "record": record}
+
     @fastapi_app.delete("/kvtide/sessions/{session_id}")
     async def close_session(self, session_id: str) -> dict[str, Any]:
         """End a session: its kept KV is drained back to prefill (freed on decode now)."""
