@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import tempfile
 import time
 import uuid
@@ -82,4 +83,45 @@ async def direct_turn(
         turn.kept = chunk.kv_transfer_params or turn.kept
     assert turn.token_times, "the decode engine produced no tokens"
     turn.ttft_s = turn.token_times[0] - t0
+    return turn
+
+
+@dataclass
+class StreamedTurn:
+    """One streamed completion through kvtide's HTTP API, timed at the client."""
+
+    t_start: float
+    token_times: list[float] = field(default_factory=list)
+    report: dict[str, Any] = field(default_factory=dict)  # the response's `kvtide` object
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times[0] - self.t_start
+
+
+async def stream_completion(
+    client: Any, model: str, prompt: list[int], max_tokens: int, session: str | None = None
+) -> StreamedTurn:
+    """POST a streamed greedy completion (``ignore_eos``) and time every text chunk."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"x-session-id": session} if session else {}
+    turn = StreamedTurn(t_start=time.monotonic())
+    async with client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if any(c.get("text") for c in event.get("choices", [])):
+                turn.token_times.append(time.monotonic())
+            turn.report = event.get("kvtide") or turn.report
+    assert turn.token_times, "the endpoint streamed no text"
     return turn

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import random
 import statistics
 import sys
@@ -33,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
 
-from benchmarks.common import direct_turn, embedded_app
+from benchmarks.common import direct_turn, embedded_app, stream_completion
 
 PROMPT_TOKENS = 512
 OUTPUT_TOKENS = 32
@@ -79,33 +78,13 @@ def _gaps(times: list[float]) -> list[float]:
 
 
 async def _via_kvtide(client: httpx.AsyncClient, model: str, prompt: list[int]) -> Sample:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": OUTPUT_TOKENS,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-        "stream_options": {"include_usage": True},
-    }
-    t0 = time.monotonic()
-    times: list[float] = []
-    ext: dict[str, Any] = {}
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if any(c.get("text") for c in event.get("choices", [])):
-                times.append(time.monotonic())
-            ext = event.get("kvtide") or ext
+    turn = await stream_completion(client, model, prompt, OUTPUT_TOKENS)
     return Sample(
-        ttft_s=times[0] - t0,
-        itl_s=_gaps(times),
-        num_tokens=len(times),
-        router_s=float(ext.get("router_s", 0.0)),
-        ingress_ttft_s=float(ext.get("ttft_s", 0.0)),
+        ttft_s=turn.ttft_s,
+        itl_s=_gaps(turn.token_times),
+        num_tokens=len(turn.token_times),
+        router_s=float(turn.report.get("router_s", 0.0)),
+        ingress_ttft_s=float(turn.report.get("ttft_s", 0.0)),
     )
 
 

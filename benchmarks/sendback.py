@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import random
 import statistics
 import sys
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
 
-from benchmarks.common import direct_turn, embedded_app
+from benchmarks.common import direct_turn, embedded_app, stream_completion
 
 OUTPUT_TOKENS = 16
 QUESTION_TOKENS = 32
@@ -72,29 +71,8 @@ async def _server_ttft(
     client: httpx.AsyncClient, model: str, prompt: list[int], session: str | None
 ) -> tuple[float, dict[str, Any]]:
     """Client-side TTFT of a streamed completion, and the server's report."""
-    headers = {"x-session-id": session} if session else {}
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": OUTPUT_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    t0 = time.monotonic()
-    ttft = None
-    ext: dict[str, Any] = {}
-    async with client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if ttft is None and any(c.get("text") for c in event.get("choices", [])):
-                ttft = time.monotonic() - t0
-            ext = event.get("kvtide") or ext
-    assert ttft is not None
-    return ttft, ext
+    turn = await stream_completion(client, model, prompt, OUTPUT_TOKENS, session)
+    return turn.ttft_s, turn.report
 
 
 async def _direct_pair(
