@@ -8,10 +8,14 @@ flow (engine handles):
 * send-back — turn 2's prefill pulls turn 1's KV back from the decode engine;
 * recompute — a fresh prompt of the same length: the prefill engine computes it all.
 
-Part 2 (pure): the KV lifecycle policy at 100,000 live sessions: events per second and
-decision latency (p50/p99) of ``on_turn_start`` + ``on_turn_finished``.
+Part 2: the KV lifecycle at 100,000 live sessions, three ways in the same run: the pure
+policy (``on_turn_start`` + ``on_turn_finished``), the service in-process (the same plus
+session tokens and messages: ``plan_turn`` + ``turn_done``), and the service as the Ray
+actor every ingress talks to (a round trip per call). Events per second and decision
+latency (p50/p99).
 
     python benchmarks/sendback.py [--sizes 1024,2048,4096] [--repeats 3] [--skip-engines]
+                                  [--skip-actor]
 """
 
 from __future__ import annotations
@@ -173,9 +177,7 @@ def policy_speed(num_sessions: int = 100_000, prompt_tokens: int = 1024) -> list
             num_events += 1
     wall = time.perf_counter() - t_all
 
-    def pct(xs: list[float], q: float) -> float:
-        return sorted(xs)[int(q * (len(xs) - 1))] * 1e6
-
+    pct = _pct
     return [
         f"KV policy at {num_sessions:,} live sessions, {prompt_tokens}-token prompts "
         f"(prefix hashed per turn): {num_events / wall:,.0f} events/s",
@@ -185,11 +187,118 @@ def policy_speed(num_sessions: int = 100_000, prompt_tokens: int = 1024) -> list
     ]
 
 
+def _pct(xs: list[float], q: float) -> float:
+    return sorted(xs)[int(q * (len(xs) - 1))] * 1e6
+
+
+def _done(sid: str, prompt: list[int], i: int) -> Any:
+    from orchestrator.kv_messages import TurnDone
+
+    params = {
+        "do_remote_decode": True,
+        "remote_engine_id": f"decode-{i % 16}",
+        "remote_request_id": f"r{i}",
+        "remote_block_ids": [[1, 2, 3]],
+        "remote_num_tokens": len(prompt),
+    }
+    return TurnDone(
+        session_id=sid,
+        token_ids=[*prompt, 5],
+        kv_transfer_params=params,
+        kv_expires_in_s=480.0,
+        next_token_ids=[*prompt, 5],
+    )
+
+
+def _service_config() -> Any:
+    from policies.kv_lifecycle import KVLifecycleConfig
+
+    return KVLifecycleConfig(kv_bytes_per_token=4096, block_size_tokens=128)
+
+
+def service_speed(
+    num_sessions: int = 100_000, prompt_tokens: int = 1024, with_actor: bool = True
+) -> list[str]:
+    """The service's calls per turn, in-process and through its Ray actor."""
+    from orchestrator.kv_service import KVService
+
+    rng = random.Random(0)
+    base = list(range(100, 100 + prompt_tokens - 1))
+    calls = 5_000
+
+    async def populate(svc: Any) -> None:
+        for start in range(0, num_sessions, 2_000):  # every session finished one turn
+            await asyncio.gather(
+                *(
+                    svc.turn_done(_done(f"s{i}", [i, *base], i))
+                    for i in range(start, min(num_sessions, start + 2_000))
+                )
+            )
+        gc.collect()
+        gc.freeze()
+
+    async def drive(svc: Any, concurrency: int) -> tuple[float, list[float], list[float]]:
+        plans: list[float] = []
+        dones: list[float] = []
+
+        async def one(j: int) -> None:
+            i = rng.randrange(num_sessions)
+            prompt = [i, *base, 5, 7, 8, 9]
+            t0 = time.perf_counter()
+            await svc.plan_turn(f"s{i}", prompt)
+            t1 = time.perf_counter()
+            await svc.turn_done(_done(f"s{i}", prompt, i))
+            plans.append(t1 - t0)
+            dones.append(time.perf_counter() - t1)
+
+        t_all = time.perf_counter()
+        for start in range(0, calls, concurrency):
+            await asyncio.gather(*(one(j) for j in range(start, start + concurrency)))
+        return time.perf_counter() - t_all, plans, dones
+
+    rows = []
+    service = KVService(_service_config(), prefill=None, drain_timeout_s=5.0)
+    asyncio.run(populate(service))
+    wall, plans, dones = asyncio.run(drive(service, 1))
+    rows.append(("in-process", 2 * calls / wall, plans, dones))
+    if with_actor:
+        import ray
+
+        from orchestrator.kv_service_actor import KVServiceActor, ServiceClient
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            actor = KVServiceActor.remote(_service_config(), None, 5.0, 1)  # type: ignore[attr-defined]
+            client = ServiceClient(actor)
+            asyncio.run(populate(client))
+            for concurrency in (1, 16):
+                wall, plans, dones = asyncio.run(drive(client, concurrency))
+                rows.append((f"Ray actor, {concurrency} in flight", 2 * calls / wall, plans, dones))
+        finally:
+            ray.shutdown()
+    lines = [
+        f"KV lifecycle service at {num_sessions:,} live sessions, {prompt_tokens}-token "
+        "prompts (plan_turn + turn_done per turn; latency per call):",
+        f"{'where':>24} {'calls/s':>9} {'plan p50 us':>12} {'plan p99 us':>12} "
+        f"{'done p50 us':>12} {'done p99 us':>12}",
+    ]
+    for name, rate, plans, dones in rows:
+        lines.append(
+            f"{name:>24} {rate:>9,.0f} {_pct(plans, 0.5):>12.1f} {_pct(plans, 0.99):>12.1f} "
+            f"{_pct(dones, 0.5):>12.1f} {_pct(dones, 0.99):>12.1f}"
+        )
+    base_rate = rows[0][1]
+    for name, rate, _, _ in rows[1:]:
+        lines.append(f"{name}: {base_rate / rate:.1f}x the in-process cost per call")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="1024,2048,4096")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-engines", action="store_true")
+    parser.add_argument("--skip-actor", action="store_true")
     args = parser.parse_args()
     lines: list[str] = []
     if not args.skip_engines:
@@ -198,6 +307,8 @@ def main() -> None:
             lines += asyncio.run(_engines(base_url, model, prefill, decode, sizes, args.repeats))
         lines.append("")
     lines += policy_speed()
+    lines.append("")
+    lines += service_speed(with_actor=not args.skip_actor)
     print("\n".join(lines))
 
 

@@ -96,6 +96,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     stop: list[str] = []
     ignore_eos: bool = False
     kv_transfer_params: dict[str, Any] | None = None
+    # The conversation this request serves (None: none). Engines ignore it; the engine
+    # host keeps it in its ledger of kept KV so the KV service can be rebuilt.
+    session_id: str | None = None
 
 
 class GenerateChunk(msgspec.Struct, frozen=True, kw_only=True):
@@ -110,6 +113,10 @@ class GenerateChunk(msgspec.Struct, frozen=True, kw_only=True):
     # Prompt tokens whose KV the engine did not compute itself (prefix cache + pulled).
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    # Seconds until the engine frees the blocks it kept for this request (its
+    # ``remote_blocks_expiry_time`` converted from the engine's own clock when it
+    # reported them); None when it kept none or did not say.
+    kv_expires_in_s: float | None = None
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -129,6 +130,17 @@ def _make_stat_logger(counters: _Counters) -> Any:
     return KVTideStatLogger
 
 
+def _expires_in_s(kv_params: dict[str, Any] | None) -> float | None:
+    """Seconds left on the blocks an engine kept. vLLM's NIXL connector stamps
+    ``remote_blocks_expiry_time`` with ``time.perf_counter()`` in the engine core;
+    on Linux that is CLOCK_MONOTONIC, one clock for every process on the host, so the
+    engine's host converts it here, next to the engine, into a duration."""
+    expiry = (kv_params or {}).get("remote_blocks_expiry_time")
+    if not isinstance(expiry, int | float):
+        return None
+    return max(0.0, float(expiry) - time.perf_counter())
+
+
 class VLLMEngine(EngineAdapter):
     """One vLLM engine in this process. Not thread-safe: use from one event loop."""
 
@@ -231,6 +243,7 @@ class VLLMEngine(EngineAdapter):
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
         async for out in self._llm.generate(prompt, params, request.request_id):
             completion = out.outputs[0] if out.outputs else None
+            kv_params = out.kv_transfer_params if out.finished else None
             yield GenerateChunk(
                 request_id=request.request_id,
                 text=completion.text if completion else "",
@@ -239,7 +252,8 @@ class VLLMEngine(EngineAdapter):
                 finish_reason=completion.finish_reason if completion else None,
                 num_prompt_tokens=len(out.prompt_token_ids or ()),
                 num_cached_tokens=int(out.num_cached_tokens or 0),
-                kv_transfer_params=out.kv_transfer_params if out.finished else None,
+                kv_transfer_params=kv_params,
+                kv_expires_in_s=_expires_in_s(kv_params),
             )
 
     async def abort(self, request_id: str) -> None:

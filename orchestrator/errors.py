@@ -2,26 +2,36 @@
 
     KVTideError
     ├── ConfigError                 a config field is missing or invalid (names the field)
-    ├── RequestError                a client request is invalid → HTTP 4xx
-    │   ├── InvalidRequest          400: malformed JSON, bad parameter values
-    │   ├── ContextLengthExceeded   400: prompt + max_tokens over the model's context
-    │   ├── ModelNotFound           404: the requested model is not served here
-    │   └── UnsupportedMediaType    415: the body is not application/json
-    └── EngineUnavailable           503: no healthy engine in a pool, or an engine failed
+    └── RequestError                a request kvtide cannot serve → OpenAI-style body, HTTP 4xx/5xx
+        ├── InvalidRequest          400: malformed JSON, bad parameter values
+        ├── ContextLengthExceeded   400: prompt + max_tokens over the model's context
+        ├── AuthenticationFailed    401: API key missing, malformed or unknown (never echoed)
+        ├── ModelNotFound           404: the requested model is not served here
+        ├── SessionNotFound         404: no such session for this key (also: another key's)
+        ├── TurnInProgress          409: the session already has a turn running
+        ├── UnsupportedMediaType    415: the body is not application/json
+        ├── LimitExceeded           429: over one of the key's limits (``code`` says which)
+        └── EngineUnavailable       503: no healthy engine in a pool, or an engine failed
 
 "Cannot right now" (no KV to reuse, a pool is busy) is a return value, not an exception.
 """
 
 from __future__ import annotations
 
+import math
+
 __all__ = [
+    "AuthenticationFailed",
     "ConfigError",
     "ContextLengthExceeded",
     "EngineUnavailable",
     "InvalidRequest",
     "KVTideError",
+    "LimitExceeded",
     "ModelNotFound",
     "RequestError",
+    "SessionNotFound",
+    "TurnInProgress",
     "UnsupportedMediaType",
 ]
 
@@ -60,6 +70,10 @@ class RequestError(KVTideError):
             }
         }
 
+    def headers(self) -> dict[str, str]:
+        """HTTP headers the response must carry besides the body (none by default)."""
+        return {}
+
 
 class InvalidRequest(RequestError):
     code = "invalid_request"
@@ -69,14 +83,69 @@ class ContextLengthExceeded(RequestError):
     code = "context_length_exceeded"
 
 
+class AuthenticationFailed(RequestError):
+    """401. The message says how to send a key; it never contains the presented one."""
+
+    status_code = 401
+    error_type = "authentication_error"
+    code = "invalid_api_key"
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": 'Bearer realm="kvtide"'}
+
+
 class ModelNotFound(RequestError):
     status_code = 404
     code = "model_not_found"
 
 
+class SessionNotFound(RequestError):
+    """404. Raised alike for an unknown session and for another key's session, with the
+    same message, so that a caller learns nothing about sessions it does not own."""
+
+    status_code = 404
+    code = "session_not_found"
+
+
+class TurnInProgress(RequestError):
+    """409. The session already has a turn running; retry when it has finished."""
+
+    status_code = 409
+    code = "turn_in_progress"
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "1"}
+
+
 class UnsupportedMediaType(RequestError):
     status_code = 415
     code = "unsupported_media_type"
+
+
+class LimitExceeded(RequestError):
+    """429. Over one of the API key's limits. ``code`` names the limit
+    (``prompt_too_long_for_key``, ``max_tokens_over_key_limit``,
+    ``concurrency_limit_exceeded``); ``retry_after_s`` is set when waiting helps."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message, param)
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
 
 class EngineUnavailable(RequestError):

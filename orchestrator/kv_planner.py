@@ -10,20 +10,13 @@ reports. Requests without a session id never leave records.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+from orchestrator.kv_ledger import kept_blocks_of
+from orchestrator.kv_messages import TurnPlan
 from policies.kv_lifecycle import Effect, KVLifecycle, KVLifecycleConfig, TurnAction
 
 __all__ = ["Effect", "KVPlanner", "TurnPlan", "kv_lifecycle_config"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TurnPlan:
-    kind: Literal["pull", "recompute"]
-    reason: str
-    kv_transfer_params: Mapping[str, Any] | None = None
-    num_reusable_tokens: int = 0
 
 
 def kv_lifecycle_config(
@@ -44,19 +37,6 @@ def kv_lifecycle_config(
         block_size_tokens=block_size_tokens,
         idle_budget_bytes_per_engine=idle_budget_bytes_per_engine,
     )
-
-
-def _flat_blocks(value: object) -> tuple[int, ...]:
-    """vLLM reports block ids per KV-cache group: ``[[1, 2, 3]]``."""
-    if not isinstance(value, list | tuple):
-        return ()
-    out: list[int] = []
-    for item in value:
-        if isinstance(item, list | tuple):
-            out.extend(int(b) for b in item)
-        else:
-            out.append(int(item))  # type: ignore[call-overload]
-    return tuple(out)
 
 
 class KVPlanner:
@@ -91,25 +71,27 @@ class KVPlanner:
         token_ids: Sequence[int],
         kv_transfer_params: Mapping[str, Any] | None,
         now_s: float,
+        *,
+        expiry_s: float | None = None,
     ) -> list[Effect]:
-        """Record the blocks the decode engine kept (its final ``kv_transfer_params``)."""
+        """Record the blocks the decode engine kept (its final ``kv_transfer_params``).
+
+        ``expiry_s``: the engine's expiry converted to this clock (None: ``now_s`` +
+        TTL, a few ms late, which the safety margin covers)."""
         if session_id is None:
             return []
-        params = kv_transfer_params or {}
-        num_tokens = int(params.get("remote_num_tokens") or 0)
-        engine_id = str(params.get("remote_engine_id") or "")
-        if not params.get("do_remote_decode") or num_tokens <= 0 or not engine_id:
+        kept = kept_blocks_of(kv_transfer_params)
+        if kept is None:
             # The engine kept nothing to send back (send-back off, or an aborted turn).
             return self.lifecycle.on_turn_abandoned(session_id, now_s=now_s)
+        engine_id, _, block_ids, num_tokens = kept
         return self.lifecycle.on_turn_finished(
             session_id,
             engine_id=engine_id,
             token_ids_covered=token_ids[:num_tokens],
-            block_ids=_flat_blocks(params.get("remote_block_ids")),
-            transfer_params=params,
-            # The engine's expiry is on its own clock; ours starts a few ms later, which
-            # the safety margin covers.
-            expiry_s=None,
+            block_ids=block_ids,
+            transfer_params=kv_transfer_params or {},
+            expiry_s=expiry_s,
             now_s=now_s,
         )
 

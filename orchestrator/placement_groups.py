@@ -278,11 +278,13 @@ class PlacedEngine:
     def uses_node(self, node_id: str) -> bool:
         return node_id == self.host_node_id or any(r.node_id == node_id for r in self.ranks)
 
-    def host_actor_options(self) -> dict[str, Any]:
+    def host_actor_options(self, *, env_vars: Mapping[str, str] | None = None) -> dict[str, Any]:
         """Ray actor options that put the engine host in its bundle.
 
         Child tasks and actors (vLLM's TP workers with
-        `distributed_executor_backend="ray"`) join the same group.
+        `distributed_executor_backend="ray"`) join the same group. `env_vars` go
+        into the host's runtime env, which those children inherit: the way to
+        give vLLM's workers a variable they read at process start.
         """
         index = self.spec.host_bundle_index
         if index is None:
@@ -290,7 +292,7 @@ class PlacedEngine:
                 f"engine {self.engine_id!r} was placed without a host bundle; "
                 f"place it with host_num_cpus > 0"
             )
-        return {
+        options: dict[str, Any] = {
             "num_cpus": self.spec.bundles[index]["CPU"],
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 self.group,
@@ -298,6 +300,9 @@ class PlacedEngine:
                 placement_group_capture_child_tasks=True,
             ),
         }
+        if env_vars:
+            options["runtime_env"] = {"env_vars": dict(env_vars)}
+        return options
 
 
 def create_group(spec: GroupSpec, plan: PlacementPlan, *, timeout_s: float) -> PlacedEngine:

@@ -30,7 +30,7 @@ from placement.devices import DEVICES, DeviceSpec, device_by_name
 from placement.model_catalog import BUILTIN_MODELS, load_model_spec
 from placement.model_errors import UnknownDevice, UnsupportedModel
 from placement.model_spec import ModelSpec
-from placement.pools import PlanRow, plan_table
+from placement.pools import PlanRow, PoolPlan, Workload, plan_pools, plan_table
 
 __all__ = ["add_plan_parser", "cmd_plan", "format_plan"]
 
@@ -77,6 +77,32 @@ def add_plan_parser(subparsers: Any) -> None:
         "--users", type=_positive_int, default=64, help="concurrent users (default 64)"
     )
     plan.add_argument("--plot", metavar="PATH", help="also write a PNG of decode speed vs context")
+    plan.add_argument(
+        "--pools",
+        metavar="MIX",
+        type=_mix_arg,
+        help="also size a TP-only decode pool and a TP+DCP long-context pool for a workload "
+        "whose decode contexts are MIX (context:share,... e.g. 8k:0.7,64k:0.2,256k:0.1), and "
+        "print the routing threshold between them as kvtide config",
+    )
+    plan.add_argument(
+        "--sessions-per-s", type=float, default=1.0, help="with --pools: arrivals (default 1)"
+    )
+    plan.add_argument(
+        "--turns", type=float, default=1.0, help="with --pools: turns per session (default 1)"
+    )
+    plan.add_argument(
+        "--output-tokens",
+        type=_positive_int,
+        default=512,
+        help="with --pools: output tokens per turn (default 512)",
+    )
+    plan.add_argument(
+        "--min-tokens-per-s-per-user",
+        type=float,
+        default=0.0,
+        help="with --pools: latency target per user (default none)",
+    )
     plan.set_defaults(func=cmd_plan)
 
 
@@ -88,9 +114,46 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if tps:
         _check_tps(spec, tps)
     print(format_plan(spec, devices, context_tokens=args.context, users=args.users, tps=tps))
+    if args.pools is not None:
+        workload = Workload(
+            sessions_per_s=args.sessions_per_s,
+            contexts=args.pools,
+            turns_per_session=args.turns,
+            output_tokens_per_turn=args.output_tokens,
+            min_tokens_per_s_per_user=args.min_tokens_per_s_per_user,
+        )
+        for device in devices:
+            print()
+            print(format_pools(plan_pools(spec, device, workload, tps=tps), spec, device))
     if args.plot:
         return _write_plot(spec, devices, args.context, args.users, tps, args.plot)
     return 0
+
+
+def format_pools(plan: PoolPlan, spec: ModelSpec, device: DeviceSpec) -> str:
+    """The pool plan and the config the router uses (``decode``, ``decode_long``,
+    ``routing.long_context_threshold_tokens``)."""
+    lines = [f"decode pools for {spec.name} on {device.name}:"]
+    lines += [f"  {reason}" for reason in plan.reasons]
+    if plan.short_pool is None and plan.long_pool is None:
+        return "\n".join(lines)
+    lines.append("  kvtide config:")
+    pools = [p for p in (plan.short_pool, plan.long_pool) if p is not None]
+    # One pool serves everything: it is the decode pool, whatever its shape.
+    for name, pool in zip(("decode", "decode_long"), pools, strict=False):
+        lines += [
+            f"    {name}:",
+            f"      num_engines: {pool.num_replicas}",
+            f"      tensor_parallel_size: {pool.shape.tp}",
+        ]
+        if pool.shape.dcp > 1:
+            lines.append(f"      decode_context_parallel_size: {pool.shape.dcp}")
+    if plan.short_pool is not None and plan.long_pool is not None:
+        lines += [
+            "    routing:",
+            f"      long_context_threshold_tokens: {plan.threshold_tokens}",
+        ]
+    return "\n".join(lines)
 
 
 def format_plan(
@@ -313,6 +376,25 @@ def _tokens_arg(value: str) -> int:
     if text.endswith("k"):
         return _positive_int(text[:-1]) * 1024
     return _positive_int(text)
+
+
+def _mix_arg(value: str) -> ContextMix:
+    """``8k:0.7,64k:0.2,256k:0.1`` → a ContextMix (shares need not sum to 1)."""
+    buckets = []
+    for part in value.split(","):
+        tokens, sep, share = part.partition(":")
+        if not sep:
+            raise argparse.ArgumentTypeError(
+                f"{part!r}: write each bucket as context:share, e.g. 64k:0.2"
+            )
+        try:
+            weight = float(share)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r}: the share must be a number") from None
+        if weight <= 0:
+            raise argparse.ArgumentTypeError(f"{part!r}: the share must be above 0")
+        buckets.append((_tokens_arg(tokens), weight))
+    return ContextMix.of(buckets)
 
 
 def _unique(items: Any) -> list[Any]:

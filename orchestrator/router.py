@@ -2,25 +2,21 @@
 
 ``Router.run_turn`` drives one request through the pools:
 
-1. ask the KV planner what to do with this session's prompt (pull the previous turn's KV
-   back from the decode engine that holds it, or plain prefill);
+1. ask the KV lifecycle service what to do with this session's prompt (pull the
+   previous turn's KV back from the decode engine that holds it, or plain prefill);
 2. prefill with ``max_tokens=1`` and ``do_remote_decode`` (plus the pull params when
    reusing), bounded by ``pull_timeout_s``: a hung or failed pull becomes a plain prefill,
    never a lost turn;
 3. stream decode with the prefill engine's returned ``kv_transfer_params`` (the decode
    engine pulls the prompt's KV over NIXL);
-4. hand the decode engine's final params (its kept blocks) back to the planner.
+4. hand the decode engine's final params (its kept blocks) and the tokens the session
+   continues from to the service in one ``TurnDone`` (the service drains what nobody
+   will reuse; see ``orchestrator.kv_service``).
 
-Draining. vLLM 0.32's decode engine pins every P/D request's blocks until its TTL
-(``decoder_kv_blocks_ttl``) unless a prefill engine reads them; only a completed read
-frees them early. So the router *drains* blocks nobody will reuse — a request without a
-session, a session closed or evicted by the memory budget — with a ``max_tokens=1``
-pull into the prefill engine (where the KV lands in its evictable prefix cache). A drain
-needs the exact tokens the blocks hold (checked against the record's prefix hash): KV
-pulled under the wrong tokens would poison the prefill engine's prefix cache.
-
-Pools are reached through ``PoolClient`` so this module has no Ray in it and is tested
-with hand-written fakes; ``orchestrator.serve`` passes Serve deployment handles.
+Every started turn ends with ``turn_done`` or ``turn_abandoned``, also when the client
+goes away. Pools and the service are reached through protocols, so this module has no
+Ray in it and is tested with hand-written fakes; ``orchestrator.serve`` passes Serve
+deployment handles and the service actor's client.
 """
 
 from __future__ import annotations
@@ -29,14 +25,18 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from opentelemetry.trace import Span, SpanKind
+
 from engines.base import GenerateChunk, GenerateRequest
+from orchestrator import tracing as tr
 from orchestrator.errors import EngineUnavailable
-from orchestrator.kv_planner import Effect, KVPlanner, TurnPlan
-from policies.kv_lifecycle import prefix_hash
+from orchestrator.kv_messages import TurnDone, TurnPlan
+from orchestrator.kv_service import KVServiceAPI
+from orchestrator.metrics import Metrics
 
 __all__ = ["KV_SOURCES", "PoolClient", "Router", "TurnReport"]
 
@@ -48,6 +48,10 @@ KV_SOURCES = {
     "prefix_cache": "prefix cache on the prefill engine",
     "recomputed": "computed on the prefill engine",
 }
+
+
+def _bytes(attrs: Mapping[str, Any]) -> int:
+    return int(attrs[tr.KV_TRANSFER_BYTES])
 
 
 class PoolClient(Protocol):
@@ -69,6 +73,7 @@ class TurnReport:
     kv_plan: str = "recompute"
     kv_plan_reason: str = ""
     pull_fallback: bool = False
+    decode_pool: str = "decode"
     prefill_s: float = 0.0
     ttft_s: float = 0.0
     total_s: float = 0.0
@@ -84,9 +89,11 @@ class TurnReport:
             "kv_plan": self.kv_plan,
             "kv_plan_reason": self.kv_plan_reason,
             "pull_fallback": self.pull_fallback,
+            "decode_pool": self.decode_pool,
             "num_cached_tokens": self.num_cached_tokens,
             "prefill_s": round(self.prefill_s, 6),
             "ttft_s": round(self.ttft_s, 6),
+            "total_s": round(self.total_s, 6),
             "router_s": round(self.router_s, 6),
         }
 
@@ -108,66 +115,43 @@ class Router:
         *,
         prefill: PoolClient,
         decode: PoolClient,
-        planner: KVPlanner,
+        kv: KVServiceAPI,
         pull_timeout_s: float,
+        eos_token_id: int | None = None,
+        decode_long: PoolClient | None = None,
+        long_context_threshold_tokens: int | None = None,
+        metrics: Metrics | None = None,
+        block_size_tokens: int = 16,
+        kv_bytes_per_token: int = 0,
         clock: Callable[[], float] = time.monotonic,
-        tokens_of: Callable[[str], Sequence[int] | None] = lambda _: None,
     ) -> None:
+        if (decode_long is None) != (long_context_threshold_tokens is None):
+            raise ValueError(
+                "a long-context decode pool needs long_context_threshold_tokens, and the "
+                "threshold needs the pool: give both or neither"
+            )
         self.prefill = prefill
         self.decode = decode
-        self.planner = planner
+        self.decode_long = decode_long
+        self.long_context_threshold_tokens = long_context_threshold_tokens
+        self.metrics = metrics if metrics is not None else Metrics()
+        # For the transfer spans' byte counts (blocks x block size x bytes per token).
+        self.block_size_tokens = block_size_tokens
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.kv = kv
         self.pull_timeout_s = pull_timeout_s
+        self.eos_token_id = eos_token_id
         self.clock = clock
-        self.tokens_of = tokens_of  # a session's exact token ids, for draining
-        self._drains: set[asyncio.Task[None]] = set()
-        self.num_drains = 0
-        self.num_drain_failures = 0
-        self.num_undrainable = 0
 
-    # ---- draining -------------------------------------------------------------------
-
-    def apply(self, effects: Sequence[Effect]) -> None:
-        """Apply the planner's effects: drain records nobody will reuse, when possible."""
-        for effect in effects:
-            if not effect.drainable:
-                continue  # expiring anyway: the engine frees the blocks at its TTL
-            record = effect.record
-            ids = self.tokens_of(record.session_id)
-            if (
-                ids is None
-                or len(ids) <= record.num_tokens
-                or prefix_hash(ids, record.num_tokens) != record.prefix_hash
-            ):
-                self.num_undrainable += 1
-                continue
-            self.drain(dict(record.transfer_params), ids[: record.num_tokens + 1])
-
-    def drain(self, params: dict[str, Any], token_ids: Sequence[int]) -> None:
-        """Free a decode engine's kept blocks by reading them into a prefill engine."""
-        if not params.get("do_remote_decode") or not params.get("remote_block_ids"):
-            return
-        task = asyncio.get_running_loop().create_task(self._drain(params, list(token_ids)))
-        self._drains.add(task)
-        task.add_done_callback(self._drains.discard)
-
-    async def _drain(self, params: dict[str, Any], token_ids: list[int]) -> None:
-        req = GenerateRequest(
-            request_id=f"drain-{uuid.uuid4().hex}",
-            prompt_token_ids=token_ids,
-            max_tokens=1,
-            kv_transfer_params={**params, "do_remote_decode": True, "do_remote_prefill": False},
-        )
-        try:
-            await self._prefill(req, self.pull_timeout_s)
-            self.num_drains += 1
-        except Exception as exc:
-            self.num_drain_failures += 1
-            log.warning("drain of %s failed: %s", params.get("remote_request_id"), exc)
-
-    async def wait_drains(self) -> None:
-        """Wait for the drains in flight (tests and shutdown)."""
-        while self._drains:
-            await asyncio.gather(*list(self._drains), return_exceptions=True)
+    def decode_pool_for(self, num_prompt_tokens: int) -> tuple[str, PoolClient]:
+        """The decode pool of a prompt: the long-context pool (TP+DCP) above the pool
+        planner's threshold (``placement.pools.PoolPlan.threshold_tokens``), the TP-only
+        pool up to it."""
+        threshold = self.long_context_threshold_tokens
+        if self.decode_long is not None and threshold is not None:
+            if num_prompt_tokens > threshold:
+                return "decode_long", self.decode_long
+        return "decode", self.decode
 
     async def _prefill(self, req: GenerateRequest, timeout_s: float | None) -> GenerateChunk:
         try:
@@ -189,24 +173,59 @@ class Router:
         stop: tuple[str, ...] = (),
         ignore_eos: bool = False,
         request_id: str | None = None,
+        prompt_text: str | None = None,
+        trace_parent: tr.Parent = None,
     ) -> AsyncIterator[tuple[GenerateChunk, TurnReport]]:
-        """Stream decode chunks; each comes with the (growing) turn report."""
+        """Stream decode chunks; each comes with the (growing) turn report.
+
+        ``prompt_text``: the rendered prompt, when it came as text; the session's next
+        turn continues tokenizing from it plus the generated text. ``trace_parent``: the
+        ingress span the turn's spans hang under (see ``orchestrator.tracing``).
+        """
         rid = request_id or uuid.uuid4().hex
-        t0 = self.clock()
         report = TurnReport(
             request_id=rid, session_id=session_id, num_prompt_tokens=len(prompt_token_ids)
         )
-        plan: TurnPlan = self.planner.plan_turn(session_id, prompt_token_ids, t0)
-        report.kv_plan, report.kv_plan_reason = plan.kind, plan.reason
-
-        base = {
-            "prompt_token_ids": prompt_token_ids,
+        sampling = {
             "temperature": temperature,
             "top_p": top_p,
             "seed": seed,
             "stop": list(stop),
             "ignore_eos": ignore_eos,
         }
+        with tr.span(
+            tr.SPAN_ROUTE,
+            {tr.GEN_AI_RESPONSE_ID: rid, tr.GEN_AI_CONVERSATION_ID: session_id},
+            parent=trace_parent,
+        ) as route:
+            async for item in self._turn(
+                route, report, prompt_token_ids, max_tokens, session_id, prompt_text, sampling
+            ):
+                yield item
+            tr.set_attrs(route, {tr.KV_SOURCE: report.kv_source})
+
+    async def _turn(
+        self,
+        route: Span,
+        report: TurnReport,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        session_id: str | None,
+        prompt_text: str | None,
+        sampling: dict[str, Any],
+    ) -> AsyncIterator[tuple[GenerateChunk, TurnReport]]:
+        rid = report.request_id
+        t0 = self.clock()
+        with tr.span(tr.SPAN_KV_DECISION, parent=route) as decision:
+            plan = (
+                TurnPlan(kind="recompute", reason="no_session")
+                if session_id is None
+                else await self.kv.plan_turn(session_id, prompt_token_ids)
+            )
+            tr.set_attrs(decision, {tr.KV_PLAN: plan.kind, tr.KV_PLAN_REASON: plan.reason})
+        report.kv_plan, report.kv_plan_reason = plan.kind, plan.reason
+
+        base = {"prompt_token_ids": prompt_token_ids, "session_id": session_id, **sampling}
         params: dict[str, Any] = {"do_remote_decode": True}
         if plan.kind == "pull" and plan.kv_transfer_params is not None:
             params = {
@@ -218,17 +237,19 @@ class Router:
         done = False
         try:
             async for item in self._stream(
-                plan, params, base, rid, max_tokens, report, t0, t_engine
+                route, plan, params, base, rid, max_tokens, report, t0, t_engine, prompt_text
             ):
                 if item[0].finished:
                     done = True
                 yield item
         finally:
-            if not done:  # failed, cancelled or the client went away: no record kept
-                self.apply(self.planner.abandon(session_id, self.clock()))
+            if not done and session_id is not None:
+                # Failed, cancelled or the client went away: no record kept.
+                await asyncio.shield(self.kv.turn_abandoned(session_id))
 
     async def _stream(
         self,
+        route: Span,
         plan: TurnPlan,
         params: dict[str, Any],
         base: dict[str, Any],
@@ -237,31 +258,13 @@ class Router:
         report: TurnReport,
         t0: float,
         t_engine: float,
+        prompt_text: str | None,
     ) -> AsyncIterator[tuple[GenerateChunk, TurnReport]]:
-        session_id = report.session_id
         prompt_token_ids: list[int] = base["prompt_token_ids"]
-        try:
-            pre = await self._prefill(
-                GenerateRequest(
-                    request_id=f"{rid}-p", max_tokens=1, kv_transfer_params=params, **base
-                ),
-                self.pull_timeout_s if plan.kind == "pull" else None,
-            )
-        except (TimeoutError, EngineUnavailable):
-            if plan.kind != "pull":
-                raise
-            # The pull hung or failed: forget those blocks and prefill from scratch.
-            self.apply(self.planner.pull_failed(session_id, self.clock()))
-            report.pull_fallback = True
-            pre = await self._prefill(
-                GenerateRequest(
-                    request_id=f"{rid}-r",
-                    max_tokens=1,
-                    kv_transfer_params={"do_remote_decode": True},
-                    **base,
-                ),
-                None,
-            )
+        with tr.span(
+            tr.SPAN_PREFILL, {tr.ENGINE_POOL: "prefill"}, parent=route, kind=SpanKind.CLIENT
+        ) as prefill_span:
+            pre = await self._prefill_turn(prefill_span, plan, params, base, rid, report)
         report.prefill_s = self.clock() - t_engine
         report.num_cached_tokens = pre.num_cached_tokens
         if pre.num_cached_tokens > 0:
@@ -278,26 +281,177 @@ class Router:
             kv_transfer_params=pre.kv_transfer_params,
             **base,
         )
+        report.decode_pool, decode = self.decode_pool_for(len(prompt_token_ids))
+        with tr.span(
+            tr.SPAN_DECODE,
+            {tr.ENGINE_POOL: report.decode_pool},
+            parent=route,
+            kind=SpanKind.CLIENT,
+        ) as decode_span:
+            async for item in self._decode(
+                route, decode_span, decode, decode_req, pre, report, t0, t_engine, prompt_text
+            ):
+                yield item
+
+    async def _prefill_turn(
+        self,
+        span: Span,
+        plan: TurnPlan,
+        params: dict[str, Any],
+        base: dict[str, Any],
+        rid: str,
+        report: TurnReport,
+    ) -> GenerateChunk:
+        """The prefill, pulling the kept KV back when planned; a failed or hung pull
+        becomes a plain prefill."""
+        t_start = tr.now_ns()
+        try:
+            pre = await self._prefill(
+                GenerateRequest(
+                    request_id=f"{rid}-p", max_tokens=1, kv_transfer_params=params, **base
+                ),
+                self.pull_timeout_s if plan.kind == "pull" else None,
+            )
+        except (TimeoutError, EngineUnavailable) as exc:
+            if plan.kind != "pull":
+                raise
+            # The pull hung or failed: forget those blocks and prefill from scratch.
+            assert report.session_id is not None
+            self.metrics.inc("kvtide_kv_transfer_failures_total")
+            tr.record_error(
+                tr.record_span(
+                    tr.SPAN_KV_TRANSFER,
+                    t_start,
+                    tr.now_ns(),
+                    self._transfer_attrs(plan.kv_transfer_params, "decode_to_prefill"),
+                    parent=span,
+                ),
+                exc,
+            )
+            await self.kv.pull_failed(report.session_id)
+            report.pull_fallback = True
+            pre = await self._prefill(
+                GenerateRequest(
+                    request_id=f"{rid}-r",
+                    max_tokens=1,
+                    kv_transfer_params={"do_remote_decode": True},
+                    **base,
+                ),
+                None,
+            )
+        else:
+            if plan.kind == "pull":
+                attrs = self._transfer_attrs(plan.kv_transfer_params, "decode_to_prefill")
+                tr.record_span(tr.SPAN_KV_TRANSFER, t_start, tr.now_ns(), attrs, parent=span)
+                self.metrics.inc("kvtide_kv_send_backs_total")
+                self.metrics.add_transfer_bytes("decode_to_prefill", _bytes(attrs))
+        if plan.kind != "pull" or report.pull_fallback:
+            self.metrics.inc("kvtide_kv_recomputes_total")
+        tr.set_attrs(
+            span,
+            {tr.KV_CACHED_TOKENS: pre.num_cached_tokens, tr.PULL_FALLBACK: report.pull_fallback},
+        )
+        return pre
+
+    def _transfer_attrs(
+        self, params: Mapping[str, Any] | None, direction: tr.Direction
+    ) -> dict[str, Any]:
+        return tr.kv_transfer_attrs(
+            tr.num_blocks_in(params), self.block_size_tokens, self.kv_bytes_per_token, direction
+        )
+
+    async def _decode(
+        self,
+        route: Span,
+        span: Span,
+        decode: PoolClient,
+        decode_req: GenerateRequest,
+        pre: GenerateChunk,
+        report: TurnReport,
+        t0: float,
+        t_engine: float,
+        prompt_text: str | None,
+    ) -> AsyncIterator[tuple[GenerateChunk, TurnReport]]:
+        session_id = report.session_id
+        prompt_token_ids = decode_req.prompt_token_ids
         output_ids: list[int] = []
+        output_text: list[str] = []
         first = True
+        prev = 0.0
         # kvtide's own work: planning before the engines, booking after them.
         report.router_s = t_engine - t0
-        async for chunk in self.decode.generate(decode_req):
+        t_start = tr.now_ns()
+        async for chunk in decode.generate(decode_req):
             now = self.clock()
             if first and (chunk.token_ids or chunk.finished):
                 report.ttft_s = now - t0
                 first = False
+                # The decode engine pulled the prompt's KV before its first token.
+                attrs = self._transfer_attrs(pre.kv_transfer_params, "prefill_to_decode")
+                tr.record_span(tr.SPAN_KV_TRANSFER, t_start, tr.now_ns(), attrs, parent=span)
+                self.metrics.add_transfer_bytes("prefill_to_decode", _bytes(attrs))
+                self.metrics.observe_ttft(report.decode_pool, report.ttft_s)
+            elif chunk.token_ids:  # a stream item may carry several tokens
+                self.metrics.observe_itl(report.decode_pool, (now - prev) / len(chunk.token_ids))
+            prev = now
             output_ids.extend(chunk.token_ids)
+            output_text.append(chunk.text)
             report.num_completion_tokens = len(output_ids)
             if chunk.finished:
                 report.finish_reason = chunk.finish_reason
                 report.total_s = now - t0
-                covered = prompt_token_ids + output_ids
-                if session_id is None and chunk.kv_transfer_params:
-                    # Nobody will pull these blocks back: free them now, not at the TTL.
-                    self.drain(dict(chunk.kv_transfer_params), covered)
-                self.apply(
-                    self.planner.turn_finished(session_id, covered, chunk.kv_transfer_params, now)
+                tr.set_attrs(
+                    span,
+                    {
+                        tr.DECODE_TTFT_S: report.ttft_s,
+                        tr.DECODE_TOKENS: len(output_ids),
+                        tr.GEN_AI_RESPONSE_FINISH_REASONS: (chunk.finish_reason or "",),
+                    },
                 )
+                next_text, next_ids = self._continuation(
+                    prompt_text,
+                    list(prompt_token_ids),
+                    output_text,
+                    output_ids,
+                    chunk.finish_reason,
+                )
+                kept = chunk.kv_transfer_params
+                with tr.span(
+                    tr.SPAN_SEND_BACK,
+                    {
+                        tr.ENGINE_ID: (kept or {}).get("remote_engine_id"),
+                        tr.KV_TRANSFER_BLOCKS: tr.num_blocks_in(kept),
+                    },
+                    parent=route,
+                ):
+                    await self.kv.turn_done(
+                        TurnDone(
+                            session_id=session_id,
+                            token_ids=[*prompt_token_ids, *output_ids],
+                            kv_transfer_params=kept,
+                            kv_expires_in_s=chunk.kv_expires_in_s,
+                            next_text=next_text,
+                            next_token_ids=next_ids,
+                        )
+                    )
                 report.router_s += self.clock() - now
             yield chunk, report
+
+    def _continuation(
+        self,
+        prompt_text: str | None,
+        prompt_ids: list[int],
+        output_text: list[str],
+        output_ids: list[int],
+        finish_reason: str | None,
+    ) -> tuple[str | None, list[int] | None]:
+        """What the session's next turn continues tokenizing from: this turn's text and
+        exact ids (see ``orchestrator.session_tokens``). A stop string cuts text and
+        tokens apart: then nothing (the next turn tokenizes from scratch)."""
+        ids = list(output_ids)
+        if finish_reason == "stop":
+            if not ids or ids[-1] != self.eos_token_id:
+                return None, None
+            ids.pop()  # the chat template writes the end-of-turn token itself
+        text = None if prompt_text is None else prompt_text + "".join(output_text)
+        return text, prompt_ids + ids

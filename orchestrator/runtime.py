@@ -87,8 +87,13 @@ def shutdown() -> None:
     import ray
     from ray import serve
 
+    from orchestrator.kv_service_actor import lookup_service
+
     try:
         serve.shutdown()
+        service = lookup_service(APP_NAME)  # detached: outlives the app on a shared cluster
+        if service is not None:
+            ray.kill(service)
     finally:
         ray.shutdown()
 

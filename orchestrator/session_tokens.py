@@ -22,7 +22,25 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["SessionTokens"]
+__all__ = ["SessionTokens", "continue_tokens"]
+
+
+def continue_tokens(
+    last_text: str | None,
+    last_token_ids: Sequence[int],
+    text: str,
+    *,
+    full: Callable[[str], Sequence[int]],
+    suffix: Callable[[str], Sequence[int]],
+) -> list[int]:
+    """Token ids of ``text``: the last turn's exact ids plus the new suffix's tokens when
+    ``text`` extends the last turn's text, else ``text`` tokenized from scratch.
+
+    ``full`` tokenizes a whole prompt (with any BOS); ``suffix`` a continuation.
+    """
+    if last_text is not None and len(text) > len(last_text) and text.startswith(last_text):
+        return [*last_token_ids, *suffix(text[len(last_text) :])]
+    return list(full(text))
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,20 +70,12 @@ class SessionTokens:
         suffix: Callable[[str], Sequence[int]],
         now_s: float,
     ) -> list[int]:
-        """Token ids of ``text``, continuing the session's last turn where it matches.
-
-        ``full`` tokenizes a whole prompt (with any BOS); ``suffix`` a continuation.
-        """
-        turn = self._turns.get(session_id) if session_id is not None else None
-        if (
-            turn is not None
-            and turn.text is not None
-            and now_s - turn.stored_s <= self.ttl_s
-            and len(text) > len(turn.text)
-            and text.startswith(turn.text)
-        ):
-            return [*turn.token_ids, *suffix(text[len(turn.text) :])]
-        return list(full(text))
+        """Token ids of ``text``, continuing the session's last turn where it matches
+        (see ``continue_tokens``)."""
+        if session_id is None:
+            return list(full(text))
+        last_text, last_ids = self.last_turn(session_id, now_s)
+        return continue_tokens(last_text, last_ids, text, full=full, suffix=suffix)
 
     def remember(
         self, session_id: str | None, text: str | None, token_ids: Sequence[int], now_s: float
@@ -78,6 +88,14 @@ class SessionTokens:
         self._turns.move_to_end(session_id)
         while len(self._turns) > self.max_sessions:
             self._turns.popitem(last=False)
+
+    def last_turn(self, session_id: str, now_s: float) -> tuple[str | None, Sequence[int]]:
+        """The text and ids the session's last turn covered (``(None, ())``: nothing
+        usable), for a tokenizer elsewhere to continue with ``continue_from``."""
+        turn = self._turns.get(session_id)
+        if turn is None or now_s - turn.stored_s > self.ttl_s:
+            return None, ()
+        return turn.text, turn.token_ids
 
     def token_ids(self, session_id: str) -> Sequence[int] | None:
         """The exact token ids the session's last turn covered, if remembered."""

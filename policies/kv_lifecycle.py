@@ -169,18 +169,15 @@ class KVLifecycle:
                 "call on_turn_abandoned when the engine kept no KV"
             )
         config = self._config
-        num_tokens = len(token_ids_covered)
-        record = KVRecord(
-            session_id=session_id,
+        record = self.new_record(
+            session_id,
             engine_id=engine_id,
-            pool_id=pool_id,
-            block_ids=tuple(block_ids),
-            num_tokens=num_tokens,
-            prefix_hash=prefix_hash(token_ids_covered),
+            token_ids_covered=token_ids_covered,
+            block_ids=block_ids,
+            transfer_params=transfer_params,
             expiry_s=now_s + config.ttl_s if expiry_s is None else expiry_s,
             last_used_s=now_s,
-            bytes_held=kv_bytes(num_tokens, config),
-            transfer_params=transfer_params,
+            pool_id=pool_id,
         )
         books = self._books
         session = books.session(session_id, now_s)  # started anew if closed meanwhile
@@ -326,12 +323,71 @@ class KVLifecycle:
             effects.extend(kv._enforce_budget(engine_id))
         return kv, effects
 
+    def adopt(self, record: KVRecord, now_s: float) -> list[Effect]:
+        """Take into live books a record an engine reports after the service restarted.
+
+        The service keeps serving while engines report what they still hold, so the
+        session may have moved on already:
+
+        - it holds the same blocks (current or being pulled): a duplicate, nothing to do;
+        - it has another record or a turn in flight: the reported blocks belong to an
+          older turn nobody will pull again: released (drainable, so they are read back
+          now instead of pinned until their TTL);
+        - otherwise the record is booked as the session's, with a fresh lease (leases
+          from before the restart are lost), expired at once when past its offer
+          deadline, and the engine's budget is enforced.
+        """
+        session = self._books.sessions.get(record.session_id)
+        if session is not None:
+            same = (record.engine_id, record.block_ids)
+            for held in (session.record, session.pulling):
+                if held is not None and (held.engine_id, held.block_ids) == same:
+                    return []
+            if session.record is not None or session.active or session.pulling is not None:
+                return [self._release(record, ReleaseReason.SUPERSEDED)]
+        session = self._books.session(record.session_id, now_s)
+        self._books.attach(record.session_id, session, record)
+        if now_s >= record.offer_deadline_s(self._config.safety_margin_s):
+            return [self._expire(record.session_id, session)]
+        return self._enforce_budget(record.engine_id)
+
+    def new_record(
+        self,
+        session_id: str,
+        *,
+        engine_id: str,
+        token_ids_covered: Sequence[int],
+        block_ids: Sequence[int],
+        transfer_params: Mapping[str, object],
+        expiry_s: float,
+        last_used_s: float,
+        pool_id: str = "decode",
+    ) -> KVRecord:
+        """A record as ``on_turn_finished`` would book it (for ``adopt`` and ``rebuild``)."""
+        return KVRecord(
+            session_id=session_id,
+            engine_id=engine_id,
+            pool_id=pool_id,
+            block_ids=tuple(block_ids),
+            num_tokens=len(token_ids_covered),
+            prefix_hash=prefix_hash(token_ids_covered),
+            expiry_s=expiry_s,
+            last_used_s=last_used_s,
+            bytes_held=kv_bytes(len(token_ids_covered), self._config),
+            transfer_params=transfer_params,
+        )
+
     # -- queries (side-effect free) ---------------------------------------------------
 
     def record(self, session_id: str) -> KVRecord | None:
         """The session's current record (not one handed to a pull), if any."""
         session = self._books.sessions.get(session_id)
         return None if session is None else session.record
+
+    def lease_expiry(self, session_id: str) -> float | None:
+        """When the session's lease runs out (None: unknown session)."""
+        session = self._books.sessions.get(session_id)
+        return None if session is None else session.lease_expiry_s
 
     def records(self) -> list[KVRecord]:
         """Every current record: what ``rebuild`` needs to restore these books."""

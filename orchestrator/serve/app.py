@@ -35,13 +35,13 @@ def prepare_model(config: KVTideConfig) -> str:
 def build_app(config: KVTideConfig) -> Application:
     """The Serve application for ``config`` (engines start when it is deployed)."""
     prepare_model(config)
-    prefill = EngineHost.options(**engine_deployment_options(config, "prefill")).bind(
-        config, "prefill"
-    )
-    decode = EngineHost.options(**engine_deployment_options(config, "decode")).bind(
-        config, "decode"
-    )
-    return Ingress.bind(config, prefill, decode)
+    pools = {
+        pool.name: EngineHost.options(**engine_deployment_options(config, pool.name)).bind(
+            config, pool.name
+        )
+        for pool in config.pools()
+    }
+    return Ingress.bind(config, pools["prefill"], pools["decode"], pools.get("decode_long"))
 
 
 def app_builder(args: dict[str, Any]) -> Application:

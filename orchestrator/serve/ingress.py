@@ -15,26 +15,45 @@ import asyncio
 import gc
 import json
 import logging
-import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry.trace import Span
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from engines.base import GenerateChunk, GenerateRequest
+from engines.base import GenerateChunk
+from orchestrator import tracing as tr
 from orchestrator.config import KVTideConfig
-from orchestrator.errors import ContextLengthExceeded, EngineUnavailable, RequestError
-from orchestrator.kv_planner import KVPlanner, kv_lifecycle_config
+from orchestrator.errors import (
+    ContextLengthExceeded,
+    EngineUnavailable,
+    InvalidRequest,
+    RequestError,
+    TurnInProgress,
+)
+from orchestrator.kv_messages import SessionInfo
+from orchestrator.kv_planner import kv_lifecycle_config
+from orchestrator.kv_service_actor import ServiceClient, get_or_create_service
+from orchestrator.metrics import http_status, make_metrics
 from orchestrator.model_info import kv_bytes_per_token_of
 from orchestrator.router import Router, TurnReport
 from orchestrator.serve import openai_api as api
-from orchestrator.session_tokens import SessionTokens
+from orchestrator.serve.auth import (
+    Authenticator,
+    ConcurrencyGate,
+    Principal,
+    Ticket,
+    check_request,
+    session_not_found,
+)
+from orchestrator.serve.handle_pool import HandlePool
+from orchestrator.session_tokens import continue_tokens
 
-__all__ = ["HandlePool", "Ingress", "fastapi_app"]
+__all__ = ["Ingress", "fastapi_app"]
 
 log = logging.getLogger("kvtide.ingress")
 fastapi_app = FastAPI(title="kvtide", docs_url=None, redoc_url=None)
@@ -42,7 +61,7 @@ fastapi_app = FastAPI(title="kvtide", docs_url=None, redoc_url=None)
 
 @fastapi_app.exception_handler(RequestError)
 async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status_code)
+    return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers())
 
 
 @fastapi_app.exception_handler(Exception)
@@ -57,6 +76,74 @@ async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
         }
     }
     return JSONResponse(body, status_code=500)
+
+
+def _session_body(info: SessionInfo) -> dict[str, Any]:
+    record = None
+    if info.engine_id is not None:
+        record = {
+            "engine_id": info.engine_id,
+            "num_tokens": info.num_tokens,
+            "bytes_held": info.bytes_held,
+            "expires_in_s": info.expires_in_s,
+        }
+    return {
+        "id": info.session_id,
+        "object": "session",
+        "record": record,
+        "lease_expires_in_s": info.lease_expires_in_s,
+    }
+
+
+def _replay_key(header: str | None, owner: str, session_id: str | None) -> str | None:
+    """The replay book's key of an ``Idempotency-Key`` header, scoped by its owner (the
+    API key's name) and session; None without the header."""
+    if header is None:
+        return None
+    key = header.strip()
+    if not key or len(key) > 255 or not key.isprintable():
+        raise InvalidRequest(
+            "Idempotency-Key must be 1-255 printable characters (a UUID per turn, "
+            "the same on every retry of that turn)",
+            param="Idempotency-Key",
+        )
+    return "\x1f".join((owner, session_id or "", key))
+
+
+def _final_body(
+    req: api.ApiRequest, rid: str, ids: list[int], out: _Output, report: TurnReport
+) -> dict[str, Any]:
+    make = api.chat_response if req.kind == "chat" else api.completion_response
+    body = make(
+        rid, req.model, "".join(out.text), report.finish_reason, _usage(report), report.as_dict()
+    )
+    if req.return_token_ids:
+        body["prompt_token_ids"] = ids
+        body["choices"][0]["token_ids"] = out.token_ids
+    return body
+
+
+async def _replay_sse(req: api.ApiRequest, body: dict[str, Any]) -> AsyncIterator[str]:
+    """A stored response as a stream: the whole text in one chunk, then the end."""
+    choice = body["choices"][0]
+    text = choice["message"]["content"] if req.kind == "chat" else choice["text"]
+    rid, ext = str(body["id"]), body.get("kvtide")
+    yield api.stream_chunk(req.kind, rid, req.model, text=text, first=True)
+    yield api.stream_chunk(
+        req.kind, rid, req.model, text="", finish=choice["finish_reason"], ext=ext
+    )
+    if req.include_usage:
+        yield api.stream_chunk(req.kind, rid, req.model, use=body["usage"], ext=ext)
+    yield "data: [DONE]\n\n"
+
+
+async def _ending(body: AsyncIterator[Any], end: Callable[[], None]) -> AsyncIterator[Any]:
+    """``body``, then ``end()`` once it is exhausted or closed early."""
+    try:
+        async for item in body:
+            yield item
+    finally:
+        end()
 
 
 def _usage(report: TurnReport) -> dict[str, Any]:
@@ -77,64 +164,68 @@ class _Output:
         self.token_ids.extend(chunk.token_ids)
 
 
-class HandlePool:
-    """A pool reached through its Serve deployment handle (streaming ``generate``)."""
-
-    def __init__(self, handle: DeploymentHandle) -> None:
-        self.handle = handle
-        self._stream = handle.options(stream=True)
-
-    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        stream: AsyncIterator[GenerateChunk] = self._stream.generate.remote(request)
-        return stream
-
-
 @serve.deployment(name="ingress", max_ongoing_requests=256)
 @serve.ingress(fastapi_app)
 class Ingress:
     async def __init__(
-        self, config: KVTideConfig, prefill: DeploymentHandle, decode: DeploymentHandle
+        self,
+        config: KVTideConfig,
+        prefill: DeploymentHandle,
+        decode: DeploymentHandle,
+        decode_long: DeploymentHandle | None = None,
     ) -> None:
         from transformers import AutoTokenizer  # heavy; only in the ingress replica
 
         self.config = config
         self.model_path = config.model.resolved_path()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.prefill_handle, self.decode_handle = prefill, decode
+        self.pool_handles = {"prefill": prefill, "decode": decode}
+        if decode_long is not None:
+            self.pool_handles["decode_long"] = decode_long
         info = await decode.info.remote()
         kv = config.kv
-        self.planner = KVPlanner(
-            kv_lifecycle_config(
-                ttl_s=kv.decoder_kv_blocks_ttl_s,
-                safety_margin_s=kv.safety_margin_s,
-                recompute_threshold_tokens=kv.kv_recompute_threshold_tokens,
-                kv_bytes_per_token=kv_bytes_per_token_of(self.model_path, config.model.dtype),
-                block_size_tokens=info.block_size,
-                idle_budget_bytes_per_engine=(
-                    None
-                    if kv.idle_budget_mib_per_engine is None
-                    else int(kv.idle_budget_mib_per_engine * 2**20)
-                ),
+        lifecycle = kv_lifecycle_config(
+            ttl_s=kv.decoder_kv_blocks_ttl_s,
+            safety_margin_s=kv.safety_margin_s,
+            recompute_threshold_tokens=kv.kv_recompute_threshold_tokens,
+            kv_bytes_per_token=kv_bytes_per_token_of(self.model_path, config.model.dtype),
+            block_size_tokens=info.block_size,
+            idle_budget_bytes_per_engine=(
+                None
+                if kv.idle_budget_mib_per_engine is None
+                else int(kv.idle_budget_mib_per_engine * 2**20)
+            ),
+        )
+        tr.configure_tracing(config.observability)
+        self.metrics = make_metrics(config.observability)
+        self.kv = ServiceClient(
+            get_or_create_service(
+                serve.get_replica_context().app_name,
+                lifecycle,
+                prefill,
+                drain_timeout_s=kv.pull_timeout_s,
+                num_prefill_engines=config.prefill.num_engines,
+                observability=config.observability,
             )
         )
-        self.session_tokens = SessionTokens(ttl_s=kv.decoder_kv_blocks_ttl_s)
         self.router = Router(
             prefill=HandlePool(prefill),
             decode=HandlePool(decode),
-            planner=self.planner,
+            kv=self.kv,
             pull_timeout_s=kv.pull_timeout_s,
-            tokens_of=self.session_tokens.token_ids,
+            eos_token_id=self.tokenizer.eos_token_id,
+            decode_long=None if decode_long is None else HandlePool(decode_long),
+            long_context_threshold_tokens=config.routing.long_context_threshold_tokens,
+            metrics=self.metrics,
+            block_size_tokens=info.block_size,
+            kv_bytes_per_token=lifecycle.kv_bytes_per_token,
         )
-        self._ticker = asyncio.get_running_loop().create_task(self._tick_forever())
-        # Session books live long: keep the collector from rescanning start-up objects
-        # (a full pass over large books stalls the event loop for tenths of a second).
+        self.auth = Authenticator(config.server.api_keys)
+        # Per ingress replica: a key's concurrent requests are counted where they run.
+        self.gate = ConcurrencyGate(retry_after_s=1.0)
+        # Keep the collector from rescanning start-up objects on every pass.
         gc.collect()
         gc.freeze()
-
-    async def _tick_forever(self) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            self.router.apply(self.planner.tick(time.monotonic()))
 
     # ---- routes ----------------------------------------------------------------------
 
@@ -142,15 +233,29 @@ class Ingress:
     async def health(self) -> JSONResponse:
         try:
             await asyncio.wait_for(
-                asyncio.gather(self.prefill_handle.info.remote(), self.decode_handle.info.remote()),
+                asyncio.gather(*(h.info.remote() for h in self.pool_handles.values())),
                 timeout=10,
             )
         except Exception as exc:
             raise EngineUnavailable(f"engines not ready: {type(exc).__name__}: {exc}") from exc
         return JSONResponse({"status": "ok"})
 
+    def _principal(self, http: Request) -> Principal:
+        return self.auth.authenticate(http.headers.get("authorization"))
+
+    async def _session_of(self, session_id: str, http: Request) -> tuple[str, Principal]:
+        """The session a ``/kvtide/sessions/{id}`` route names, if the caller may see it.
+        With API keys, an unknown session and another key's look the same: 404."""
+        principal = self._principal(http)
+        sid = api.parse_session_id(session_id)
+        assert sid is not None
+        if not await self.kv.session_owned(sid, principal):
+            raise session_not_found(sid)
+        return sid, principal
+
     @fastapi_app.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
+    async def models(self, request: Request) -> dict[str, Any]:
+        self._principal(request)
         return {
             "object": "list",
             "data": [
@@ -165,55 +270,55 @@ class Ingress:
         }
 
     @fastapi_app.get("/kvtide/stats")
-    async def stats(self) -> dict[str, Any]:
-        pre, dec = await asyncio.gather(
-            self.prefill_handle.stats.remote(), self.decode_handle.stats.remote()
-        )
+    async def stats(self, request: Request) -> dict[str, Any]:
+        self._principal(request)
+        names = list(self.pool_handles)
+        stats = await asyncio.gather(*(self.pool_handles[n].stats.remote() for n in names))
         import msgspec
 
-        router = self.router
         return {
-            "kv": {
-                **self.planner.stats(),
-                "bytes_held": {e: self.planner.lifecycle.bytes_held(e) for e in self._engines()},
-                "num_drains": router.num_drains,
-                "num_drain_failures": router.num_drain_failures,
-                "num_undrainable": router.num_undrainable,
-            },
-            "engines": {"prefill": msgspec.to_builtins(pre), "decode": msgspec.to_builtins(dec)},
+            "kv": await self.kv.stats(),
+            "engines": {n: msgspec.to_builtins(st) for n, st in zip(names, stats, strict=True)},
+            "metrics": self.metrics.snapshot(),
         }
 
-    def _engines(self) -> list[str]:
-        return sorted({r.engine_id for r in self.planner.lifecycle.records()})
-
     @fastapi_app.get("/kvtide/sessions/{session_id}")
-    async def get_session(self, session_id: str) -> dict[str, Any]:
+    async def get_session(self, session_id: str, request: Request) -> dict[str, Any]:
         """Where kvtide holds the session's KV now (``record`` is null when nothing is
         offered: never recorded, expired, evicted or closed)."""
-        sid = api.parse_session_id(session_id)
-        assert sid is not None
-        rec = self.planner.lifecycle.record(sid)
-        record = None
-        if rec is not None:
-            record = {
-                "engine_id": rec.engine_id,
-                "num_tokens": rec.num_tokens,
-                "bytes_held": rec.bytes_held,
-                "expires_in_s": round(rec.expiry_s - time.monotonic(), 3),
-            }
-        return {"id": sid, "object": "session", "record": record}
+        sid, principal = await self._session_of(session_id, request)
+        info = await self.kv.session(sid)
+        if not info.known and not principal.is_anonymous:
+            raise session_not_found(sid)
+        return _session_body(info)
+
+    @fastapi_app.post("/kvtide/sessions/{session_id}/renew")
+    async def renew_session(self, session_id: str, request: Request) -> dict[str, Any]:
+        """Extend the session's KV lease (the SDK's heartbeat while a conversation idles)."""
+        sid, _ = await self._session_of(session_id, request)
+        info = await self.kv.renew(sid)
+        if not info.known:
+            raise session_not_found(sid)
+        return _session_body(info)
 
     @fastapi_app.delete("/kvtide/sessions/{session_id}")
-    async def close_session(self, session_id: str) -> dict[str, Any]:
+    async def close_session(self, session_id: str, request: Request) -> dict[str, Any]:
         """End a session: its kept KV is drained back to prefill (freed on decode now)."""
-        sid = api.parse_session_id(session_id)
-        assert sid is not None
-        self.router.apply(self.planner.close(sid, time.monotonic()))
-        self.session_tokens.forget(sid)
+        sid, principal = await self._session_of(session_id, request)
+        if not await self.kv.close(sid) and not principal.is_anonymous:
+            raise session_not_found(sid)
         return {"id": sid, "object": "session.deleted", "deleted": True}
 
     @fastapi_app.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Any:
+        return await self._traced(request, "chat", self._chat)
+
+    @fastapi_app.post("/v1/completions")
+    async def completions(self, request: Request) -> Any:
+        return await self._traced(request, "text_completion", self._completion)
+
+    async def _chat(self, request: Request, root: Span) -> Any:
+        principal = self._principal(request)
         body = api.parse_body(await request.body(), request.headers.get("content-type"))
         req = api.parse_chat(body, self.config.model.name)
         text = self.tokenizer.apply_chat_template(
@@ -221,10 +326,10 @@ class Ingress:
             add_generation_prompt=True,
             tokenize=False,
         )
-        return await self._serve(req, text, None, request)
+        return await self._serve(req, text, None, request, principal, root)
 
-    @fastapi_app.post("/v1/completions")
-    async def completions(self, request: Request) -> Any:
+    async def _completion(self, request: Request, root: Span) -> Any:
+        principal = self._principal(request)
         body = api.parse_body(await request.body(), request.headers.get("content-type"))
         req = api.parse_completion(body, self.config.model.name)
         if req.prompt_token_ids is not None:
@@ -235,9 +340,51 @@ class Ingress:
                     f"prompt token id {max(ids)} is outside the vocabulary (size {vocab})",
                     param="prompt",
                 )
-            return await self._serve(req, None, ids, request)
+            return await self._serve(req, None, ids, request, principal, root)
         assert req.prompt_text is not None
-        return await self._serve(req, req.prompt_text, None, request)
+        return await self._serve(req, req.prompt_text, None, request, principal, root)
+
+    async def _traced(
+        self,
+        request: Request,
+        operation: str,
+        handler: Callable[[Request, Span], Awaitable[Any]],
+    ) -> Any:
+        """One request's root span (continuing the caller's ``traceparent``) and its
+        request metrics; a stream ends them when it ends."""
+        root = tr.start_ingress_span(
+            request.headers,
+            method=request.method,
+            route=request.url.path,
+            operation=operation,
+            model=self.config.model.name,
+        )
+        self.metrics.request_started()
+        try:
+            response = await handler(request, root)
+        except BaseException as exc:
+            code = exc.status_code if isinstance(exc, RequestError) else 500
+            if isinstance(exc, Exception):
+                tr.record_error(root, exc)
+            self._finish(root, code if isinstance(exc, Exception) else None)
+            raise
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = _ending(
+                response.body_iterator, lambda: self._finish(root, 200)
+            )
+        else:
+            self._finish(root, response.status_code)
+        return response
+
+    def _finish(self, root: Span, status_code: int | None) -> None:
+        """``status_code`` None: the client went away."""
+        tr.set_attrs(root, {tr.HTTP_RESPONSE_STATUS_CODE: status_code})
+        if status_code is None:
+            root.set_attribute(tr.CANCELLED, True)
+        root.end()
+        self.metrics.request_finished(
+            "cancelled" if status_code is None else http_status(status_code)
+        )
 
     # ---- the turn ------------------------------------------------------------------
 
@@ -260,46 +407,94 @@ class Ingress:
             )
         return req.max_tokens
 
-    def _tokenize(self, req: api.ApiRequest, session_id: str | None, text: str) -> list[int]:
+    async def _tokenize(
+        self, req: api.ApiRequest, session_id: str | None, text: str, principal: Principal
+    ) -> list[int]:
         tok = self.tokenizer
         special = req.kind == "completion"  # chat templates already carry BOS
-        return self.session_tokens.encode(
-            session_id,
+        last_text, last_ids = None, []
+        if session_id is not None:
+            prefix = await self.kv.session_prefix(session_id, principal)
+            if not prefix.owned:
+                raise session_not_found(session_id)
+            last_text, last_ids = prefix.text, prefix.token_ids
+        return continue_tokens(
+            last_text,
+            last_ids,
             text,
             full=lambda t: tok.encode(t, add_special_tokens=special),
             suffix=lambda t: tok.encode(t, add_special_tokens=False),
-            now_s=time.monotonic(),
         )
 
-    def _remember(
-        self,
-        session_id: str | None,
-        text: str | None,
-        ids: list[int],
-        out: _Output,
-        report: TurnReport,
-    ) -> None:
-        """Keep the exact tokens of this turn for the session's next one (see
-        ``orchestrator.session_tokens``). Stop strings cut text and tokens apart: skip."""
-        if session_id is None:
-            return
-        out_ids = list(out.token_ids)
-        if report.finish_reason == "stop":
-            if not out_ids or out_ids[-1] != self.tokenizer.eos_token_id:
-                self.session_tokens.forget(session_id)
-                return
-            out_ids.pop()  # the template writes the end-of-turn token itself
-        covered_text = None if text is None else text + "".join(out.text)
-        self.session_tokens.remember(session_id, covered_text, ids + out_ids, time.monotonic())
-
     async def _serve(
-        self, req: api.ApiRequest, text: str | None, ids: list[int] | None, http: Request
+        self,
+        req: api.ApiRequest,
+        text: str | None,
+        ids: list[int] | None,
+        http: Request,
+        principal: Principal,
+        root: Span,
     ) -> Any:
+        """Checks in order, each refusal leaving nothing behind: the session's owner
+        (404), the key's limits and the context (429/400), the key's concurrency (429);
+        then the turn owns the session, runs once per Idempotency-Key, and releases its
+        concurrency ticket when the response (or stream) ends."""
         session_id = api.parse_session_id(http.headers.get("x-session-id"))
         if ids is None:
             assert text is not None
-            ids = self._tokenize(req, session_id, text)
-        max_tokens = self._max_tokens(req, len(ids))
+            ids = await self._tokenize(req, session_id, text, principal)
+        elif session_id is not None and not await self.kv.session_owned(session_id, principal):
+            raise session_not_found(session_id)
+        check_request(
+            principal,
+            num_prompt_tokens=len(ids),
+            max_tokens=req.max_tokens,
+            prompt_param="messages" if req.kind == "chat" else "prompt",
+        )
+        max_tokens = principal.cap_max_tokens(self._max_tokens(req, len(ids)))
+        replay_key = _replay_key(http.headers.get("idempotency-key"), principal.name, session_id)
+        ticket = self.gate.acquire(principal)
+        streaming = False
+        try:
+            if session_id is not None and not await self.kv.claim_session(session_id, principal):
+                raise session_not_found(session_id)
+            if replay_key is not None:
+                replay = await self.kv.replay_begin(replay_key)
+                if replay.action == "in_progress":
+                    raise TurnInProgress(
+                        "a turn with this Idempotency-Key is still running; retry after it "
+                        "finishes to get its result",
+                        param="Idempotency-Key",
+                    )
+                if replay.action == "replay":
+                    assert replay.body is not None
+                    return self._replayed(req, replay.body)
+            try:
+                response = await self._run(
+                    req, text, ids, max_tokens, session_id, replay_key, ticket, root
+                )
+            except BaseException:
+                if replay_key is not None:
+                    await asyncio.shield(self.kv.replay_fail(replay_key))
+                raise
+            streaming = isinstance(response, StreamingResponse)
+            return response
+        finally:
+            if not streaming:  # a stream releases its ticket when it ends
+                self.gate.release(ticket)
+
+    async def _run(
+        self,
+        req: api.ApiRequest,
+        text: str | None,
+        ids: list[int],
+        max_tokens: int,
+        session_id: str | None,
+        replay_key: str | None,
+        ticket: Ticket,
+        root: Span,
+    ) -> Any:
+        tr.set_attrs(root, {tr.GEN_AI_REQUEST_MAX_TOKENS: max_tokens})
         rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         turn = self.router.run_turn(
             prompt_token_ids=ids,
@@ -311,6 +506,8 @@ class Ingress:
             stop=req.stop,
             ignore_eos=req.ignore_eos,
             request_id=rid,
+            prompt_text=text,
+            trace_parent=root,
         )
         # Wait for the first item so that prefill failures become a proper status code.
         try:
@@ -322,7 +519,7 @@ class Ingress:
             headers["x-session-id"] = session_id
         if req.stream:
             return StreamingResponse(
-                self._sse(req, rid, first, turn, (session_id, text, ids)),
+                self._sse(req, rid, ids, first, turn, replay_key, ticket),
                 media_type="text/event-stream",
                 headers=headers,
             )
@@ -334,32 +531,36 @@ class Ingress:
                 out.add(chunk)
         finally:
             await turn.aclose()  # a cancelled request ends its turn now, not at GC
-        self._remember(session_id, text, ids, out, report)
-        make = api.chat_response if req.kind == "chat" else api.completion_response
-        body = make(
-            rid,
-            req.model,
-            "".join(out.text),
-            report.finish_reason,
-            _usage(report),
-            report.as_dict(),
-        )
-        if req.return_token_ids:
-            body["prompt_token_ids"] = ids
-            body["choices"][0]["token_ids"] = out.token_ids
+        body = _final_body(req, rid, ids, out, report)
+        if replay_key is not None:
+            await self.kv.replay_complete(replay_key, body)
         return JSONResponse(body, headers=headers)
+
+    def _replayed(self, req: api.ApiRequest, body: dict[str, Any]) -> Any:
+        """A completed turn's stored response, in the shape this request asked for."""
+        headers = {"x-request-id": str(body["id"]), "x-kvtide-replayed": "true"}
+        if body.get("kvtide", {}).get("session_id"):
+            headers["x-session-id"] = body["kvtide"]["session_id"]
+        if not req.stream:
+            return JSONResponse(body, headers=headers)
+        return StreamingResponse(
+            _replay_sse(req, body), media_type="text/event-stream", headers=headers
+        )
 
     async def _sse(
         self,
         req: api.ApiRequest,
         rid: str,
+        ids: list[int],
         first: tuple[GenerateChunk, TurnReport],
         turn: AsyncGenerator[tuple[GenerateChunk, TurnReport], None],
-        session: tuple[str | None, str | None, list[int]],
+        replay_key: str | None,
+        ticket: Ticket,
     ) -> AsyncIterator[str]:
         item, is_first = first, True
         report = first[1]
         out = _Output()
+        completed = False
         try:
             while True:
                 chunk, report = item
@@ -376,9 +577,11 @@ class Ingress:
                     )
                     is_first = False
                 if chunk.finished:
-                    self._remember(session[0], session[1], session[2], out, report)
                     break
                 item = await turn.__anext__()
+            if replay_key is not None:
+                await self.kv.replay_complete(replay_key, _final_body(req, rid, ids, out, report))
+            completed = True
         except RequestError as exc:
             yield f"data: {json.dumps(exc.body())}\n\n"
         except Exception as exc:
@@ -398,5 +601,9 @@ class Ingress:
                     req.kind, rid, req.model, use=_usage(report), ext=report.as_dict()
                 )
         finally:
+            self.gate.release(ticket)
             await turn.aclose()
+            if replay_key is not None and not completed:
+                # Failed or the client went away mid-stream: a retry runs the turn.
+                await asyncio.shield(self.kv.replay_fail(replay_key))
         yield "data: [DONE]\n\n"

@@ -285,14 +285,26 @@ def test_the_engine_host_runs_in_its_bundle_on_rank_zeros_node(fake: FakeCluster
         assert placed.host_node_id == placed.ranks[0].node_id == fake.node_id("h1")
 
         @ray.remote(num_cpus=0)
+        def child_env() -> str | None:
+            return os.environ.get("KVTIDE_TEST_HOST_ENV")
+
+        @ray.remote(num_cpus=0)
         class Host:
             def where(self) -> tuple[str, str | None]:
                 group = ray.util.get_current_placement_group()
                 return ray.get_runtime_context().get_node_id(), group and group.id.hex()
 
-        host = Host.options(**placed.host_actor_options()).remote()  # type: ignore[attr-defined]
+            def env(self) -> tuple[str | None, str | None]:
+                # A child with a runtime env of its own (as vLLM gives its workers)
+                # still inherits the host's variables.
+                child = child_env.options(runtime_env={"env_vars": {"OTHER": "1"}})
+                return os.environ.get("KVTIDE_TEST_HOST_ENV"), ray.get(child.remote())
+
+        options = placed.host_actor_options(env_vars={"KVTIDE_TEST_HOST_ENV": "on"})
+        host = Host.options(**options).remote()  # type: ignore[attr-defined]
         node_id, group_id = ray.get(host.where.remote(), timeout=60)
         assert (node_id, group_id) == (fake.node_id("h1"), placed.group.id.hex())
+        assert ray.get(host.env.remote(), timeout=60) == ("on", "on")
         ray.kill(host)
     finally:
         for engine_id in list(placer.engines):

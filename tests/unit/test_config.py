@@ -107,3 +107,41 @@ def test_cpu_kv_cache_space_is_whole_gib() -> None:
     with pytest.raises(ConfigError) as err:
         parse_config({"decode": {"kv_cache_space_gib": 0.5}})
     assert err.value.field == "decode.kv_cache_space_gib"
+
+
+def test_a_long_context_pool_comes_with_its_threshold() -> None:
+    cfg = parse_config(
+        {
+            "decode_long": {"num_engines": 2, "cpu_threads_bind": "1"},
+            "routing": {"long_context_threshold_tokens": 32768},
+        }
+    )
+    assert cfg.decode_long is not None and cfg.decode_long.role == "decode"
+    assert [p.name for p in cfg.pools()] == ["prefill", "decode", "decode_long"]
+    assert cfg.routing.long_context_threshold_tokens == 32768
+    assert engine_deployment_options(cfg, "decode_long")["name"] == "decode-long-pool"
+    for half in ({"decode_long": {}}, {"routing": {"long_context_threshold_tokens": 100}}):
+        with pytest.raises(ConfigError, match="go together") as err:
+            parse_config(half)
+        assert err.value.field == "routing.long_context_threshold_tokens"
+
+
+def test_decode_context_parallelism_is_checked_where_it_can_run() -> None:
+    gpu = {"device": "cuda", "prefill": {"cpu_threads_bind": None}}
+    cfg = parse_config(
+        {**gpu, "decode": {"tensor_parallel_size": 8, "decode_context_parallel_size": 4}}
+    )
+    spec = cfg.engine_spec(cfg.decode, "d0", side_channel_port=5600)
+    assert dict(spec.extra_engine_args)["decode_context_parallel_size"] == 4
+    cases = [
+        ({"decode": {"decode_context_parallel_size": 2}}, "needs device: cuda"),
+        (
+            {**gpu, "decode": {"tensor_parallel_size": 8, "decode_context_parallel_size": 3}},
+            "must divide",
+        ),
+        ({**gpu, "prefill": {"decode_context_parallel_size": 2}}, "decode setting"),
+    ]
+    for data, why in cases:
+        with pytest.raises(ConfigError, match=why) as err:
+            parse_config(data)
+        assert str(err.value.field).endswith("decode_context_parallel_size")

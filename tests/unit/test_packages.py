@@ -58,6 +58,10 @@ def test_public_names_are_pinned() -> None:
             "InvalidRequest",
             "ContextLengthExceeded",
             "ModelNotFound",
+            "AuthenticationFailed",
+            "SessionNotFound",
+            "TurnInProgress",
+            "LimitExceeded",
             "UnsupportedMediaType",
             "EngineUnavailable",
         ]

@@ -141,3 +141,35 @@ def test_plot_without_matplotlib_prints_the_table_and_names_the_install(
     assert "<- chosen" in out
     assert "pip install matplotlib" in err
     assert not png.exists()
+
+
+def test_pools_print_the_config_the_router_routes_by(capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    from orchestrator.config import parse_config
+    from orchestrator.router import Router
+
+    args = ["--model", "deepseek-v3", "--device", "h200", "--context", "64k"]
+    args += ["--pools", "2k:0.4,8k:0.3,32k:0.2,128k:0.1", "--sessions-per-s", "5"]
+    args += ["--turns", "10", "--output-tokens", "400", "--min-tokens-per-s-per-user", "50"]
+    assert main(["plan", *args]) == 0
+    out = capsys.readouterr().out
+    snippet = out.split("kvtide config:\n", 1)[1]
+    data = yaml.safe_load(snippet)
+    assert data["decode"]["tensor_parallel_size"] == 8 and "decode_long" in data
+    config = parse_config({"device": "cuda", "prefill": {"cpu_threads_bind": None}, **data})
+    assert config.decode_long is not None and config.decode_long.decode_context_parallel_size > 1
+    threshold = config.routing.long_context_threshold_tokens
+    assert threshold is not None and f"above {threshold:,} tokens" in out
+    # The router sends exactly the contexts above the threshold to the long pool.
+    pool = object()
+    router = Router(
+        prefill=pool,  # type: ignore[arg-type]
+        decode=pool,  # type: ignore[arg-type]
+        kv=None,  # type: ignore[arg-type]
+        pull_timeout_s=1.0,
+        decode_long=object(),  # type: ignore[arg-type]
+        long_context_threshold_tokens=threshold,
+    )
+    assert router.decode_pool_for(threshold)[0] == "decode"
+    assert router.decode_pool_for(threshold + 1)[0] == "decode_long"

@@ -10,7 +10,8 @@ import pytest
 
 from engines.base import GenerateChunk, GenerateRequest
 from orchestrator.errors import EngineUnavailable
-from orchestrator.kv_planner import KVPlanner, kv_lifecycle_config
+from orchestrator.kv_planner import kv_lifecycle_config
+from orchestrator.kv_service import KVService
 from orchestrator.router import Router, TurnReport
 
 Script = Callable[[GenerateRequest], list[GenerateChunk]]
@@ -85,6 +86,7 @@ def decode_script(req: GenerateRequest) -> list[GenerateChunk]:
             kv_transfer_params={
                 "do_remote_decode": True,
                 "remote_engine_id": "D",
+                "remote_request_id": req.request_id,
                 "remote_block_ids": [[5, 6, 7]],
                 "remote_num_tokens": n + 2,
             },
@@ -93,23 +95,33 @@ def decode_script(req: GenerateRequest) -> list[GenerateChunk]:
 
 
 def make_router(prefill: FakePool, decode: FakePool, **kw: Any) -> Router:
-    planner = KVPlanner(
+    """A router and, as ``router.kv``, a KV service in the same process (the service
+    drains through the same fake prefill pool)."""
+    clock = FakeClock()
+    service = KVService(
         kv_lifecycle_config(
             ttl_s=480,
             safety_margin_s=15,
             recompute_threshold_tokens=4,
             kv_bytes_per_token=100,
             block_size_tokens=16,
-        )
+        ),
+        prefill=prefill,
+        drain_timeout_s=5.0,
+        clock=clock,
     )
     return Router(
         prefill=prefill,
         decode=decode,
-        planner=planner,
+        kv=service,
         pull_timeout_s=kw.get("pull_timeout_s", 5.0),
-        clock=FakeClock(),
-        tokens_of=kw.get("tokens_of", lambda _: None),
+        clock=clock,
     )
+
+
+def service_of(router: Router) -> KVService:
+    assert isinstance(router.kv, KVService)
+    return router.kv
 
 
 async def turn(router: Router, prompt: list[int], session: str | None) -> TurnReport:
@@ -165,7 +177,7 @@ def test_failed_pull_becomes_a_plain_prefill_and_the_turn_completes() -> None:
     assert r2.pull_fallback and r2.kv_source == "recomputed"
     assert [r.request_id.endswith("-r") for r in prefill.requests] == [False, False, True]
     assert r2.num_completion_tokens == 3
-    assert router.planner.stats()["num_declines"] == 1
+    assert service_of(router).planner.stats()["num_declines"] == 1
 
 
 def test_hung_pull_is_bounded_by_the_timeout_and_the_turn_completes() -> None:
@@ -175,7 +187,7 @@ def test_hung_pull_is_bounded_by_the_timeout_and_the_turn_completes() -> None:
     prefill.hang_pulls = True  # the pull never answers; the plain prefill does
     r2 = asyncio.run(turn(router, [*range(100), 11, 12, 13, 50], "s"))
     assert r2.kv_plan == "pull" and r2.pull_fallback and r2.num_completion_tokens == 3
-    assert router.planner.stats()["num_declines"] == 1
+    assert service_of(router).planner.stats()["num_declines"] == 1
 
 
 def test_decode_failure_mid_stream_keeps_no_record() -> None:
@@ -186,8 +198,9 @@ def test_decode_failure_mid_stream_keeps_no_record() -> None:
     router = make_router(prefill, decode)
     with pytest.raises(RuntimeError, match="engine died"):
         asyncio.run(turn(router, list(range(100)), "s"))
-    assert router.planner.lifecycle.record("s") is None
-    assert router.planner.lifecycle.pulls_in_flight() == []
+    lifecycle = service_of(router).planner.lifecycle
+    assert lifecycle.record("s") is None
+    assert lifecycle.pulls_in_flight() == []
 
 
 def test_prefill_without_params_is_an_engine_error() -> None:
@@ -206,7 +219,7 @@ def test_blocks_nobody_will_pull_are_drained_back_to_prefill() -> None:
     async def run() -> None:
         # A request without a session: decode kept its blocks, nobody will ask for them.
         await turn(router, list(range(100)), None)
-        await router.wait_drains()
+        await service_of(router).wait_drains()
 
     asyncio.run(run())
     drain = prefill.requests[-1]
@@ -216,26 +229,74 @@ def test_blocks_nobody_will_pull_are_drained_back_to_prefill() -> None:
     assert drain.kv_transfer_params["do_remote_prefill"] is False
     # The drain reads exactly the tokens the blocks hold: prompt + output.
     assert drain.prompt_token_ids == [*range(100), 11, 12, 13]
-    assert router.num_drains == 1
+    assert service_of(router).counters["drains"] == 1
 
 
 def test_closing_a_session_drains_its_record_only_with_matching_tokens() -> None:
     prefill, decode = FakePool(prefill_script()), FakePool(decode_script)
-    history: dict[str, list[int]] = {}
-    router = make_router(prefill, decode, tokens_of=history.get)
-    planner = router.planner
+    router = make_router(prefill, decode)
+    service = service_of(router)
 
     async def run() -> None:
         await turn(router, list(range(100)), "a")
         await turn(router, list(range(100)), "b")
-        history["a"] = [*range(100), 11, 12, 13]  # what the session's turn covered
-        history["b"] = [*range(1, 101), 11, 12, 13]  # not what b's blocks hold
-        router.apply(planner.close("a", 2000.0))
-        router.apply(planner.close("b", 2000.0))
-        await router.wait_drains()
+        # The service kept each session's tokens with its record; corrupt b's.
+        service.tokens.remember("b", None, [*range(1, 101), 11, 12, 13], service.clock())
+        assert await service.close("a") and await service.close("b")
+        assert not await service.close("a")  # closing twice: nothing left to close
+        await service.wait_drains()
 
     asyncio.run(run())
     drains = [r for r in prefill.requests if r.request_id.startswith("drain-")]
     # The record covers 102 tokens (prompt + two outputs); the drain sends one more.
     assert [d.prompt_token_ids for d in drains] == [[*range(100), 11, 12, 13]]
-    assert (router.num_drains, router.num_undrainable) == (1, 1)
+    assert (service.counters["drains"], service.counters["undrainable"]) == (1, 1)
+
+
+def test_the_next_turn_continues_from_the_tokens_the_model_generated() -> None:
+    prefill, decode = FakePool(prefill_script()), FakePool(decode_script)
+    router = make_router(prefill, decode)
+
+    async def run() -> None:
+        reports = [
+            r
+            async for _, r in router.run_turn(
+                prompt_token_ids=[1, 2, 3], max_tokens=3, session_id="s", prompt_text="hi"
+            )
+        ]
+        assert reports[-1].finish_reason == "length"
+        prefix = await router.kv.session_prefix("s")
+        assert (prefix.text, prefix.token_ids) == ("hiabc", [1, 2, 3, 11, 12, 13])
+
+    asyncio.run(run())
+
+
+def test_prompts_above_the_threshold_decode_on_the_long_context_pool() -> None:
+    prefill = FakePool(prefill_script())
+    short, long = FakePool(decode_script), FakePool(decode_script)
+    base = make_router(prefill, short)
+    router = Router(
+        prefill=prefill,
+        decode=short,
+        kv=base.kv,
+        pull_timeout_s=5.0,
+        decode_long=long,
+        long_context_threshold_tokens=100,
+    )
+    reports = [asyncio.run(turn(router, list(range(n)), None)) for n in (100, 101, 250)]
+    assert [r.decode_pool for r in reports] == ["decode", "decode_long", "decode_long"]
+    assert [len(q.prompt_token_ids) for q in short.requests] == [100]
+    assert [len(q.prompt_token_ids) for q in long.requests] == [101, 250]
+    assert reports[1].as_dict()["decode_pool"] == "decode_long"
+
+
+def test_a_long_context_pool_needs_its_threshold() -> None:
+    pool = FakePool(decode_script)
+    with pytest.raises(ValueError, match="long_context_threshold_tokens"):
+        Router(
+            prefill=pool,
+            decode=pool,
+            kv=make_router(pool, pool).kv,
+            pull_timeout_s=1.0,
+            decode_long=pool,
+        )

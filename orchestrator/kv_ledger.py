@@ -1,0 +1,191 @@
+"""An engine host's ledger of kept KV: what the KV service rebuilds itself from.
+
+The KV lifecycle service keeps its books in memory. If it restarts, the engines still
+pin the blocks they kept for send-back until their TTL, and the service must learn of
+them again: otherwise they leak (pinned, unbudgeted, never drained), or, booked from a
+stale source, they are "freed" twice (drained or offered after a read already freed
+them). Two facts, each seen by one engine host, settle it:
+
+- a **decode** host sees every finished request whose blocks its engine kept (the
+  final ``kv_transfer_params`` name them and their expiry);
+- a **prefill** host sees every read of kept blocks that succeeded (a pull or a drain):
+  vLLM frees the blocks on the decode engine after a completed read.
+
+Kept minus consumed, minus expired, is exactly what the decode engines still hold. Each
+host keeps its half until the blocks' TTL passes, then forgets it. The clock is passed in.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engines.base import GenerateChunk, GenerateRequest
+from orchestrator.kv_messages import KeptBlocks, LedgerReport
+
+__all__ = ["EngineLedger", "kept_blocks_of", "read_target_of"]
+
+
+def _flat_blocks(value: object) -> list[int]:
+    """vLLM reports block ids per KV-cache group: ``[[1, 2, 3]]``."""
+    if not isinstance(value, list | tuple):
+        return []
+    out: list[int] = []
+    for item in value:
+        if isinstance(item, list | tuple):
+            out.extend(int(b) for b in item)
+        else:
+            out.append(int(item))
+    return out
+
+
+def kept_blocks_of(params: Mapping[str, Any] | None) -> tuple[str, str, list[int], int] | None:
+    """``(engine_id, request_id, block_ids, num_tokens)`` of the blocks a decode engine
+    kept, from its final ``kv_transfer_params``; None when it kept none."""
+    if not params or not params.get("do_remote_decode"):
+        return None
+    blocks = _flat_blocks(params.get("remote_block_ids"))
+    num_tokens = int(params.get("remote_num_tokens") or 0)
+    engine_id = str(params.get("remote_engine_id") or "")
+    request_id = str(params.get("remote_request_id") or "")
+    if not blocks or num_tokens <= 0 or not engine_id or not request_id:
+        return None
+    return engine_id, request_id, blocks, num_tokens
+
+
+def read_target_of(params: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    """``(engine_id, request_id)`` of kept blocks a prefill request reads (a pull or a
+    drain), from the params it was sent with; None for a plain prefill."""
+    if not params or not params.get("remote_block_ids"):
+        return None
+    engine_id = str(params.get("remote_engine_id") or "")
+    request_id = str(params.get("remote_request_id") or "")
+    return (engine_id, request_id) if engine_id and request_id else None
+
+
+@dataclass(frozen=True, slots=True)
+class _Kept:
+    session_id: str | None
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    token_ids: array[int]
+    params: Mapping[str, Any]
+    expiry_s: float
+    finished_s: float
+
+
+class EngineLedger:
+    """One engine host's half of the ledger. Single-threaded (the host's event loop)."""
+
+    def __init__(
+        self, *, engine_id: str, role: str, ttl_s: float, clock: Callable[[], float]
+    ) -> None:
+        self.engine_id = engine_id
+        self.role = role
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._kept: OrderedDict[tuple[str, str], _Kept] = OrderedDict()
+        self._consumed: OrderedDict[tuple[str, str], float] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._kept) + len(self._consumed)
+
+    async def watch(
+        self, request: GenerateRequest, stream: AsyncIterator[GenerateChunk]
+    ) -> AsyncIterator[GenerateChunk]:
+        """``stream`` (the engine's output for ``request``), noting its end in the ledger."""
+        output: list[int] = []
+        async for chunk in stream:
+            output.extend(chunk.token_ids)
+            if chunk.finished:
+                self.on_finished(request, output, chunk)
+            yield chunk
+
+    def on_finished(
+        self, request: GenerateRequest, output_ids: Sequence[int], chunk: GenerateChunk
+    ) -> None:
+        """A request on this host's engine finished (not failed): note its half."""
+        if not chunk.finished or chunk.finish_reason == "error":
+            return
+        if self.role == "prefill":
+            self.on_read(request.kv_transfer_params)
+        else:
+            self.on_decode_finished(
+                session_id=request.session_id,
+                token_ids=[*request.prompt_token_ids, *output_ids],
+                kv_transfer_params=chunk.kv_transfer_params,
+                expires_in_s=chunk.kv_expires_in_s,
+            )
+
+    def on_decode_finished(
+        self,
+        *,
+        session_id: str | None,
+        token_ids: Sequence[int],
+        kv_transfer_params: Mapping[str, Any] | None,
+        expires_in_s: float | None,
+    ) -> None:
+        """A decode request finished: note the blocks its engine kept, if any."""
+        kept = kept_blocks_of(kv_transfer_params)
+        if kept is None:
+            return
+        assert kv_transfer_params is not None
+        engine_id, request_id, blocks, num_tokens = kept
+        now = self.clock()
+        self._prune(now)
+        self._kept[(engine_id, request_id)] = _Kept(
+            session_id=session_id,
+            block_ids=tuple(blocks),
+            num_tokens=num_tokens,
+            token_ids=array("I", token_ids),
+            params=dict(kv_transfer_params),
+            expiry_s=now + (self.ttl_s if expires_in_s is None else expires_in_s),
+            finished_s=now,
+        )
+
+    def on_read(self, params: Mapping[str, Any] | None) -> None:
+        """A prefill request that read kept blocks succeeded: the decode engine freed them."""
+        target = read_target_of(params)
+        if target is None:
+            return
+        now = self.clock()
+        self._prune(now)
+        self._consumed[target] = now + self.ttl_s
+
+    def report(self) -> LedgerReport:
+        """What the service needs to rebuild, with times as durations from now."""
+        now = self.clock()
+        self._prune(now)
+        kept = [
+            KeptBlocks(
+                engine_id=engine_id,
+                request_id=request_id,
+                session_id=k.session_id,
+                block_ids=list(k.block_ids),
+                num_tokens=k.num_tokens,
+                token_ids=list(k.token_ids),
+                kv_transfer_params=dict(k.params),
+                expires_in_s=k.expiry_s - now,
+                age_s=now - k.finished_s,
+            )
+            for (engine_id, request_id), k in self._kept.items()
+        ]
+        return LedgerReport(
+            engine_id=self.engine_id, role=self.role, kept=kept, consumed=list(self._consumed)
+        )
+
+    def _prune(self, now: float) -> None:
+        # Insertion order is expiry order (one TTL per engine), so pruning stops early.
+        while self._kept:
+            key, k = next(iter(self._kept.items()))
+            if k.expiry_s > now:
+                break
+            del self._kept[key]
+        while self._consumed:
+            key, until = next(iter(self._consumed.items()))
+            if until > now:
+                break
+            del self._consumed[key]

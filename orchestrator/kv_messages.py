@@ -1,0 +1,95 @@
+"""Messages between the router, the engine hosts and the KV lifecycle service.
+
+Plain ``msgspec.Struct``s: cheap to pickle through Ray and to encode for logs. Times
+cross process (and node) boundaries only as durations (``*_in_s``); each side converts
+them to its own monotonic clock on receipt.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = [
+    "KeptBlocks",
+    "LedgerReport",
+    "SessionInfo",
+    "SessionPrefix",
+    "TurnDone",
+    "TurnPlan",
+]
+
+
+class SessionPrefix(msgspec.Struct, frozen=True, kw_only=True):
+    """What the session's last turn covered, for tokenizing the next one (see
+    ``orchestrator.session_tokens``). ``text`` is None when it was sent as token ids."""
+
+    owned: bool = True  # False: another API key owns the session (nothing else is told)
+    text: str | None = None
+    token_ids: list[int] = []
+
+
+class TurnPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """The service's answer for a new turn: pull the kept KV back, or recompute."""
+
+    kind: Literal["pull", "recompute"]
+    reason: str
+    kv_transfer_params: dict[str, Any] | None = None
+    num_reusable_tokens: int = 0
+
+
+class TurnDone(msgspec.Struct, frozen=True, kw_only=True):
+    """A finished turn: what the decode engine kept, and what the session continues from.
+
+    ``token_ids`` are the prompt's and the output's (the record covers the first
+    ``remote_num_tokens`` of them). ``next_text``/``next_token_ids`` are what the next
+    turn's tokenization continues from (None: forget, e.g. a stop string cut the text).
+    """
+
+    session_id: str | None
+    token_ids: list[int]
+    kv_transfer_params: dict[str, Any] | None = None
+    kv_expires_in_s: float | None = None
+    next_text: str | None = None
+    next_token_ids: list[int] | None = None
+
+
+class KeptBlocks(msgspec.Struct, frozen=True, kw_only=True):
+    """Blocks a decode engine kept after a request, as its host saw them."""
+
+    engine_id: str
+    request_id: str
+    session_id: str | None
+    block_ids: list[int]
+    num_tokens: int
+    token_ids: list[int]  # prompt + output: the first num_tokens are covered
+    kv_transfer_params: dict[str, Any]
+    expires_in_s: float
+    age_s: float  # seconds since the turn finished: newer turns win on rebuild
+
+
+class LedgerReport(msgspec.Struct, frozen=True, kw_only=True):
+    """An engine host's ledger, sent to a (re)started service.
+
+    A decode host lists the blocks its engine still holds for pulls; a prefill host
+    lists the kept blocks it has read (pulls and drains), which the decode engine freed
+    on that read: ``consumed`` holds ``(remote_engine_id, remote_request_id)`` pairs.
+    """
+
+    engine_id: str
+    role: str
+    kept: list[KeptBlocks] = []
+    consumed: list[tuple[str, str]] = []
+
+
+class SessionInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """Where kvtide holds a session's KV now (``known`` False: never seen or closed)."""
+
+    session_id: str
+    known: bool
+    engine_id: str | None = None
+    num_tokens: int = 0
+    bytes_held: int = 0
+    expires_in_s: float | None = None
+    lease_expires_in_s: float | None = None

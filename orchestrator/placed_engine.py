@@ -1,0 +1,58 @@
+"""A vLLM engine run in its placement group: TP workers as Ray actors, one per GPU bundle.
+
+`DomainPlacer` gives an engine a group inside one NVLink domain (`PlacedEngine`):
+a CPU bundle for the engine host, then one `{"GPU": 1}` bundle per TP rank. The
+host actor runs there (`PlacedEngine.host_actor_options`, which captures child
+tasks) and starts vLLM in-process with `distributed_executor_backend="ray"`.
+vLLM then does the rest, as under Ray Serve LLM: building its config inside a
+Ray actor, it takes the host's group (`ray.util.get_current_placement_group()`)
+as `parallel_config.placement_group` and the host's runtime env as the workers'
+base, and puts one worker in each bundle holding `GPU`, driver's node first.
+
+On CPU the workers need `KVTIDE_CPU_RAY_PLATFORM=1` (engines.cpu_ray_platform)
+before vLLM first resolves its platform in them, which is before vLLM copies
+any variable over; so the spec's `env` goes into the host's runtime env, which
+Ray hands down to every worker at process start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from engines import cpu_ray_platform
+from engines.base import EngineSpec
+from orchestrator.placement_groups import PlacedEngine
+from placement.plan import PlacementPlan
+
+__all__ = ["placed_engine_host_options", "placed_engine_spec"]
+
+
+def placed_engine_spec(spec: EngineSpec, plan: PlacementPlan) -> EngineSpec:
+    """`spec` as the engine `plan` placed (pure).
+
+    The plan's TP size replaces the spec's; vLLM runs its workers as Ray actors;
+    on CPU the kvtide platform plugin that lets it do so is switched on.
+    """
+    if spec.engine_id != plan.engine_id:
+        raise ValueError(
+            f"engine spec {spec.engine_id!r} does not match plan {plan.engine_id!r}; "
+            f"build the spec for the engine that was placed"
+        )
+    env = dict(spec.env)
+    if spec.device == "cpu":
+        env[cpu_ray_platform.ENV_VAR] = "1"
+    extra = dict(spec.extra_engine_args)
+    extra["distributed_executor_backend"] = "ray"
+    return replace(
+        spec,
+        tensor_parallel_size=plan.tp_size,
+        env=tuple(env.items()),
+        extra_engine_args=tuple(extra.items()),
+    )
+
+
+def placed_engine_host_options(spec: EngineSpec, placed: PlacedEngine) -> dict[str, Any]:
+    """Ray actor options for the host of `spec` (from `placed_engine_spec`): its
+    bundle of `placed`, and `spec.env` in the runtime env its workers inherit."""
+    return placed.host_actor_options(env_vars=dict(spec.env))

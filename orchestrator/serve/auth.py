@@ -1,0 +1,333 @@
+"""API keys, session ownership and per-key limits for the OpenAI-compatible ingress.
+
+Pure and synchronous: no Ray, no FastAPI, no wall clock (``now_s`` comes in). The ingress
+owns one of each object below. For a turn, in this order (checks first, then the acts,
+so that a refused request leaves no state behind):
+
+1. ``Authenticator.authenticate(authorization_header)`` → ``Principal`` (401);
+2. ``SessionOwners.check(session_id, principal, now_s)`` before the session's state is
+   read, tokenization included (404 for another key's session);
+3. ``check_request(principal, ...)`` once the prompt is tokenized (429), then
+   ``principal.cap_max_tokens(max_tokens)`` for the value sent to the engines;
+4. ``ConcurrencyGate.acquire(principal)`` → ``Ticket`` (429);
+5. ``SessionOwners.claim(session_id, principal, now_s)`` (release the ticket if it
+   raises) and close the sessions it returns;
+6. when the response has ended, however it ended: ``ConcurrencyGate.release(ticket)`` and
+   ``SessionOwners.touch(session_id, principal, now_s)``.
+
+Reading or closing a session needs only 1 and 2; after closing, ``SessionOwners.forget``.
+The ingress's periodic tick calls ``SessionOwners.expire(now_s)`` and closes what it
+returns.
+
+Keys are stored only as SHA-256 hashes (``server.api_keys``); a presented key is hashed
+and compared with ``hmac.compare_digest``. No message or repr contains a presented key.
+With no keys configured every request is the ``ANONYMOUS`` principal, whatever header it
+sends (the openai SDK always sends one), and sessions have no owners; config allows that
+only on a loopback host (see ``orchestrator.config``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import itertools
+import secrets
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from orchestrator.config import ApiKeyConfig
+from orchestrator.errors import AuthenticationFailed, LimitExceeded, SessionNotFound
+
+__all__ = [
+    "ANONYMOUS",
+    "KEY_PREFIX",
+    "Authenticator",
+    "ConcurrencyGate",
+    "Principal",
+    "SessionOwners",
+    "Ticket",
+    "check_request",
+    "hash_key",
+    "new_key",
+    "session_not_found",
+]
+
+KEY_PREFIX = "kvt-"
+_HOW_TO_FIX = "send 'Authorization: Bearer <key>'; keys are configured under server.api_keys"
+# Longer "keys" are not keys: refuse them before hashing (header size is bounded anyway).
+_MAX_KEY_CHARS = 512
+
+
+def hash_key(key: str) -> str:
+    """The hex SHA-256 of ``key`` (what ``server.api_keys[].sha256`` holds)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def new_key() -> str:
+    """A new random API key: ``kvt-`` and 43 URL-safe characters (256 bits)."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Principal:
+    """Who sent a request: an API key's name and limits (``None``: no limit from the key),
+    or the anonymous principal when no keys are configured."""
+
+    name: str
+    max_prompt_tokens: int | None = None
+    max_tokens: int | None = None
+    max_concurrent_requests: int | None = None
+    is_anonymous: bool = False
+
+    @classmethod
+    def of(cls, key: ApiKeyConfig) -> Principal:
+        return cls(
+            name=key.name,
+            max_prompt_tokens=key.max_prompt_tokens,
+            max_tokens=key.max_tokens,
+            max_concurrent_requests=key.max_concurrent_requests,
+        )
+
+    def cap_max_tokens(self, max_tokens: int) -> int:
+        """``max_tokens`` lowered to the key's limit (for a request that sent none)."""
+        return max_tokens if self.max_tokens is None else min(max_tokens, self.max_tokens)
+
+
+# Key names cannot contain parentheses (config validates them), so no key is this one.
+ANONYMOUS = Principal(name="(anonymous)", is_anonymous=True)
+
+
+class Authenticator:
+    """Maps an ``Authorization`` header to a ``Principal``. Built once from
+    ``config.server.api_keys``; ``authenticate`` is a side-effect-free query."""
+
+    def __init__(self, keys: Iterable[ApiKeyConfig]) -> None:
+        self._keys = tuple((bytes.fromhex(k.sha256), Principal.of(k)) for k in keys)
+
+    @property
+    def requires_key(self) -> bool:
+        return bool(self._keys)
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        """The principal of a request, from its ``Authorization`` header value.
+
+        Raises ``AuthenticationFailed`` (401) when keys are configured and the header is
+        missing, is not ``Bearer <key>``, or holds no configured key. With no keys
+        configured returns ``ANONYMOUS`` and ignores the header.
+        """
+        if not self._keys:
+            return ANONYMOUS
+        if authorization is None or not authorization.strip():
+            raise AuthenticationFailed(f"missing API key: {_HOW_TO_FIX}")
+        scheme, _, key = authorization.strip().partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key or " " in key or len(key) > _MAX_KEY_CHARS:
+            raise AuthenticationFailed(
+                f"malformed Authorization header (expected 'Bearer <key>'): {_HOW_TO_FIX}"
+            )
+        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+        found: Principal | None = None
+        for stored, principal in self._keys:  # no early exit: time does not tell which
+            if hmac.compare_digest(digest, stored):
+                found = principal
+        if found is None:
+            raise AuthenticationFailed(f"invalid API key: {_HOW_TO_FIX}")
+        return found
+
+
+def session_not_found(session_id: str) -> SessionNotFound:
+    """The one 404 for a session a caller may not see: unknown, expired, closed, or
+    another key's. Use it for all of them so that the bodies are identical."""
+    return SessionNotFound(
+        f"session {session_id!r} not found: it does not exist, has expired or was closed; "
+        "start a new session (a new x-session-id)",
+        param="x-session-id",
+    )
+
+
+class SessionOwners:
+    """Which key owns each session: the first key to run a turn on it.
+
+    Bounded: an entry idle for ``idle_ttl_s`` expires, and past ``max_sessions`` the least
+    recently used entries are dropped. Both ``claim`` and ``expire`` *return* the session
+    ids whose ownership ended; the caller must close those sessions (KV record, session
+    tokens), so that no other key can later claim one and inherit its state. Choose
+    ``idle_ttl_s`` ≥ the session state's TTL (``kv.decoder_kv_blocks_ttl_s``) and
+    ``touch`` when a turn ends, so that ownership outlives the state it protects (the KV a
+    turn leaves is kept for the TTL from the turn's end).
+
+    ``now_s`` must not go backwards (a monotonic clock). With the anonymous principal
+    (no keys configured) nothing is recorded and nothing is refused.
+    """
+
+    def __init__(self, *, idle_ttl_s: float, max_sessions: int) -> None:
+        if idle_ttl_s <= 0 or max_sessions < 1:
+            raise ValueError(
+                f"idle_ttl_s ({idle_ttl_s}) must be > 0 and max_sessions ({max_sessions}) >= 1"
+            )
+        self.idle_ttl_s = idle_ttl_s
+        self.max_sessions = max_sessions
+        # session id → (owner key name, last use); ordered by last use, oldest first.
+        self._owners: OrderedDict[str, tuple[str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    def owner(self, session_id: str, now_s: float) -> str | None:
+        """The owning key's name, or ``None`` (never claimed, forgotten or expired)."""
+        entry = self._owners.get(session_id)
+        if entry is None or now_s - entry[1] >= self.idle_ttl_s:
+            return None
+        return entry[0]
+
+    def check(self, session_id: str, principal: Principal, now_s: float) -> None:
+        """Query: raises ``session_not_found(session_id)`` when another key owns the
+        session. Records nothing (for reading or closing a session)."""
+        if principal.is_anonymous:
+            return
+        owner = self.owner(session_id, now_s)
+        if owner is not None and owner != principal.name:
+            raise session_not_found(session_id)
+
+    def claim(self, session_id: str, principal: Principal, now_s: float) -> tuple[str, ...]:
+        """``check``, then make ``principal`` the owner (or refresh its idle clock), just
+        before a turn runs. Returns the sessions whose ownership ended (expired, then least
+        recently used past ``max_sessions``); close them before the turn runs. That may
+        include ``session_id`` itself when another key's ownership of it had expired: its
+        state must not carry over to the new owner."""
+        self.check(session_id, principal, now_s)
+        if principal.is_anonymous:
+            return ()
+        entry = self._owners.pop(session_id, None)
+        dropped = list(self.expire(now_s))
+        if entry is not None and entry[0] != principal.name:  # expired, as check passed
+            dropped.append(session_id)
+        self._owners[session_id] = (principal.name, now_s)
+        while len(self._owners) > self.max_sessions:
+            dropped.append(self._owners.popitem(last=False)[0])
+        return tuple(dropped)
+
+    def touch(self, session_id: str, principal: Principal, now_s: float) -> None:
+        """Restart the idle clock of ``principal``'s session when a turn ends (its KV is
+        kept from then on). Does nothing if ``principal`` no longer owns it; never raises."""
+        entry = self._owners.get(session_id)
+        if entry is not None and entry[0] == principal.name and not principal.is_anonymous:
+            self._owners[session_id] = (principal.name, now_s)
+            self._owners.move_to_end(session_id)
+
+    def expire(self, now_s: float) -> tuple[str, ...]:
+        """Drop entries idle for ``idle_ttl_s`` or longer; returns their session ids."""
+        dropped: list[str] = []
+        while self._owners:
+            session_id, (_, last_s) = next(iter(self._owners.items()))
+            if now_s - last_s < self.idle_ttl_s:
+                break
+            del self._owners[session_id]
+            dropped.append(session_id)
+        return tuple(dropped)
+
+    def forget(self, session_id: str) -> None:
+        """The session was closed: anyone may start a new one with this id."""
+        self._owners.pop(session_id, None)
+
+
+def check_request(
+    principal: Principal,
+    *,
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    prompt_param: str = "messages",
+) -> None:
+    """Raise ``LimitExceeded`` (429) when a request is over its key's limits.
+
+    ``max_tokens`` is what the client asked for (``None``: it did not say; then cap the
+    default with ``principal.cap_max_tokens`` instead of refusing). ``prompt_param`` is
+    the body field the prompt came in (``messages`` or ``prompt``).
+    """
+    limit = principal.max_prompt_tokens
+    if limit is not None and num_prompt_tokens > limit:
+        raise LimitExceeded(
+            f"the prompt has {num_prompt_tokens} tokens; API key {principal.name!r} allows at "
+            f"most {limit} (max_prompt_tokens). Shorten the prompt or the history.",
+            code="prompt_too_long_for_key",
+            param=prompt_param,
+        )
+    limit = principal.max_tokens
+    if limit is not None and max_tokens is not None and max_tokens > limit:
+        raise LimitExceeded(
+            f"max_tokens is {max_tokens}; API key {principal.name!r} allows at most {limit} "
+            "per request. Lower max_tokens.",
+            code="max_tokens_over_key_limit",
+            param="max_tokens",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """One admitted request, returned by ``ConcurrencyGate.acquire``; hand it back to
+    ``release`` when the response has ended."""
+
+    key_name: str
+    serial: int
+
+
+# Serials are unique in the process, so a ticket matches only the gate that issued it.
+_serials = itertools.count(1)
+
+
+class ConcurrencyGate:
+    """Counts each key's requests in flight and refuses one over the key's
+    ``max_concurrent_requests`` with 429 ``concurrency_limit_exceeded``.
+
+    Exact by construction: the count of a key is the number of its live tickets. A refused
+    request gets no ticket and changes nothing. ``release`` is idempotent: a ticket counts
+    once, and releasing it again (or a ticket of another gate) does nothing, so a
+    ``finally`` that releases can never drift the count or mask the original error.
+    Not thread-safe: use it from the ingress's event loop.
+    """
+
+    def __init__(self, *, retry_after_s: float = 1.0) -> None:
+        self.retry_after_s = retry_after_s
+        self._live: dict[str, set[int]] = {}
+
+    def num_in_flight(self, principal: Principal) -> int:
+        return len(self._live.get(principal.name, ()))
+
+    def can_acquire(self, principal: Principal) -> bool:
+        limit = principal.max_concurrent_requests
+        return limit is None or self.num_in_flight(principal) < limit
+
+    def acquire(self, principal: Principal) -> Ticket:
+        """Admit one request of ``principal`` or raise ``LimitExceeded`` (429)."""
+        if not self.can_acquire(principal):
+            raise LimitExceeded(
+                f"API key {principal.name!r} already has {self.num_in_flight(principal)} "
+                f"requests in flight, its limit (max_concurrent_requests = "
+                f"{principal.max_concurrent_requests}); retry when one has finished.",
+                code="concurrency_limit_exceeded",
+                retry_after_s=self.retry_after_s,
+            )
+        ticket = Ticket(principal.name, next(_serials))
+        self._live.setdefault(ticket.key_name, set()).add(ticket.serial)
+        return ticket
+
+    def release(self, ticket: Ticket) -> None:
+        """End ``ticket``'s request (idempotent; see the class docstring)."""
+        live = self._live.get(ticket.key_name)
+        if live is None:
+            return
+        live.discard(ticket.serial)
+        if not live:  # keep memory to keys with requests in flight
+            del self._live[ticket.key_name]
+
+    @contextmanager
+    def admitted(self, principal: Principal) -> Iterator[Ticket]:
+        """``acquire`` on entry, ``release`` on exit: for a response that ends in the block
+        (a streamed one ends later: keep its ticket and release it when the stream ends)."""
+        ticket = self.acquire(principal)
+        try:
+            yield ticket
+        finally:
+            self.release(ticket)

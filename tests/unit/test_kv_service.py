@@ -1,0 +1,286 @@
+"""The KV lifecycle service: expiry conversion and rebuilding after its own restart.
+
+The engines are the fake pools of test_router.py, wrapped so that each one keeps its
+half of the ledger exactly as an engine host does (``EngineLedger.on_finished``).
+A "restart" is a new ``KVService`` with empty books on the same engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from test_router import FakeClock, FakePool, decode_script, prefill_script
+
+from engines.base import GenerateChunk, GenerateRequest
+from orchestrator.kv_ledger import EngineLedger
+from orchestrator.kv_messages import LedgerReport, TurnDone
+from orchestrator.kv_planner import kv_lifecycle_config
+from orchestrator.kv_service import KVService
+from orchestrator.kv_service_actor import EpochWatcher
+from orchestrator.router import Router, TurnReport
+
+TTL_S = 480.0
+
+
+class HostedPool:
+    """A fake engine behind a host that keeps the ledger (as ``EngineHost`` does)."""
+
+    def __init__(self, pool: FakePool, role: str, clock: FakeClock) -> None:
+        self.pool = pool
+        self.ledger = EngineLedger(engine_id=role, role=role, ttl_s=TTL_S, clock=clock)
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        return self.ledger.watch(request, self.pool.generate(request))
+
+
+def decode_with_fresh_blocks(req: GenerateRequest) -> list[GenerateChunk]:
+    """Like ``decode_script`` but each request keeps its own blocks (as vLLM does)."""
+    chunks = decode_script(req)
+    last = chunks[-1]
+    assert last.kv_transfer_params is not None
+    block = 10 + int(req.request_id.split("-")[1])
+    params = {**last.kv_transfer_params, "remote_block_ids": [[block]]}
+    return [*chunks[:-1], GenerateChunk(**{**_fields(last), "kv_transfer_params": params})]
+
+
+def _fields(chunk: GenerateChunk) -> dict[str, Any]:
+    return {f: getattr(chunk, f) for f in chunk.__struct_fields__}
+
+
+class Cluster:
+    """One prefill and one decode engine with ledgers, a service and a router."""
+
+    def __init__(self) -> None:
+        self.clock = FakeClock()
+        self.prefill = HostedPool(FakePool(prefill_script(cached=101)), "prefill", self.clock)
+        self.decode = HostedPool(FakePool(decode_with_fresh_blocks), "decode", self.clock)
+        self.num_requests = 0
+        self.service = self.new_service()
+
+    def new_service(self) -> KVService:
+        self.service = KVService(
+            kv_lifecycle_config(
+                ttl_s=TTL_S,
+                safety_margin_s=15,
+                recompute_threshold_tokens=4,
+                kv_bytes_per_token=100,
+                block_size_tokens=16,
+            ),
+            prefill=self.prefill,
+            drain_timeout_s=5.0,
+            num_prefill_engines=1,
+            restore_wait_s=10.0,
+            clock=self.clock,
+        )
+        return self.service
+
+    async def turn(self, prompt: list[int], session: str | None) -> TurnReport:
+        router = Router(
+            prefill=self.prefill, decode=self.decode, kv=self.service, pull_timeout_s=5.0
+        )
+        self.num_requests += 1
+        reports = [
+            r
+            async for _, r in router.run_turn(
+                prompt_token_ids=prompt,
+                max_tokens=3,
+                session_id=session,
+                request_id=f"r-{self.num_requests}",
+            )
+        ]
+        await self.service.wait_drains()
+        return reports[-1]
+
+    def bytes_held(self) -> dict[str, int]:
+        return dict(self.service.planner.lifecycle._books.held_bytes)
+
+    def reports(self) -> tuple[LedgerReport, LedgerReport]:
+        return self.decode.ledger.report(), self.prefill.ledger.report()
+
+
+S1_T1 = list(range(100))
+S1_T2 = [*S1_T1, 11, 12, 13, 50, 51]
+
+
+async def two_sessions(c: Cluster) -> None:
+    """s1: two turns (turn 2 pulled turn 1's blocks); s2: one turn; one sessionless."""
+    assert (await c.turn(S1_T1, "s1")).kv_plan == "recompute"
+    assert (await c.turn(S1_T2, "s1")).kv_source == "sent_back"
+    await c.turn(list(range(200, 300)), "s2")
+    await c.turn(list(range(300, 400)), None)
+
+
+def test_a_restarted_service_rebuilds_exactly_what_the_engines_still_hold() -> None:
+    c = Cluster()
+
+    async def run() -> None:
+        await two_sessions(c)
+        before = c.bytes_held()
+        s1_record = c.service.planner.lifecycle.record("s1")
+        assert s1_record is not None
+        svc = c.new_service()  # the actor died; Ray started a new one, books empty
+        decode_report, prefill_report = c.reports()
+        await svc.restore(decode_report)
+        # Not adopted yet: a read the prefill engine has not reported would make the
+        # service book blocks that are already free.
+        assert svc.planner.lifecycle.records() == []
+        await svc.restore(prefill_report)
+        await svc.wait_drains()
+        assert c.bytes_held() == before
+        rebuilt = svc.planner.lifecycle.record("s1")
+        assert rebuilt is not None
+        # Turn 2's blocks, not turn 1's (those were read by turn 2's pull: freed).
+        assert (rebuilt.block_ids, rebuilt.prefix_hash) == (
+            s1_record.block_ids,
+            s1_record.prefix_hash,
+        )
+        assert svc.counters["adopt_skipped_consumed"] >= 1
+        # Nothing freed twice: no drain of blocks a read already freed.
+        assert svc.counters["drain_failures"] == 0
+        # The conversation goes on with the KV it had before the restart.
+        r3 = await c.turn([*S1_T2, 11, 12, 13, 60, 61], "s1")
+        assert (r3.kv_plan, r3.kv_source) == ("pull", "sent_back")
+
+    asyncio.run(run())
+
+
+def test_a_session_that_moved_on_during_the_restart_keeps_its_new_record() -> None:
+    c = Cluster()
+
+    async def run() -> None:
+        await two_sessions(c)
+        old = c.service.planner.lifecycle.record("s2")
+        assert old is not None
+        svc = c.new_service()
+        # s2 comes back before any engine reported: the service recomputes...
+        r = await c.turn([*range(200, 300), 11, 12, 13, 70], "s2")
+        assert (r.kv_plan, r.kv_plan_reason) == ("recompute", "no_record")
+        new = svc.planner.lifecycle.record("s2")
+        assert new is not None and new.block_ids != old.block_ids
+        for report in c.reports():
+            await svc.restore(report)
+        await svc.wait_drains()
+        # ...and the old blocks, reported later, are drained instead of booked.
+        assert svc.planner.lifecycle.record("s2") == new
+        assert svc.counters["adopt_superseded"] == 1
+        drained = [
+            q.kv_transfer_params["remote_block_ids"]
+            for q in c.prefill.pool.requests
+            if q.request_id.startswith("drain-") and q.kv_transfer_params
+        ]
+        assert [list(old.block_ids)] in drained
+
+    asyncio.run(run())
+
+
+def test_without_every_prefill_report_the_service_adopts_after_the_wait() -> None:
+    c = Cluster()
+
+    async def run() -> None:
+        await c.turn(S1_T1, "s1")
+        svc = c.new_service()
+        await svc.restore(c.decode.ledger.report())
+        await svc.tick()
+        assert svc.planner.lifecycle.records() == []
+        c.clock.now_s += 10.0  # restore_wait_s
+        await svc.tick()
+        assert svc.planner.lifecycle.record("s1") is not None
+
+    asyncio.run(run())
+
+
+def test_a_ledger_reported_twice_is_booked_once() -> None:
+    c = Cluster()
+
+    async def run() -> None:
+        await two_sessions(c)
+        before = c.bytes_held()
+        svc = c.new_service()
+        for _ in range(2):
+            for report in c.reports():
+                await svc.restore(report)
+        assert c.bytes_held() == before
+
+    asyncio.run(run())
+
+
+def test_records_expire_on_the_engines_clock_not_a_guess() -> None:
+    c = Cluster()
+
+    async def run() -> None:
+        svc = c.service
+        await svc.plan_turn("s", [1, 2, 3])
+        params = {
+            "do_remote_decode": True,
+            "remote_engine_id": "D",
+            "remote_request_id": "x",
+            "remote_block_ids": [[1]],
+            "remote_num_tokens": 4,
+        }
+        # The engine said its blocks live 100 s more (not the configured 480 s).
+        await svc.turn_done(
+            TurnDone(
+                session_id="s",
+                token_ids=[1, 2, 3, 4, 5],
+                kv_transfer_params=params,
+                kv_expires_in_s=100.0,
+                next_token_ids=[1, 2, 3, 4, 5],
+            )
+        )
+        info = await svc.session("s")
+        assert info.expires_in_s == pytest.approx(100.0, abs=0.01)
+        c.clock.now_s += 100.0 - 15.0  # the safety margin before the engine's expiry
+        await svc.tick()
+        assert (await svc.session("s")).engine_id is None
+
+    asyncio.run(run())
+
+
+def test_ledgers_forget_blocks_past_their_ttl() -> None:
+    c = Cluster()
+
+    async def run() -> None:
+        await two_sessions(c)
+        assert c.decode.ledger.report().kept and c.prefill.ledger.report().consumed
+        c.clock.now_s += TTL_S
+        assert c.decode.ledger.report().kept == [] and c.prefill.ledger.report().consumed == []
+        assert len(c.decode.ledger) == 0 and len(c.prefill.ledger) == 0
+
+    asyncio.run(run())
+
+
+class _Method:
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def remote(self, *args: Any) -> Any:
+        async def call() -> Any:
+            return self.fn(*args)
+
+        return call()
+
+
+class FakeServiceHandle:
+    def __init__(self) -> None:
+        self.current_epoch = "a"
+        self.reports: list[LedgerReport] = []
+        self.epoch = _Method(lambda: self.current_epoch)
+        self.restore = _Method(self.reports.append)
+
+
+def test_engine_hosts_report_once_per_service_epoch() -> None:
+    handle = FakeServiceHandle()
+    report = LedgerReport(engine_id="decode-0", role="decode")
+    watcher = EpochWatcher(lambda: handle, lambda: report)  # type: ignore[arg-type,return-value]
+
+    async def run() -> list[bool]:
+        sent = [await watcher.check_once(), await watcher.check_once()]
+        handle.current_epoch = "b"  # the service restarted
+        sent.append(await watcher.check_once())
+        return sent
+
+    assert asyncio.run(run()) == [True, False, True]
+    assert handle.reports == [report, report]
