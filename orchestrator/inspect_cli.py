@@ -189,6 +189,10 @@ def _num(value: Any) -> str:
     return f"{int(value or 0):,}"
 
 
+def _count(num: int, noun: str) -> str:
+    return f"{num:,} {noun}" + ("" if num == 1 else "s")
+
+
 def _reasons(value: Any) -> list[tuple[str, int]]:
     """``recomputes_by_reason`` as sent: ``[[reason, count], ...]`` (or a mapping)."""
     pairs = value.items() if isinstance(value, Mapping) else (value or [])
@@ -345,7 +349,7 @@ def format_domains(nodes: Sequence[RayNode], free_gpus: Mapping[str, int], *, ad
     alive = [n for n in nodes if n.alive]
     by_id = {n.node_id: n for n in alive}
     num_gpu_nodes = sum(n.num_gpus > 0 for n in alive)
-    lines = [f"Ray at {address}: {len(alive)} alive nodes, {num_gpu_nodes} with GPUs"]
+    lines = [f"Ray at {address}: {_count(len(alive), 'alive node')}, {num_gpu_nodes} with GPUs"]
     try:
         topology = topology_from_nodes(alive)
     except InvalidTopology:
@@ -355,9 +359,10 @@ def format_domains(nodes: Sequence[RayNode], free_gpus: Mapping[str, int], *, ad
         for state in domain_states(alive, free_gpus):
             own = not by_id[state.node_ids[0]].labelled
             lines.append(
-                f"  {state.domain_id}: {len(state.node_ids)} node(s), {state.num_gpus} GPUs, "
+                f"  {state.domain_id}: {_count(len(state.node_ids), 'node')}, "
+                f"{state.num_gpus} GPUs, "
                 f"{state.num_free_gpus} free, largest free node {state.largest_free_node_gpus}"
-                + (f" (no {NVLINK_DOMAIN_LABEL} label: the node is its own domain)" if own else "")
+                + (f" (no {NVLINK_DOMAIN_LABEL} label: one node, its own domain)" if own else "")
             )
             for spec in topology.nodes:
                 if spec.domain_id == state.domain_id:
@@ -371,7 +376,8 @@ def format_domains(nodes: Sequence[RayNode], free_gpus: Mapping[str, int], *, ad
         lines.append(f"Nodes without an {NVLINK_DOMAIN_LABEL} label:")
         for n in unlabelled:
             what = (
-                f"{n.num_gpus} GPUs: its own domain, so no engine spans it and another node"
+                f"{n.num_gpus} GPUs, its own domain: no engine spans it and another node "
+                f"(label nodes that share an NVLink fabric {NVLINK_DOMAIN_LABEL}=<id>)"
                 if n.num_gpus
                 else "no GPUs: left out of engine placement"
             )
@@ -384,7 +390,7 @@ def format_domains(nodes: Sequence[RayNode], free_gpus: Mapping[str, int], *, ad
     if dead:
         lines.append("Dead nodes (their engines' shards are gone):")
         lines += [
-            f"  {n.node_id}: {n.num_gpus} GPUs, "
+            f"  {n.node_id}: "
             + (f"{NVLINK_DOMAIN_LABEL}={n.domain_id}" if n.labelled else "no domain label")
             for n in dead
         ]

@@ -143,7 +143,7 @@ class KVServiceActor:
         await self._tick_started().replay_fail(key)
 
     async def stats(self) -> dict[str, Any]:
-        return await self._tick_started().stats()
+        return {**await self._tick_started().stats(), "metrics": self.metrics.snapshot()}
 
     async def wait_drains(self) -> None:
         await self.service.wait_drains()

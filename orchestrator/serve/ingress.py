@@ -276,10 +276,13 @@ class Ingress:
         stats = await asyncio.gather(*(self.pool_handles[n].stats.remote() for n in names))
         import msgspec
 
+        kv = await self.kv.stats()
+        # The ingress books requests and latency; the KV service books the KV gauges.
+        metrics = {**self.metrics.snapshot(), **kv.pop("metrics", {})}
         return {
-            "kv": await self.kv.stats(),
+            "kv": kv,
             "engines": {n: msgspec.to_builtins(st) for n, st in zip(names, stats, strict=True)},
-            "metrics": self.metrics.snapshot(),
+            "metrics": metrics,
         }
 
     @fastapi_app.get("/kvtide/sessions/{session_id}")
