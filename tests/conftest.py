@@ -26,8 +26,16 @@ def _has_gpu() -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Ray-tier modules start their own multi-node clusters and need this process free of
-    # any Ray; the engine tier's app holds one until the session ends. Run them first.
-    items.sort(key=lambda item: 0 if "ray" in item.keywords else 1)
+    # any Ray; the engine tier's app holds one until the session ends. Run them first,
+    # then everything that does not need the app (engine tests that start their own
+    # engines in a child process run faster before the app's engines occupy the cores),
+    # then the tests of the shared app.
+    def order(item: pytest.Item) -> int:
+        if "ray" in item.keywords:
+            return 0
+        return 2 if "kvtide_app" in getattr(item, "fixturenames", ()) else 1
+
+    items.sort(key=order)
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
