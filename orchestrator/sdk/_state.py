@@ -10,8 +10,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-from orchestrator.sdk._wire import TurnMeta, check_session_id, new_session_id
+from orchestrator.sdk._wire import (
+    TurnMeta,
+    chat_body,
+    check_session_id,
+    new_session_id,
+    turn_headers,
+)
 from orchestrator.sdk.results import TurnResult
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -65,6 +72,29 @@ class SessionState:
 
     def request_messages(self, user_text: str) -> list[dict[str, str]]:
         return [*self.messages, {"role": "user", "content": user_text}]
+
+    def turn_request(
+        self,
+        model: str,
+        user_text: str,
+        idempotency_key: str,
+        *,
+        stream: bool,
+        max_tokens: int | None,
+        temperature: float | None,
+        traceparent: str | None,
+        sampling: Mapping[str, Any],
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        """The body and headers of one turn's chat request (sync and async alike)."""
+        body = chat_body(
+            model,
+            self.request_messages(user_text),
+            max_tokens=max_tokens,
+            temperature=temperature,
+            stream=stream,
+            sampling=sampling,
+        )
+        return body, turn_headers(self.id, idempotency_key, traceparent)
 
     def end_turn(self, user_text: str, result: TurnResult, now_s: float) -> None:
         with self._lock:

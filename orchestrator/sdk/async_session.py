@@ -16,12 +16,10 @@ from orchestrator.sdk._wire import (
     CHAT_PATH,
     StreamCollector,
     TurnMeta,
-    chat_body,
     connection_error,
     json_body,
     new_idempotency_key,
     result_from_completion,
-    turn_headers,
 )
 from orchestrator.sdk.errors import APIConnectionError, KVTideAPIError, NotFoundError
 from orchestrator.sdk.results import SessionInfo, TurnResult
@@ -85,15 +83,16 @@ class AsyncSession:
         key = idempotency_key or new_idempotency_key()
         try:
             start = clock()
-            body = chat_body(
+            body, headers = state.turn_request(
                 await self._model(),
-                state.request_messages(user_text),
+                user_text,
+                key,
+                stream=False,
                 max_tokens=max_tokens,
                 temperature=temperature,
-                stream=False,
+                traceparent=traceparent,
                 sampling=sampling,
             )
-            headers = turn_headers(state.id, key, traceparent)
             response, attempts = await self._client._send(
                 "POST", CHAT_PATH, json=body, headers=headers
             )
@@ -123,15 +122,16 @@ class AsyncSession:
         key = idempotency_key or new_idempotency_key()
         try:
             start = clock()
-            body = chat_body(
+            body, headers = state.turn_request(
                 await self._model(),
-                state.request_messages(user_text),
+                user_text,
+                key,
+                stream=True,
                 max_tokens=max_tokens,
                 temperature=temperature,
-                stream=True,
+                traceparent=traceparent,
                 sampling=sampling,
             )
-            headers = turn_headers(state.id, key, traceparent)
             response, attempts = await self._client._send(
                 "POST", CHAT_PATH, json=body, headers=headers, stream=True
             )

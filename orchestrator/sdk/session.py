@@ -21,12 +21,10 @@ from orchestrator.sdk._wire import (
     CHAT_PATH,
     StreamCollector,
     TurnMeta,
-    chat_body,
     connection_error,
     json_body,
     new_idempotency_key,
     result_from_completion,
-    turn_headers,
 )
 from orchestrator.sdk.errors import APIConnectionError, KVTideAPIError, NotFoundError
 from orchestrator.sdk.results import SessionInfo, TurnResult
@@ -96,15 +94,16 @@ class Session:
         key = idempotency_key or new_idempotency_key()
         try:
             start = clock()
-            body = chat_body(
+            body, headers = state.turn_request(
                 self._model(),
-                state.request_messages(user_text),
+                user_text,
+                key,
+                stream=False,
                 max_tokens=max_tokens,
                 temperature=temperature,
-                stream=False,
+                traceparent=traceparent,
                 sampling=sampling,
             )
-            headers = turn_headers(state.id, key, traceparent)
             response, attempts = self._client._send("POST", CHAT_PATH, json=body, headers=headers)
             meta = state.turn_meta(key, attempts)
             result = result_from_completion(
@@ -135,15 +134,16 @@ class Session:
         key = idempotency_key or new_idempotency_key()
         try:
             start = clock()
-            body = chat_body(
+            body, headers = state.turn_request(
                 self._model(),
-                state.request_messages(user_text),
+                user_text,
+                key,
+                stream=True,
                 max_tokens=max_tokens,
                 temperature=temperature,
-                stream=True,
+                traceparent=traceparent,
                 sampling=sampling,
             )
-            headers = turn_headers(state.id, key, traceparent)
             response, attempts = self._client._send(
                 "POST", CHAT_PATH, json=body, headers=headers, stream=True
             )
