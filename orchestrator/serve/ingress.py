@@ -31,11 +31,9 @@ from orchestrator.config import KVTideConfig
 from orchestrator.errors import (
     ContextLengthExceeded,
     EngineUnavailable,
-    InvalidRequest,
     RequestError,
     TurnInProgress,
 )
-from orchestrator.kv_messages import SessionInfo
 from orchestrator.kv_planner import kv_lifecycle_config
 from orchestrator.kv_service_actor import ServiceClient, get_or_create_service
 from orchestrator.metrics import http_status, make_metrics
@@ -51,6 +49,16 @@ from orchestrator.serve.auth import (
     session_not_found,
 )
 from orchestrator.serve.handle_pool import HandlePool
+from orchestrator.serve.responses import (
+    Output,
+    ending,
+    final_body,
+    replay_key_of,
+    replay_sse,
+    server_error_body,
+    session_body,
+    usage_of,
+)
 from orchestrator.session_tokens import continue_tokens
 
 __all__ = ["Ingress", "fastapi_app"]
@@ -67,101 +75,8 @@ async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
 @fastapi_app.exception_handler(Exception)
 async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
     log.exception("internal error")
-    body = {
-        "error": {
-            "message": f"internal error: {type(exc).__name__}: {exc}",
-            "type": "server_error",
-            "param": None,
-            "code": "internal_error",
-        }
-    }
+    body = server_error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_error")
     return JSONResponse(body, status_code=500)
-
-
-def _session_body(info: SessionInfo) -> dict[str, Any]:
-    record = None
-    if info.engine_id is not None:
-        record = {
-            "engine_id": info.engine_id,
-            "num_tokens": info.num_tokens,
-            "bytes_held": info.bytes_held,
-            "expires_in_s": info.expires_in_s,
-        }
-    return {
-        "id": info.session_id,
-        "object": "session",
-        "record": record,
-        "lease_expires_in_s": info.lease_expires_in_s,
-    }
-
-
-def _replay_key(header: str | None, owner: str, session_id: str | None) -> str | None:
-    """The replay book's key of an ``Idempotency-Key`` header, scoped by its owner (the
-    API key's name) and session; None without the header."""
-    if header is None:
-        return None
-    key = header.strip()
-    if not key or len(key) > 255 or not key.isprintable():
-        raise InvalidRequest(
-            "Idempotency-Key must be 1-255 printable characters (a UUID per turn, "
-            "the same on every retry of that turn)",
-            param="Idempotency-Key",
-        )
-    return "\x1f".join((owner, session_id or "", key))
-
-
-def _final_body(
-    req: api.ApiRequest, rid: str, ids: list[int], out: _Output, report: TurnReport
-) -> dict[str, Any]:
-    make = api.chat_response if req.kind == "chat" else api.completion_response
-    body = make(
-        rid, req.model, "".join(out.text), report.finish_reason, _usage(report), report.as_dict()
-    )
-    if req.return_token_ids:
-        body["prompt_token_ids"] = ids
-        body["choices"][0]["token_ids"] = out.token_ids
-    return body
-
-
-async def _replay_sse(req: api.ApiRequest, body: dict[str, Any]) -> AsyncIterator[str]:
-    """A stored response as a stream: the whole text in one chunk, then the end."""
-    choice = body["choices"][0]
-    text = choice["message"]["content"] if req.kind == "chat" else choice["text"]
-    rid, ext = str(body["id"]), body.get("kvtide")
-    yield api.stream_chunk(req.kind, rid, req.model, text=text, first=True)
-    yield api.stream_chunk(
-        req.kind, rid, req.model, text="", finish=choice["finish_reason"], ext=ext
-    )
-    if req.include_usage:
-        yield api.stream_chunk(req.kind, rid, req.model, use=body["usage"], ext=ext)
-    yield "data: [DONE]\n\n"
-
-
-async def _ending(body: AsyncIterator[Any], end: Callable[[], None]) -> AsyncIterator[Any]:
-    """``body``, then ``end()`` once it is exhausted or closed early."""
-    try:
-        async for item in body:
-            yield item
-    finally:
-        end()
-
-
-def _usage(report: TurnReport) -> dict[str, Any]:
-    return api.usage(
-        report.num_prompt_tokens, report.num_completion_tokens, report.num_cached_tokens
-    )
-
-
-class _Output:
-    """A turn's generated text and token ids, gathered from its chunks."""
-
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.token_ids: list[int] = []
-
-    def add(self, chunk: GenerateChunk) -> None:
-        self.text.append(chunk.text)
-        self.token_ids.extend(chunk.token_ids)
 
 
 @serve.deployment(name="ingress", max_ongoing_requests=256)
@@ -293,7 +208,7 @@ class Ingress:
         info = await self.kv.session(sid)
         if not info.known and not principal.is_anonymous:
             raise session_not_found(sid)
-        return _session_body(info)
+        return session_body(info)
 
     @fastapi_app.post("/kvtide/sessions/{session_id}/renew")
     async def renew_session(self, session_id: str, request: Request) -> dict[str, Any]:
@@ -302,7 +217,7 @@ class Ingress:
         info = await self.kv.renew(sid)
         if not info.known:
             raise session_not_found(sid)
-        return _session_body(info)
+        return session_body(info)
 
     @fastapi_app.delete("/kvtide/sessions/{session_id}")
     async def close_session(self, session_id: str, request: Request) -> dict[str, Any]:
@@ -372,9 +287,7 @@ class Ingress:
             self._finish(root, code if isinstance(exc, Exception) else None)
             raise
         if isinstance(response, StreamingResponse):
-            response.body_iterator = _ending(
-                response.body_iterator, lambda: self._finish(root, 200)
-            )
+            response.body_iterator = ending(response.body_iterator, lambda: self._finish(root, 200))
         else:
             self._finish(root, response.status_code)
         return response
@@ -455,7 +368,7 @@ class Ingress:
             prompt_param="messages" if req.kind == "chat" else "prompt",
         )
         max_tokens = principal.cap_max_tokens(self._max_tokens(req, len(ids)))
-        replay_key = _replay_key(http.headers.get("idempotency-key"), principal.name, session_id)
+        replay_key = replay_key_of(http.headers.get("idempotency-key"), principal.name, session_id)
         ticket = self.gate.acquire(principal)
         streaming = False
         try:
@@ -526,7 +439,7 @@ class Ingress:
                 media_type="text/event-stream",
                 headers=headers,
             )
-        out = _Output()
+        out = Output()
         out.add(first[0])
         report = first[1]  # the router updates this one report as the turn goes
         try:
@@ -534,7 +447,7 @@ class Ingress:
                 out.add(chunk)
         finally:
             await turn.aclose()  # a cancelled request ends its turn now, not at GC
-        body = _final_body(req, rid, ids, out, report)
+        body = final_body(req, rid, ids, out, report)
         if replay_key is not None:
             await self.kv.replay_complete(replay_key, body)
         return JSONResponse(body, headers=headers)
@@ -547,7 +460,7 @@ class Ingress:
         if not req.stream:
             return JSONResponse(body, headers=headers)
         return StreamingResponse(
-            _replay_sse(req, body), media_type="text/event-stream", headers=headers
+            replay_sse(req, body), media_type="text/event-stream", headers=headers
         )
 
     async def _sse(
@@ -562,7 +475,7 @@ class Ingress:
     ) -> AsyncIterator[str]:
         item, is_first = first, True
         report = first[1]
-        out = _Output()
+        out = Output()
         completed = False
         try:
             while True:
@@ -583,25 +496,18 @@ class Ingress:
                     break
                 item = await turn.__anext__()
             if replay_key is not None:
-                await self.kv.replay_complete(replay_key, _final_body(req, rid, ids, out, report))
+                await self.kv.replay_complete(replay_key, final_body(req, rid, ids, out, report))
             completed = True
         except RequestError as exc:
             yield f"data: {json.dumps(exc.body())}\n\n"
         except Exception as exc:
             log.exception("stream %s failed", rid)
-            body = {
-                "error": {
-                    "message": f"{type(exc).__name__}: {exc}",
-                    "type": "server_error",
-                    "param": None,
-                    "code": "stream_failed",
-                }
-            }
+            body = server_error_body(f"{type(exc).__name__}: {exc}", "stream_failed")
             yield f"data: {json.dumps(body)}\n\n"
         else:
             if req.include_usage:
                 yield api.stream_chunk(
-                    req.kind, rid, req.model, use=_usage(report), ext=report.as_dict()
+                    req.kind, rid, req.model, use=usage_of(report), ext=report.as_dict()
                 )
         finally:
             self.gate.release(ticket)

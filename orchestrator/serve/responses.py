@@ -1,0 +1,119 @@
+"""Response shapes of the OpenAI-compatible ingress: final bodies, replayed streams,
+session bodies, idempotency keys and server-error bodies (no Serve or FastAPI state).
+
+The ingress deployment class is pickled by value; the helpers it uses live here, in an
+importable module, rather than beside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from engines.base import GenerateChunk
+from orchestrator.errors import InvalidRequest
+from orchestrator.kv_messages import SessionInfo
+from orchestrator.router import TurnReport
+from orchestrator.serve import openai_api as api
+
+__all__ = [
+    "Output",
+    "ending",
+    "final_body",
+    "replay_key_of",
+    "replay_sse",
+    "server_error_body",
+    "session_body",
+    "usage_of",
+]
+
+
+def session_body(info: SessionInfo) -> dict[str, Any]:
+    record = None
+    if info.engine_id is not None:
+        record = {
+            "engine_id": info.engine_id,
+            "num_tokens": info.num_tokens,
+            "bytes_held": info.bytes_held,
+            "expires_in_s": info.expires_in_s,
+        }
+    return {
+        "id": info.session_id,
+        "object": "session",
+        "record": record,
+        "lease_expires_in_s": info.lease_expires_in_s,
+    }
+
+
+def replay_key_of(header: str | None, owner: str, session_id: str | None) -> str | None:
+    """The replay book's key of an ``Idempotency-Key`` header, scoped by its owner (the
+    API key's name) and session; None without the header."""
+    if header is None:
+        return None
+    key = header.strip()
+    if not key or len(key) > 255 or not key.isprintable():
+        raise InvalidRequest(
+            "Idempotency-Key must be 1-255 printable characters (a UUID per turn, "
+            "the same on every retry of that turn)",
+            param="Idempotency-Key",
+        )
+    return "\x1f".join((owner, session_id or "", key))
+
+
+def final_body(
+    req: api.ApiRequest, rid: str, ids: list[int], out: Output, report: TurnReport
+) -> dict[str, Any]:
+    make = api.chat_response if req.kind == "chat" else api.completion_response
+    body = make(
+        rid, req.model, "".join(out.text), report.finish_reason, usage_of(report), report.as_dict()
+    )
+    if req.return_token_ids:
+        body["prompt_token_ids"] = ids
+        body["choices"][0]["token_ids"] = out.token_ids
+    return body
+
+
+async def replay_sse(req: api.ApiRequest, body: dict[str, Any]) -> AsyncIterator[str]:
+    """A stored response as a stream: the whole text in one chunk, then the end."""
+    choice = body["choices"][0]
+    text = choice["message"]["content"] if req.kind == "chat" else choice["text"]
+    rid, ext = str(body["id"]), body.get("kvtide")
+    yield api.stream_chunk(req.kind, rid, req.model, text=text, first=True)
+    yield api.stream_chunk(
+        req.kind, rid, req.model, text="", finish=choice["finish_reason"], ext=ext
+    )
+    if req.include_usage:
+        yield api.stream_chunk(req.kind, rid, req.model, use=body["usage"], ext=ext)
+    yield "data: [DONE]\n\n"
+
+
+async def ending(body: AsyncIterator[Any], end: Callable[[], None]) -> AsyncIterator[Any]:
+    """``body``, then ``end()`` once it is exhausted or closed early."""
+    try:
+        async for item in body:
+            yield item
+    finally:
+        end()
+
+
+def usage_of(report: TurnReport) -> dict[str, Any]:
+    return api.usage(
+        report.num_prompt_tokens, report.num_completion_tokens, report.num_cached_tokens
+    )
+
+
+class Output:
+    """A turn's generated text and token ids, gathered from its chunks."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+
+    def add(self, chunk: GenerateChunk) -> None:
+        self.text.append(chunk.text)
+        self.token_ids.extend(chunk.token_ids)
+
+
+def server_error_body(message: str, code: str) -> dict[str, Any]:
+    """An OpenAI-style body for a failure that is not the client's."""
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
