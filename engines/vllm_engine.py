@@ -62,6 +62,9 @@ def engine_args_for(spec: EngineSpec) -> dict[str, Any]:
         args["kv_transfer_config"] = {
             "kv_connector": kv.connector,
             "kv_role": kv_role,
+            # NIXL names the engine in kv_transfer_params (remote_engine_id): kvtide's
+            # id there lets the KV service tie kept blocks to the engine that holds them.
+            "engine_id": spec.engine_id,
             "kv_buffer_device": kv.buffer_device,
             "kv_load_failure_policy": kv.kv_load_failure_policy,
             "kv_connector_extra_config": {

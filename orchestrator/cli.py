@@ -29,7 +29,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     runtime.start_ray(config)
     try:
-        runtime.deploy(config)
+        layout = runtime.deploy(config)
         if args.demo:
             from orchestrator.demo import format_table, run_demo
 
@@ -40,7 +40,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         try:
-            stop.wait()
+            runtime.supervise(config, layout, stop)
         except KeyboardInterrupt:
             pass
         return 0

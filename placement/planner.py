@@ -49,6 +49,7 @@ __all__ = [
     "PlacementPlanner",
     "ShardAssignment",
     "Unplaceable",
+    "choose_in_domain",
     "choose_placement",
     "describe_domains",
     "leftover_for_large_engines",
@@ -104,6 +105,22 @@ def choose_placement(
     if best_key is None:
         return _unplaceable(ledger, request, cpu_short)
     return _plan_from_picks(ledger, request, best_domain, best_picks)
+
+
+def choose_in_domain(
+    ledger: ClusterLedger, request: EngineRequest, domain_id: str
+) -> PlacementPlan | None:
+    """Where `request` goes inside `domain_id`, or None if that domain cannot hold it
+    now (or is unknown); changes nothing. Used to keep a running engine where it is."""
+    if ledger.holds(request.engine_id):
+        raise DuplicateEngine(f"engine {request.engine_id!r} is already placed; release it first")
+    if domain_id not in ledger.domain_ids:
+        return None
+    domain = ledger.domain_ids.index(domain_id)
+    if ledger.domain_free_gpus(domain) < request.tp_size:
+        return None
+    picks = _pick_nodes(ledger, domain, request)
+    return None if picks is None else _plan_from_picks(ledger, request, domain, picks)
 
 
 def leftover_for_large_engines(num_free_gpus: int) -> int:
@@ -335,6 +352,14 @@ class PlacementPlanner:
         for i in order:
             results[i] = self.place(requests[i])
         return tuple(results[i] for i in range(len(requests)))
+
+    def place_in_domain(self, request: EngineRequest, domain_id: str) -> PlacementPlan | None:
+        """Place `request` inside `domain_id` if it fits there now; None (nothing
+        placed) otherwise."""
+        plan = choose_in_domain(self._ledger, request, domain_id)
+        if plan is not None:
+            self._commit(plan)
+        return plan
 
     def _commit(self, plan: PlacementPlan) -> None:
         claims = [

@@ -26,6 +26,7 @@ from placement.errors import (
 )
 
 __all__ = [
+    "NVLINK_DOMAIN_LABEL",
     "ClusterLedger",
     "ClusterSnapshot",
     "ClusterTopology",
@@ -39,6 +40,10 @@ __all__ = [
 # CPUs are counted in thousandths internally so that repeated claims and releases
 # of fractional CPUs never drift.
 _MILLI = 1000
+
+
+NVLINK_DOMAIN_LABEL = "nvlink_domain"
+"""The Ray node label that names a node's NVLink domain."""
 
 
 def _to_milli(num_cpus: float) -> int:

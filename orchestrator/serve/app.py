@@ -11,15 +11,17 @@ Three ways to run it, one builder:
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from ray.serve import Application
 
 from orchestrator.config import KVTideConfig, load_config, parse_config
+from orchestrator.pool_layout import PoolLayout, plan_layout, unpinned_layout
 from orchestrator.serve.engine_host import EngineHost, engine_deployment_options
 from orchestrator.serve.ingress import Ingress
 
-__all__ = ["app_builder", "build_app", "prepare_model"]
+__all__ = ["app_builder", "build_app", "layout_for", "prepare_model"]
 
 
 def prepare_model(config: KVTideConfig) -> str:
@@ -32,16 +34,53 @@ def prepare_model(config: KVTideConfig) -> str:
     return path
 
 
-def build_app(config: KVTideConfig) -> Application:
-    """The Serve application for ``config`` (engines start when it is deployed)."""
+def layout_for(config: KVTideConfig, running: PoolLayout | None = None) -> PoolLayout:
+    """The pools' deployments: planned into NVLink domains of the live Ray cluster when
+    ``placement.mode`` is domain (needs ``ray.init``), else one per pool."""
+    if not config.placement.by_domain:
+        return unpinned_layout(config)
+    from orchestrator.cluster import live_topology
+
+    return plan_layout(config, live_topology(), running=running)
+
+
+def build_app(config: KVTideConfig, layout: PoolLayout | None = None) -> Application:
+    """The Serve application for ``config`` (engines start when it is deployed).
+
+    ``layout`` defaults to ``layout_for(config)``; raises ``EnginesUnplaceable`` when
+    the cluster has no room for an engine in any one NVLink domain.
+    """
     prepare_model(config)
-    pools = {
-        pool.name: EngineHost.options(**engine_deployment_options(config, pool.name)).bind(
-            config, pool.name
+    layout = layout or layout_for(config)
+    pools: dict[str, list[Application]] = {pool.name: [] for pool in config.pools()}
+    weights: dict[str, list[int]] = {pool.name: [] for pool in config.pools()}
+    for dep in layout.deployments:
+        options = engine_deployment_options(config, dep.pool_name, dep)
+        if layout.by_domain:
+            options.update(_stable_version(config, dep.name))
+        pools[dep.pool_name].append(
+            EngineHost.options(**options).bind(config, dep.pool_name, dep.domain_id)
         )
-        for pool in config.pools()
-    }
-    return Ingress.bind(config, pools["prefill"], pools["decode"], pools.get("decode_long"))
+        weights[dep.pool_name].append(dep.num_replicas)
+    ingress = Ingress
+    if layout.by_domain:
+        # A new set of engine deployments (or replicas per deployment) restarts the
+        # ingress so that it balances over them; the same set keeps it.
+        ingress = Ingress.options(**_stable_version(config, repr(sorted(layout.counts().items()))))
+    return ingress.bind(
+        config, pools["prefill"], pools["decode"], pools.get("decode_long") or None, weights
+    )
+
+
+def _stable_version(config: KVTideConfig, key: str) -> dict[str, Any]:
+    """Serve options that give a deployment a version fixed by ``config`` and ``key``.
+
+    Serve versions deployments deployed from Python at random, so re-deploying the
+    app would restart every replica; with a stable version a re-deploy after a lost
+    node restarts only the deployments whose placement changed.
+    """
+    digest = hashlib.sha256(f"{config!r}|{key}".encode()).hexdigest()[:16]
+    return {"version": digest, "_internal": True}
 
 
 def app_builder(args: dict[str, Any]) -> Application:

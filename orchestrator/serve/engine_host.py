@@ -27,6 +27,8 @@ from engines.registry import create_engine
 from orchestrator.config import KVTideConfig
 from orchestrator.kv_ledger import EngineLedger
 from orchestrator.kv_service_actor import EpochWatcher, lookup_service
+from orchestrator.placed_engine import ray_executor_spec
+from orchestrator.pool_layout import PoolDeployment, pool_deployment_name
 
 __all__ = ["EngineHost", "deployment_name", "engine_deployment_options", "free_port"]
 
@@ -40,39 +42,57 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def engine_deployment_options(config: KVTideConfig, pool_name: str) -> dict[str, Any]:
-    """Serve deployment options of a pool (pure; tested without a cluster)."""
+def engine_deployment_options(
+    config: KVTideConfig, pool_name: str, deployment: PoolDeployment | None = None
+) -> dict[str, Any]:
+    """Serve deployment options of a pool, or of one of its domain deployments (pure;
+    tested without a cluster). Pinned to a domain, the replica sits in bundle 0 of its
+    placement group (see ``orchestrator.pool_layout``)."""
     pool = config.pool(pool_name)
+    pinned = deployment is not None and deployment.domain_id is not None
+    if pinned:
+        assert deployment is not None
+        placement = deployment.serve_options(pool, config.placement.num_cpus_per_shard)
+        gpus = 1.0 if pool.tensor_parallel_size == 1 else 0.0
+        actor = {"num_cpus": pool.num_cpus, "num_gpus": gpus}
+    else:
+        placement = {}
+        actor = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus}
     return {
-        "name": deployment_name(pool_name),
-        "num_replicas": pool.num_engines,
+        "name": deployment.name if deployment is not None else deployment_name(pool_name),
+        "num_replicas": deployment.num_replicas if deployment is not None else pool.num_engines,
         "max_ongoing_requests": max(8, pool.max_num_seqs * 2),
         "health_check_period_s": 10,
         "health_check_timeout_s": 30,
         "graceful_shutdown_timeout_s": 5,
-        "ray_actor_options": {
-            "num_cpus": pool.num_cpus,
-            "num_gpus": pool.num_gpus,
-        },
+        "ray_actor_options": actor,
+        **placement,
     }
 
 
 def deployment_name(pool_name: str) -> str:
     """``prefill-pool``, ``decode-pool``, ``decode-long-pool``."""
-    return f"{pool_name.replace('_', '-')}-pool"
+    return pool_deployment_name(pool_name)
 
 
 @serve.deployment
 class EngineHost:
-    """One engine of a pool. Constructed by Serve with the kvtide config and the pool's
-    config section name (``prefill``, ``decode`` or ``decode_long``)."""
+    """One engine of a pool. Constructed by Serve with the kvtide config, the pool's
+    config section name (``prefill``, ``decode`` or ``decode_long``) and the NVLink
+    domain its deployment is pinned to (``None``: placed by Serve alone)."""
 
-    async def __init__(self, config: KVTideConfig, pool_name: str) -> None:
+    async def __init__(
+        self, config: KVTideConfig, pool_name: str, domain_id: str | None = None
+    ) -> None:
         pool = config.pool(pool_name)
         role = pool.role
         ctx = serve.get_replica_context()
         engine_id = f"{pool_name}-{ctx.replica_id.unique_id}"
         spec = config.engine_spec(pool, engine_id, side_channel_port=free_port())
+        if domain_id is not None and spec.tensor_parallel_size > 1 and spec.backend == "vllm":
+            # vLLM takes this replica's placement group and puts a worker in each GPU bundle.
+            spec = ray_executor_spec(spec, spec.tensor_parallel_size)
+        self.domain_id = domain_id
         self.engine = create_engine(spec)
         self._info: EngineInfo = await self.engine.start()
         log.info("engine %s ready: %s", engine_id, self._info)
@@ -83,7 +103,14 @@ class EngineHost:
             clock=time.monotonic,
         )
         app = ctx.app_name
-        watcher = EpochWatcher(lambda: lookup_service(app), self.ledger.report)
+        where = self.placement()
+        shard_nodes = {b["node_id"] for b in where["bundles"] if b["node_id"]}
+        watcher = EpochWatcher(
+            lambda: lookup_service(app),
+            self.ledger.report,
+            engine_id=self._info.engine_id,
+            node_ids=sorted(shard_nodes | {where["node_id"]}),
+        )
         self._watcher = asyncio.get_running_loop().create_task(watcher.run_forever())
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
@@ -98,6 +125,27 @@ class EngineHost:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def placement(self) -> dict[str, Any]:
+        """Where this engine runs, from Ray's own tables: the replica's node and each
+        bundle of its placement group (bundle 0 is the host; with TP > 1 the others are
+        the TP ranks' GPUs). ``bundles`` is empty when the replica has no group."""
+        import ray
+        from ray.util.placement_group import get_current_placement_group, placement_group_table
+
+        group = get_current_placement_group()
+        bundles: list[dict[str, Any]] = []
+        if group is not None:
+            table = placement_group_table(group)
+            for index, resources in sorted(table["bundles"].items()):
+                node_id = table["bundles_to_node_id"].get(index)
+                bundles.append({"index": index, "node_id": node_id, "resources": resources})
+        return {
+            "engine_id": self._info.engine_id,
+            "domain_id": self.domain_id,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "bundles": bundles,
+        }
 
     async def check_health(self) -> None:
         health = await self.engine.health()

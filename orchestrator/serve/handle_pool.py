@@ -1,23 +1,95 @@
-"""A pool reached through its Ray Serve deployment handle."""
+"""A pool reached through its Ray Serve deployment handles.
+
+A pool placed by NVLink domain is one deployment per domain (``orchestrator.pool_layout``),
+so a pool can have several handles. Serve balances replicas inside a deployment; across
+deployments the pool sends each request to the one with the fewest requests in flight
+from here per replica, the first on ties.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from ray.serve.handle import DeploymentHandle
 
 from engines.base import GenerateChunk, GenerateRequest
 
-__all__ = ["HandlePool"]
+__all__ = ["HandlePool", "as_handles"]
+
+
+def as_handles(
+    handles: DeploymentHandle | Sequence[DeploymentHandle],
+) -> tuple[DeploymentHandle, ...]:
+    """One handle or several, as a non-empty tuple."""
+    out = tuple(handles) if isinstance(handles, (list, tuple)) else (handles,)
+    if not out:
+        raise ValueError("a pool needs at least one deployment handle")
+    return out
 
 
 class HandlePool:
-    """A pool reached through its Serve deployment handle (streaming ``generate``)."""
+    """A pool's deployments (streaming ``generate``). ``weights`` are the replicas of
+    each deployment (default 1 each)."""
 
-    def __init__(self, handle: DeploymentHandle) -> None:
-        self.handle = handle
-        self._stream = handle.options(stream=True)
+    def __init__(
+        self,
+        handles: DeploymentHandle | Sequence[DeploymentHandle],
+        weights: Sequence[int] | None = None,
+    ) -> None:
+        self.handles = as_handles(handles)
+        self.handle = self.handles[0]
+        self._weights = tuple(weights) if weights is not None else (1,) * len(self.handles)
+        if len(self._weights) != len(self.handles) or min(self._weights) < 1:
+            raise ValueError("give one weight of at least 1 per deployment handle")
+        self._streams = [h.options(stream=True) for h in self.handles]
+        self._in_flight = [0] * len(self.handles)
+
+    def pick(self) -> int:
+        """Index of the deployment the next request goes to."""
+        if len(self.handles) == 1:
+            return 0
+        return min(range(len(self.handles)), key=lambda i: self._in_flight[i] / self._weights[i])
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        stream: AsyncIterator[GenerateChunk] = self._stream.generate.remote(request)
-        return stream
+        if len(self.handles) == 1:
+            stream: AsyncIterator[GenerateChunk] = self._streams[0].generate.remote(request)
+            return stream
+        index = self.pick()
+        self._in_flight[index] += 1
+        return _Counted(self._streams[index].generate.remote(request), self, index)
+
+    def _done(self, index: int) -> None:
+        self._in_flight[index] -= 1
+
+
+class _Counted:
+    """A deployment's stream that gives its in-flight count back exactly once: when it
+    ends, fails, is closed, or is dropped unread."""
+
+    def __init__(self, stream: AsyncIterator[GenerateChunk], pool: HandlePool, index: int) -> None:
+        self._stream, self._pool, self._index = stream, pool, index
+        self._open = True
+
+    def __aiter__(self) -> _Counted:
+        return self
+
+    async def __anext__(self) -> GenerateChunk:
+        try:
+            return await self._stream.__anext__()
+        except BaseException:
+            self._release()
+            raise
+
+    async def aclose(self) -> None:
+        self._release()
+        close = getattr(self._stream, "aclose", None)
+        if close is not None:
+            await close()
+
+    def _release(self) -> None:
+        if self._open:
+            self._open = False
+            self._pool._done(self._index)
+
+    def __del__(self) -> None:
+        self._release()

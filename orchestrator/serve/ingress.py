@@ -16,7 +16,7 @@ import gc
 import json
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -85,19 +85,32 @@ class Ingress:
     async def __init__(
         self,
         config: KVTideConfig,
-        prefill: DeploymentHandle,
-        decode: DeploymentHandle,
-        decode_long: DeploymentHandle | None = None,
+        prefill: DeploymentHandle | Sequence[DeploymentHandle],
+        decode: DeploymentHandle | Sequence[DeploymentHandle],
+        decode_long: DeploymentHandle | Sequence[DeploymentHandle] | None = None,
+        weights: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
+        """Each pool is one deployment handle, or one per NVLink domain it is placed in
+        (``weights``: each pool's replicas per deployment, for balancing across them)."""
         from transformers import AutoTokenizer  # heavy; only in the ingress replica
 
         self.config = config
         self.model_path = config.model.resolved_path()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.pool_handles = {"prefill": prefill, "decode": decode}
-        if decode_long is not None:
-            self.pool_handles["decode_long"] = decode_long
-        info = await decode.info.remote()
+        given = {"prefill": prefill, "decode": decode, "decode_long": decode_long}
+        self.pools = {
+            name: HandlePool(handles, (weights or {}).get(name))
+            for name, handles in given.items()
+            if handles is not None
+        }
+        # Where /health and /kvtide/stats look: a pool, or a pool's domain deployment.
+        self.pool_handles: dict[str, DeploymentHandle] = {}
+        for name, pool in self.pools.items():
+            for handle in pool.handles:
+                label = name if len(pool.handles) == 1 else handle.deployment_name
+                self.pool_handles[label] = handle
+        prefill_pool, decode_pool = self.pools["prefill"], self.pools["decode"]
+        info = await decode_pool.handle.info.remote()
         kv = config.kv
         lifecycle = kv_lifecycle_config(
             ttl_s=kv.decoder_kv_blocks_ttl_s,
@@ -117,19 +130,19 @@ class Ingress:
             get_or_create_service(
                 serve.get_replica_context().app_name,
                 lifecycle,
-                prefill,
+                prefill_pool.handles,
                 drain_timeout_s=kv.pull_timeout_s,
                 num_prefill_engines=config.prefill.num_engines,
                 observability=config.observability,
             )
         )
         self.router = Router(
-            prefill=HandlePool(prefill),
-            decode=HandlePool(decode),
+            prefill=prefill_pool,
+            decode=decode_pool,
             kv=self.kv,
             pull_timeout_s=kv.pull_timeout_s,
             eos_token_id=self.tokenizer.eos_token_id,
-            decode_long=None if decode_long is None else HandlePool(decode_long),
+            decode_long=self.pools.get("decode_long"),
             long_context_threshold_tokens=config.routing.long_context_threshold_tokens,
             metrics=self.metrics,
             block_size_tokens=info.block_size,

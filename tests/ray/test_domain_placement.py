@@ -19,17 +19,14 @@ Each shard's domain is checked against Ray's own tables: the node of its bundle 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import ray
-from ray._common.test_utils import wait_for_condition
-from ray.cluster_utils import Cluster
+from fake_cluster import FakeCluster, fake_cluster, node_labels
 from ray.util.placement_group import placement_group_table
 
 from orchestrator.cluster import DomainPlacer
@@ -47,71 +44,22 @@ TIMEOUT_S = 3.0
 TRAYS = {f"{rack}{t}": f"nvl72-{rack}" for rack in "ab" for t in range(4)}
 
 
-@dataclass
-class FakeCluster:
-    cluster: Cluster
-    nodes: dict[str, ray._private.node.Node]  # name -> Ray node
-
-    def name(self, node_id: str) -> str:
-        return next(name for name, node in self.nodes.items() if node.node_id == node_id)
-
-    def node_id(self, name: str) -> str:
-        return str(self.nodes[name].node_id)
-
-
 @pytest.fixture(scope="module")
 def fake() -> Iterator[FakeCluster]:
     if ray.is_initialized():
         pytest.skip("this process is already connected to a Ray; run the ray tier on its own")
-    tmp = tempfile.mkdtemp(prefix="kvt-")
-    saved = {key: os.environ.get(key) for key in ("RAY_TMPDIR", "RAY_worker_niceness")}
-    os.environ["RAY_TMPDIR"] = tmp  # Cluster writes the cluster address under $RAY_TMPDIR/ray
-    os.environ["RAY_worker_niceness"] = "0"
-    os.makedirs(os.path.join(tmp, "ray"))
-    cluster: Cluster | None = None
-    try:
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 16,
-                "num_gpus": 8,
-                "labels": {"nvlink_domain": "hgx-2"},
-                "temp_dir": tmp,
-                "include_dashboard": False,
-                # No idle workers: nothing here runs tasks but one actor.
-                "_system_config": {"prestart_worker_first_driver": False},
-            },
-        )
-        nodes = {"h2": cluster.head_node}
-        for name, domain in TRAYS.items():
-            labels = {"nvlink_domain": domain}
-            nodes[name] = cluster.add_node(num_cpus=8, num_gpus=4, labels=labels, wait=False)
-        nodes["h1"] = cluster.add_node(
-            num_cpus=16, num_gpus=8, labels={"nvlink_domain": "hgx-1"}, wait=False
-        )
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
-        yield FakeCluster(cluster=cluster, nodes=nodes)
-    finally:
-        ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        shutil.rmtree(tmp, ignore_errors=True)
+    head = ("h2", {"num_cpus": 16, "num_gpus": 8, "labels": {"nvlink_domain": "hgx-2"}})
+    workers: dict[str, dict[str, Any]] = {
+        name: {"num_cpus": 8, "num_gpus": 4, "labels": {"nvlink_domain": domain}}
+        for name, domain in TRAYS.items()
+    }
+    workers["h1"] = {"num_cpus": 16, "num_gpus": 8, "labels": {"nvlink_domain": "hgx-1"}}
+    with fake_cluster(head, workers) as cluster:
+        yield cluster
 
 
 def kill(fake: FakeCluster, name: str) -> None:
-    """Stop a node's processes and wait (bounded) until Ray's node table says it is dead."""
-    node = fake.nodes.pop(name)
-    fake.cluster.remove_node(node)
-    wait_for_condition(
-        lambda: node.node_id not in {row["NodeID"] for row in ray.nodes() if row["Alive"]},
-        timeout=30,
-    )
+    fake.kill(name)
 
 
 @pytest.fixture
@@ -135,7 +83,7 @@ def place(placer: DomainPlacer, engine_id: str, tp_size: int) -> PlacedEngine:
 def shard_domains(placed: PlacedEngine) -> list[str]:
     """Each rank's node's `nvlink_domain` label, read from Ray's tables, not from kvtide."""
     bundle_nodes = placement_group_table(placed.group)["bundles_to_node_id"]
-    labels = {row["NodeID"]: row["Labels"].get("nvlink_domain") for row in ray.nodes()}
+    labels = node_labels()
     return [labels[bundle_nodes[rank.bundle_index]] for rank in placed.ranks]
 
 

@@ -63,6 +63,7 @@ def test_yaml_file_round_trips_into_engine_specs(tmp_path: Path) -> None:
     assert args["kv_transfer_config"] == {
         "kv_connector": "NixlConnector",
         "kv_role": "kv_both",
+        "engine_id": "decode-0",
         "kv_buffer_device": "cpu",
         "kv_load_failure_policy": "fail",
         "kv_connector_extra_config": {

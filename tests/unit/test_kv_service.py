@@ -284,3 +284,73 @@ def test_engine_hosts_report_once_per_service_epoch() -> None:
 
     assert asyncio.run(run()) == [True, False, True]
     assert handle.reports == [report, report]
+
+
+def test_sessions_on_a_lost_engine_recompute_at_once_instead_of_pulling() -> None:
+    c = Cluster()
+
+    async def run() -> None:
+        assert (await c.turn(S1_T1, "s1")).kv_plan == "recompute"
+        assert c.service.heartbeat("D", node_ids=["node-6", "node-7"]) == c.service.epoch
+        assert c.service.planner.lifecycle.record("s1") is not None
+        # Ray reports node-7 dead: a rank of the decode engine was there, so the engine
+        # and the KV it kept are gone.
+        assert c.service.nodes_lost(["node-3"]) == []
+        assert c.service.nodes_lost(["node-7"]) == ["D"]
+        assert c.service.planner.lifecycle.record("s1") is None
+        assert c.bytes_held().get("D", 0) == 0
+        report = await c.turn(S1_T2, "s1")
+        assert report.kv_plan == "recompute" and report.kv_source != "sent_back"
+        stats = (await c.service.stats())["service"]
+        assert stats["engines_lost"] == 1 and stats["sessions_lost"] == 1
+        assert stats["engines_live"] == 0
+        assert c.service.counters["drains"] == 0  # nothing is left on D to read
+
+    asyncio.run(run())
+
+
+def test_an_engine_silent_past_the_bound_is_lost_one_that_beats_is_not() -> None:
+    c = Cluster()
+    c.service.engine_silence_s = 60.0
+
+    async def run() -> None:
+        await c.turn(S1_T1, "s1")
+        c.service.heartbeat("D")
+        c.clock.now_s += 59.0
+        await c.service.tick()
+        assert c.service.planner.lifecycle.record("s1") is not None
+        c.service.heartbeat("D")  # still beating
+        c.clock.now_s += 59.0
+        await c.service.tick()
+        assert c.service.planner.lifecycle.record("s1") is not None
+        c.clock.now_s += 2.0  # 61 s since its last beat: its host is gone
+        await c.service.tick()
+        assert c.service.planner.lifecycle.record("s1") is None
+        assert c.service.counters["engines_lost"] == 1
+
+    asyncio.run(run())
+
+
+def test_an_engine_host_heartbeat_carries_its_engine_and_node() -> None:
+    handle = FakeServiceHandle()
+    beats: list[tuple[str, list[str]]] = []
+
+    def beat(engine_id: str, node_ids: list[str]) -> str:
+        beats.append((engine_id, node_ids))
+        return handle.current_epoch
+
+    handle.heartbeat = _Method(beat)  # type: ignore[attr-defined]
+    report = LedgerReport(engine_id="decode-0", role="decode")
+    watcher = EpochWatcher(
+        lambda: handle,  # type: ignore[arg-type,return-value]
+        lambda: report,
+        engine_id="decode-0",
+        node_ids=["n1", "n2"],
+    )
+
+    async def run() -> list[bool]:
+        return [await watcher.check_once(), await watcher.check_once()]
+
+    assert asyncio.run(run()) == [True, False]
+    assert beats == [("decode-0", ["n1", "n2"])] * 2
+    assert handle.reports == [report]
