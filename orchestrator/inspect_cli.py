@@ -31,6 +31,7 @@ __all__ = [
     "add_inspect_parser",
     "cmd_inspect",
     "format_domains",
+    "format_engine_groups",
     "format_session",
     "format_stats",
 ]
@@ -317,9 +318,13 @@ def _domains(address: str) -> str:
             f"{str(exc).rstrip('.')}; {hint}"
         ) from None
     try:
+        from ray.util.placement_group import placement_group_table
+
         gcs = ray.get_runtime_context().gcs_address
         nodes = read_ray_nodes(alive_only=False)
-        return format_domains(nodes, read_free_gpus(), address=gcs)
+        text = format_domains(nodes, read_free_gpus(), address=gcs)
+        engines = format_engine_groups(placement_group_table(), nodes)
+        return f"{text}\n{engines}" if engines else text
     finally:
         ray.shutdown()
 
@@ -395,3 +400,38 @@ def format_domains(nodes: Sequence[RayNode], free_gpus: Mapping[str, int], *, ad
             for n in dead
         ]
     return "\n".join(lines)
+
+
+def format_engine_groups(table: Mapping[str, Mapping[str, Any]], nodes: Sequence[RayNode]) -> str:
+    """The engine replicas' placement groups of every Serve app (pinned pools): each
+    one's state and where its GPU bundles are, by domain and node; empty when there are
+    none. ``table`` as ``placement_group_table()``."""
+    from orchestrator.pool_supervisor import REPLICA_PREFIX
+
+    domain_of = {n.node_id: n.domain_id for n in nodes}
+    alive = {n.node_id for n in nodes if n.alive}
+    rows = []
+    for row in table.values():
+        name = str(row.get("name") or "")
+        if not name.startswith(REPLICA_PREFIX) or row.get("state") == "REMOVED":
+            continue
+        app, deployment, replica = [*name[len(REPLICA_PREFIX) :].split("#"), "", ""][:3]
+        bundles = row.get("bundles") or {}
+        gpus = [i for i in sorted(bundles) if (bundles[i] or {}).get("GPU")]
+        if not gpus:
+            continue  # not an engine's group
+        placed = row.get("bundles_to_node_id") or {}
+        where: dict[str, int] = {}
+        for i in gpus:
+            node = placed.get(i)
+            key = "unplaced" if not node else f"{domain_of.get(node, '?')}/{node}"
+            if node and node not in alive:
+                key += " (dead)"
+            where[key] = where.get(key, 0) + 1
+        spread = ", ".join(f"{k}: {v}" for k, v in where.items())
+        head = f"  {app}/{deployment} replica {replica}: {len(gpus)} GPUs, {row.get('state')}"
+        rows.append(f"{head}; {spread}")
+    if not rows:
+        return ""
+    title = "Engine placement groups (Serve replicas; GPUs by domain/node):"
+    return "\n".join([title, *sorted(rows)])

@@ -28,14 +28,20 @@ from fake_cluster import FakeCluster, fake_cluster, node_labels
 from openai import OpenAI
 from ray import serve
 from ray._common.test_utils import wait_for_condition
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import (
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 
 from engines.tiny_model import TinyModelShape, generate_tiny_model
 from orchestrator import runtime
 from orchestrator.config import KVTideConfig, parse_config
+from orchestrator.inspect_cli import format_engine_groups
 from orchestrator.kv_service_actor import lookup_service
 from orchestrator.pool_layout import PoolLayout
 from orchestrator.pool_supervisor import EnginesNotPlaced
+from orchestrator.ray_nodes import read_ray_nodes
 from orchestrator.serve.engine_host import free_port
 
 pytestmark = pytest.mark.ray
@@ -145,6 +151,14 @@ def test_pools_are_pinned_to_one_domain_per_engine_and_follow_a_lost_node(
     decode_nodes = {b["node_id"] for b in decode["bundles"] if b["resources"].get("GPU")}
     assert len(decode_nodes) == 4  # whole trays, four of them
     assert node_labels()[decode["node_id"]] == "nvl72-a"  # the host sits in its group
+
+    # What `kvtide inspect domains` shows operators: each engine group and its GPUs.
+    groups = format_engine_groups(placement_group_table(), read_ray_nodes(alive_only=False))
+    decode_line = next(line for line in groups.splitlines() if "decode-pool-nvl72-a" in line)
+    assert "16 GPUs, CREATED" in decode_line
+    per_node = decode_line.split("; ")[1].split(", ")  # "nvl72-a/<node>: 4" each
+    assert len(per_node) == 4 and all(p.startswith("nvl72-a/") for p in per_node)
+    assert sum(int(p.rsplit(": ", 1)[1]) for p in per_node) == 16
 
     first = chat(config, "agent-1", "hello there")
     assert first.choices[0].message.content and first.usage.completion_tokens == 4

@@ -21,6 +21,7 @@ from orchestrator.inspect_cli import (
     add_inspect_parser,
     cmd_inspect,
     format_domains,
+    format_engine_groups,
     format_session,
     format_stats,
 )
@@ -329,3 +330,42 @@ def test_domains_without_a_cluster_exits_1(run: Run) -> None:
     assert (code, out) == (1, "")
     assert err.startswith(f"kvtide: cannot connect to Ray at '127.0.0.1:{port}'")
     assert "set $RAY_ADDRESS" in err
+
+
+def test_domains_lists_each_engine_group_where_its_gpus_are() -> None:
+    nodes = [
+        _node("a0", 4, "nvl72-a"),
+        _node("a1", 4, "nvl72-a", alive=False),
+        _node("h1", 8, "hgx-1"),
+    ]
+    gpu = {"GPU": 1.0, "CPU": 1.0}
+    table = {
+        "g1": {
+            "name": "SERVE_REPLICA::kvtide#decode-pool-nvl72-a#r1",
+            "state": "RESCHEDULING",
+            "bundles": {0: {"CPU": 1.0}, 1: gpu, 2: gpu, 3: gpu},
+            "bundles_to_node_id": {0: "a0", 1: "a0", 2: "a0", 3: "a1"},
+        },
+        "g2": {
+            "name": "SERVE_REPLICA::kvtide#prefill-pool-hgx-1#r2",
+            "state": "CREATED",
+            "bundles": {0: gpu},
+            "bundles_to_node_id": {0: "h1"},
+        },
+        "g3": {
+            "name": "SERVE_REPLICA::kvtide#decode-pool-nvl72-b#r3",
+            "state": "PENDING",
+            "bundles": {0: {"CPU": 1.0}, 1: gpu},
+            "bundles_to_node_id": {},
+        },
+        "g4": {"name": "SERVE_REPLICA::kvtide#ingress#r4", "state": "CREATED", "bundles": {}},
+        "g5": {"name": "other", "state": "CREATED", "bundles": {0: gpu}},
+    }
+    assert format_engine_groups(table, nodes).splitlines() == [
+        "Engine placement groups (Serve replicas; GPUs by domain/node):",
+        "  kvtide/decode-pool-nvl72-a replica r1: 3 GPUs, RESCHEDULING; "
+        "nvl72-a/a0: 2, nvl72-a/a1 (dead): 1",
+        "  kvtide/decode-pool-nvl72-b replica r3: 1 GPUs, PENDING; unplaced: 1",
+        "  kvtide/prefill-pool-hgx-1 replica r2: 1 GPUs, CREATED; hgx-1/h1: 1",
+    ]
+    assert format_engine_groups({}, nodes) == ""
