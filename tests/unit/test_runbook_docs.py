@@ -51,15 +51,24 @@ KV_STATS = set(KVStats.__dataclass_fields__) | {
     "num_undrainable",
     "service",
 }
-SERVICE = {
-    "epoch",
-    "uptime_s",
-    "restoring",
-    "restores",
-    "adopted",
-    "adopt_skipped_consumed",
-    "adopt_superseded",
-}
+
+
+def _service_fields() -> set[str]:
+    """The fields of the ``service`` block of ``/kvtide/stats``, as the service reports them."""
+    import asyncio
+
+    from orchestrator.kv_planner import kv_lifecycle_config
+    from orchestrator.kv_service import KVService
+
+    config = kv_lifecycle_config(
+        ttl_s=480, safety_margin_s=15, recompute_threshold_tokens=64,
+        kv_bytes_per_token=1, block_size_tokens=16,
+    )  # fmt: skip
+    service = KVService(config, prefill=None, drain_timeout_s=1.0)
+    return set(asyncio.run(service.stats())["service"])
+
+
+SERVICE = _service_fields()
 TRACE_NAMES = {
     value
     for name, value in vars(tracing).items()
