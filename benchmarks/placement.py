@@ -24,6 +24,12 @@ fit restricted to the first domain with room, the naive fix. The table shows:
 - free GPUs at the end.
 
 Each ratio column is kvtide divided by the column to its left.
+
+A second table times kvtide's Serve pool layout (`orchestrator/pool_layout.py`) for a
+large config on the same domains, and what a lost tray costs: re-planning with the
+running layout (engines stay where their domain still holds them) against re-planning
+from scratch, counted as engines that change domain (each one a replica restarted by
+the re-deploy).
 """
 
 from __future__ import annotations
@@ -219,6 +225,60 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{topology.num_gpus} GPUs)\n"
     )
     print(table(kvtide, first_fit, one_domain))
+    print()
+    print(layout_table(topology))
+
+
+def _moved(old: dict[str, int], new: dict[str, int]) -> int:
+    """Engines that left their deployment (pool and domain) between two layouts."""
+    return sum(max(0, n - new.get(name, 0)) for name, n in old.items())
+
+
+def layout_table(topology: ClusterTopology) -> str:
+    from orchestrator.config import parse_config
+    from orchestrator.pool_layout import plan_layout
+
+    config = parse_config(
+        {
+            "device": "cuda",
+            "prefill": {"num_engines": 200, "tensor_parallel_size": 8, "cpu_threads_bind": None},
+            "decode": {"num_engines": 100, "tensor_parallel_size": 16, "cpu_threads_bind": None},
+            "decode_long": {"num_engines": 40, "tensor_parallel_size": 16},
+            "routing": {"long_context_threshold_tokens": 32768},
+        }
+    )
+    t0 = time.process_time()
+    layout = plan_layout(config, topology)
+    plan_s = time.process_time() - t0
+    # Lose one tray that an engine uses.
+    used = layout.deployments[-1].plans[0].node_ids[0]
+    smaller = ClusterTopology(nodes=tuple(n for n in topology.nodes if n.node_id != used))
+    t0 = time.process_time()
+    sticky = plan_layout(config, smaller, running=layout)
+    sticky_s = time.process_time() - t0
+    scratch = plan_layout(config, smaller)
+    before = layout.counts()
+    moved_sticky = _moved(before, sticky.counts())
+    moved_scratch = _moved(before, scratch.counts())
+    engines = sum(before.values())
+    rows = [
+        ("engines placed (prefill 200 x TP8, decode 140 x TP16)", f"{engines:,}", "", ""),
+        ("Serve deployments (pool, domain)", f"{len(layout.deployments):,}", "", ""),
+        ("plan the whole layout, ms (CPU)", f"{plan_s * 1000:,.0f}", "", ""),
+        ("re-plan after a lost tray, ms (CPU)", f"{sticky_s * 1000:,.0f}", "", ""),
+        (
+            "engines moved by a lost tray",
+            f"{moved_sticky:,}",
+            f"{moved_scratch:,}",
+            ratio(moved_sticky, moved_scratch),
+        ),
+    ]
+    lines = [
+        "| Serve pool layout                                     | kvtide | from scratch | ratio |",
+        "|-------------------------------------------------------|-------:|-------------:|------:|",
+    ]
+    lines += [f"| {a:<53} | {b:>6} | {c:>12} | {d:>5} |" for a, b, c, d in rows]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
