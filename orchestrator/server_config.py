@@ -1,0 +1,190 @@
+"""The ``server`` section of kvtide's config: bind address, API keys, and the refusal to
+serve unauthenticated beyond loopback (edge model, core types, conversion).
+
+``orchestrator.config`` assembles the whole file from this and its other sections.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from orchestrator.errors import ConfigError
+
+__all__ = [
+    "ApiKeyConfig",
+    "ApiKeySection",
+    "ServerConfig",
+    "ServerSection",
+    "StrictSection",
+    "is_loopback_host",
+    "server_config",
+]
+
+
+class StrictSection(BaseModel):
+    """A config section: unknown fields are errors, values are frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+_KEY_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+
+
+class ApiKeySection(StrictSection):
+    name: str = Field(
+        description="The key's name, unique: appears in logs and metrics (not a secret)."
+    )
+    sha256: str = Field(
+        description="Hex SHA-256 of the key (64 lowercase hex characters; `kvtide key new` "
+        "prints one). Never the key itself."
+    )
+    max_prompt_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Longest prompt (tokens) this key may send; longer gets 429 "
+        "prompt_too_long_for_key. Empty: only the model's context length applies.",
+    )
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Most completion tokens per request: a larger explicit max_tokens gets "
+        "429 max_tokens_over_key_limit, an omitted one is capped to it. Empty: no key limit.",
+    )
+    max_concurrent_requests: int | None = Field(
+        None,
+        ge=1,
+        description="Requests of this key in flight at once; one more gets 429 "
+        "concurrency_limit_exceeded with Retry-After. Empty: no key limit.",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name_chars(cls, name: str) -> str:
+        if not _KEY_NAME_RE.fullmatch(name):
+            raise ValueError(
+                f"key name {name[:70]!r} must be 1-64 letters, digits and ._- "
+                "starting with a letter or digit"
+            )
+        return name
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex_sha256(cls, value: str) -> str:
+        # Never echo the value: a key pasted here by mistake must not reach the logs.
+        if not _SHA256_RE.fullmatch(value):
+            looks_like_key = " (it looks like a key: put the key's hash here)"
+            raise ValueError(
+                "must be the hex SHA-256 of the key, 64 lowercase hex characters; got "
+                f"{len(value)} characters{looks_like_key if value.startswith('kvt-') else ''}. "
+                "`kvtide key new` prints a key and its hash"
+            )
+        return value
+
+
+class ServerSection(StrictSection):
+    host: str = Field("127.0.0.1", description="HTTP bind address (loopback by default).")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI API.")
+    route_prefix: str = Field("/", description="Serve route prefix of the app.")
+    api_keys: list[ApiKeySection] = Field(
+        default_factory=list,
+        description="API keys the OpenAI API accepts ('Authorization: Bearer <key>'), kept as "
+        "SHA-256 hashes (see docs/auth.md). Empty: requests need no key, which is allowed "
+        "only on a loopback server.host unless allow_unauthenticated is set.",
+    )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="Serve on purpose without authentication on a non-loopback address: the "
+        "API with no api_keys, or the Ray dashboard on a non-loopback dashboard_host. "
+        "Configured keys are still required.",
+    )
+    dashboard_host: str = Field(
+        "127.0.0.1",
+        description="Bind address of the Ray dashboard of a locally started Ray. The "
+        "dashboard (and its job API) has no authentication: a non-loopback address needs "
+        "allow_unauthenticated.",
+    )
+
+    @field_validator("api_keys")
+    @classmethod
+    def _unique_keys(cls, keys: list[ApiKeySection]) -> list[ApiKeySection]:
+        names: set[str] = set()
+        by_hash: dict[str, str] = {}
+        for key in keys:
+            if key.name in names:
+                raise ValueError(f"key names must be unique; {key.name!r} appears twice")
+            names.add(key.name)
+            if key.sha256 in by_hash:
+                raise ValueError(
+                    f"keys {by_hash[key.sha256]!r} and {key.name!r} have the same sha256; "
+                    "give each its own key (`kvtide key new`)"
+                )
+            by_hash[key.sha256] = key.name
+        return keys
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ApiKeyConfig:
+    """One accepted API key: its name, the SHA-256 of its token and its limits
+    (``None``: no limit from the key)."""
+
+    name: str
+    sha256: str
+    max_prompt_tokens: int | None = None
+    max_tokens: int | None = None
+    max_concurrent_requests: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    host: str
+    port: int
+    route_prefix: str
+    api_keys: tuple[ApiKeyConfig, ...] = ()
+    allow_unauthenticated: bool = False
+    dashboard_host: str = "127.0.0.1"
+
+    @property
+    def requires_api_key(self) -> bool:
+        return bool(self.api_keys)
+
+
+def is_loopback_host(host: str) -> bool:
+    """``localhost`` or a loopback IP (127.0.0.0/8, ::1). Other names are not: kvtide
+    cannot know what they resolve to."""
+    name = host.strip().removeprefix("[").removesuffix("]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def server_config(s: ServerSection) -> ServerConfig:
+    """Convert the server section, refusing unauthenticated listeners beyond loopback
+    unless ``allow_unauthenticated`` says so."""
+    if not s.allow_unauthenticated:
+        if not s.api_keys and not is_loopback_host(s.host):
+            raise ConfigError(
+                f"invalid kvtide config: server.host: {s.host!r} is not a loopback address "
+                "and server.api_keys is empty, so anyone who reaches it could use the API. "
+                "Add a key under server.api_keys (`kvtide key new` prints one), bind "
+                "127.0.0.1, or set server.allow_unauthenticated: true to serve without keys "
+                "on purpose",
+                field="server.host",
+            )
+        if not is_loopback_host(s.dashboard_host):
+            raise ConfigError(
+                f"invalid kvtide config: server.dashboard_host: {s.dashboard_host!r} is not a "
+                "loopback address; the Ray dashboard and its job API have no authentication, "
+                "so anyone who reaches it can run code on the cluster. Bind 127.0.0.1 (use an "
+                "SSH tunnel) or set server.allow_unauthenticated: true to expose it on purpose",
+                field="server.dashboard_host",
+            )
+    keys = tuple(ApiKeyConfig(**k.model_dump()) for k in s.api_keys)
+    return ServerConfig(**{**s.model_dump(), "api_keys": keys})
