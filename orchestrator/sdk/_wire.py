@@ -31,6 +31,12 @@ _SESSION_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _RESERVED = frozenset({"model", "messages", "stream", "stream_options"})
 
 
+def request_id_of(headers: Mapping[str, str]) -> str | None:
+    """kvtide's request id from response headers. ``x-kvtide-request-id`` since Ray Serve
+    sets ``x-request-id`` to its own id; older servers sent kvtide's there."""
+    return headers.get("x-kvtide-request-id") or headers.get("x-request-id")
+
+
 def check_session_id(session_id: str) -> str:
     if not _SESSION_ID_RE.match(session_id):
         raise ValueError(
@@ -125,7 +131,7 @@ def error_from_response(response: httpx.Response) -> KVTideAPIError:
     return error_from_payload(
         payload,
         status_code=response.status_code,
-        request_id=response.headers.get("x-request-id"),
+        request_id=request_id_of(response.headers),
         fallback=fallback,
     )
 
@@ -152,7 +158,7 @@ def json_body(response: httpx.Response) -> Any:
             f"the server answered {response.status_code} with a body that is not JSON: "
             f"{response.text[:200]!r}",
             status_code=response.status_code,
-            request_id=response.headers.get("x-request-id"),
+            request_id=request_id_of(response.headers),
         ) from None
 
 
@@ -215,7 +221,7 @@ def result_from_completion(
         server_ttft_s=server_ttft,
         tokens_per_s=decode_rate(counts[1], total_s - ttft),
         total_s=total_s,
-        request_id=ext.get("request_id") or headers.get("x-request-id") or body.get("id"),
+        request_id=ext.get("request_id") or request_id_of(headers) or body.get("id"),
         idempotency_key=meta.idempotency_key,
         num_attempts=meta.num_attempts,
         streamed=False,

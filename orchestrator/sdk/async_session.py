@@ -19,6 +19,7 @@ from orchestrator.sdk._wire import (
     connection_error,
     json_body,
     new_idempotency_key,
+    request_id_of,
     result_from_completion,
 )
 from orchestrator.sdk.errors import APIConnectionError, KVTideAPIError, NotFoundError
@@ -248,7 +249,7 @@ class AsyncTurnStream:
         self._meta = meta
         self._start_s = start_s
         self._clock = session._client._clock
-        self._collector = StreamCollector(response.headers.get("x-request-id"))
+        self._collector = StreamCollector(request_id_of(response.headers))
         self._first_s: float | None = None
         self._finish_s: float | None = None
         self._result: TurnResult | None = None

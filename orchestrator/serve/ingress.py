@@ -64,6 +64,9 @@ from orchestrator.session_tokens import continue_tokens
 __all__ = ["Ingress", "fastapi_app"]
 
 log = logging.getLogger("kvtide.ingress")
+
+REQUEST_ID_HEADER = "x-kvtide-request-id"
+"""The response header naming kvtide's request id (the completion's ``id``)."""
 fastapi_app = FastAPI(title="kvtide", docs_url=None, redoc_url=None)
 
 
@@ -443,7 +446,8 @@ class Ingress:
             first = await turn.__anext__()
         except StopAsyncIteration:
             raise EngineUnavailable("the decode engine returned no output") from None
-        headers = {"x-request-id": rid}
+        # Serve sets its own x-request-id (its request id); kvtide's is the completion id.
+        headers = {REQUEST_ID_HEADER: rid}
         if session_id is not None:
             headers["x-session-id"] = session_id
         if req.stream:
@@ -467,7 +471,7 @@ class Ingress:
 
     def _replayed(self, req: api.ApiRequest, body: dict[str, Any]) -> Any:
         """A completed turn's stored response, in the shape this request asked for."""
-        headers = {"x-request-id": str(body["id"]), "x-kvtide-replayed": "true"}
+        headers = {REQUEST_ID_HEADER: str(body["id"]), "x-kvtide-replayed": "true"}
         if body.get("kvtide", {}).get("session_id"):
             headers["x-session-id"] = body["kvtide"]["session_id"]
         if not req.stream:

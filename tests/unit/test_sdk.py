@@ -77,7 +77,8 @@ def error_response(
     status: int, code: str, message: str, headers: dict[str, str] | None = None
 ) -> httpx.Response:
     body = {"error": {"message": message, "type": "error", "param": None, "code": code}}
-    return httpx.Response(status, json=body, headers={"x-request-id": "req-err", **(headers or {})})
+    ids = {"x-request-id": "serve-9", "x-kvtide-request-id": "req-err"}  # as behind Serve
+    return httpx.Response(status, json=body, headers={**ids, **(headers or {})})
 
 
 def sse(payload: Any) -> str:
@@ -183,12 +184,16 @@ class FakeKVTide:
                 "usage": answer["usage"],
                 "kvtide": answer["kvtide"],
             }
-            return httpx.Response(200, json=body, headers={"x-request-id": rid})
+            return httpx.Response(200, json=body, headers=self.id_headers(rid))
         return httpx.Response(
             200,
-            headers={"x-request-id": rid, "content-type": "text/event-stream"},
+            headers={**self.id_headers(rid), "content-type": "text/event-stream"},
             stream=TimedStream(self.events(answer), self.clock, self.drop_stream_after),
         )
+
+    def id_headers(self, rid: str) -> dict[str, str]:
+        """As behind Ray Serve: Serve's own x-request-id, kvtide's id in its header."""
+        return {"x-request-id": f"serve-{len(self.requests)}", "x-kvtide-request-id": rid}
 
     def events(self, answer: dict[str, Any]) -> list[tuple[float, str]]:
         """The first token after 0.5 s, then one every 0.1 s; usage and [DONE] at once."""
