@@ -178,7 +178,11 @@ def supervise(
         return
     supervisor = pool_supervisor(config, layout)
     while not stop.wait(config.placement.supervise_interval_s):
-        result = supervisor.reconcile()
+        try:
+            result = supervisor.reconcile()
+        except Exception as exc:  # Ray unreachable for a moment: try again next interval
+            say(f"checking the pools' placement failed ({type(exc).__name__}: {exc}); retrying")
+            continue
         if result.unplaceable:
             say(f"nodes lost {list(result.lost_node_ids)}; {result.unplaceable}")
         elif result.layout is not None:

@@ -67,6 +67,7 @@ log = logging.getLogger("kvtide.ingress")
 
 REQUEST_ID_HEADER = "x-kvtide-request-id"
 """The response header naming kvtide's request id (the completion's ``id``)."""
+
 fastapi_app = FastAPI(title="kvtide", docs_url=None, redoc_url=None)
 
 
