@@ -406,16 +406,16 @@ def format_engine_groups(table: Mapping[str, Mapping[str, Any]], nodes: Sequence
     """The engine replicas' placement groups of every Serve app (pinned pools): each
     one's state and where its GPU bundles are, by domain and node; empty when there are
     none. ``table`` as ``placement_group_table()``."""
-    from orchestrator.pool_supervisor import REPLICA_PREFIX
+    from orchestrator.pool_supervisor import replica_group_name
 
     domain_of = {n.node_id: n.domain_id for n in nodes}
     alive = {n.node_id for n in nodes if n.alive}
     rows = []
     for row in table.values():
-        name = str(row.get("name") or "")
-        if not name.startswith(REPLICA_PREFIX) or row.get("state") == "REMOVED":
+        parsed = replica_group_name(str(row.get("name") or ""))
+        if parsed is None or row.get("state") == "REMOVED":
             continue
-        app, deployment, replica = [*name[len(REPLICA_PREFIX) :].split("#"), "", ""][:3]
+        app, deployment, replica = parsed
         bundles = row.get("bundles") or {}
         gpus = [i for i in sorted(bundles) if (bundles[i] or {}).get("GPU")]
         if not gpus:

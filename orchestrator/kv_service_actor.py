@@ -24,6 +24,7 @@ from orchestrator.config import ObservabilityConfig
 from orchestrator.kv_messages import LedgerReport, SessionInfo, SessionPrefix, TurnDone, TurnPlan
 from orchestrator.kv_service import KVService
 from orchestrator.metrics import make_metrics
+from orchestrator.ray_nodes import read_ray_nodes
 from orchestrator.serve.auth import Principal
 from orchestrator.serve.handle_pool import HandlePool
 from orchestrator.turn_replay import Replay
@@ -95,7 +96,7 @@ class KVServiceActor:
         nodes = {n for engine_nodes in self.service.engine_nodes().values() for n in engine_nodes}
         if not nodes:
             return
-        dead = {row["NodeID"] for row in ray.nodes() if not row["Alive"]} & nodes
+        dead = {n.node_id for n in read_ray_nodes(alive_only=False) if not n.alive} & nodes
         lost = self.service.nodes_lost(dead)
         if lost:
             log.warning("engines lost with nodes %s: %s", sorted(dead), lost)

@@ -41,6 +41,7 @@ __all__ = [
     "not_placed_error",
     "pending_groups_of",
     "read_pending_groups",
+    "replica_group_name",
 ]
 
 log = logging.getLogger("kvtide.placement")
@@ -71,20 +72,30 @@ class PendingGroup:
         return f"{len(self.bundles)} bundles with {gpus:g} GPUs in all{where}"
 
 
+def replica_group_name(name: str) -> tuple[str, str, str] | None:
+    """``(app, deployment, replica)`` of a Serve replica's placement group name
+    (``SERVE_REPLICA::<app>#<deployment>#<replica>``); None for any other group."""
+    if not name.startswith(REPLICA_PREFIX):
+        return None
+    app, deployment, replica = [*name[len(REPLICA_PREFIX) :].split("#"), "", ""][:3]
+    return app, deployment, replica
+
+
 def pending_groups_of(app_name: str, table: Mapping[str, Mapping[str, Any]]) -> list[PendingGroup]:
     """The app's replica groups in ``table`` (``placement_group_table()``) that are not
     placed yet (pure)."""
-    prefix = f"{REPLICA_PREFIX}{app_name}#"
     out = []
     for group_id, row in table.items():
-        name = str(row.get("name") or "")
-        if not name.startswith(prefix) or row.get("state") not in ("PENDING", "RESCHEDULING"):
+        parsed = replica_group_name(str(row.get("name") or ""))
+        if parsed is None or parsed[0] != app_name:
+            continue
+        if row.get("state") not in ("PENDING", "RESCHEDULING"):
             continue
         bundles = row.get("bundles") or {}
         out.append(
             PendingGroup(
                 group_id=group_id,
-                deployment=name[len(prefix) :].split("#", 1)[0],
+                deployment=parsed[1],
                 bundles=tuple(bundles[i] for i in sorted(bundles)),
                 state=str(row.get("state")),
             )

@@ -119,12 +119,11 @@ def deploy(
 def _run_bounded(app: Any, config: KVTideConfig, layout: PoolLayout) -> None:
     """``serve.run`` that gives up on placement groups Ray leaves pending too long."""
     from ray import serve
-    from ray.serve.api import _run
 
     from orchestrator.pool_supervisor import PlacementWatch, not_placed_error, read_pending_groups
     from orchestrator.ray_nodes import domain_states, read_free_gpus, read_ray_nodes
 
-    _run(app, _blocking=False, name=APP_NAME, route_prefix=config.server.route_prefix)
+    _start(app, config)
     watch = PlacementWatch(config.placement.timeout_s)
     while True:
         status = serve.status().applications.get(APP_NAME)
@@ -140,15 +139,20 @@ def _run_bounded(app: Any, config: KVTideConfig, layout: PoolLayout) -> None:
         time.sleep(1.0)
 
 
+def _start(app: Any, config: KVTideConfig) -> None:
+    """Hand ``app`` to Serve and return without waiting for it (Serve's own
+    ``_run``: its public ``serve.run`` waits without a bound)."""
+    from ray.serve.api import _run
+
+    _run(app, _blocking=False, name=APP_NAME, route_prefix=config.server.route_prefix)
+
+
 def redeploy(config: KVTideConfig, layout: PoolLayout) -> None:
     """Deploy ``layout`` over the running app without waiting: deployments whose
     placement is unchanged keep their replicas (see ``build_app``)."""
-    from ray.serve.api import _run
-
     from orchestrator.serve.app import build_app
 
-    _run(build_app(config, layout), _blocking=False, name=APP_NAME,
-         route_prefix=config.server.route_prefix)  # fmt: skip
+    _start(build_app(config, layout), config)
 
 
 def pool_supervisor(config: KVTideConfig, layout: PoolLayout) -> PoolSupervisor:

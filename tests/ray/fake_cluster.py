@@ -15,6 +15,19 @@ import ray
 from ray._common.test_utils import wait_for_condition
 from ray.cluster_utils import Cluster
 
+TRAYS = {f"{rack}{t}": f"nvl72-{rack}" for rack in "ab" for t in range(4)}
+"""Two NVL72-like domains of four 4-GPU trays (a real one has 18; four hold a TP16)."""
+
+
+def trays_and_hgx() -> dict[str, dict[str, Any]]:
+    """Worker nodes: the trays of ``TRAYS`` (8 CPUs each) and one 8-GPU HGX node, h1."""
+    workers: dict[str, dict[str, Any]] = {
+        name: {"num_cpus": 8, "num_gpus": 4, "labels": {"nvlink_domain": domain}}
+        for name, domain in TRAYS.items()
+    }
+    workers["h1"] = {"num_cpus": 16, "num_gpus": 8, "labels": {"nvlink_domain": "hgx-1"}}
+    return workers
+
 
 @dataclass
 class FakeCluster:

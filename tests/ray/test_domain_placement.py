@@ -22,11 +22,10 @@ import os
 import time
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import ray
-from fake_cluster import FakeCluster, fake_cluster, node_labels
+from fake_cluster import TRAYS, FakeCluster, fake_cluster, node_labels, trays_and_hgx
 from ray.util.placement_group import placement_group_table
 
 from orchestrator.cluster import DomainPlacer
@@ -41,25 +40,15 @@ pytestmark = pytest.mark.ray
 TIMEOUT_S = 3.0
 """The bound on waiting for a group Ray cannot place."""
 
-TRAYS = {f"{rack}{t}": f"nvl72-{rack}" for rack in "ab" for t in range(4)}
-
 
 @pytest.fixture(scope="module")
 def fake() -> Iterator[FakeCluster]:
     if ray.is_initialized():
         pytest.skip("this process is already connected to a Ray; run the ray tier on its own")
     head = ("h2", {"num_cpus": 16, "num_gpus": 8, "labels": {"nvlink_domain": "hgx-2"}})
-    workers: dict[str, dict[str, Any]] = {
-        name: {"num_cpus": 8, "num_gpus": 4, "labels": {"nvlink_domain": domain}}
-        for name, domain in TRAYS.items()
-    }
-    workers["h1"] = {"num_cpus": 16, "num_gpus": 8, "labels": {"nvlink_domain": "hgx-1"}}
+    workers = trays_and_hgx()
     with fake_cluster(head, workers) as cluster:
         yield cluster
-
-
-def kill(fake: FakeCluster, name: str) -> None:
-    fake.kill(name)
 
 
 @pytest.fixture
@@ -273,7 +262,7 @@ def test_losing_a_node_re_places_its_engine_or_reports_it_unplaceable(
 
     # One of the victim's trays dies. nvl72-a has only the victim's other tray
     # left (4 GPUs), so the victim moves to two whole trays of nvl72-b.
-    kill(fake, fake.name(victim.ranks[-1].node_id))
+    fake.kill(fake.name(victim.ranks[-1].node_id))
     (moved,) = placer.refresh(timeout_s=30)
     assert moved.engine_id == "victim"
     assert moved.lost_node_ids == (victim.ranks[-1].node_id,)
@@ -284,7 +273,7 @@ def test_losing_a_node_re_places_its_engine_or_reports_it_unplaceable(
     assert placer.engines_on(moved.new.ranks[0].node_id) == ("victim",)
 
     # Then hgx-1 dies. Its TP8 fits nowhere: 8 GPUs are free, 4 in each rack.
-    kill(fake, "h1")
+    fake.kill("h1")
     (stranded,) = placer.refresh(timeout_s=30)
     assert stranded.engine_id == "hgx-fill-1" and not stranded.replaced
     assert str(stranded.new) == (

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import ray
-from fake_cluster import FakeCluster, fake_cluster, node_labels
+from fake_cluster import FakeCluster, fake_cluster, node_labels, trays_and_hgx
 from openai import OpenAI
 from ray import serve
 from ray._common.test_utils import wait_for_condition
@@ -46,18 +46,12 @@ from orchestrator.serve.engine_host import free_port
 
 pytestmark = pytest.mark.ray
 
-TRAYS = {f"{rack}{t}": f"nvl72-{rack}" for rack in "ab" for t in range(4)}
-
 
 @pytest.fixture(scope="module")
 def fake() -> Iterator[FakeCluster]:
     if ray.is_initialized():
         pytest.skip("this process is already connected to a Ray; run the ray tier on its own")
-    workers: dict[str, dict[str, Any]] = {
-        name: {"num_cpus": 8, "num_gpus": 4, "labels": {"nvlink_domain": domain}}
-        for name, domain in TRAYS.items()
-    }
-    workers["h1"] = {"num_cpus": 16, "num_gpus": 8, "labels": {"nvlink_domain": "hgx-1"}}
+    workers = trays_and_hgx()
     with fake_cluster(("head", {"num_cpus": 8, "num_gpus": 0}), workers) as cluster:
         yield cluster
         serve.shutdown()
