@@ -25,7 +25,7 @@ fit restricted to the first domain with room, the naive fix. The table shows:
 
 Each ratio column is kvtide divided by the column to its left.
 
-A second table times kvtide's Serve pool layout (`orchestrator/pool_layout.py`) for a
+A second table times kvtide's Serve pool layout (`orchestrator/cluster/pool_layout.py`) for a
 large config on the same domains, and what a lost tray costs: re-planning with the
 running layout (engines stay where their domain still holds them) against re-planning
 from scratch, counted as engines that change domain (each one a replica restarted by
@@ -235,8 +235,8 @@ def _moved(old: dict[str, int], new: dict[str, int]) -> int:
 
 
 def layout_table(topology: ClusterTopology) -> str:
+    from orchestrator.cluster.pool_layout import plan_layout
     from orchestrator.config import parse_config
-    from orchestrator.pool_layout import plan_layout
 
     config = parse_config(
         {

@@ -192,7 +192,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _done(sid: str, prompt: list[int], i: int) -> Any:
-    from orchestrator.kv_messages import TurnDone
+    from orchestrator.kv.messages import TurnDone
 
     params = {
         "do_remote_decode": True,
@@ -220,7 +220,7 @@ def service_speed(
     num_sessions: int = 100_000, prompt_tokens: int = 1024, with_actor: bool = True
 ) -> list[str]:
     """The service's calls per turn, in-process and through its Ray actor."""
-    from orchestrator.kv_service import KVService
+    from orchestrator.kv.service import KVService
 
     rng = random.Random(0)
     base = list(range(100, 100 + prompt_tokens - 1))
@@ -264,7 +264,7 @@ def service_speed(
     if with_actor:
         import ray
 
-        from orchestrator.kv_service_actor import KVServiceActor, ServiceClient
+        from orchestrator.kv.actor import KVServiceActor, ServiceClient
 
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:

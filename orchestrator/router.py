@@ -11,7 +11,7 @@
    engine pulls the prompt's KV over NIXL);
 4. hand the decode engine's final params (its kept blocks) and the tokens the session
    continues from to the service in one ``TurnDone`` (the service drains what nobody
-   will reuse; see ``orchestrator.kv_service``).
+   will reuse; see ``orchestrator.kv.service``).
 
 Every started turn ends with ``turn_done`` or ``turn_abandoned``, also when the client
 goes away. Pools and the service are reached through protocols, so this module has no
@@ -32,11 +32,11 @@ from typing import Any, Protocol
 from opentelemetry.trace import Span, SpanKind
 
 from engines.base import GenerateChunk, GenerateRequest
-from orchestrator import tracing as tr
 from orchestrator.errors import EngineUnavailable
-from orchestrator.kv_messages import TurnDone, TurnPlan
-from orchestrator.kv_service import KVServiceAPI
-from orchestrator.metrics import Metrics
+from orchestrator.kv.messages import TurnDone, TurnPlan
+from orchestrator.kv.service import KVServiceAPI
+from orchestrator.observability import tracing as tr
+from orchestrator.observability.metrics import Metrics
 
 __all__ = ["KV_SOURCES", "PoolClient", "Router", "TurnReport"]
 
@@ -180,7 +180,7 @@ class Router:
 
         ``prompt_text``: the rendered prompt, when it came as text; the session's next
         turn continues tokenizing from it plus the generated text. ``trace_parent``: the
-        ingress span the turn's spans hang under (see ``orchestrator.tracing``).
+        ingress span the turn's spans hang under (see ``orchestrator.observability.tracing``).
         """
         rid = request_id or uuid.uuid4().hex
         report = TurnReport(
@@ -446,7 +446,7 @@ class Router:
         finish_reason: str | None,
     ) -> tuple[str | None, list[int] | None]:
         """What the session's next turn continues tokenizing from: this turn's text and
-        exact ids (see ``orchestrator.session_tokens``). A stop string cuts text and
+        exact ids (see ``orchestrator.kv.session_tokens``). A stop string cuts text and
         tokens apart: then nothing (the next turn tokenizes from scratch)."""
         ids = list(output_ids)
         if finish_reason == "stop":

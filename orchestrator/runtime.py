@@ -11,12 +11,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.cluster.pool_layout import PoolLayout
 from orchestrator.config import KVTideConfig
 from orchestrator.errors import KVTideError
-from orchestrator.pool_layout import PoolLayout
 
 if TYPE_CHECKING:
-    from orchestrator.pool_supervisor import PoolSupervisor
+    from orchestrator.cluster.supervisor import PoolSupervisor
 
 __all__ = [
     "APP_NAME",
@@ -120,8 +120,12 @@ def _run_bounded(app: Any, config: KVTideConfig, layout: PoolLayout) -> None:
     """``serve.run`` that gives up on placement groups Ray leaves pending too long."""
     from ray import serve
 
-    from orchestrator.pool_supervisor import PlacementWatch, not_placed_error, read_pending_groups
-    from orchestrator.ray_nodes import domain_states, read_free_gpus, read_ray_nodes
+    from orchestrator.cluster.ray_nodes import domain_states, read_free_gpus, read_ray_nodes
+    from orchestrator.cluster.supervisor import (
+        PlacementWatch,
+        not_placed_error,
+        read_pending_groups,
+    )
 
     _start(app, config)
     watch = PlacementWatch(config.placement.timeout_s)
@@ -157,8 +161,8 @@ def redeploy(config: KVTideConfig, layout: PoolLayout) -> None:
 
 def pool_supervisor(config: KVTideConfig, layout: PoolLayout) -> PoolSupervisor:
     """The supervisor of the running app's pools, on the live cluster (needs Ray)."""
-    from orchestrator.cluster import live_topology
-    from orchestrator.pool_supervisor import PoolSupervisor
+    from orchestrator.cluster.supervisor import PoolSupervisor
+    from orchestrator.cluster.topology import live_topology
 
     return PoolSupervisor(
         config,
@@ -197,7 +201,7 @@ def shutdown() -> None:
     import ray
     from ray import serve
 
-    from orchestrator.kv_service_actor import lookup_service
+    from orchestrator.kv.actor import lookup_service
 
     try:
         serve.shutdown()

@@ -16,8 +16,8 @@ from typing import Any
 
 from ray.serve import Application
 
+from orchestrator.cluster.pool_layout import PoolLayout, plan_layout, unpinned_layout
 from orchestrator.config import KVTideConfig, load_config, parse_config
-from orchestrator.pool_layout import PoolLayout, plan_layout, unpinned_layout
 from orchestrator.serve.engine_host import EngineHost, engine_deployment_options
 from orchestrator.serve.ingress import Ingress
 
@@ -39,7 +39,7 @@ def layout_for(config: KVTideConfig, running: PoolLayout | None = None) -> PoolL
     ``placement.mode`` is domain (needs ``ray.init``), else one per pool."""
     if not config.placement.by_domain:
         return unpinned_layout(config)
-    from orchestrator.cluster import live_topology
+    from orchestrator.cluster.topology import live_topology
 
     return plan_layout(config, live_topology(), running=running)
 

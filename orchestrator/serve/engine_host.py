@@ -6,7 +6,7 @@ in its async constructor, and exposes the engine interface as deployment methods
 ``generate`` streams (call it with ``handle.options(stream=True)``), the rest are unary.
 Serve calls ``check_health`` periodically and replaces a replica whose engine died.
 
-Each host also keeps its half of the KV ledger (``orchestrator.kv_ledger``: the blocks a
+Each host also keeps its half of the KV ledger (``orchestrator.kv.ledger``: the blocks a
 decode engine kept, the kept blocks a prefill engine read) and sends it to the KV
 lifecycle service whenever the service (re)starts.
 """
@@ -24,11 +24,11 @@ from ray import serve
 
 from engines.base import EngineInfo, EngineSpec, EngineStats, GenerateChunk, GenerateRequest
 from engines.registry import create_engine
+from orchestrator.cluster.placed_engine import ray_executor_spec
+from orchestrator.cluster.pool_layout import PoolDeployment, pool_deployment_name
 from orchestrator.config import KVTideConfig
-from orchestrator.kv_ledger import EngineLedger
-from orchestrator.kv_service_actor import EpochWatcher, lookup_service
-from orchestrator.placed_engine import ray_executor_spec
-from orchestrator.pool_layout import PoolDeployment, pool_deployment_name
+from orchestrator.kv.actor import EpochWatcher, lookup_service
+from orchestrator.kv.ledger import EngineLedger
 
 __all__ = ["EngineHost", "deployment_name", "engine_deployment_options", "free_port"]
 
@@ -47,7 +47,7 @@ def engine_deployment_options(
 ) -> dict[str, Any]:
     """Serve deployment options of a pool, or of one of its domain deployments (pure;
     tested without a cluster). Pinned to a domain, the replica sits in bundle 0 of its
-    placement group (see ``orchestrator.pool_layout``)."""
+    placement group (see ``orchestrator.cluster.pool_layout``)."""
     pool = config.pool(pool_name)
     pinned = deployment is not None and deployment.domain_id is not None
     actor: dict[str, Any]

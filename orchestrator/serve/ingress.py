@@ -26,7 +26,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from engines.base import GenerateChunk
-from orchestrator import tracing as tr
+from orchestrator.cluster.handle_pool import HandlePool
 from orchestrator.config import KVTideConfig
 from orchestrator.errors import (
     ContextLengthExceeded,
@@ -34,21 +34,16 @@ from orchestrator.errors import (
     RequestError,
     TurnInProgress,
 )
-from orchestrator.kv_planner import kv_lifecycle_config
-from orchestrator.kv_service_actor import ServiceClient, get_or_create_service
-from orchestrator.metrics import http_status, make_metrics
-from orchestrator.model_info import kv_bytes_per_token_of
+from orchestrator.kv.actor import ServiceClient, get_or_create_service
+from orchestrator.kv.ownership import Principal, session_not_found
+from orchestrator.kv.session_tokens import continue_tokens
+from orchestrator.kv.turn_planner import kv_lifecycle_config
+from orchestrator.observability import tracing as tr
+from orchestrator.observability.metrics import http_status, make_metrics
 from orchestrator.router import Router, TurnReport
 from orchestrator.serve import openai_api as api
-from orchestrator.serve.auth import (
-    Authenticator,
-    ConcurrencyGate,
-    Principal,
-    Ticket,
-    check_request,
-    session_not_found,
-)
-from orchestrator.serve.handle_pool import HandlePool
+from orchestrator.serve.auth import Authenticator, ConcurrencyGate, Ticket, check_request
+from orchestrator.serve.model_info import kv_bytes_per_token_of
 from orchestrator.serve.responses import (
     Output,
     ending,
@@ -59,7 +54,6 @@ from orchestrator.serve.responses import (
     session_body,
     usage_of,
 )
-from orchestrator.session_tokens import continue_tokens
 
 __all__ = ["Ingress", "fastapi_app"]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from engines.base import GenerateChunk
 from orchestrator.errors import InvalidRequest
-from orchestrator.kv_messages import SessionInfo
+from orchestrator.kv.messages import SessionInfo
 from orchestrator.router import TurnReport
 from orchestrator.serve import openai_api as api
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import ray
 
-from orchestrator.kv_service_actor import SERVICE_NAMESPACE, service_name
+from orchestrator.kv.actor import SERVICE_NAMESPACE, service_name
 from orchestrator.runtime import APP_NAME
 
 pytestmark = pytest.mark.engine

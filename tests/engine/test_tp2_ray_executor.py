@@ -208,9 +208,9 @@ def _tp2_on_cluster(model_dir: Path, tmp: str) -> dict[str, Any]:
     from ray.cluster_utils import Cluster
     from ray.util.placement_group import placement_group_table
 
-    from orchestrator.cluster import DomainPlacer
-    from orchestrator.placed_engine import placed_engine_host_options, placed_engine_spec
-    from orchestrator.placement_groups import PlacedEngine
+    from orchestrator.cluster.placed_engine import placed_engine_host_options, placed_engine_spec
+    from orchestrator.cluster.placement_groups import PlacedEngine
+    from orchestrator.cluster.topology import DomainPlacer
     from placement.planner import EngineRequest
 
     node_args = {"num_cpus": 2, "num_gpus": 1, "object_store_memory": 150 * 2**20}

@@ -23,7 +23,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from ray import serve
 
-from orchestrator import tracing as tr
+from orchestrator.observability import tracing as tr
 from orchestrator.runtime import APP_NAME
 from orchestrator.serve.ingress import Ingress
 

@@ -28,9 +28,9 @@ import ray
 from fake_cluster import TRAYS, FakeCluster, fake_cluster, node_labels, trays_and_hgx
 from ray.util.placement_group import placement_group_table
 
-from orchestrator.cluster import DomainPlacer
-from orchestrator.placement_errors import PlacementTimeout
-from orchestrator.placement_groups import Pin, PlacedEngine, create_group, group_spec
+from orchestrator.cluster.errors import PlacementTimeout
+from orchestrator.cluster.placement_groups import Pin, PlacedEngine, create_group, group_spec
+from orchestrator.cluster.topology import DomainPlacer
 from placement.first_fit import FirstFitPlanner
 from placement.planner import EngineRequest, PlacementPlan, PlacementPlanner, Unplaceable
 from placement.topology import NodeClaim

@@ -36,12 +36,12 @@ from ray.util.placement_group import (
 
 from engines.tiny_model import TinyModelShape, generate_tiny_model
 from orchestrator import runtime
+from orchestrator.cli.inspect import format_engine_groups
+from orchestrator.cluster.pool_layout import PoolLayout
+from orchestrator.cluster.ray_nodes import read_ray_nodes
+from orchestrator.cluster.supervisor import EnginesNotPlaced
 from orchestrator.config import KVTideConfig, parse_config
-from orchestrator.inspect_cli import format_engine_groups
-from orchestrator.kv_service_actor import lookup_service
-from orchestrator.pool_layout import PoolLayout
-from orchestrator.pool_supervisor import EnginesNotPlaced
-from orchestrator.ray_nodes import read_ray_nodes
+from orchestrator.kv.actor import lookup_service
 from orchestrator.serve.engine_host import free_port
 
 pytestmark = pytest.mark.ray

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from orchestrator.cli import main
+from orchestrator.cli.main import main
 from orchestrator.config import ApiKeyConfig, parse_config
 from orchestrator.errors import (
     AuthenticationFailed,
@@ -21,16 +21,13 @@ from orchestrator.errors import (
     SessionNotFound,
     TurnInProgress,
 )
+from orchestrator.kv.ownership import ANONYMOUS, Principal, SessionOwners, session_not_found
 from orchestrator.serve.auth import (
-    ANONYMOUS,
     Authenticator,
     ConcurrencyGate,
-    Principal,
-    SessionOwners,
     check_request,
     hash_key,
     new_key,
-    session_not_found,
 )
 
 KEY_A = "kvt-alpha-secret-0123456789"

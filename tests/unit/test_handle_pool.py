@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from engines.base import GenerateChunk, GenerateRequest
-from orchestrator.serve.handle_pool import HandlePool
+from orchestrator.cluster.handle_pool import HandlePool
 
 
 class FakeDeployment:

@@ -16,8 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from orchestrator.cli import main
-from orchestrator.inspect_cli import (
+from orchestrator.cli.inspect import (
     add_inspect_parser,
     cmd_inspect,
     format_domains,
@@ -25,7 +24,8 @@ from orchestrator.inspect_cli import (
     format_session,
     format_stats,
 )
-from orchestrator.ray_nodes import RayNode
+from orchestrator.cli.main import main
+from orchestrator.cluster.ray_nodes import RayNode
 
 URL = "http://kvtide.test:8000"
 MIB = 2**20

@@ -15,11 +15,11 @@ import pytest
 from test_router import FakeClock, FakePool, decode_script, prefill_script
 
 from engines.base import GenerateChunk, GenerateRequest
-from orchestrator.kv_ledger import EngineLedger
-from orchestrator.kv_messages import LedgerReport, TurnDone
-from orchestrator.kv_planner import kv_lifecycle_config
-from orchestrator.kv_service import KVService
-from orchestrator.kv_service_actor import EpochWatcher
+from orchestrator.kv.actor import EpochWatcher
+from orchestrator.kv.ledger import EngineLedger
+from orchestrator.kv.messages import LedgerReport, TurnDone
+from orchestrator.kv.service import KVService
+from orchestrator.kv.turn_planner import kv_lifecycle_config
 from orchestrator.router import Router, TurnReport
 
 TTL_S = 480.0

@@ -20,7 +20,13 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import parse_config
-from orchestrator.metrics import METRICS, REQUEST_STATUSES, Metrics, http_status, make_metrics
+from orchestrator.observability.metrics import (
+    METRICS,
+    REQUEST_STATUSES,
+    Metrics,
+    http_status,
+    make_metrics,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -120,7 +126,7 @@ def test_without_ray_or_with_metrics_off_the_facade_is_local_and_ray_stays_unimp
     code = (
         "import sys\n"
         "from orchestrator.config import parse_config\n"
-        "from orchestrator.metrics import make_metrics\n"
+        "from orchestrator.observability.metrics import make_metrics\n"
         "off = parse_config({'observability': {'metrics': False}}).observability\n"
         "assert not make_metrics(off).exports_to_ray and not make_metrics(None).exports_to_ray\n"
         "print('ray' in sys.modules)\n"

@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator
 from engines.base import EngineSpec, GenerateChunk, GenerateRequest, KVTransferSpec
 from engines.simulated import SimulatedEngine, VirtualClock
 from engines.simulated_kv import SimulatedFabric
-from orchestrator.kv_planner import kv_lifecycle_config
-from orchestrator.kv_service import KVService
+from orchestrator.kv.service import KVService
+from orchestrator.kv.turn_planner import kv_lifecycle_config
 from orchestrator.router import Router, TurnReport
 
 NUM_PREFILL, NUM_DECODE, NUM_SESSIONS = 8, 64, 400

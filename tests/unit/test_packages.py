@@ -23,7 +23,7 @@ def test_importing_the_orchestrator_does_not_import_vllm() -> None:
     import sys
 
     code = (
-        "import sys, orchestrator.cli, orchestrator.router, orchestrator.config, "
+        "import sys, orchestrator.cli.main, orchestrator.router, orchestrator.config, "
         "engines.registry; print('vllm' in sys.modules, 'torch' in sys.modules)"
     )
     out = subprocess.run(

@@ -9,7 +9,7 @@ import pytest
 
 from engines.base import EngineSpec
 from engines.vllm_engine import engine_args_for
-from orchestrator.placed_engine import placed_engine_spec
+from orchestrator.cluster.placed_engine import placed_engine_spec
 from placement.planner import EngineRequest, PlacementPlan, PlacementPlanner
 from placement.topology import ClusterTopology, NodeSpec
 

@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.cluster import topology_from_nodes
-from orchestrator.placement_errors import PlacementMismatch
-from orchestrator.placement_groups import GroupSpec, Pin, bind_ranks, group_spec, ranks_by_node
-from orchestrator.ray_nodes import RayNode, domain_states
+from orchestrator.cluster.errors import PlacementMismatch
+from orchestrator.cluster.placement_groups import (
+    GroupSpec,
+    Pin,
+    bind_ranks,
+    group_spec,
+    ranks_by_node,
+)
+from orchestrator.cluster.ray_nodes import RayNode, domain_states
+from orchestrator.cluster.topology import topology_from_nodes
 from placement.errors import InvalidTopology
 from placement.planner import EngineRequest, PlacementPlan, PlacementPlanner
 from placement.topology import ClusterTopology, DomainState, NodeSpec

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import main
+from orchestrator.cli.main import main
 from placement.devices import DEVICES
 from placement.model_catalog import BUILTIN_MODELS, builtin_model_spec
 

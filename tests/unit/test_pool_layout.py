@@ -11,21 +11,21 @@ from typing import Any
 
 import pytest
 
-from orchestrator.config import KVTideConfig, parse_config
-from orchestrator.pool_layout import (
+from orchestrator.cluster.pool_layout import (
     EnginesUnplaceable,
     PoolLayout,
     engine_bundles,
     plan_layout,
     unpinned_layout,
 )
-from orchestrator.pool_supervisor import (
+from orchestrator.cluster.supervisor import (
     PendingGroup,
     PlacementWatch,
     PoolSupervisor,
     not_placed_error,
     pending_groups_of,
 )
+from orchestrator.config import KVTideConfig, parse_config
 from orchestrator.serve.engine_host import engine_deployment_options
 from placement.topology import ClusterTopology, DomainState, NodeSpec
 

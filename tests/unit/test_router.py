@@ -10,8 +10,8 @@ import pytest
 
 from engines.base import GenerateChunk, GenerateRequest
 from orchestrator.errors import EngineUnavailable
-from orchestrator.kv_planner import kv_lifecycle_config
-from orchestrator.kv_service import KVService
+from orchestrator.kv.service import KVService
+from orchestrator.kv.turn_planner import kv_lifecycle_config
 from orchestrator.router import Router, TurnReport
 
 Script = Callable[[GenerateRequest], list[GenerateChunk]]

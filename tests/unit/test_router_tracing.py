@@ -14,8 +14,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from test_router import FakePool, decode_script, make_router, prefill_script
 
-from orchestrator import tracing as tr
 from orchestrator.config import parse_config
+from orchestrator.observability import tracing as tr
 from orchestrator.router import Router
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

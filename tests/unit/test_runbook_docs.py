@@ -15,7 +15,6 @@ import pytest
 from pydantic import BaseModel
 
 from engines.base import EngineStats
-from orchestrator import tracing
 from orchestrator.config import (
     KVSection,
     ObservabilitySection,
@@ -23,8 +22,9 @@ from orchestrator.config import (
     RaySection,
     RoutingSection,
 )
-from orchestrator.metrics import METRICS
-from orchestrator.server_config import ServerSection
+from orchestrator.config.server import ServerSection
+from orchestrator.observability import tracing
+from orchestrator.observability.metrics import METRICS
 from policies.kv_records import KVStats, RecomputeReason
 
 RUNBOOKS = Path(__file__).resolve().parents[2] / "docs" / "runbooks"
@@ -57,8 +57,8 @@ def _service_fields() -> set[str]:
     """The fields of the ``service`` block of ``/kvtide/stats``, as the service reports them."""
     import asyncio
 
-    from orchestrator.kv_planner import kv_lifecycle_config
-    from orchestrator.kv_service import KVService
+    from orchestrator.kv.service import KVService
+    from orchestrator.kv.turn_planner import kv_lifecycle_config
 
     config = kv_lifecycle_config(
         ttl_s=480, safety_margin_s=15, recompute_threshold_tokens=64,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.session_tokens import SessionTokens
+from orchestrator.kv.session_tokens import SessionTokens
 
 
 def chars(text: str) -> list[int]:

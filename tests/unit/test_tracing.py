@@ -17,9 +17,9 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import INVALID_SPAN, SpanKind, StatusCode
 
-from orchestrator import tracing as tr
 from orchestrator.config import ObservabilityConfig, parse_config
 from orchestrator.errors import ConfigError
+from orchestrator.observability import tracing as tr
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN_ID = "00f067aa0ba902b7"
@@ -232,7 +232,7 @@ def test_off_does_not_even_import_the_sdk() -> None:
 
     code = (
         "import sys\n"
-        "from orchestrator import tracing as tr\n"
+        "from orchestrator.observability import tracing as tr\n"
         "from orchestrator.config import parse_config\n"
         "tr.configure_tracing(parse_config(None).observability)\n"
         "with tr.span(tr.SPAN_ROUTE) as s:\n"

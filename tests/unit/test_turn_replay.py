@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.turn_replay import TurnReplayBook
+from orchestrator.kv.replay import TurnReplayBook
 
 
 class Clock:

@@ -23,7 +23,7 @@ __all__ = [
 
 class SessionPrefix(msgspec.Struct, frozen=True, kw_only=True):
     """What the session's last turn covered, for tokenizing the next one (see
-    ``orchestrator.session_tokens``). ``text`` is None when it was sent as token ids."""
+    ``orchestrator.kv.session_tokens``). ``text`` is None when it was sent as token ids."""
 
     owned: bool = True  # False: another API key owns the session (nothing else is told)
     text: str | None = None

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.base import GenerateChunk, GenerateRequest
-from orchestrator.kv_messages import KeptBlocks, LedgerReport
+from orchestrator.kv.messages import KeptBlocks, LedgerReport
 
 __all__ = ["EngineLedger", "kept_blocks_of", "read_target_of"]
 

@@ -1,6 +1,6 @@
 """A pool reached through its Ray Serve deployment handles.
 
-A pool placed by NVLink domain is one deployment per domain (``orchestrator.pool_layout``),
+A pool placed by NVLink domain is one deployment per domain (``orchestrator.cluster.pool_layout``),
 so a pool can have several handles. Serve balances replicas inside a deployment; across
 deployments the pool sends each request to the one with the fewest requests in flight
 from here per replica, the first on ties.

@@ -13,7 +13,7 @@ It owns, for the whole application:
   with a ``max_tokens=1`` pull, because vLLM 0.32's decode engine pins them until its
   TTL otherwise; and a tick every second expires what is due;
 - restart recovery: a restarted service has empty books. Engine hosts notice the new
-  ``epoch`` and send their ledgers (``orchestrator.kv_ledger``); once every prefill
+  ``epoch`` and send their ledgers (``orchestrator.kv.ledger``); once every prefill
   host has reported what it read (or ``restore_wait_s`` passed), the service adopts the
   decode engines' kept blocks minus those reads. A session that moved on meanwhile
   keeps its newer record and the old blocks are drained: nothing booked twice, nothing
@@ -22,7 +22,7 @@ It owns, for the whole application:
 ``KVService`` is plain asyncio (tested with fake pools and a moved clock);
 ``KVServiceActor`` runs it as a named, detached, restartable Ray actor and
 ``ServiceClient`` is what routers and engine hosts hold. Messages are
-``orchestrator.kv_messages`` structs.
+``orchestrator.kv.messages`` structs.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from typing import Any, Protocol
 
 from engines.base import GenerateChunk, GenerateRequest
 from orchestrator.errors import SessionNotFound
-from orchestrator.kv_ledger import kept_blocks_of
-from orchestrator.kv_messages import (
+from orchestrator.kv.ledger import kept_blocks_of
+from orchestrator.kv.messages import (
     KeptBlocks,
     LedgerReport,
     SessionInfo,
@@ -45,10 +45,10 @@ from orchestrator.kv_messages import (
     TurnDone,
     TurnPlan,
 )
-from orchestrator.kv_planner import KVPlanner
-from orchestrator.serve.auth import Principal, SessionOwners
-from orchestrator.session_tokens import SessionTokens
-from orchestrator.turn_replay import Replay, TurnReplayBook
+from orchestrator.kv.ownership import Principal, SessionOwners
+from orchestrator.kv.replay import Replay, TurnReplayBook
+from orchestrator.kv.session_tokens import SessionTokens
+from orchestrator.kv.turn_planner import KVPlanner
 from policies.kv_lifecycle import Effect, KVLifecycleConfig, prefix_hash
 
 __all__ = ["KVService", "KVServiceAPI", "PrefillPool"]

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from orchestrator.kv_ledger import kept_blocks_of
-from orchestrator.kv_messages import TurnPlan
+from orchestrator.kv.ledger import kept_blocks_of
+from orchestrator.kv.messages import TurnPlan
 from policies.kv_lifecycle import Effect, KVLifecycle, KVLifecycleConfig, TurnAction
 
 __all__ = ["Effect", "KVPlanner", "TurnPlan", "kv_lifecycle_config"]

@@ -25,7 +25,7 @@ from urllib.parse import quote
 import httpx
 
 if TYPE_CHECKING:
-    from orchestrator.ray_nodes import RayNode
+    from orchestrator.cluster.ray_nodes import RayNode
 
 __all__ = [
     "add_inspect_parser",
@@ -306,7 +306,7 @@ def _domains(address: str) -> str:
 
     import ray
 
-    from orchestrator.ray_nodes import read_free_gpus, read_ray_nodes
+    from orchestrator.cluster.ray_nodes import read_free_gpus, read_ray_nodes
 
     hint = "pass --address host:port (the cluster's GCS) or set $RAY_ADDRESS"
     try:
@@ -347,8 +347,8 @@ def _reachable_gcs(address: str) -> str:
 def format_domains(nodes: Sequence[RayNode], free_gpus: Mapping[str, int], *, address: str) -> str:
     """Each NVLink domain with its nodes and total/free GPUs, then the nodes outside any
     labelled domain and the dead ones. ``nodes`` as ``read_ray_nodes(alive_only=False)``."""
-    from orchestrator.cluster import topology_from_nodes
-    from orchestrator.ray_nodes import NVLINK_DOMAIN_LABEL, domain_states
+    from orchestrator.cluster.ray_nodes import NVLINK_DOMAIN_LABEL, domain_states
+    from orchestrator.cluster.topology import topology_from_nodes
     from placement.errors import InvalidTopology
 
     alive = [n for n in nodes if n.alive]
@@ -406,7 +406,7 @@ def format_engine_groups(table: Mapping[str, Mapping[str, Any]], nodes: Sequence
     """The engine replicas' placement groups of every Serve app (pinned pools): each
     one's state and where its GPU bundles are, by domain and node; empty when there are
     none. ``table`` as ``placement_group_table()``."""
-    from orchestrator.pool_supervisor import replica_group_name
+    from orchestrator.cluster.supervisor import replica_group_name
 
     domain_of = {n.node_id: n.domain_id for n in nodes}
     alive = {n.node_id for n in nodes if n.alive}

@@ -22,7 +22,7 @@ from typing import Any
 
 from engines import cpu_ray_platform
 from engines.base import EngineSpec
-from orchestrator.placement_groups import PlacedEngine
+from orchestrator.cluster.placement_groups import PlacedEngine
 from placement.plan import PlacementPlan
 
 __all__ = ["placed_engine_host_options", "placed_engine_spec", "ray_executor_spec"]

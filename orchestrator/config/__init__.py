@@ -26,14 +26,14 @@ from pydantic import (
 )
 
 from engines.base import EngineRole, EngineSpec, KVTransferSpec
-from orchestrator.errors import ConfigError
-from orchestrator.server_config import (
+from orchestrator.config.server import (
     ApiKeyConfig,
     ServerConfig,
     ServerSection,
     StrictSection,
     server_config,
 )
+from orchestrator.errors import ConfigError
 
 __all__ = [
     "ApiKeyConfig",
@@ -288,7 +288,7 @@ class RayConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ObservabilityConfig:
-    """Tracing and metrics (see ``orchestrator.tracing``, ``orchestrator.metrics``)."""
+    """Tracing and metrics (see ``orchestrator.observability``)."""
 
     tracing: Literal["off", "console", "otlp"]
     otlp_endpoint: str

@@ -31,7 +31,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     try:
         layout = runtime.deploy(config)
         if args.demo:
-            from orchestrator.demo import format_table, run_demo
+            from orchestrator.cli.demo import format_table, run_demo
 
             url = f"http://{config.server.host}:{config.server.port}"
             print(format_table(run_demo(url, num_turns=args.turns)), flush=True)
@@ -49,7 +49,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from orchestrator.demo import format_table, run_demo
+    from orchestrator.cli.demo import format_table, run_demo
 
     print(format_table(run_demo(args.url, num_turns=args.turns)))
     return 0
@@ -92,7 +92,7 @@ def _cmd_key_new(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from orchestrator.doctor import run_doctor
+    from orchestrator.cli.doctor import run_doctor
 
     return run_doctor(fix=args.fix)
 
@@ -137,10 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     key_new.add_argument("--name", help="the key's name (default: key-<first 8 hash digits>)")
     key_new.set_defaults(func=_cmd_key_new)
 
-    from orchestrator.plan_cli import add_plan_parser
+    from orchestrator.cli.plan import add_plan_parser
 
     add_plan_parser(sub)
-    from orchestrator.inspect_cli import add_inspect_parser
+    from orchestrator.cli.inspect import add_inspect_parser
 
     add_inspect_parser(sub)
     args = parser.parse_args(argv)

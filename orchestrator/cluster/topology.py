@@ -21,9 +21,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from orchestrator.placement_errors import PlacementGroupError, PlacementTimeout
-from orchestrator.placement_groups import Pin, PlacedEngine, create_group, group_spec, remove_group
-from orchestrator.ray_nodes import NVLINK_DOMAIN_LABEL, RayNode, read_ray_nodes
+from orchestrator.cluster.errors import PlacementGroupError, PlacementTimeout
+from orchestrator.cluster.placement_groups import (
+    Pin,
+    PlacedEngine,
+    create_group,
+    group_spec,
+    remove_group,
+)
+from orchestrator.cluster.ray_nodes import NVLINK_DOMAIN_LABEL, RayNode, read_ray_nodes
 from placement.errors import InsufficientCapacity, InvalidTopology, UnknownEngine
 from placement.planner import (
     EngineRequest,

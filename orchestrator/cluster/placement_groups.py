@@ -14,7 +14,7 @@ runs each TP rank. Here it becomes:
    node's `nvlink_domain` label read back from Ray's node table, and the ranks
    ordered by node. Bundle order is not node order; `ranks_by_node` fixes that.
 
-What Ray says about nodes (labels, GPUs, free GPUs) is read in `orchestrator.ray_nodes`.
+What Ray says about nodes (labels, GPUs, free GPUs) is read in `orchestrator.cluster.ray_nodes`.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator.placement_errors import PlacementMismatch, PlacementTimeout
-from orchestrator.ray_nodes import (
+from orchestrator.cluster.errors import PlacementMismatch, PlacementTimeout
+from orchestrator.cluster.ray_nodes import (
     NODE_ID_LABEL,
     NVLINK_DOMAIN_LABEL,
     domain_states,

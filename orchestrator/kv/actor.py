@@ -6,7 +6,7 @@ engine host finds it by name. Ray restarts it when it dies (``max_restarts=-1``)
 in flight are retried on the new instance (``max_task_retries=-1``), which starts with
 empty books and a new ``epoch``. Engine hosts poll the epoch every second and send
 their ledgers when it changes (``EpochWatcher``), and the service rebuilds from them
-(see ``orchestrator.kv_service``).
+(see ``orchestrator.kv.service``).
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import ray
 from ray.actor import ActorHandle
 from ray.serve.handle import DeploymentHandle
 
+from orchestrator.cluster.handle_pool import HandlePool
+from orchestrator.cluster.ray_nodes import read_ray_nodes
 from orchestrator.config import ObservabilityConfig
-from orchestrator.kv_messages import LedgerReport, SessionInfo, SessionPrefix, TurnDone, TurnPlan
-from orchestrator.kv_service import KVService
-from orchestrator.metrics import make_metrics
-from orchestrator.ray_nodes import read_ray_nodes
-from orchestrator.serve.auth import Principal
-from orchestrator.serve.handle_pool import HandlePool
-from orchestrator.turn_replay import Replay
+from orchestrator.kv.messages import LedgerReport, SessionInfo, SessionPrefix, TurnDone, TurnPlan
+from orchestrator.kv.ownership import Principal
+from orchestrator.kv.replay import Replay
+from orchestrator.kv.service import KVService
+from orchestrator.observability.metrics import make_metrics
 from policies.kv_lifecycle import KVLifecycleConfig
 
 __all__ = [

@@ -11,7 +11,7 @@ and reports the groups pending longer than ``placement.timeout_s``;
 replica whose node died inside the same deployment, so in the same domain, which is
 right while that domain still holds it. When it no longer does, ``reconcile`` plans a
 new layout (engines stay in their domain where they still fit, the rest move;
-``orchestrator.pool_layout.plan_layout``) and re-deploys the app: deployments whose
+``orchestrator.cluster.pool_layout.plan_layout``) and re-deploys the app: deployments whose
 placement did not change keep their replicas (their Serve version is stable), a
 shrunk domain's deployment loses its pending replica and the receiving domain's
 gains one. Serve stops routing to a dead replica by itself; the KV of sessions on a
@@ -26,9 +26,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.cluster.pool_layout import EnginesUnplaceable, PoolLayout, plan_layout
 from orchestrator.config import KVTideConfig
 from orchestrator.errors import KVTideError
-from orchestrator.pool_layout import EnginesUnplaceable, PoolLayout, plan_layout
 from placement.planner import describe_domains
 from placement.topology import ClusterTopology, DomainState
 

@@ -1,0 +1,142 @@
+"""Who sent a request, and which key owns each session.
+
+``Principal`` is an API key's name and limits (or the anonymous principal); ``SessionOwners``
+records the first key to run a turn on a session, so that no other key may read, run or
+close it. Both the KV lifecycle service (which keeps the books) and the ingress (which
+authenticates) use them, so they live here, below ``serve/``. Pure: ``now_s`` comes in.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from orchestrator.config import ApiKeyConfig
+from orchestrator.errors import SessionNotFound
+
+__all__ = ["ANONYMOUS", "Principal", "SessionOwners", "session_not_found"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Principal:
+    """Who sent a request: an API key's name and limits (``None``: no limit from the key),
+    or the anonymous principal when no keys are configured."""
+
+    name: str
+    max_prompt_tokens: int | None = None
+    max_tokens: int | None = None
+    max_concurrent_requests: int | None = None
+    is_anonymous: bool = False
+
+    @classmethod
+    def of(cls, key: ApiKeyConfig) -> Principal:
+        return cls(
+            name=key.name,
+            max_prompt_tokens=key.max_prompt_tokens,
+            max_tokens=key.max_tokens,
+            max_concurrent_requests=key.max_concurrent_requests,
+        )
+
+    def cap_max_tokens(self, max_tokens: int) -> int:
+        """``max_tokens`` lowered to the key's limit (for a request that sent none)."""
+        return max_tokens if self.max_tokens is None else min(max_tokens, self.max_tokens)
+
+
+# Key names cannot contain parentheses (config validates them), so no key is this one.
+ANONYMOUS = Principal(name="(anonymous)", is_anonymous=True)
+
+
+def session_not_found(session_id: str) -> SessionNotFound:
+    """The one 404 for a session a caller may not see: unknown, expired, closed, or
+    another key's. Use it for all of them so that the bodies are identical."""
+    return SessionNotFound(
+        f"session {session_id!r} not found: it does not exist, has expired or was closed; "
+        "start a new session (a new x-session-id)",
+        param="x-session-id",
+    )
+
+
+class SessionOwners:
+    """Which key owns each session: the first key to run a turn on it.
+
+    Bounded: an entry idle for ``idle_ttl_s`` expires, and past ``max_sessions`` the least
+    recently used entries are dropped. Both ``claim`` and ``expire`` *return* the session
+    ids whose ownership ended; the caller must close those sessions (KV record, session
+    tokens), so that no other key can later claim one and inherit its state. Choose
+    ``idle_ttl_s`` ≥ the session state's TTL (``kv.decoder_kv_blocks_ttl_s``) and
+    ``touch`` when a turn ends, so that ownership outlives the state it protects (the KV a
+    turn leaves is kept for the TTL from the turn's end).
+
+    ``now_s`` must not go backwards (a monotonic clock). With the anonymous principal
+    (no keys configured) nothing is recorded and nothing is refused.
+    """
+
+    def __init__(self, *, idle_ttl_s: float, max_sessions: int) -> None:
+        if idle_ttl_s <= 0 or max_sessions < 1:
+            raise ValueError(
+                f"idle_ttl_s ({idle_ttl_s}) must be > 0 and max_sessions ({max_sessions}) >= 1"
+            )
+        self.idle_ttl_s = idle_ttl_s
+        self.max_sessions = max_sessions
+        # session id → (owner key name, last use); ordered by last use, oldest first.
+        self._owners: OrderedDict[str, tuple[str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    def owner(self, session_id: str, now_s: float) -> str | None:
+        """The owning key's name, or ``None`` (never claimed, forgotten or expired)."""
+        entry = self._owners.get(session_id)
+        if entry is None or now_s - entry[1] >= self.idle_ttl_s:
+            return None
+        return entry[0]
+
+    def check(self, session_id: str, principal: Principal, now_s: float) -> None:
+        """Query: raises ``session_not_found(session_id)`` when another key owns the
+        session. Records nothing (for reading or closing a session)."""
+        if principal.is_anonymous:
+            return
+        owner = self.owner(session_id, now_s)
+        if owner is not None and owner != principal.name:
+            raise session_not_found(session_id)
+
+    def claim(self, session_id: str, principal: Principal, now_s: float) -> tuple[str, ...]:
+        """``check``, then make ``principal`` the owner (or refresh its idle clock), just
+        before a turn runs. Returns the sessions whose ownership ended (expired, then least
+        recently used past ``max_sessions``); close them before the turn runs. That may
+        include ``session_id`` itself when another key's ownership of it had expired: its
+        state must not carry over to the new owner."""
+        self.check(session_id, principal, now_s)
+        if principal.is_anonymous:
+            return ()
+        entry = self._owners.pop(session_id, None)
+        dropped = list(self.expire(now_s))
+        if entry is not None and entry[0] != principal.name:  # expired, as check passed
+            dropped.append(session_id)
+        self._owners[session_id] = (principal.name, now_s)
+        while len(self._owners) > self.max_sessions:
+            dropped.append(self._owners.popitem(last=False)[0])
+        return tuple(dropped)
+
+    def touch(self, session_id: str, principal: Principal, now_s: float) -> None:
+        """Restart the idle clock of ``principal``'s session when a turn ends (its KV is
+        kept from then on). Does nothing if ``principal`` no longer owns it; never raises."""
+        entry = self._owners.get(session_id)
+        if entry is not None and entry[0] == principal.name and not principal.is_anonymous:
+            self._owners[session_id] = (principal.name, now_s)
+            self._owners.move_to_end(session_id)
+
+    def expire(self, now_s: float) -> tuple[str, ...]:
+        """Drop entries idle for ``idle_ttl_s`` or longer; returns their session ids."""
+        dropped: list[str] = []
+        while self._owners:
+            session_id, (_, last_s) = next(iter(self._owners.items()))
+            if now_s - last_s < self.idle_ttl_s:
+                break
+            del self._owners[session_id]
+            dropped.append(session_id)
+        return tuple(dropped)
+
+    def forget(self, session_id: str) -> None:
+        """The session was closed: anyone may start a new one with this id."""
+        self._owners.pop(session_id, None)

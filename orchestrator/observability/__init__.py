@@ -1,0 +1,1 @@
+"""Tracing (OpenTelemetry) and metrics (Ray's Prometheus export)."""
