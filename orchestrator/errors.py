@@ -11,7 +11,10 @@
         ├── TurnInProgress          409: the session already has a turn running
         ├── UnsupportedMediaType    415: the body is not application/json
         ├── LimitExceeded           429: over one of the key's limits (``code`` says which)
-        └── EngineUnavailable       503: no healthy engine in a pool, or an engine failed
+        └── Unavailable             503 with Retry-After: retrying later may succeed
+            ├── EngineUnavailable   no healthy engine in a pool, or an engine failed
+            ├── ServiceUnavailable  the KV lifecycle service did not answer in time
+            └── DeadlineExceeded    the request ran past server.request_timeout_s
 
 "Cannot right now" (no KV to reuse, a pool is busy) is a return value, not an exception.
 """
@@ -24,14 +27,17 @@ __all__ = [
     "AuthenticationFailed",
     "ConfigError",
     "ContextLengthExceeded",
+    "DeadlineExceeded",
     "EngineUnavailable",
     "InvalidRequest",
     "KVTideError",
     "LimitExceeded",
     "ModelNotFound",
     "RequestError",
+    "ServiceUnavailable",
     "SessionNotFound",
     "TurnInProgress",
+    "Unavailable",
     "UnsupportedMediaType",
 ]
 
@@ -148,7 +154,31 @@ class LimitExceeded(RequestError):
         return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
 
-class EngineUnavailable(RequestError):
+class Unavailable(RequestError):
+    """503. Something kvtide needs did not answer in time; the body names what, never
+    internal details (those go to the log), and ``Retry-After`` says when to retry."""
+
     status_code = 503
     error_type = "server_error"
+    code = "unavailable"
+
+    def __init__(
+        self, message: str, param: str | None = None, *, retry_after_s: float = 1.0
+    ) -> None:
+        super().__init__(message, param)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+class EngineUnavailable(Unavailable):
     code = "engine_unavailable"
+
+
+class ServiceUnavailable(Unavailable):
+    code = "service_unavailable"
+
+
+class DeadlineExceeded(Unavailable):
+    code = "deadline_exceeded"

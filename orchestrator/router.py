@@ -14,9 +14,15 @@
    will reuse; see ``orchestrator.kv.service``).
 
 Every started turn ends with ``turn_done`` or ``turn_abandoned``, also when the client
-goes away. Pools and the service are reached through protocols, so this module has no
-Ray in it and is tested with hand-written fakes; ``orchestrator.serve`` passes Serve
-deployment handles and the service actor's client.
+goes away or the service call that plans it fails. Every wait has a deadline: the whole
+turn is bounded by ``request_timeout_s`` (prefill, transfer and decode, each chunk
+awaited against what is left), a pull by ``pull_timeout_s``; past it the turn ends with
+``DeadlineExceeded`` (503) and its engine streams are closed, which aborts their
+requests. An engine that fails surfaces as ``EngineUnavailable`` (503) whose message
+names the pool, never the engine's internals (those are logged). Pools and the service
+are reached through protocols, so this module has no Ray in it and is tested with
+hand-written fakes; ``orchestrator.serve`` passes Serve deployment handles and the
+service actor's client.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from typing import Any, Protocol
 from opentelemetry.trace import Span, SpanKind
 
 from engines.base import GenerateChunk, GenerateRequest
-from orchestrator.errors import EngineUnavailable
+from orchestrator.errors import DeadlineExceeded, EngineUnavailable, RequestError
 from orchestrator.kv.messages import TurnDone, TurnPlan
 from orchestrator.kv.service import KVServiceAPI
 from orchestrator.observability import tracing as tr
@@ -98,6 +104,39 @@ class TurnReport:
         }
 
 
+async def bounded(
+    stream: AsyncIterator[GenerateChunk], deadline_s: float, clock: Callable[[], float], what: str
+) -> AsyncIterator[GenerateChunk]:
+    """``stream``'s items, each awaited only until ``deadline_s`` (on ``clock``). Past it:
+    ``DeadlineExceeded``; a failure that is not kvtide's own error: ``EngineUnavailable``
+    naming ``what`` (the details are logged). The stream is closed either way."""
+    it = aiter(stream)
+    try:
+        while True:
+            left = deadline_s - clock()
+            if left <= 0:
+                raise TimeoutError
+            try:
+                item = await asyncio.wait_for(anext(it), left)
+            except StopAsyncIteration:
+                return
+            yield item
+    except TimeoutError:
+        raise DeadlineExceeded(
+            f"the request did not finish within its deadline ({what} was still running); "
+            "retry it, or raise server.request_timeout_s"
+        ) from None
+    except (RequestError, asyncio.CancelledError):
+        raise
+    except Exception as exc:
+        log.warning("%s failed: %s: %s", what, type(exc).__name__, exc)
+        raise EngineUnavailable(f"the {what} failed; retry the request") from exc
+    finally:
+        close = getattr(it, "aclose", None)
+        if close is not None:
+            await close()
+
+
 async def _last(stream: AsyncIterator[GenerateChunk]) -> GenerateChunk:
     last: GenerateChunk | None = None
     async for chunk in stream:
@@ -123,6 +162,7 @@ class Router:
         metrics: Metrics | None = None,
         block_size_tokens: int = 16,
         kv_bytes_per_token: int = 0,
+        request_timeout_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if (decode_long is None) != (long_context_threshold_tokens is None):
@@ -140,6 +180,7 @@ class Router:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.kv = kv
         self.pull_timeout_s = pull_timeout_s
+        self.request_timeout_s = request_timeout_s
         self.eos_token_id = eos_token_id
         self.clock = clock
 
@@ -153,13 +194,20 @@ class Router:
                 return "decode_long", self.decode_long
         return "decode", self.decode
 
-    async def _prefill(self, req: GenerateRequest, timeout_s: float | None) -> GenerateChunk:
+    async def _prefill(
+        self, req: GenerateRequest, deadline_s: float, pull_timeout_s: float | None = None
+    ) -> GenerateChunk:
+        """The prefill's last chunk. With ``pull_timeout_s`` (a pull) a timeout within the
+        request's deadline raises ``TimeoutError`` (the caller recomputes)."""
+        limit = deadline_s
+        if pull_timeout_s is not None:
+            limit = min(deadline_s, self.clock() + pull_timeout_s)
         try:
-            return await asyncio.wait_for(_last(self.prefill.generate(req)), timeout_s)
-        except (TimeoutError, EngineUnavailable):
+            return await _last(bounded(self.prefill.generate(req), limit, self.clock, "prefill"))
+        except DeadlineExceeded:
+            if limit < deadline_s:
+                raise TimeoutError from None  # the pull's own bound, not the request's
             raise
-        except Exception as exc:  # an engine/actor failure, surfaced as 503
-            raise EngineUnavailable(f"prefill failed: {type(exc).__name__}: {exc}") from exc
 
     async def run_turn(
         self,
@@ -175,12 +223,14 @@ class Router:
         request_id: str | None = None,
         prompt_text: str | None = None,
         trace_parent: tr.Parent = None,
+        owner: str | None = None,
     ) -> AsyncIterator[tuple[GenerateChunk, TurnReport]]:
         """Stream decode chunks; each comes with the (growing) turn report.
 
         ``prompt_text``: the rendered prompt, when it came as text; the session's next
         turn continues tokenizing from it plus the generated text. ``trace_parent``: the
         ingress span the turn's spans hang under (see ``orchestrator.observability.tracing``).
+        ``owner``: the API key's name; the finished turn refreshes its ownership.
         """
         rid = request_id or uuid.uuid4().hex
         report = TurnReport(
@@ -193,6 +243,8 @@ class Router:
             "stop": list(stop),
             "ignore_eos": ignore_eos,
         }
+        report.extra["owner"] = owner
+        report.extra["deadline_s"] = self.clock() + self.request_timeout_s
         with tr.span(
             tr.SPAN_ROUTE,
             {tr.GEN_AI_RESPONSE_ID: rid, tr.GEN_AI_CONVERSATION_ID: session_id},
@@ -216,26 +268,26 @@ class Router:
     ) -> AsyncIterator[tuple[GenerateChunk, TurnReport]]:
         rid = report.request_id
         t0 = self.clock()
-        with tr.span(tr.SPAN_KV_DECISION, parent=route) as decision:
-            plan = (
-                TurnPlan(kind="recompute", reason="no_session")
-                if session_id is None
-                else await self.kv.plan_turn(session_id, prompt_token_ids)
-            )
-            tr.set_attrs(decision, {tr.KV_PLAN: plan.kind, tr.KV_PLAN_REASON: plan.reason})
-        report.kv_plan, report.kv_plan_reason = plan.kind, plan.reason
-
-        base = {"prompt_token_ids": prompt_token_ids, "session_id": session_id, **sampling}
-        params: dict[str, Any] = {"do_remote_decode": True}
-        if plan.kind == "pull" and plan.kv_transfer_params is not None:
-            params = {
-                **plan.kv_transfer_params,
-                "do_remote_decode": True,
-                "do_remote_prefill": False,
-            }
-        t_engine = self.clock()
         done = False
         try:
+            with tr.span(tr.SPAN_KV_DECISION, parent=route) as decision:
+                plan = (
+                    TurnPlan(kind="recompute", reason="no_session")
+                    if session_id is None
+                    else await self.kv.plan_turn(session_id, prompt_token_ids)
+                )
+                tr.set_attrs(decision, {tr.KV_PLAN: plan.kind, tr.KV_PLAN_REASON: plan.reason})
+            report.kv_plan, report.kv_plan_reason = plan.kind, plan.reason
+
+            base = {"prompt_token_ids": prompt_token_ids, "session_id": session_id, **sampling}
+            params: dict[str, Any] = {"do_remote_decode": True}
+            if plan.kind == "pull" and plan.kv_transfer_params is not None:
+                params = {
+                    **plan.kv_transfer_params,
+                    "do_remote_decode": True,
+                    "do_remote_prefill": False,
+                }
+            t_engine = self.clock()
             async for item in self._stream(
                 route, plan, params, base, rid, max_tokens, report, t0, t_engine, prompt_text
             ):
@@ -245,7 +297,10 @@ class Router:
         finally:
             if not done and session_id is not None:
                 # Failed, cancelled or the client went away: no record kept.
-                await asyncio.shield(self.kv.turn_abandoned(session_id))
+                try:
+                    await asyncio.shield(self.kv.turn_abandoned(session_id))
+                except RequestError:  # the service is unreachable: its tick ends the turn
+                    log.warning("could not report turn %s of %s abandoned", rid, session_id)
 
     async def _stream(
         self,
@@ -305,11 +360,13 @@ class Router:
         """The prefill, pulling the kept KV back when planned; a failed or hung pull
         becomes a plain prefill."""
         t_start = tr.now_ns()
+        deadline_s: float = report.extra["deadline_s"]
         try:
             pre = await self._prefill(
                 GenerateRequest(
                     request_id=f"{rid}-p", max_tokens=1, kv_transfer_params=params, **base
                 ),
+                deadline_s,
                 self.pull_timeout_s if plan.kind == "pull" else None,
             )
         except (TimeoutError, EngineUnavailable) as exc:
@@ -337,7 +394,7 @@ class Router:
                     kv_transfer_params={"do_remote_decode": True},
                     **base,
                 ),
-                None,
+                deadline_s,
             )
         else:
             if plan.kind == "pull":
@@ -381,7 +438,9 @@ class Router:
         # kvtide's own work: planning before the engines, booking after them.
         report.router_s = t_engine - t0
         t_start = tr.now_ns()
-        async for chunk in decode.generate(decode_req):
+        deadline_s: float = report.extra["deadline_s"]
+        stream = bounded(decode.generate(decode_req), deadline_s, self.clock, report.decode_pool)
+        async for chunk in stream:
             now = self.clock()
             if first and (chunk.token_ids or chunk.finished):
                 report.ttft_s = now - t0
@@ -432,6 +491,7 @@ class Router:
                             kv_expires_in_s=chunk.kv_expires_in_s,
                             next_text=next_text,
                             next_token_ids=next_ids,
+                            owner=report.extra.get("owner"),
                         )
                     )
                 report.router_s += self.clock() - now

@@ -131,6 +131,21 @@ class KVSection(StrictSection):
         "past it the idle sessions nearest expiry are drained back to prefill. Empty: no bound "
         "(blocks still expire at the TTL).",
     )
+    service_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        description="Deadline of one call to the KV lifecycle service (a Ray actor). Past "
+        "it the request gets 503 service_unavailable with Retry-After; calls to a restarting "
+        "service wait for the new instance up to this long.",
+    )
+    replay_max_mib: float = Field(
+        64.0,
+        gt=0,
+        le=65_536,
+        description="Most MiB of completed responses kept for Idempotency-Key replays (and "
+        "written to Ray's GCS so they survive a service restart); the oldest go first.",
+    )
 
     @model_validator(mode="after")
     def _margin_below_ttl(self) -> KVSection:
@@ -277,6 +292,8 @@ class KVConfig:
     safety_margin_s: float
     pull_timeout_s: float
     idle_budget_mib_per_engine: float | None
+    service_timeout_s: float = 10.0
+    replay_max_mib: float = 64.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -61,6 +61,13 @@ class ApiKeySection(StrictSection):
         description="Requests of this key in flight at once; one more gets 429 "
         "concurrency_limit_exceeded with Retry-After. Empty: no key limit.",
     )
+    max_sessions: int = Field(
+        1000,
+        ge=1,
+        description="Sessions this key may own at once; a turn that would open one more gets "
+        "429 session_limit_exceeded (close one with DELETE /kvtide/sessions/{id}, or let one "
+        "expire). Other keys' sessions are never closed to make room.",
+    )
 
     @field_validator("name")
     @classmethod
@@ -102,6 +109,15 @@ class ServerSection(StrictSection):
         "API with no api_keys, or the Ray dashboard on a non-loopback dashboard_host. "
         "Configured keys are still required.",
     )
+    request_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        le=86_400,
+        description="The deadline of one request, from receipt to its last token: prefill, "
+        "KV transfer and decode together. Past it the request ends with 503 "
+        "deadline_exceeded (a stream with a final error event) and its engine work is "
+        "aborted.",
+    )
     dashboard_host: str = Field(
         "127.0.0.1",
         description="Bind address of the Ray dashboard of a locally started Ray. The "
@@ -137,6 +153,7 @@ class ApiKeyConfig:
     max_prompt_tokens: int | None = None
     max_tokens: int | None = None
     max_concurrent_requests: int | None = None
+    max_sessions: int = 1000
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -146,6 +163,7 @@ class ServerConfig:
     route_prefix: str
     api_keys: tuple[ApiKeyConfig, ...] = ()
     allow_unauthenticated: bool = False
+    request_timeout_s: float = 600.0
     dashboard_host: str = "127.0.0.1"
 
     @property

@@ -12,21 +12,23 @@ their ledgers when it changes (``EpochWatcher``), and the service rebuilds from 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, cast
 
 import ray
 from ray.actor import ActorHandle
+from ray.exceptions import RayError
 from ray.serve.handle import DeploymentHandle
 
 from orchestrator.cluster.handle_pool import HandlePool
 from orchestrator.cluster.ray_nodes import read_ray_nodes
 from orchestrator.config import ObservabilityConfig
-from orchestrator.kv.messages import LedgerReport, SessionInfo, SessionPrefix, TurnDone, TurnPlan
-from orchestrator.kv.ownership import Principal
-from orchestrator.kv.replay import Replay
-from orchestrator.kv.service import KVService
+from orchestrator.errors import ServiceUnavailable
+from orchestrator.kv.durable import RayKVStore
+from orchestrator.kv.messages import LedgerReport
+from orchestrator.kv.service import API_METHODS, KVService, KVServiceAPI, merge_counters
 from orchestrator.observability.metrics import make_metrics
 from policies.kv_lifecycle import KVLifecycleConfig
 
@@ -36,6 +38,7 @@ __all__ = [
     "KVServiceActor",
     "ServiceClient",
     "get_or_create_service",
+    "service_client",
     "service_name",
 ]
 
@@ -51,8 +54,11 @@ def service_name(app_name: str) -> str:
     return f"kvtide-kv-{app_name or 'default'}"
 
 
-@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
-class KVServiceActor:
+class _ServiceActor:
+    """The Ray actor around ``KVService``. Its API methods are not written here: they are
+    added from ``API_METHODS`` below, each forwarding to the service (and starting the
+    tick on first use), so the service, the actor and the client cannot drift apart."""
+
     def __init__(
         self,
         config: KVLifecycleConfig,
@@ -60,6 +66,9 @@ class KVServiceActor:
         drain_timeout_s: float,
         num_prefill_engines: int,
         observability: ObservabilityConfig | None = None,
+        app_name: str = "",
+        replay_max_bytes: int = 64 * 2**20,
+        running_grace_s: float = 600.0,
     ) -> None:
         self.metrics = make_metrics(observability)
         self._num_expiries = 0
@@ -69,6 +78,9 @@ class KVServiceActor:
             prefill=None if prefill is None else HandlePool(prefill),  # None: no drains
             drain_timeout_s=drain_timeout_s,
             num_prefill_engines=num_prefill_engines,
+            store=RayKVStore(f"{SERVICE_NAMESPACE}-{service_name(app_name)}"),
+            replay_max_bytes=replay_max_bytes,
+            running_grace_s=running_grace_s,
         )
         self._ticker: asyncio.Task[None] | None = None
 
@@ -115,61 +127,37 @@ class KVServiceActor:
     async def epoch(self) -> str:
         return self._tick_started().epoch
 
-    async def heartbeat(self, engine_id: str, node_ids: list[str]) -> str:
-        return self._tick_started().heartbeat(engine_id, node_ids)
-
-    async def engines_lost(self, engine_ids: list[str]) -> int:
-        return self._tick_started().engines_lost(engine_ids)
-
-    async def session_prefix(
-        self, session_id: str, principal: Principal | None = None
-    ) -> SessionPrefix:
-        return await self._tick_started().session_prefix(session_id, principal)
-
-    async def session_owned(self, session_id: str, principal: Principal) -> bool:
-        return await self._tick_started().session_owned(session_id, principal)
-
-    async def claim_session(self, session_id: str, principal: Principal) -> bool:
-        return await self._tick_started().claim_session(session_id, principal)
-
-    async def plan_turn(self, session_id: str, prompt_token_ids: list[int]) -> TurnPlan:
-        return await self._tick_started().plan_turn(session_id, prompt_token_ids)
-
-    async def pull_failed(self, session_id: str) -> None:
-        await self._tick_started().pull_failed(session_id)
-
-    async def turn_done(self, done: TurnDone) -> None:
-        await self._tick_started().turn_done(done)
-
-    async def turn_abandoned(self, session_id: str | None) -> None:
-        await self._tick_started().turn_abandoned(session_id)
-
-    async def session(self, session_id: str) -> SessionInfo:
-        return await self._tick_started().session(session_id)
-
-    async def renew(self, session_id: str) -> SessionInfo:
-        return await self._tick_started().renew(session_id)
-
-    async def close(self, session_id: str) -> bool:
-        return await self._tick_started().close(session_id)
-
-    async def restore(self, report: LedgerReport) -> None:
-        await self._tick_started().restore(report)
-
-    async def replay_begin(self, key: str) -> Replay:
-        return await self._tick_started().replay_begin(key)
-
-    async def replay_complete(self, key: str, body: dict[str, Any]) -> None:
-        await self._tick_started().replay_complete(key, body)
-
-    async def replay_fail(self, key: str) -> None:
-        await self._tick_started().replay_fail(key)
-
-    async def stats(self) -> dict[str, Any]:
-        return {**await self._tick_started().stats(), "metrics": self.metrics.snapshot()}
+    async def config(self) -> tuple[KVLifecycleConfig, int]:
+        """The lifecycle config this instance runs with, and its replay budget."""
+        return self.service.planner.lifecycle.config, self.service.replays.max_bytes
 
     async def wait_drains(self) -> None:
         await self.service.wait_drains()
+
+
+def _forward(name: str) -> Callable[..., Any]:
+    async def method(self: _ServiceActor, *args: Any, **kwargs: Any) -> Any:
+        result = getattr(self._tick_started(), name)(*args, **kwargs)
+        return await result if inspect.isawaitable(result) else result
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+for _name in API_METHODS:
+    setattr(_ServiceActor, _name, _forward(_name))
+
+
+async def _stats_with_metrics(self: _ServiceActor) -> dict[str, Any]:
+    # The service actor's own book (KV gauges, expiries) joins the ingress replicas'.
+    stats = await self._tick_started().stats()
+    books = [*self.service.recent_metrics(), self.metrics.snapshot()]
+    return {**stats, "metrics": merge_counters(books)}
+
+
+_ServiceActor.stats = _stats_with_metrics  # type: ignore[attr-defined]
+
+KVServiceActor = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(_ServiceActor)
 
 
 def get_or_create_service(
@@ -180,6 +168,8 @@ def get_or_create_service(
     drain_timeout_s: float,
     num_prefill_engines: int,
     observability: ObservabilityConfig | None = None,
+    replay_max_bytes: int = 64 * 2**20,
+    running_grace_s: float = 600.0,
 ) -> ActorHandle:
     """The application's service actor; the first caller creates it."""
     return KVServiceActor.options(  # type: ignore[attr-defined,no-any-return]
@@ -187,74 +177,67 @@ def get_or_create_service(
         namespace=SERVICE_NAMESPACE,
         lifetime="detached",
         get_if_exists=True,
-    ).remote(config, prefill, drain_timeout_s, num_prefill_engines, observability)
+    ).remote(
+        config,
+        prefill,
+        drain_timeout_s,
+        num_prefill_engines,
+        observability,
+        app_name,
+        replay_max_bytes,
+        running_grace_s,
+    )
 
 
 class ServiceClient:
-    """The router's side of the service (``KVServiceAPI`` over an actor handle)."""
+    """The service through its actor handle, every call bounded by ``timeout_s``.
 
-    def __init__(self, handle: ActorHandle) -> None:
+    Its methods are the service's (``API_METHODS``; typed by ``KVServiceAPI``), made
+    from that list: each is one actor call. A call past its deadline, or to an actor that
+    cannot be reached, raises ``ServiceUnavailable`` (HTTP 503 with Retry-After); the
+    details go to the log, not to the caller. Ray retries a call that was in flight
+    when the actor died on the restarted instance (``max_task_retries=-1``), within the
+    same deadline.
+    """
+
+    def __init__(self, handle: ActorHandle, *, timeout_s: float = 10.0) -> None:
         self.handle = handle
+        self.timeout_s = timeout_s
 
-    async def session_prefix(
-        self, session_id: str, principal: Principal | None = None
-    ) -> SessionPrefix:
-        result: SessionPrefix = await self.handle.session_prefix.remote(session_id, principal)
-        return result
+    async def call(self, name: str, *args: Any) -> Any:
+        try:
+            return await asyncio.wait_for(getattr(self.handle, name).remote(*args), self.timeout_s)
+        except TimeoutError:
+            log.warning("KV service call %s timed out after %.1f s", name, self.timeout_s)
+        except RayError as exc:
+            log.warning("KV service call %s failed: %s", name, exc)
+        raise ServiceUnavailable(
+            "the KV lifecycle service did not answer in time; retry the request",
+            retry_after_s=1.0,
+        )
 
-    async def session_owned(self, session_id: str, principal: Principal) -> bool:
-        result: bool = await self.handle.session_owned.remote(session_id, principal)
-        return result
+    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
+        if name not in API_METHODS:
+            raise AttributeError(name)
 
-    async def claim_session(self, session_id: str, principal: Principal) -> bool:
-        result: bool = await self.handle.claim_session.remote(session_id, principal)
-        return result
+        async def method(*args: Any) -> Any:
+            return await self.call(name, *args)
 
-    async def plan_turn(self, session_id: str, prompt_token_ids: list[int]) -> TurnPlan:
-        result: TurnPlan = await self.handle.plan_turn.remote(session_id, prompt_token_ids)
-        return result
+        return method
 
-    async def pull_failed(self, session_id: str) -> None:
-        await self.handle.pull_failed.remote(session_id)
 
-    async def turn_done(self, done: TurnDone) -> None:
-        await self.handle.turn_done.remote(done)
-
-    async def turn_abandoned(self, session_id: str | None) -> None:
-        await self.handle.turn_abandoned.remote(session_id)
-
-    async def session(self, session_id: str) -> SessionInfo:
-        result: SessionInfo = await self.handle.session.remote(session_id)
-        return result
-
-    async def renew(self, session_id: str) -> SessionInfo:
-        result: SessionInfo = await self.handle.renew.remote(session_id)
-        return result
-
-    async def close(self, session_id: str) -> bool:
-        result: bool = await self.handle.close.remote(session_id)
-        return result
-
-    async def stats(self) -> dict[str, Any]:
-        result: dict[str, Any] = await self.handle.stats.remote()
-        return result
-
-    async def replay_begin(self, key: str) -> Replay:
-        result: Replay = await self.handle.replay_begin.remote(key)
-        return result
-
-    async def replay_complete(self, key: str, body: dict[str, Any]) -> None:
-        await self.handle.replay_complete.remote(key, body)
-
-    async def replay_fail(self, key: str) -> None:
-        await self.handle.replay_fail.remote(key)
+def service_client(handle: ActorHandle, *, timeout_s: float) -> KVServiceAPI:
+    """A ``KVServiceAPI`` over the actor (see ``ServiceClient``)."""
+    return cast(KVServiceAPI, ServiceClient(handle, timeout_s=timeout_s))
 
 
 class EpochWatcher:
     """An engine host's link to the service: sends its ledger to each new epoch.
 
     ``lookup`` finds the service (None until an ingress created it); ``report`` is the
-    host's ledger report.
+    host's ledger report; ``stats`` the engine's counters, sent with each heartbeat so
+    that the service can sum every replica's (a deployment handle reaches one replica).
+    Each call is bounded by ``timeout_s``.
     """
 
     def __init__(
@@ -265,7 +248,11 @@ class EpochWatcher:
         period_s: float = TICK_S,
         engine_id: str | None = None,
         node_ids: Sequence[str] = (),
+        stats: Callable[[], dict[str, Any]] | None = None,
+        timeout_s: float = 10.0,
     ) -> None:
+        self.stats = stats
+        self.timeout_s = timeout_s
         self.lookup = lookup
         self.report = report
         self.period_s = period_s
@@ -280,12 +267,14 @@ class EpochWatcher:
         if handle is None:
             return False
         if self.engine_id is None:
-            epoch = await handle.epoch.remote()
+            call = handle.epoch.remote()
         else:
-            epoch = await handle.heartbeat.remote(self.engine_id, self.node_ids)
+            stats = None if self.stats is None else self.stats()
+            call = handle.heartbeat.remote(self.engine_id, self.node_ids, stats)
+        epoch = await asyncio.wait_for(call, self.timeout_s)
         if epoch == self.reported_epoch:
             return False
-        await handle.restore.remote(self.report())
+        await asyncio.wait_for(handle.restore.remote(self.report()), self.timeout_s)
         self.reported_epoch = epoch
         return True
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import msgspec
 
 __all__ = [
+    "Claim",
     "KeptBlocks",
     "LedgerReport",
     "SessionInfo",
@@ -28,6 +29,22 @@ class SessionPrefix(msgspec.Struct, frozen=True, kw_only=True):
     owned: bool = True  # False: another API key owns the session (nothing else is told)
     text: str | None = None
     token_ids: list[int] = []
+
+
+class Claim(msgspec.Struct, frozen=True, kw_only=True):
+    """The service's answer when a turn asks to run on a session.
+
+    ``claimed``: the caller's key owns the session and this turn is its only one running;
+    ``not_found``: another key owns it (the caller sees the same 404 as for no session);
+    ``turn_in_progress``: a turn of this session is running (409, retry after it);
+    ``limit``: a session limit refuses a new session (429; ``code`` and ``message`` say
+    which, ``retry_after_s`` when waiting helps).
+    """
+
+    outcome: Literal["claimed", "not_found", "turn_in_progress", "limit"]
+    code: str | None = None
+    message: str = ""
+    retry_after_s: float | None = None
 
 
 class TurnPlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,6 +70,7 @@ class TurnDone(msgspec.Struct, frozen=True, kw_only=True):
     kv_expires_in_s: float | None = None
     next_text: str | None = None
     next_token_ids: list[int] | None = None
+    owner: str | None = None  # the API key's name: its ownership is refreshed
 
 
 class KeptBlocks(msgspec.Struct, frozen=True, kw_only=True):

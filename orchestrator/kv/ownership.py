@@ -8,11 +8,12 @@ authenticates) use them, so they live here, below ``serve/``. Pure: ``now_s`` co
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from orchestrator.config import ApiKeyConfig
-from orchestrator.errors import SessionNotFound
+from orchestrator.errors import LimitExceeded, SessionNotFound
 
 __all__ = ["ANONYMOUS", "Principal", "SessionOwners", "session_not_found"]
 
@@ -26,6 +27,7 @@ class Principal:
     max_prompt_tokens: int | None = None
     max_tokens: int | None = None
     max_concurrent_requests: int | None = None
+    max_sessions: int | None = None
     is_anonymous: bool = False
 
     @classmethod
@@ -35,6 +37,7 @@ class Principal:
             max_prompt_tokens=key.max_prompt_tokens,
             max_tokens=key.max_tokens,
             max_concurrent_requests=key.max_concurrent_requests,
+            max_sessions=key.max_sessions,
         )
 
     def cap_max_tokens(self, max_tokens: int) -> int:
@@ -59,13 +62,16 @@ def session_not_found(session_id: str) -> SessionNotFound:
 class SessionOwners:
     """Which key owns each session: the first key to run a turn on it.
 
-    Bounded: an entry idle for ``idle_ttl_s`` expires, and past ``max_sessions`` the least
-    recently used entries are dropped. Both ``claim`` and ``expire`` *return* the session
-    ids whose ownership ended; the caller must close those sessions (KV record, session
+    Bounded per key and in all: a key owns at most its ``max_sessions`` sessions, and the
+    book at most ``max_sessions`` of all keys; a turn that would open one more is refused
+    (429), never served by closing another session (least of all another key's). An
+    entry idle for ``idle_ttl_s`` expires: ``expire`` *returns* the session ids whose
+    ownership ended, and the caller must close those sessions (KV record, session
     tokens), so that no other key can later claim one and inherit its state. Choose
     ``idle_ttl_s`` ≥ the session state's TTL (``kv.decoder_kv_blocks_ttl_s``) and
-    ``touch`` when a turn ends, so that ownership outlives the state it protects (the KV a
-    turn leaves is kept for the TTL from the turn's end).
+    ``touch`` when a turn ends and when the session is renewed, so that ownership
+    outlives the state it protects (the KV a turn leaves is kept for the TTL from the
+    turn's end); sessions with a turn running are passed to ``expire`` as ``keep``.
 
     ``now_s`` must not go backwards (a monotonic clock). With the anonymous principal
     (no keys configured) nothing is recorded and nothing is refused.
@@ -80,9 +86,13 @@ class SessionOwners:
         self.max_sessions = max_sessions
         # session id → (owner key name, last use); ordered by last use, oldest first.
         self._owners: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._per_key: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._owners)
+
+    def num_owned(self, key_name: str) -> int:
+        return self._per_key[key_name]
 
     def owner(self, session_id: str, now_s: float) -> str | None:
         """The owning key's name, or ``None`` (never claimed, forgotten or expired)."""
@@ -102,41 +112,88 @@ class SessionOwners:
 
     def claim(self, session_id: str, principal: Principal, now_s: float) -> tuple[str, ...]:
         """``check``, then make ``principal`` the owner (or refresh its idle clock), just
-        before a turn runs. Returns the sessions whose ownership ended (expired, then least
-        recently used past ``max_sessions``); close them before the turn runs. That may
-        include ``session_id`` itself when another key's ownership of it had expired: its
-        state must not carry over to the new owner."""
+        before a turn runs. Returns the sessions whose ownership ended (expired); close
+        them before the turn runs. That may include ``session_id`` itself when another
+        key's ownership of it had expired: its state must not carry over to the new
+        owner. Raises ``LimitExceeded`` (429) when the session is new and the key already
+        owns ``principal.max_sessions`` sessions, or the book is full."""
         self.check(session_id, principal, now_s)
         if principal.is_anonymous:
             return ()
-        entry = self._owners.pop(session_id, None)
-        dropped = list(self.expire(now_s))
+        dropped = list(self.expire(now_s, keep=(session_id,)))
+        entry = self._owners.get(session_id)
         if entry is not None and entry[0] != principal.name:  # expired, as check passed
+            self._remove(session_id)
             dropped.append(session_id)
+            entry = None
+        if entry is None:
+            self._check_room(principal)
+            self._per_key[principal.name] += 1
         self._owners[session_id] = (principal.name, now_s)
-        while len(self._owners) > self.max_sessions:
-            dropped.append(self._owners.popitem(last=False)[0])
+        self._owners.move_to_end(session_id)
         return tuple(dropped)
 
+    def _check_room(self, principal: Principal) -> None:
+        limit = principal.max_sessions
+        if limit is not None and self._per_key[principal.name] >= limit:
+            raise LimitExceeded(
+                f"API key {principal.name!r} already owns {limit} sessions (its "
+                "max_sessions); close one with DELETE /kvtide/sessions/{id} or let one "
+                "expire, then start this one",
+                code="session_limit_exceeded",
+                param="x-session-id",
+            )
+        if len(self._owners) >= self.max_sessions:
+            raise LimitExceeded(
+                f"the server holds its maximum of {self.max_sessions} sessions; retry "
+                "later or continue an existing session",
+                code="session_capacity_exceeded",
+                param="x-session-id",
+                retry_after_s=self.idle_ttl_s / 10,
+            )
+
+    def adopt(self, session_id: str, key_name: str, now_s: float) -> None:
+        """Record an owner read back after a restart (its idle clock starts at ``now_s``:
+        ownership may last longer than it would have, never shorter)."""
+        if session_id not in self._owners:
+            self._per_key[key_name] += 1
+            self._owners[session_id] = (key_name, now_s)
+
     def touch(self, session_id: str, principal: Principal, now_s: float) -> None:
-        """Restart the idle clock of ``principal``'s session when a turn ends (its KV is
-        kept from then on). Does nothing if ``principal`` no longer owns it; never raises."""
+        """Restart the idle clock of ``principal``'s session when a turn ends or the
+        session is renewed (its KV is kept from then on). Does nothing if ``principal``
+        no longer owns it; never raises."""
         entry = self._owners.get(session_id)
         if entry is not None and entry[0] == principal.name and not principal.is_anonymous:
             self._owners[session_id] = (principal.name, now_s)
             self._owners.move_to_end(session_id)
 
-    def expire(self, now_s: float) -> tuple[str, ...]:
-        """Drop entries idle for ``idle_ttl_s`` or longer; returns their session ids."""
+    def expire(self, now_s: float, keep: Iterable[str] = ()) -> tuple[str, ...]:
+        """Drop entries idle for ``idle_ttl_s`` or longer, except those in ``keep``
+        (sessions with a turn running: their idle clock restarts); returns the dropped
+        session ids."""
+        kept = set(keep)
         dropped: list[str] = []
         while self._owners:
-            session_id, (_, last_s) = next(iter(self._owners.items()))
+            session_id, (name, last_s) = next(iter(self._owners.items()))
             if now_s - last_s < self.idle_ttl_s:
                 break
-            del self._owners[session_id]
+            if session_id in kept:
+                self._owners[session_id] = (name, now_s)
+                self._owners.move_to_end(session_id)
+                kept.discard(session_id)
+                continue
+            self._remove(session_id)
             dropped.append(session_id)
         return tuple(dropped)
 
     def forget(self, session_id: str) -> None:
         """The session was closed: anyone may start a new one with this id."""
-        self._owners.pop(session_id, None)
+        self._remove(session_id)
+
+    def _remove(self, session_id: str) -> None:
+        entry = self._owners.pop(session_id, None)
+        if entry is not None:
+            self._per_key[entry[0]] -= 1
+            if not self._per_key[entry[0]]:
+                del self._per_key[entry[0]]

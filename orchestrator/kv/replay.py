@@ -12,19 +12,29 @@ answer to the session's KV):
 - the key's turn failed: the key is free again, so the retry runs the turn.
 
 Keys are scoped by the caller (API key name and session id) so one caller cannot read
-another's replay. Completed entries are kept ``ttl_s`` and at most ``max_entries``
-(oldest dropped first). The clock is passed in.
+another's replay. Completed entries are kept ``ttl_s``, at most ``max_entries`` and at
+most ``max_bytes`` of stored responses (oldest dropped first). The clock is passed in.
+
+The book writes through to a ``DurableStore`` (``orchestrator.kv.durable``): a restarted
+service reloads it, so a retry after a restart is still replayed, and a turn that was
+running when the service died still answers ``in_progress`` (for ``running_grace_s``,
+the longest a turn may run) instead of running a second time.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
 
+from orchestrator.kv.durable import DurableStore, MemoryStore
+
 __all__ = ["Replay", "TurnReplayBook"]
+
+_PREFIX = "replay/"
 
 
 class Replay(msgspec.Struct, frozen=True, kw_only=True):
@@ -34,7 +44,19 @@ class Replay(msgspec.Struct, frozen=True, kw_only=True):
     body: dict[str, Any] | None = None
 
 
-_IN_PROGRESS = object()
+class _Stored(msgspec.Struct, frozen=True, kw_only=True):
+    """A book entry as the durable store holds it (``body`` None: running)."""
+
+    key: str
+    body: dict[str, Any] | None = None
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(_Stored).decode
+
+
+def _store_key(key: str) -> str:
+    return _PREFIX + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class TurnReplayBook:
@@ -43,14 +65,25 @@ class TurnReplayBook:
         *,
         ttl_s: float = 600.0,
         max_entries: int = 10_000,
+        max_bytes: int = 64 * 2**20,
+        running_grace_s: float = 600.0,
+        store: DurableStore | None = None,
         clock: Callable[[], float],
     ) -> None:
-        if max_entries < 1:
-            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        if max_entries < 1 or max_bytes < 1:
+            raise ValueError(
+                f"max_entries ({max_entries}) and max_bytes ({max_bytes}) must be >= 1"
+            )
         self.ttl_s = ttl_s
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.running_grace_s = running_grace_s
+        self.store: DurableStore = store if store is not None else MemoryStore()
         self.clock = clock
-        self._entries: OrderedDict[str, tuple[float, object]] = OrderedDict()
+        # key -> (stored at, response body or None while running, stored size in bytes)
+        self._entries: OrderedDict[str, tuple[float, dict[str, Any] | None, int]] = OrderedDict()
+        self.num_bytes = 0
+        self._load()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -60,13 +93,11 @@ class TurnReplayBook:
         self._prune(now)
         entry = self._entries.get(key)
         if entry is None:
-            self._put(key, now, _IN_PROGRESS)
+            self._put(key, now, None)
             return Replay(action="run")
-        if entry[1] is _IN_PROGRESS:
+        if entry[1] is None:
             return Replay(action="in_progress")
-        body = entry[1]
-        assert isinstance(body, dict)
-        return Replay(action="replay", body=body)
+        return Replay(action="replay", body=entry[1])
 
     def complete(self, key: str, body: dict[str, Any]) -> None:
         """The turn succeeded: keep its response for retries."""
@@ -75,19 +106,53 @@ class TurnReplayBook:
     def fail(self, key: str) -> None:
         """The turn failed or was cancelled: a retry may run it."""
         entry = self._entries.get(key)
-        if entry is not None and entry[1] is _IN_PROGRESS:
-            del self._entries[key]
+        if entry is not None and entry[1] is None:
+            self._drop(key)
 
-    def _put(self, key: str, now: float, value: object) -> None:
-        self._entries[key] = (now, value)
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+    def _put(self, key: str, now: float, body: dict[str, Any] | None) -> None:
+        data = _encode(_Stored(key=key, body=body))
+        if key in self._entries:
+            self._drop(key)
+        if len(data) > self.max_bytes:
+            return  # a response larger than the whole book is not kept: a retry runs
+        self.store.put(_store_key(key), data)
+        self._entries[key] = (now, body, len(data))
+        self.num_bytes += len(data)
+        while len(self._entries) > self.max_entries or self.num_bytes > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, key: str) -> None:
+        _, _, size = self._entries.pop(key)
+        self.num_bytes -= size
+        self.store.delete(_store_key(key))
 
     def _prune(self, now: float) -> None:
         while self._entries:
             # A turn running longer than ttl_s is forgotten too (its ingress may be gone).
-            key, (stored, _) = next(iter(self._entries.items()))
+            key, (stored, _, _) = next(iter(self._entries.items()))
             if now - stored < self.ttl_s:
                 break
-            del self._entries[key]
+            self._drop(key)
+
+    def _load(self) -> None:
+        """Read back what a previous instance stored. A turn that was running is
+        ``in_progress`` for ``running_grace_s`` more (its ingress may still finish it),
+        then forgotten; completed turns keep a fresh ``ttl_s``."""
+        now = self.clock()
+        loaded: list[tuple[float, str, dict[str, Any] | None, int]] = []
+        for store_key in self.store.keys(_PREFIX):
+            raw = self.store.get(store_key)
+            try:
+                stored = _decode(raw) if raw is not None else None
+            except msgspec.DecodeError:
+                stored = None
+            if raw is None or stored is None:
+                self.store.delete(store_key)
+                continue
+            since = now
+            if stored.body is None:  # running: pruned after running_grace_s from now
+                since = now - max(0.0, self.ttl_s - self.running_grace_s)
+            loaded.append((since, stored.key, stored.body, len(raw)))
+        for since, key, body, size in sorted(loaded, key=lambda e: e[0]):  # oldest first
+            self._entries[key] = (since, body, size)
+            self.num_bytes += size

@@ -35,9 +35,11 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from engines.base import GenerateChunk, GenerateRequest
-from orchestrator.errors import SessionNotFound
+from orchestrator.errors import LimitExceeded, SessionNotFound
+from orchestrator.kv.durable import DurableStore, MemoryStore
 from orchestrator.kv.ledger import kept_blocks_of
 from orchestrator.kv.messages import (
+    Claim,
     KeptBlocks,
     LedgerReport,
     SessionInfo,
@@ -51,9 +53,27 @@ from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.kv.turn_planner import KVPlanner
 from policies.kv_lifecycle import Effect, KVLifecycleConfig, prefix_hash
 
-__all__ = ["KVService", "KVServiceAPI", "PrefillPool"]
+__all__ = ["API_METHODS", "KVService", "KVServiceAPI", "PrefillPool", "merge_counters"]
 
 log = logging.getLogger("kvtide.kv_service")
+
+_OWNER_PREFIX = "owner/"
+
+
+def merge_counters(books: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Sum metric books key by key (nested dicts recursively): counters and histogram
+    counts from several replicas add up; a value that is not a number is kept from the
+    first book that has it."""
+    merged: dict[str, Any] = {}
+    for book in books:
+        for key, value in book.items():
+            if isinstance(value, dict):
+                merged[key] = merge_counters([merged.get(key) or {}, value])
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                merged[key] = merged.get(key, 0) + value
+            else:
+                merged.setdefault(key, value)
+    return merged
 
 
 class PrefillPool(Protocol):
@@ -63,11 +83,19 @@ class PrefillPool(Protocol):
 
 
 class KVServiceAPI(Protocol):
-    """What a router needs from the service (in-process or through Ray)."""
+    """Everything the service answers, in-process (``KVService``) or through its Ray
+    actor (``orchestrator.kv.actor`` derives the actor's methods and the client's from
+    this list: ``API_METHODS``). Callers: the router (``plan_turn``, ``pull_failed``,
+    ``turn_done``, ``turn_abandoned``), the ingress (sessions, ownership, replays,
+    stats) and the engine hosts (``heartbeat``, ``restore``)."""
 
     async def session_prefix(
         self, session_id: str, principal: Principal | None = None
     ) -> SessionPrefix: ...
+
+    async def session_owned(self, session_id: str, principal: Principal) -> bool: ...
+
+    async def claim_session(self, session_id: str, principal: Principal) -> Claim: ...
 
     async def plan_turn(self, session_id: str, prompt_token_ids: list[int]) -> TurnPlan: ...
 
@@ -76,6 +104,36 @@ class KVServiceAPI(Protocol):
     async def turn_done(self, done: TurnDone) -> None: ...
 
     async def turn_abandoned(self, session_id: str | None) -> None: ...
+
+    async def replay_begin(self, key: str) -> Replay: ...
+
+    async def replay_complete(self, key: str, body: dict[str, Any]) -> None: ...
+
+    async def replay_fail(self, key: str) -> None: ...
+
+    async def session(self, session_id: str) -> SessionInfo: ...
+
+    async def renew(self, session_id: str, principal: Principal | None = None) -> SessionInfo: ...
+
+    async def close(self, session_id: str) -> bool: ...
+
+    async def stats(self) -> dict[str, Any]: ...
+
+    async def heartbeat(
+        self, engine_id: str, node_ids: Sequence[str] = (), stats: dict[str, Any] | None = None
+    ) -> str: ...
+
+    async def engines_lost(self, engine_ids: Sequence[str]) -> int: ...
+
+    async def restore(self, report: LedgerReport) -> None: ...
+
+    async def report_metrics(self, source: str, snapshot: dict[str, Any]) -> None: ...
+
+
+API_METHODS: tuple[str, ...] = tuple(
+    name for name in vars(KVServiceAPI) if not name.startswith("_")
+)
+"""The service's methods, in one list: the actor and its client are built from it."""
 
 
 async def _read_to_end(stream: Any) -> GenerateChunk:
@@ -100,6 +158,9 @@ class KVService:
         restore_wait_s: float = 10.0,
         max_sessions: int = 50_000,
         engine_silence_s: float = 60.0,
+        store: DurableStore | None = None,
+        replay_max_bytes: int = 64 * 2**20,
+        running_grace_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.planner = KVPlanner(config)
@@ -109,8 +170,27 @@ class KVService:
         self.num_prefill_engines = num_prefill_engines
         self.restore_wait_s = restore_wait_s
         self.clock = clock
-        self.replays = TurnReplayBook(clock=clock)
+        # Owners and replays outlive the service in ``store`` (orchestrator.kv.durable).
+        self.store: DurableStore = store if store is not None else MemoryStore()
+        self.replays = TurnReplayBook(
+            clock=clock,
+            store=self.store,
+            max_bytes=replay_max_bytes,
+            running_grace_s=running_grace_s,
+        )
         self.owners = SessionOwners(idle_ttl_s=config.ttl_s, max_sessions=max_sessions)
+        for key in self.store.keys(_OWNER_PREFIX):
+            name = self.store.get(key)
+            if name is not None:
+                self.owners.adopt(key.removeprefix(_OWNER_PREFIX), name.decode(), clock())
+        # session id -> when its running turn was claimed (one turn per session at once;
+        # a claim older than running_grace_s is stale: its ingress is gone).
+        self.running_grace_s = running_grace_s
+        self._running: dict[str, float] = {}
+        # The latest counters of every engine (from its heartbeat) and every ingress
+        # replica (``report_metrics``): /kvtide/stats sums them.
+        self._engine_stats: dict[str, dict[str, Any]] = {}
+        self._metrics_by_source: dict[str, tuple[float, dict[str, Any]]] = {}
         self.epoch = uuid.uuid4().hex
         self.started_s = clock()
         self._drains: set[asyncio.Task[None]] = set()
@@ -157,17 +237,39 @@ class KVService:
             return False
         return True
 
-    async def claim_session(self, session_id: str, principal: Principal) -> bool:
-        """Make ``principal`` the session's owner just before its turn runs; False when
-        another key owns it. Sessions whose ownership ended are closed first, so no key
-        inherits another's KV or tokens."""
+    async def claim_session(self, session_id: str, principal: Principal) -> Claim:
+        """Make ``principal`` the session's owner and mark its turn running, just before
+        the turn runs (see ``Claim``). Sessions whose ownership ended are closed first,
+        so no key inherits another's KV or tokens. The turn must end with ``turn_done``
+        or ``turn_abandoned``, which clear the mark."""
+        now = self.clock()
+        started = self._running.get(session_id)
+        if started is not None and now - started < self.running_grace_s:
+            if self.owners.owner(session_id, now) not in (None, principal.name):
+                return Claim(outcome="not_found")
+            return Claim(
+                outcome="turn_in_progress",
+                message=f"session {session_id!r} already has a turn running; send the next "
+                "turn after it has finished",
+            )
+        was_owner = self.owners.owner(session_id, now)
         try:
-            ended = self.owners.claim(session_id, principal, self.clock())
+            ended = self.owners.claim(session_id, principal, now)
         except SessionNotFound:
-            return False
+            return Claim(outcome="not_found")
+        except LimitExceeded as exc:
+            return Claim(
+                outcome="limit",
+                code=exc.code,
+                message=exc.message,
+                retry_after_s=exc.retry_after_s,
+            )
         for sid in ended:
             await self.close(sid)
-        return True
+        if not principal.is_anonymous and was_owner != principal.name:
+            self.store.put(_OWNER_PREFIX + session_id, principal.name.encode())
+        self._running[session_id] = now
+        return Claim(outcome="claimed")
 
     async def plan_turn(self, session_id: str, prompt_token_ids: list[int]) -> TurnPlan:
         return self.planner.plan_turn(session_id, prompt_token_ids, self.clock())
@@ -184,6 +286,12 @@ class KVService:
             # Nobody will pull these blocks back: free them now, not at the TTL.
             self._drain(done.kv_transfer_params, done.token_ids)
             return
+        self._running.pop(sid, None)
+        if done.owner is not None:
+            self.owners.touch(sid, Principal(name=done.owner), now)
+        # The record this turn supersedes covers the *previous* tokens: drain it with
+        # those (a rewritten history does not start with them).
+        previous = self.tokens.token_ids(sid)
         if done.next_token_ids is None:
             self.tokens.forget(sid)
         else:
@@ -192,11 +300,13 @@ class KVService:
         self._apply(
             self.planner.turn_finished(
                 sid, done.token_ids, done.kv_transfer_params, now, expiry_s=expiry
-            )
+            ),
+            candidates=(previous, done.token_ids),
         )
 
     async def turn_abandoned(self, session_id: str | None) -> None:
         if session_id is not None:
+            self._running.pop(session_id, None)
             self._apply(self.planner.abandon(session_id, self.clock()))
 
     # ---- idempotent turns (shared by every ingress replica) --------------------------
@@ -229,9 +339,13 @@ class KVService:
             lease_expires_in_s=round(lease - now, 3),
         )
 
-    async def renew(self, session_id: str) -> SessionInfo:
-        """Extend the session's lease (SDK heartbeat); ``known`` False if it is gone."""
-        self.planner.lifecycle.renew(session_id, self.clock())
+    async def renew(self, session_id: str, principal: Principal | None = None) -> SessionInfo:
+        """Extend the session's lease (SDK heartbeat) and its owner's idle clock;
+        ``known`` False if it is gone."""
+        now = self.clock()
+        self.planner.lifecycle.renew(session_id, now)
+        if principal is not None:
+            self.owners.touch(session_id, principal, now)
         return await self.session(session_id)
 
     async def close(self, session_id: str) -> bool:
@@ -239,28 +353,45 @@ class KVService:
         known = self.planner.lifecycle.lease_expiry(session_id) is not None
         self._apply(self.planner.close(session_id, self.clock()))
         self.tokens.forget(session_id)
+        if self.owners.owner(session_id, self.clock()) is not None:
+            self.store.delete(_OWNER_PREFIX + session_id)
         self.owners.forget(session_id)
         return known
 
     async def tick(self) -> None:
         now = self.clock()
-        for sid in self.owners.expire(now):
+        stale = [s for s, t in self._running.items() if now - t >= self.running_grace_s]
+        for sid in stale:
+            del self._running[sid]
+        for sid in self.owners.expire(now, keep=self._running):
+            self.store.delete(_OWNER_PREFIX + sid)
             await self.close(sid)
         self._apply(self.planner.tick(now))
         silent = [e for e, (_, seen) in self._engines.items() if now - seen > self.engine_silence_s]
         if silent:
-            self.engines_lost(silent)
+            self._lose_engines(silent)
         self._maybe_adopt()
 
     # ---- engine liveness -------------------------------------------------------------
 
-    def heartbeat(self, engine_id: str, node_ids: Sequence[str] = ()) -> str:
+    async def heartbeat(
+        self, engine_id: str, node_ids: Sequence[str] = (), stats: dict[str, Any] | None = None
+    ) -> str:
         """An engine host is alive (it calls this every second) with its shards on
-        ``node_ids``; returns the epoch."""
+        ``node_ids`` and its engine's counters ``stats``; returns the epoch."""
         self._engines[engine_id] = (tuple(node_ids), self.clock())
+        if stats is not None:
+            self._engine_stats[engine_id] = stats
         return self.epoch
 
-    def engines_lost(self, engine_ids: Sequence[str]) -> int:
+    async def engines_lost(self, engine_ids: Sequence[str]) -> int:
+        return self._lose_engines(engine_ids)
+
+    async def report_metrics(self, source: str, snapshot: dict[str, Any]) -> None:
+        """An ingress replica's metric book (sent every second): stats sum them all."""
+        self._metrics_by_source[source] = (self.clock(), snapshot)
+
+    def _lose_engines(self, engine_ids: Sequence[str]) -> int:
         """Engines that died (their node was lost, or they went silent for
         ``engine_silence_s``): their KV is gone, so no session's next turn is planned
         to read it; those turns recompute at once instead of waiting on a pull.
@@ -269,6 +400,7 @@ class KVService:
         dropped = 0
         for engine_id in engine_ids:
             self._engines.pop(engine_id, None)
+            self._engine_stats.pop(engine_id, None)
             effects = self.planner.lifecycle.on_engine_lost(engine_id, now)
             self.counters["engines_lost"] += 1
             dropped += len(effects)
@@ -282,7 +414,7 @@ class KVService:
         gone = set(node_ids)
         lost = sorted(e for e, (nodes, _) in self._engines.items() if gone.intersection(nodes))
         if lost:
-            self.engines_lost(lost)
+            self._lose_engines(lost)
         return lost
 
     def engine_nodes(self) -> dict[str, tuple[str, ...]]:
@@ -298,6 +430,10 @@ class KVService:
             "num_drains": self.counters["drains"],
             "num_drain_failures": self.counters["drain_failures"],
             "num_undrainable": self.counters["undrainable"],
+            "num_turns_running": len(self._running),
+            "replay_bytes": self.replays.num_bytes,
+            "engines": dict(sorted(self._engine_stats.items())),
+            "ingress_metrics": merge_counters(self.recent_metrics()),
             "service": {
                 "epoch": self.epoch,
                 "uptime_s": round(self.clock() - self.started_s, 3),
@@ -310,6 +446,15 @@ class KVService:
                 "engines_live": len(self._engines),
             },
         }
+
+    def recent_metrics(self) -> list[dict[str, Any]]:
+        """The ingress replicas' metric books reported within the engine silence window
+        (a replica gone longer is dropped)."""
+        now = self.clock()
+        for source, (seen, _) in list(self._metrics_by_source.items()):
+            if now - seen > self.engine_silence_s:
+                del self._metrics_by_source[source]
+        return [snapshot for _, snapshot in self._metrics_by_source.values()]
 
     # ---- restart recovery --------------------------------------------------------------
 
@@ -359,22 +504,33 @@ class KVService:
                     # The next turn tokenizes from scratch (text was not kept); the
                     # prefix check then decides whether these blocks still match.
                     self.tokens.remember(k.session_id, None, k.token_ids, now)
-            self._apply(effects, tokens=k.token_ids)
+            self._apply(effects, candidates=(k.token_ids,))
 
     # ---- effects -------------------------------------------------------------------
 
-    def _apply(self, effects: Sequence[Effect], tokens: Sequence[int] | None = None) -> None:
-        """Drain records nobody will reuse, when the tokens they hold are known."""
+    def _apply(
+        self, effects: Sequence[Effect], candidates: Sequence[Sequence[int] | None] = ()
+    ) -> None:
+        """Drain records nobody will reuse, with the tokens they hold: the first of
+        ``candidates`` (then the session's current tokens) that starts with the record's
+        covered tokens. A record no known tokens match stays until its TTL (counted as
+        undrainable)."""
         for effect in effects:
             if not effect.drainable:
                 continue  # expiring anyway: the engine frees the blocks at its TTL
             record = effect.record
-            ids = tokens if tokens is not None else self.tokens.token_ids(record.session_id)
-            if (
-                ids is None
-                or len(ids) <= record.num_tokens
-                or prefix_hash(ids, record.num_tokens) != record.prefix_hash
-            ):
+            options = (*candidates, self.tokens.token_ids(record.session_id))
+            ids = next(
+                (
+                    c
+                    for c in options
+                    if c is not None
+                    and len(c) > record.num_tokens
+                    and prefix_hash(c, record.num_tokens) == record.prefix_hash
+                ),
+                None,
+            )
+            if ids is None:
                 self.counters["undrainable"] += 1
                 continue
             self._drain(record.transfer_params, ids[: record.num_tokens + 1])

@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from ray import serve
 
 from engines.base import EngineInfo, EngineSpec, EngineStats, GenerateChunk, GenerateRequest
@@ -132,6 +133,8 @@ class EngineHost:
             self.ledger.report,
             engine_id=self._info.engine_id,
             node_ids=sorted(shard_nodes | {where["node_id"]}),
+            stats=lambda: msgspec.to_builtins(self.engine.stats()),
+            timeout_s=config.kv.service_timeout_s,
         )
         self._watcher = asyncio.get_running_loop().create_task(watcher.run_forever())
 

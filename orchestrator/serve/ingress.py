@@ -34,8 +34,9 @@ from orchestrator.errors import (
     RequestError,
     TurnInProgress,
 )
-from orchestrator.kv.actor import ServiceClient, get_or_create_service
+from orchestrator.kv.actor import get_or_create_service, service_client
 from orchestrator.kv.ownership import Principal, session_not_found
+from orchestrator.kv.service import merge_counters
 from orchestrator.kv.session_tokens import continue_tokens
 from orchestrator.kv.turn_planner import kv_lifecycle_config
 from orchestrator.observability import tracing as tr
@@ -48,6 +49,7 @@ from orchestrator.serve.responses import (
     Output,
     ending,
     final_body,
+    raise_unclaimed,
     replay_key_of,
     replay_sse,
     server_error_body,
@@ -72,8 +74,9 @@ async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
 
 @fastapi_app.exception_handler(Exception)
 async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    # The details go to the log only: a body must not carry actor ids, PIDs or paths.
     log.exception("internal error")
-    body = server_error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_error")
+    body = server_error_body("internal error; retry the request", "internal_error")
     return JSONResponse(body, status_code=500)
 
 
@@ -124,15 +127,20 @@ class Ingress:
         )
         tr.configure_tracing(config.observability)
         self.metrics = make_metrics(config.observability)
-        self.kv = ServiceClient(
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self.kv = service_client(
             get_or_create_service(
-                serve.get_replica_context().app_name,
+                context.app_name,
                 lifecycle,
                 prefill_pool.handles,
                 drain_timeout_s=kv.pull_timeout_s,
                 num_prefill_engines=config.prefill.num_engines,
                 observability=config.observability,
-            )
+                replay_max_bytes=int(kv.replay_max_mib * 2**20),
+                running_grace_s=config.server.request_timeout_s,
+            ),
+            timeout_s=kv.service_timeout_s,
         )
         self.router = Router(
             prefill=prefill_pool,
@@ -145,25 +153,47 @@ class Ingress:
             metrics=self.metrics,
             block_size_tokens=info.block_size,
             kv_bytes_per_token=lifecycle.kv_bytes_per_token,
+            request_timeout_s=config.server.request_timeout_s,
         )
         self.auth = Authenticator(config.server.api_keys)
         # Per ingress replica: a key's concurrent requests are counted where they run.
         self.gate = ConcurrencyGate(retry_after_s=1.0)
+        # Every replica's metric book goes to the service, which sums them for stats.
+        self._reporter = asyncio.get_running_loop().create_task(self._report_metrics_forever())
         # Keep the collector from rescanning start-up objects on every pass.
         gc.collect()
         gc.freeze()
+
+    async def _report_metrics_forever(self) -> None:
+        while True:
+            try:
+                await self.kv.report_metrics(self.replica_id, self.metrics.snapshot())
+            except RequestError:  # the service is restarting: next second
+                pass
+            await asyncio.sleep(1.0)
 
     # ---- routes ----------------------------------------------------------------------
 
     @fastapi_app.get("/health")
     async def health(self) -> JSONResponse:
-        try:
-            await asyncio.wait_for(
-                asyncio.gather(*(h.info.remote() for h in self.pool_handles.values())),
-                timeout=10,
+        """200 when every pool and the KV service answer within their deadlines; 503
+        naming what did not (each check bounded: /health never hangs)."""
+        timeout_s = self.config.kv.service_timeout_s
+        names = list(self.pool_handles)
+        checks = [asyncio.wait_for(self.pool_handles[n].info.remote(), timeout_s) for n in names]
+        results = await asyncio.gather(*checks, self.kv.stats(), return_exceptions=True)
+        failed = [
+            n
+            for n, r in zip([*names, "kv_service"], results, strict=True)
+            if isinstance(r, BaseException)
+        ]
+        if failed:
+            for name, result in zip([*names, "kv_service"], results, strict=True):
+                if isinstance(result, BaseException):
+                    log.warning("health: %s: %s: %s", name, type(result).__name__, result)
+            raise EngineUnavailable(
+                f"not ready: {', '.join(failed)} did not answer within {timeout_s:g} s"
             )
-        except Exception as exc:
-            raise EngineUnavailable(f"engines not ready: {type(exc).__name__}: {exc}") from exc
         return JSONResponse({"status": "ok"})
 
     def _principal(self, http: Request) -> Principal:
@@ -197,17 +227,21 @@ class Ingress:
 
     @fastapi_app.get("/kvtide/stats")
     async def stats(self, request: Request) -> dict[str, Any]:
+        """The service's books with every engine's counters (each engine host reports its
+        own with its heartbeat; summed per pool) and every ingress replica's metrics
+        (summed, with the service's)."""
         self._principal(request)
-        names = list(self.pool_handles)
-        stats = await asyncio.gather(*(self.pool_handles[n].stats.remote() for n in names))
-        import msgspec
-
         kv = await self.kv.stats()
-        # The ingress books requests and latency; the KV service books the KV gauges.
-        metrics = {**self.metrics.snapshot(), **kv.pop("metrics", {})}
+        engines: dict[str, dict[str, Any]] = kv.pop("engines", {})
+        kv.pop("ingress_metrics", None)
+        metrics = kv.pop("metrics", {})
+        pools: dict[str, list[dict[str, Any]]] = {}
+        for engine_id, counters in engines.items():
+            pools.setdefault(engine_id.rsplit("-", 1)[0], []).append(counters)
         return {
             "kv": kv,
-            "engines": {n: msgspec.to_builtins(st) for n, st in zip(names, stats, strict=True)},
+            "engines": {pool: merge_counters(books) for pool, books in sorted(pools.items())},
+            "engine_replicas": engines,
             "metrics": metrics,
         }
 
@@ -224,8 +258,8 @@ class Ingress:
     @fastapi_app.post("/kvtide/sessions/{session_id}/renew")
     async def renew_session(self, session_id: str, request: Request) -> dict[str, Any]:
         """Extend the session's KV lease (the SDK's heartbeat while a conversation idles)."""
-        sid, _ = await self._session_of(session_id, request)
-        info = await self.kv.renew(sid)
+        sid, principal = await self._session_of(session_id, request)
+        info = await self.kv.renew(sid, principal)
         if not info.known:
             raise session_not_found(sid)
         return session_body(info)
@@ -383,8 +417,6 @@ class Ingress:
         ticket = self.gate.acquire(principal)
         streaming = False
         try:
-            if session_id is not None and not await self.kv.claim_session(session_id, principal):
-                raise session_not_found(session_id)
             if replay_key is not None:
                 replay = await self.kv.replay_begin(replay_key)
                 if replay.action == "in_progress":
@@ -397,8 +429,10 @@ class Ingress:
                     assert replay.body is not None
                     return self._replayed(req, replay.body)
             try:
+                if session_id is not None:
+                    raise_unclaimed(await self.kv.claim_session(session_id, principal), session_id)
                 response = await self._run(
-                    req, text, ids, max_tokens, session_id, replay_key, ticket, root
+                    req, text, ids, max_tokens, session_id, replay_key, ticket, root, principal
                 )
             except BaseException:
                 if replay_key is not None:
@@ -420,6 +454,7 @@ class Ingress:
         replay_key: str | None,
         ticket: Ticket,
         root: Span,
+        principal: Principal,
     ) -> Any:
         tr.set_attrs(root, {tr.GEN_AI_REQUEST_MAX_TOKENS: max_tokens})
         rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -435,6 +470,7 @@ class Ingress:
             request_id=rid,
             prompt_text=text,
             trace_parent=root,
+            owner=None if principal.is_anonymous else principal.name,
         )
         # Wait for the first item so that prefill failures become a proper status code.
         try:
@@ -512,9 +548,9 @@ class Ingress:
             completed = True
         except RequestError as exc:
             yield f"data: {json.dumps(exc.body())}\n\n"
-        except Exception as exc:
-            log.exception("stream %s failed", rid)
-            body = server_error_body(f"{type(exc).__name__}: {exc}", "stream_failed")
+        except Exception:
+            log.exception("stream %s failed", rid)  # details in the log, not the stream
+            body = server_error_body("the stream failed; retry the request", "stream_failed")
             yield f"data: {json.dumps(body)}\n\n"
         else:
             if req.include_usage:

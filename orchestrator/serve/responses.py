@@ -11,8 +11,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engines.base import GenerateChunk
-from orchestrator.errors import InvalidRequest
-from orchestrator.kv.messages import SessionInfo
+from orchestrator.errors import InvalidRequest, LimitExceeded, TurnInProgress
+from orchestrator.kv.messages import Claim, SessionInfo
+from orchestrator.kv.ownership import session_not_found
 from orchestrator.router import TurnReport
 from orchestrator.serve import openai_api as api
 
@@ -20,6 +21,7 @@ __all__ = [
     "Output",
     "ending",
     "final_body",
+    "raise_unclaimed",
     "replay_key_of",
     "replay_sse",
     "server_error_body",
@@ -117,3 +119,19 @@ class Output:
 def server_error_body(message: str, code: str) -> dict[str, Any]:
     """An OpenAI-style body for a failure that is not the client's."""
     return {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+
+
+def raise_unclaimed(claim: Claim, session_id: str) -> None:
+    """Raise the error a refused ``claim_session`` answers with (nothing when claimed)."""
+    if claim.outcome == "claimed":
+        return
+    if claim.outcome == "not_found":
+        raise session_not_found(session_id)
+    if claim.outcome == "turn_in_progress":
+        raise TurnInProgress(claim.message, param="x-session-id")
+    raise LimitExceeded(
+        claim.message,
+        code=claim.code or "session_limit_exceeded",
+        param="x-session-id",
+        retry_after_s=claim.retry_after_s,
+    )

@@ -108,7 +108,7 @@ def test_right_key_gives_its_principal_with_its_limits() -> None:
     auth = Authenticator(_keys())
     assert auth.requires_key
     a = auth.authenticate(f"Bearer {KEY_A}")
-    assert a == Principal(name="team-a", max_tokens=256)
+    assert a == Principal(name="team-a", max_tokens=256, max_sessions=1000)
     # The scheme is case-insensitive (RFC 7235) and surrounding spaces are tolerated.
     b = auth.authenticate(f"  bearer   {KEY_B} ")
     assert (b.name, b.max_prompt_tokens, b.max_tokens, b.max_concurrent_requests) == (
@@ -197,22 +197,36 @@ def test_another_key_claiming_an_expired_session_is_told_to_close_its_old_state(
     assert owners.claim("s1", b, now_s=500.0) == ()
 
 
-def test_past_max_sessions_the_least_recently_used_are_dropped_and_returned() -> None:
-    a = Principal(name="team-a")
+def test_a_key_over_its_session_quota_is_refused_and_no_other_session_is_closed() -> None:
+    a = Principal(name="team-a", max_sessions=2)
+    b = Principal(name="team-b", max_sessions=2)
     owners = SessionOwners(idle_ttl_s=1000, max_sessions=3)
-    for i, sid in enumerate(["s1", "s2", "s3"]):
-        assert owners.claim(sid, a, now_s=float(i)) == ()
-    owners.claim("s1", a, now_s=3.0)  # s1 used again: s2 is now the oldest
-    assert owners.claim("s4", a, now_s=4.0) == ("s2",)
-    assert owners.claim("s5", a, now_s=5.0) == ("s3",)
-    assert len(owners) == 3
-    assert [owners.owner(s, 5.0) for s in ("s1", "s2", "s3", "s4", "s5")] == [
-        "team-a",
-        None,
-        None,
-        "team-a",
-        "team-a",
-    ]
+    assert owners.claim("a1", a, now_s=0.0) == ()
+    assert owners.claim("a2", a, now_s=1.0) == ()
+    with pytest.raises(LimitExceeded) as quota:
+        owners.claim("a3", a, now_s=2.0)  # team-a's third session: its own quota
+    assert quota.value.code == "session_limit_exceeded" and "team-a" in quota.value.message
+    assert owners.claim("a1", a, now_s=3.0) == ()  # its existing sessions still run
+    assert owners.claim("b1", b, now_s=4.0) == ()
+    with pytest.raises(LimitExceeded) as full:
+        owners.claim("b2", b, now_s=5.0)  # the book is full: refused, nobody evicted
+    assert full.value.code == "session_capacity_exceeded" and full.value.headers()["Retry-After"]
+    assert [owners.owner(s, 5.0) for s in ("a1", "a2", "b1")] == ["team-a", "team-a", "team-b"]
+    owners.forget("a2")
+    assert owners.claim("a3", a, now_s=6.0) == ()  # a closed session frees its place
+
+
+def test_a_running_turn_keeps_its_session_owned_past_the_idle_ttl() -> None:
+    a = Principal(name="team-a")
+    owners = SessionOwners(idle_ttl_s=100, max_sessions=10)
+    owners.claim("s1", a, now_s=0.0)
+    owners.claim("s2", a, now_s=0.0)
+    # 150 s later s1's turn is still running; s2 is idle.
+    assert owners.expire(150.0, keep=["s1"]) == ("s2",)
+    assert owners.owner("s1", 150.0) == "team-a"
+    owners.touch("s1", a, now_s=200.0)  # the turn ended: the idle clock restarts
+    assert owners.expire(299.0) == ()
+    assert owners.expire(300.0) == ("s1",)
 
 
 def test_anonymous_principal_records_no_owners() -> None:

@@ -291,7 +291,7 @@ def test_sessions_on_a_lost_engine_recompute_at_once_instead_of_pulling() -> Non
 
     async def run() -> None:
         assert (await c.turn(S1_T1, "s1")).kv_plan == "recompute"
-        assert c.service.heartbeat("D", node_ids=["node-6", "node-7"]) == c.service.epoch
+        assert await c.service.heartbeat("D", node_ids=["node-6", "node-7"]) == c.service.epoch
         assert c.service.planner.lifecycle.record("s1") is not None
         # Ray reports node-7 dead: a rank of the decode engine was there, so the engine
         # and the KV it kept are gone.
@@ -315,11 +315,11 @@ def test_an_engine_silent_past_the_bound_is_lost_one_that_beats_is_not() -> None
 
     async def run() -> None:
         await c.turn(S1_T1, "s1")
-        c.service.heartbeat("D")
+        await c.service.heartbeat("D")
         c.clock.now_s += 59.0
         await c.service.tick()
         assert c.service.planner.lifecycle.record("s1") is not None
-        c.service.heartbeat("D")  # still beating
+        await c.service.heartbeat("D")  # still beating
         c.clock.now_s += 59.0
         await c.service.tick()
         assert c.service.planner.lifecycle.record("s1") is not None
@@ -335,7 +335,7 @@ def test_an_engine_host_heartbeat_carries_its_engine_and_node() -> None:
     handle = FakeServiceHandle()
     beats: list[tuple[str, list[str]]] = []
 
-    def beat(engine_id: str, node_ids: list[str]) -> str:
+    def beat(engine_id: str, node_ids: list[str], stats: Any = None) -> str:
         beats.append((engine_id, node_ids))
         return handle.current_epoch
 

@@ -63,7 +63,10 @@ def test_public_names_are_pinned() -> None:
             "TurnInProgress",
             "LimitExceeded",
             "UnsupportedMediaType",
+            "Unavailable",
             "EngineUnavailable",
+            "ServiceUnavailable",
+            "DeadlineExceeded",
         ]
     )
     assert sorted(orchestrator.router.__all__) == [

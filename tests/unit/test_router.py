@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from engines.base import GenerateChunk, GenerateRequest
-from orchestrator.errors import EngineUnavailable
+from orchestrator.errors import DeadlineExceeded, EngineUnavailable
+from orchestrator.kv.ownership import ANONYMOUS
 from orchestrator.kv.service import KVService
 from orchestrator.kv.turn_planner import kv_lifecycle_config
 from orchestrator.router import Router, TurnReport
@@ -135,7 +136,7 @@ async def turn(router: Router, prompt: list[int], session: str | None) -> TurnRe
 def test_one_turn_hands_prefill_params_to_decode() -> None:
     prefill, decode = FakePool(prefill_script()), FakePool(decode_script)
     report = asyncio.run(turn(make_router(prefill, decode), list(range(100)), None))
-    [pre] = prefill.requests
+    [pre] = [r for r in prefill.requests if not r.request_id.startswith("drain-")]
     assert pre.max_tokens == 1 and pre.kv_transfer_params == {"do_remote_decode": True}
     [dec] = decode.requests
     assert dec.max_tokens == 3 and dec.kv_transfer_params is not None
@@ -196,8 +197,10 @@ def test_decode_failure_mid_stream_keeps_no_record() -> None:
 
     prefill, decode = FakePool(prefill_script()), FakePool(broken)
     router = make_router(prefill, decode)
-    with pytest.raises(RuntimeError, match="engine died"):
+    # The client is told which pool failed, never the engine's own error text.
+    with pytest.raises(EngineUnavailable, match="the decode failed") as caught:
         asyncio.run(turn(router, list(range(100)), "s"))
+    assert "engine died" not in str(caught.value.body())
     lifecycle = service_of(router).planner.lifecycle
     assert lifecycle.record("s") is None
     assert lifecycle.pulls_in_flight() == []
@@ -300,3 +303,39 @@ def test_a_long_context_pool_needs_its_threshold() -> None:
             pull_timeout_s=1.0,
             decode_long=pool,
         )
+
+
+class HangingPool(FakePool):
+    """An engine whose queue is full: it accepts the request and never answers."""
+
+    async def _stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        self.requests.append(request)
+        await asyncio.Event().wait()
+        yield GenerateChunk(request_id=request.request_id)  # never reached
+
+
+def test_a_hung_prefill_ends_at_the_request_deadline_and_frees_the_session() -> None:
+    prefill, decode = HangingPool(prefill_script()), FakePool(decode_script)
+    router = make_router(prefill, decode)
+    router.request_timeout_s = 0.2
+    service = service_of(router)
+
+    async def run() -> None:
+        assert (await service.claim_session("s", ANONYMOUS)).outcome == "claimed"
+        with pytest.raises(DeadlineExceeded) as caught:
+            await turn(router, list(range(100)), "s")
+        assert caught.value.status_code == 503 and caught.value.headers()["Retry-After"] == "1"
+        assert decode.requests == []
+        # The turn was abandoned: the session may run its next turn at once.
+        assert (await service.claim_session("s", ANONYMOUS)).outcome == "claimed"
+        assert service.planner.lifecycle.record("s") is None
+
+    asyncio.run(run())
+
+
+def test_a_decode_that_stops_streaming_ends_at_the_request_deadline() -> None:
+    prefill, decode = FakePool(prefill_script()), HangingPool(decode_script)
+    router = make_router(prefill, decode)
+    router.request_timeout_s = 0.2
+    with pytest.raises(DeadlineExceeded, match="decode was still running"):
+        asyncio.run(turn(router, list(range(100)), None))

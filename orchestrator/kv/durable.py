@@ -1,0 +1,83 @@
+"""The part of the KV service's books that must outlive the service: session owners and
+idempotent turns.
+
+The KV books themselves are rebuilt after a restart from the engines' ledgers (the
+engines hold the blocks). Two facts no engine holds: which API key owns each session,
+and which turns already ran (their stored responses, and which are running now). Lost
+with the actor, another key could take a session over and a retried turn would run a
+second time. So the service writes them through to a ``DurableStore`` as they change
+and reads them back when it starts.
+
+Under Ray the store is the GCS's key-value table (``RayKVStore``): it outlives every
+actor and worker, and lives as long as the cluster (with GCS fault tolerance, longer).
+A write is one GCS round trip; the service writes on a session's first turn, a session's
+end, and an idempotent turn's start and end. ``MemoryStore`` is the same contract in a
+dict, for tests and in-process use.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+__all__ = ["DurableStore", "MemoryStore", "RayKVStore"]
+
+
+class DurableStore(Protocol):
+    """Bytes by string key. Every call is synchronous and short; ``keys`` lists the keys
+    that start with ``prefix``."""
+
+    def put(self, key: str, value: bytes) -> None: ...
+
+    def get(self, key: str) -> bytes | None: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def keys(self, prefix: str) -> list[str]: ...
+
+
+class MemoryStore:
+    """A ``DurableStore`` in a dict: durable only as long as the object lives."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def put(self, key: str, value: bytes) -> None:
+        self.data[key] = value
+
+    def get(self, key: str) -> bytes | None:
+        return self.data.get(key)
+
+    def delete(self, key: str) -> None:
+        self.data.pop(key, None)
+
+    def keys(self, prefix: str) -> list[str]:
+        return [k for k in self.data if k.startswith(prefix)]
+
+
+class RayKVStore:
+    """A ``DurableStore`` in Ray's GCS key-value table, one namespace per application."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+
+    def put(self, key: str, value: bytes) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_put(key, value, overwrite=True, namespace=self.namespace)
+
+    def get(self, key: str) -> bytes | None:
+        from ray.experimental import internal_kv
+
+        value = internal_kv._internal_kv_get(key, namespace=self.namespace)
+        return None if value is None else bytes(value)
+
+    def delete(self, key: str) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_del(key, namespace=self.namespace)
+
+    def keys(self, prefix: str) -> list[str]:
+        from ray.experimental import internal_kv
+
+        found = internal_kv._internal_kv_list(prefix, namespace=self.namespace)
+        return [k.decode() if isinstance(k, bytes) else str(k) for k in found]

@@ -1,0 +1,88 @@
+"""The KV service actor killed and restarted by Ray keeps session owners and idempotent
+turns (in Ray's GCS table), and its client answers within its deadline.
+
+A one-node Ray cluster and the real actor (no engines: ``prefill=None`` means no drains).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+import ray
+from fake_cluster import FakeCluster, fake_cluster
+from ray._common.test_utils import wait_for_condition
+
+from orchestrator.errors import ServiceUnavailable
+from orchestrator.kv.actor import get_or_create_service, service_client
+from orchestrator.kv.ownership import Principal
+from orchestrator.kv.turn_planner import kv_lifecycle_config
+
+pytestmark = pytest.mark.ray
+
+ALICE = Principal(name="alice")
+MALLORY = Principal(name="mallory")
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeCluster]:
+    with fake_cluster(("head", {"num_cpus": 2}), {}) as cluster:
+        yield cluster
+
+
+def lifecycle() -> object:
+    return kv_lifecycle_config(
+        ttl_s=480,
+        safety_margin_s=15,
+        recompute_threshold_tokens=4,
+        kv_bytes_per_token=100,
+        block_size_tokens=16,
+    )
+
+
+def test_owners_and_replays_survive_a_killed_service_actor(fake: FakeCluster) -> None:
+    handle = get_or_create_service(
+        "durable-test", lifecycle(), None, drain_timeout_s=5.0, num_prefill_engines=1
+    )
+    kv = service_client(handle, timeout_s=30.0)
+
+    async def before() -> str:
+        assert (await kv.claim_session("s1", ALICE)).outcome == "claimed"
+        await kv.turn_abandoned("s1")
+        assert (await kv.replay_begin("k1")).action == "run"
+        await kv.replay_complete("k1", {"id": "chatcmpl-1"})
+        return str(ray.get(handle.epoch.remote()))
+
+    epoch = asyncio.run(before())
+    ray.kill(handle, no_restart=False)  # Ray restarts it with empty memory
+    wait_for_condition(lambda: ray.get(handle.epoch.remote()) != epoch, timeout=60)
+
+    async def after() -> None:
+        assert (await kv.claim_session("s1", MALLORY)).outcome == "not_found"
+        assert not await kv.session_owned("s1", MALLORY)
+        replay = await kv.replay_begin("k1")
+        assert (replay.action, replay.body) == ("replay", {"id": "chatcmpl-1"})
+        assert (await kv.claim_session("s1", ALICE)).outcome == "claimed"
+
+    asyncio.run(after())
+    ray.kill(handle, no_restart=True)
+
+
+def test_a_call_to_a_service_that_does_not_answer_is_503_within_its_deadline(
+    fake: FakeCluster,
+) -> None:
+    handle = get_or_create_service(
+        "deadline-test", lifecycle(), None, drain_timeout_s=5.0, num_prefill_engines=1
+    )
+    ray.get(handle.epoch.remote())
+    ray.kill(handle, no_restart=True)  # gone for good: every call fails
+    kv = service_client(handle, timeout_s=2.0)
+    started = time.monotonic()
+    with pytest.raises(ServiceUnavailable) as caught:
+        asyncio.run(kv.plan_turn("s1", [1, 2, 3]))
+    assert time.monotonic() - started < 5.0
+    body = caught.value.body()["error"]
+    assert body["code"] == "service_unavailable" and "Actor" not in str(body)
+    assert caught.value.headers()["Retry-After"] == "1"
