@@ -85,6 +85,7 @@ class TurnReport:
     total_s: float = 0.0
     router_s: float = 0.0
     finish_reason: str | None = None
+    migrations: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -101,6 +102,7 @@ class TurnReport:
             "ttft_s": round(self.ttft_s, 6),
             "total_s": round(self.total_s, 6),
             "router_s": round(self.router_s, 6),
+            "migrations": self.migrations,
         }
 
 
@@ -137,6 +139,14 @@ async def bounded(
             await close()
 
 
+@dataclass(slots=True)
+class _Streamed:
+    """What a turn has streamed to its client so far, across decode engines."""
+
+    ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+
+
 async def _last(stream: AsyncIterator[GenerateChunk]) -> GenerateChunk:
     last: GenerateChunk | None = None
     async for chunk in stream:
@@ -163,6 +173,7 @@ class Router:
         block_size_tokens: int = 16,
         kv_bytes_per_token: int = 0,
         request_timeout_s: float = 600.0,
+        max_migrations: int = 2,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if (decode_long is None) != (long_context_threshold_tokens is None):
@@ -181,6 +192,8 @@ class Router:
         self.kv = kv
         self.pull_timeout_s = pull_timeout_s
         self.request_timeout_s = request_timeout_s
+        # A turn whose decode engine dies continues on another, this many times at most.
+        self.max_migrations = max_migrations
         self.eos_token_id = eos_token_id
         self.clock = clock
 
@@ -321,6 +334,8 @@ class Router:
         ) as prefill_span:
             pre = await self._prefill_turn(prefill_span, plan, params, base, rid, report)
         report.prefill_s = self.clock() - t_engine
+        # kvtide's own work: planning before the engines, booking after them.
+        report.router_s = t_engine - t0
         report.num_cached_tokens = pre.num_cached_tokens
         if pre.num_cached_tokens > 0:
             pulled = plan.kind == "pull" and not report.pull_fallback
@@ -330,23 +345,44 @@ class Router:
                 "the prefill engine returned no kv_transfer_params; is it configured with "
                 "a KV connector (kv_transfer_config)?"
             )
-        decode_req = GenerateRequest(
-            request_id=f"{rid}-d",
-            max_tokens=max_tokens,
-            kv_transfer_params=pre.kv_transfer_params,
-            **base,
-        )
         report.decode_pool, decode = self.decode_pool_for(len(prompt_token_ids))
-        with tr.span(
-            tr.SPAN_DECODE,
-            {tr.ENGINE_POOL: report.decode_pool},
-            parent=route,
-            kind=SpanKind.CLIENT,
-        ) as decode_span:
-            async for item in self._decode(
-                route, decode_span, decode, decode_req, pre, report, t0, t_engine, prompt_text
-            ):
-                yield item
+        out = _Streamed()
+        while True:
+            decode_req = GenerateRequest(
+                request_id=f"{rid}-d" if not report.migrations else f"{rid}-d{report.migrations}",
+                max_tokens=max_tokens - len(out.ids),
+                kv_transfer_params=pre.kv_transfer_params,
+                **{**base, "prompt_token_ids": [*prompt_token_ids, *out.ids]},
+            )
+            try:
+                with tr.span(
+                    tr.SPAN_DECODE,
+                    {tr.ENGINE_POOL: report.decode_pool},
+                    parent=route,
+                    kind=SpanKind.CLIENT,
+                ) as decode_span:
+                    async for item in self._decode(
+                        route, decode_span, decode, decode_req, pre, report, t0, out, prompt_text
+                    ):
+                        yield item
+                return
+            except EngineUnavailable:
+                if report.migrations >= self.max_migrations or len(out.ids) >= max_tokens:
+                    raise
+            # The decode engine died mid-turn: continue on another. Prefill the prompt
+            # and the tokens already streamed, decode the rest; nothing is sent twice.
+            report.migrations += 1
+            log.warning("turn %s: decode failed after %d tokens; migrating", rid, len(out.ids))
+            resumed = {**base, "prompt_token_ids": [*prompt_token_ids, *out.ids]}
+            pre = await self._prefill(
+                GenerateRequest(
+                    request_id=f"{rid}-m{report.migrations}",
+                    max_tokens=1,
+                    kv_transfer_params={"do_remote_decode": True},
+                    **resumed,
+                ),
+                report.extra["deadline_s"],
+            )
 
     async def _prefill_turn(
         self,
@@ -426,17 +462,16 @@ class Router:
         pre: GenerateChunk,
         report: TurnReport,
         t0: float,
-        t_engine: float,
+        out: _Streamed,
         prompt_text: str | None,
     ) -> AsyncIterator[tuple[GenerateChunk, TurnReport]]:
+        """Stream one decode request; ``out`` holds what the turn streamed so far (also
+        from engines before this one, when the turn migrated)."""
         session_id = report.session_id
-        prompt_token_ids = decode_req.prompt_token_ids
-        output_ids: list[int] = []
-        output_text: list[str] = []
-        first = True
-        prev = 0.0
-        # kvtide's own work: planning before the engines, booking after them.
-        report.router_s = t_engine - t0
+        prompt_token_ids = decode_req.prompt_token_ids[: report.num_prompt_tokens]
+        output_ids, output_text = out.ids, out.text
+        first = not output_ids and report.ttft_s == 0.0
+        prev = self.clock()
         t_start = tr.now_ns()
         deadline_s: float = report.extra["deadline_s"]
         stream = bounded(decode.generate(decode_req), deadline_s, self.clock, report.decode_pool)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
@@ -163,21 +164,22 @@ KVServiceActor = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(_S
 def get_or_create_service(
     app_name: str,
     config: KVLifecycleConfig,
-    prefill: DeploymentHandle | Sequence[DeploymentHandle],
+    prefill: DeploymentHandle | Sequence[DeploymentHandle] | None,
     *,
     drain_timeout_s: float,
     num_prefill_engines: int,
     observability: ObservabilityConfig | None = None,
     replay_max_bytes: int = 64 * 2**20,
     running_grace_s: float = 600.0,
+    timeout_s: float = 30.0,
 ) -> ActorHandle:
-    """The application's service actor; the first caller creates it."""
-    return KVServiceActor.options(  # type: ignore[attr-defined,no-any-return]
-        name=service_name(app_name),
-        namespace=SERVICE_NAMESPACE,
-        lifetime="detached",
-        get_if_exists=True,
-    ).remote(
+    """The application's service actor; the first caller creates it.
+
+    An actor left by an earlier deployment of the app that runs another config (a
+    redeploy with a changed ``kv`` section) is replaced: it is killed, and the new one
+    rebuilds its books as after any restart (the engines' ledgers, the owners and replays
+    in Ray's GCS), so nothing it booked is lost."""
+    args = (
         config,
         prefill,
         drain_timeout_s,
@@ -187,6 +189,24 @@ def get_or_create_service(
         replay_max_bytes,
         running_grace_s,
     )
+    options = {
+        "name": service_name(app_name),
+        "namespace": SERVICE_NAMESPACE,
+        "lifetime": "detached",
+        "get_if_exists": True,
+    }
+    handle = KVServiceActor.options(**options).remote(*args)  # type: ignore[attr-defined]
+    running = ray.get(handle.config.remote(), timeout=timeout_s)
+    if tuple(running) != (config, replay_max_bytes):
+        log.warning("KV service %s runs another config: replacing it", service_name(app_name))
+        ray.kill(handle, no_restart=True)
+        deadline = time.monotonic() + timeout_s
+        while lookup_service(app_name) is not None:  # the name is freed once it is dead
+            if time.monotonic() > deadline:
+                raise ServiceUnavailable("the previous KV service did not stop in time")
+            time.sleep(0.1)
+        handle = KVServiceActor.options(**options).remote(*args)  # type: ignore[attr-defined]
+    return handle  # type: ignore[no-any-return]
 
 
 class ServiceClient:

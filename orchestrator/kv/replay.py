@@ -83,6 +83,7 @@ class TurnReplayBook:
         # key -> (stored at, response body or None while running, stored size in bytes)
         self._entries: OrderedDict[str, tuple[float, dict[str, Any] | None, int]] = OrderedDict()
         self.num_bytes = 0
+        self.num_duplicates = 0
         self._load()
 
     def __len__(self) -> int:
@@ -100,7 +101,11 @@ class TurnReplayBook:
         return Replay(action="replay", body=entry[1])
 
     def complete(self, key: str, body: dict[str, Any]) -> None:
-        """The turn succeeded: keep its response for retries."""
+        """The turn succeeded: keep its response for retries. A key that had completed
+        already ran twice: counted in ``num_duplicates`` (it should stay 0)."""
+        entry = self._entries.get(key)
+        if entry is not None and entry[1] is not None:
+            self.num_duplicates += 1
         self._put(key, self.clock(), body)
 
     def fail(self, key: str) -> None:

@@ -432,6 +432,7 @@ class KVService:
             "num_undrainable": self.counters["undrainable"],
             "num_turns_running": len(self._running),
             "replay_bytes": self.replays.num_bytes,
+            "num_replay_duplicates": self.replays.num_duplicates,
             "engines": dict(sorted(self._engine_stats.items())),
             "ingress_metrics": merge_counters(self.recent_metrics()),
             "service": {

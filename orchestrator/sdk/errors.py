@@ -113,7 +113,9 @@ class InternalServerError(KVTideAPIError):
 
 
 class EngineUnavailableError(KVTideAPIError):
-    """503: no healthy engine could take the turn; transient, retried by the SDK."""
+    """503: an engine, the KV service or the request's deadline failed the turn
+    (``code`` says which); transient, retried by the SDK (a stream raises it for the
+    caller to send the turn again: the history is unchanged)."""
 
 
 _BY_STATUS: dict[int, type[KVTideAPIError]] = {
@@ -138,7 +140,13 @@ _STATUS_BY_CODE = {
     "concurrency_limit_exceeded": 429,
     "prompt_too_long_for_key": 429,
     "max_tokens_over_key_limit": 429,
+    "session_limit_exceeded": 429,
+    "session_capacity_exceeded": 429,
     "engine_unavailable": 503,
+    "service_unavailable": 503,
+    "deadline_exceeded": 503,
+    "unavailable": 503,
+    "stream_failed": 503,
 }
 
 

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry.trace import Span
@@ -36,7 +37,6 @@ from orchestrator.errors import (
 )
 from orchestrator.kv.actor import get_or_create_service, service_client
 from orchestrator.kv.ownership import Principal, session_not_found
-from orchestrator.kv.service import merge_counters
 from orchestrator.kv.session_tokens import continue_tokens
 from orchestrator.kv.turn_planner import kv_lifecycle_config
 from orchestrator.observability import tracing as tr
@@ -49,6 +49,7 @@ from orchestrator.serve.responses import (
     Output,
     ending,
     final_body,
+    pool_stats,
     raise_unclaimed,
     replay_key_of,
     replay_sse,
@@ -229,18 +230,32 @@ class Ingress:
     async def stats(self, request: Request) -> dict[str, Any]:
         """The service's books with every engine's counters (each engine host reports its
         own with its heartbeat; summed per pool) and every ingress replica's metrics
-        (summed, with the service's)."""
+        (summed, with the service's). A pool none of whose engines has reported yet (just
+        deployed) is asked directly, one replica, within the service deadline."""
         self._principal(request)
         kv = await self.kv.stats()
         engines: dict[str, dict[str, Any]] = kv.pop("engines", {})
         kv.pop("ingress_metrics", None)
         metrics = kv.pop("metrics", {})
-        pools: dict[str, list[dict[str, Any]]] = {}
+        by_pool: dict[str, list[dict[str, Any]]] = {name: [] for name in self.pools}
         for engine_id, counters in engines.items():
-            pools.setdefault(engine_id.rsplit("-", 1)[0], []).append(counters)
+            by_pool.setdefault(engine_id.rsplit("-", 1)[0], []).append(counters)
+        for name, books in by_pool.items():
+            if not books and name in self.pools:
+                timeout_s = self.config.kv.service_timeout_s
+                try:
+                    stats = await asyncio.wait_for(
+                        self.pools[name].handle.stats.remote(), timeout_s
+                    )
+                except Exception as exc:
+                    log.warning("stats: %s pool: %s: %s", name, type(exc).__name__, exc)
+                    raise EngineUnavailable(
+                        f"the {name} pool did not report its counters within {timeout_s:g} s"
+                    ) from None
+                books.append(msgspec.to_builtins(stats))
         return {
             "kv": kv,
-            "engines": {pool: merge_counters(books) for pool, books in sorted(pools.items())},
+            "engines": {pool: pool_stats(pool, books) for pool, books in by_pool.items()},
             "engine_replicas": engines,
             "metrics": metrics,
         }

@@ -14,6 +14,7 @@ from engines.base import GenerateChunk
 from orchestrator.errors import InvalidRequest, LimitExceeded, TurnInProgress
 from orchestrator.kv.messages import Claim, SessionInfo
 from orchestrator.kv.ownership import session_not_found
+from orchestrator.kv.service import merge_counters
 from orchestrator.router import TurnReport
 from orchestrator.serve import openai_api as api
 
@@ -21,6 +22,7 @@ __all__ = [
     "Output",
     "ending",
     "final_body",
+    "pool_stats",
     "raise_unclaimed",
     "replay_key_of",
     "replay_sse",
@@ -135,3 +137,15 @@ def raise_unclaimed(claim: Claim, session_id: str) -> None:
         param="x-session-id",
         retry_after_s=claim.retry_after_s,
     )
+
+
+def pool_stats(pool: str, books: list[dict[str, Any]]) -> dict[str, Any]:
+    """One pool's engine counters: each replica's summed, the KV cache usage averaged
+    (a fraction of each engine's cache), ``engine_id`` the pool's name."""
+    merged = merge_counters(books)
+    if books:
+        usage = [float(b.get("kv_cache_usage", 0.0)) for b in books]
+        merged["kv_cache_usage"] = sum(usage) / len(usage)
+    merged["engine_id"] = pool
+    merged["num_replicas"] = len(books)
+    return merged

@@ -86,3 +86,38 @@ def test_a_call_to_a_service_that_does_not_answer_is_503_within_its_deadline(
     body = caught.value.body()["error"]
     assert body["code"] == "service_unavailable" and "Actor" not in str(body)
     assert caught.value.headers()["Retry-After"] == "1"
+
+
+def test_a_changed_config_replaces_the_service_and_keeps_its_owners(fake: FakeCluster) -> None:
+    first = get_or_create_service(
+        "redeploy-test", lifecycle(), None, drain_timeout_s=5.0, num_prefill_engines=1
+    )
+    kv = service_client(first, timeout_s=30.0)
+
+    async def claim() -> None:
+        assert (await kv.claim_session("s1", ALICE)).outcome == "claimed"
+        await kv.turn_abandoned("s1")
+
+    asyncio.run(claim())
+    epoch = ray.get(first.epoch.remote())
+    # The same config again (another ingress replica): the same actor.
+    same = get_or_create_service(
+        "redeploy-test", lifecycle(), None, drain_timeout_s=5.0, num_prefill_engines=1
+    )
+    assert ray.get(same.epoch.remote()) == epoch
+    # A redeploy with a longer TTL: a new actor with the new config, same owners.
+    changed = kv_lifecycle_config(
+        ttl_s=900,
+        safety_margin_s=15,
+        recompute_threshold_tokens=4,
+        kv_bytes_per_token=100,
+        block_size_tokens=16,
+    )
+    new = get_or_create_service(
+        "redeploy-test", changed, None, drain_timeout_s=5.0, num_prefill_engines=1
+    )
+    assert ray.get(new.epoch.remote()) != epoch
+    assert ray.get(new.config.remote())[0] == changed
+    kv = service_client(new, timeout_s=30.0)
+    assert asyncio.run(kv.claim_session("s1", MALLORY)).outcome == "not_found"
+    ray.kill(new, no_restart=True)

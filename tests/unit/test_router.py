@@ -339,3 +339,70 @@ def test_a_decode_that_stops_streaming_ends_at_the_request_deadline() -> None:
     router.request_timeout_s = 0.2
     with pytest.raises(DeadlineExceeded, match="decode was still running"):
         asyncio.run(turn(router, list(range(100)), None))
+
+
+class DiesAfterTwoTokens(FakePool):
+    """The first decode request streams two tokens, then its engine dies."""
+
+    async def _stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        self.requests.append(request)
+        chunks = self.script(request)
+        if len(self.requests) == 1:
+            for chunk in chunks[:2]:
+                yield chunk
+            raise RuntimeError("ActorDiedError: the replica's worker process died")
+        for chunk in chunks:
+            yield chunk
+
+
+def test_a_turn_whose_decode_engine_dies_continues_on_another_without_repeating() -> None:
+    def counting(req: GenerateRequest) -> list[GenerateChunk]:
+        # Each decode request streams up to max_tokens tokens 11, 12, 13, ...
+        n = len(req.prompt_token_ids)
+        ids = list(range(11, 11 + req.max_tokens))
+        chunks = [
+            GenerateChunk(request_id=req.request_id, text=f"<{i}>", token_ids=[i]) for i in ids
+        ]
+        last = chunks[-1]
+        chunks[-1] = GenerateChunk(
+            request_id=req.request_id,
+            text=last.text,
+            token_ids=last.token_ids,
+            finished=True,
+            finish_reason="length",
+            num_prompt_tokens=n,
+            kv_transfer_params={
+                "do_remote_decode": True,
+                "remote_engine_id": "D2",
+                "remote_request_id": req.request_id,
+                "remote_block_ids": [[8, 9]],
+                "remote_num_tokens": n + req.max_tokens - 1,
+            },
+        )
+        return chunks
+
+    prefill, decode = FakePool(prefill_script()), DiesAfterTwoTokens(counting)
+    router = make_router(prefill, decode)
+    prompt = list(range(100))
+
+    async def run() -> tuple[list[int], TurnReport]:
+        seen: list[int] = []
+        reports: list[TurnReport] = []
+        async for chunk, report in router.run_turn(
+            prompt_token_ids=prompt, max_tokens=5, session_id="s"
+        ):
+            seen.extend(chunk.token_ids)
+            reports.append(report)
+        return seen, reports[-1]
+
+    seen, report = asyncio.run(run())
+    _, second = decode.requests
+    # Two tokens came from the engine that died; the other decodes the rest of the turn
+    # from the prompt plus those two (prefilled again), so the client sees each once.
+    assert second.prompt_token_ids == [*prompt, 11, 12] and second.max_tokens == 3
+    assert seen == [11, 12, 11, 12, 13]
+    assert report.migrations == 1 and report.num_completion_tokens == 5
+    assert [r.request_id.rsplit("-", 1)[1] for r in prefill.requests] == ["p", "m1"]
+    # The session's record is the surviving engine's, covering the whole turn.
+    record = service_of(router).planner.lifecycle.record("s")
+    assert record is not None and record.engine_id == "D2"

@@ -50,3 +50,22 @@ def test_entries_expire_and_the_book_is_bounded() -> None:
 def test_the_book_needs_room_for_one_entry() -> None:
     with pytest.raises(ValueError, match="max_entries"):
         TurnReplayBook(max_entries=0, clock=Clock())
+
+
+def test_a_key_completed_twice_is_counted_as_a_duplicate_run() -> None:
+    book = TurnReplayBook(clock=Clock())
+    book.begin("k")
+    book.complete("k", {"id": "a"})
+    assert book.num_duplicates == 0
+    book.complete("k", {"id": "b"})  # the turn ran a second time somewhere
+    assert book.num_duplicates == 1
+
+
+def test_the_book_is_bounded_in_bytes() -> None:
+    book = TurnReplayBook(max_bytes=2_000, clock=Clock())
+    for key in "abcdef":
+        book.begin(key)
+        book.complete(key, {"id": key, "text": "x" * 500})
+    assert book.num_bytes <= 2_000 and len(book) < 6
+    assert book.begin("a").action == "run"  # the oldest went first
+    assert book.begin("f").action == "replay"

@@ -1,0 +1,232 @@
+"""Multi-turn sessions under faults: what is completed, retried, migrated, lost or run twice.
+
+    python benchmarks/faults.py [--sessions 12] [--turns 4] [--max-tokens 48]
+
+Starts a local Ray and the kvtide app with kvtide's simulated engines (two prefill and
+two decode engines on the CPU; no model weights) and two API keys. For each scenario it
+runs ``--sessions`` conversations of ``--turns`` turns at once through the Python SDK
+(retries with one Idempotency-Key per turn) and, once a third of the turns are done,
+injects the fault:
+
+* ``none``: the baseline, the same load without a fault;
+* ``kv-service``: the KV lifecycle service actor is killed (Ray restarts it);
+* ``decode``: one decode replica's actor is killed mid-stream (Serve replaces it);
+* ``prefill``: one prefill replica's actor is killed.
+
+It prints, per scenario, the turns completed, retried by the SDK, migrated to another
+decode engine, failed (an error after the SDK's retries), run twice (a completed
+Idempotency-Key completed again, from the service's book) and taken over (a session
+another key could read afterwards), and the p99 turn latency as a ratio to the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import secrets
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from orchestrator.cli.table import format_table  # noqa: E402
+
+
+@dataclass
+class Outcome:
+    completed: int = 0
+    retried: int = 0
+    migrated: int = 0
+    failed: int = 0
+    latencies_s: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else 0.0
+
+
+def kill_fault(name: str) -> None:
+    """Kill what ``name`` says, the way a crashed process dies."""
+    import ray
+
+    if name == "kv-service":
+        from orchestrator.kv.actor import SERVICE_NAMESPACE, service_name
+
+        handle = ray.get_actor(service_name("kvtide"), namespace=SERVICE_NAMESPACE)
+        ray.kill(handle, no_restart=False)
+        return
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    target = next(a for a in actors if f"#{name}-pool#" in a["name"])
+    ray.kill(ray.get_actor(target["name"], namespace=target["namespace"]), no_restart=True)
+
+
+def run_load(
+    base_url: str, keys: list[str], args: argparse.Namespace, fault: str, prefix: str
+) -> tuple[Outcome, dict[str, str]]:
+    from orchestrator.sdk import Client
+
+    outcome = Outcome()
+    owners: dict[str, str] = {}
+    lock = threading.Lock()
+    total = args.sessions * args.turns
+    done = threading.Event()
+    fired = threading.Event()
+
+    def converse(i: int) -> None:
+        key = keys[i % len(keys)]
+        with (
+            Client(base_url, api_key=key, timeout_s=120.0, max_retries=8) as client,
+            client.session(session_id=f"{prefix}-{i}") as session,
+        ):
+            with lock:
+                owners[session.id] = key
+            for turn in range(args.turns):
+                text = f"session {i} turn {turn}: " + "lorem ipsum " * (40 + 10 * turn)
+                t0 = time.monotonic()
+                try:
+                    result = session.send(text, max_tokens=args.max_tokens)
+                except Exception as exc:  # counted: the point of the run
+                    with lock:
+                        outcome.failed += 1
+                        outcome.errors.append(f"{type(exc).__name__}: {exc}"[:160])
+                    continue
+                with lock:
+                    outcome.completed += 1
+                    outcome.latencies_s.append(time.monotonic() - t0)
+                    outcome.retried += result.num_attempts > 1
+                    outcome.migrated += bool((result.kvtide or {}).get("migrations"))
+                    if outcome.completed + outcome.failed >= total // 3:
+                        done.set()
+
+    threads = [threading.Thread(target=converse, args=(i,)) for i in range(args.sessions)]
+    for thread in threads:
+        thread.start()
+    if fault != "none":
+        done.wait(timeout=300)
+        kill_fault(fault)
+        fired.set()
+    for thread in threads:
+        thread.join(timeout=900)
+    return outcome, owners
+
+
+def taken_over(base_url: str, owners: dict[str, str], keys: list[str]) -> int:
+    """Sessions another key can read (it must get the same 404 as for no session)."""
+    import httpx
+
+    count = 0
+    for session_id, key in owners.items():
+        other = next(k for k in keys if k != key)
+        resp = httpx.get(
+            f"{base_url}/kvtide/sessions/{session_id}",
+            headers={"authorization": f"Bearer {other}"},
+            timeout=30,
+        )
+        count += resp.status_code == 200
+    return count
+
+
+def duplicates(base_url: str, key: str) -> int:
+    import httpx
+
+    resp = httpx.get(
+        f"{base_url}/kvtide/stats", headers={"authorization": f"Bearer {key}"}, timeout=30
+    )
+    return int(resp.json()["kv"].get("num_replay_duplicates", 0))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=12)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument(
+        "--faults", default="none,kv-service,decode,prefill", help="comma-separated scenarios"
+    )
+    args = parser.parse_args()
+
+    from engines.tiny_model import generate_tiny_model
+    from orchestrator import runtime
+    from orchestrator.config import parse_config
+    from orchestrator.serve.engine_host import free_port
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvt-faults-"))
+    keys = [f"kvt-{secrets.token_urlsafe(24)}" for _ in range(2)]
+    config = parse_config(
+        {
+            "backend": "simulated",
+            "model": {"path": str(tmp / "tiny"), "max_model_len": 8192},
+            "prefill": {"num_engines": 2, "cpu_threads_bind": None},
+            "decode": {"num_engines": 2, "cpu_threads_bind": None},
+            "server": {
+                "port": free_port(),
+                "request_timeout_s": 120,
+                "api_keys": [
+                    {"name": name, "sha256": hashlib.sha256(key.encode()).hexdigest()}
+                    for name, key in zip(("alice", "bob"), keys, strict=True)
+                ],
+            },
+            "ray": {"temp_dir": str(tmp / "ray"), "num_cpus": 16},
+            "observability": {"metrics": False},
+        }
+    )
+    generate_tiny_model(config.model.resolved_path())
+    rows: list[list[Any]] = []
+    baseline_p99 = 0.0
+    with runtime.running(config, say=lambda m: print(m, file=sys.stderr)) as base_url:
+        for fault in args.faults.split(","):
+            before = duplicates(base_url, keys[0])
+            outcome, owners = run_load(base_url, keys, args, fault, prefix=fault)
+            runtime.deploy(config, say=lambda _: None)  # wait until replaced replicas are up
+            lost = args.sessions * args.turns - outcome.completed
+            late = p99(outcome.latencies_s)
+            baseline_p99 = baseline_p99 or late
+            rows.append(
+                [
+                    fault,
+                    outcome.completed,
+                    outcome.retried,
+                    outcome.migrated,
+                    outcome.failed,
+                    lost - outcome.failed,
+                    duplicates(base_url, keys[0]) - before,
+                    taken_over(base_url, owners, keys),
+                    f"{late:.2f}",
+                    f"{late / baseline_p99:.2f}x" if baseline_p99 else "-",
+                ]
+            )
+            for error in outcome.errors[:3]:
+                print(f"  {fault}: {error}", file=sys.stderr)
+    print(
+        f"{args.sessions} sessions x {args.turns} turns, simulated engines (2 prefill, "
+        "2 decode) on this machine's CPU, SDK retries on\n"
+    )
+    print(
+        format_table(
+            [
+                "fault",
+                "completed",
+                "retried",
+                "migrated",
+                "failed",
+                "hung",
+                "run twice",
+                "taken over",
+                "p99 s",
+                "p99 vs none",
+            ],
+            rows,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
