@@ -143,22 +143,13 @@ def duplicates(base_url: str, key: str) -> int:
     return int(resp.json()["kv"].get("num_replay_duplicates", 0))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sessions", type=int, default=12)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument(
-        "--faults", default="none,kv-service,decode,prefill", help="comma-separated scenarios"
-    )
-    args = parser.parse_args()
-
+def app_config(tmp: Path) -> tuple[Any, list[str]]:
+    """The app under test: simulated engines (two prefill, two decode) on the CPU, two
+    API keys (returned), a private Ray temp dir under ``tmp``."""
     from engines.tiny_model import generate_tiny_model
-    from orchestrator import runtime
     from orchestrator.config import parse_config
     from orchestrator.serve.engine_host import free_port
 
-    tmp = Path(tempfile.mkdtemp(prefix="kvt-faults-"))
     keys = [f"kvt-{secrets.token_urlsafe(24)}" for _ in range(2)]
     config = parse_config(
         {
@@ -179,6 +170,22 @@ def main() -> None:
         }
     )
     generate_tiny_model(config.model.resolved_path())
+    return config, keys
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=12)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument(
+        "--faults", default="none,kv-service,decode,prefill", help="comma-separated scenarios"
+    )
+    args = parser.parse_args()
+
+    from orchestrator import runtime
+
+    config, keys = app_config(Path(tempfile.mkdtemp(prefix="kvt-faults-")))
     rows: list[list[Any]] = []
     baseline_p99 = 0.0
     with runtime.running(config, say=lambda m: print(m, file=sys.stderr)) as base_url:
