@@ -127,18 +127,17 @@ def dcp_partials(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    seq_lens: torch.Tensor,
+    valid: torch.Tensor,
     num_ranks: int,
     poison_empty: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ``num_ranks`` DCP ranks compute: token ``t`` of a sequence lives on rank
-    ``t % num_ranks``. Returns ``(partials [N, B, H, D], lses [N, B, H])``.
+    """What ``num_ranks`` DCP ranks compute over the tokens ``valid [B, T]`` keeps: token
+    ``t`` lives on rank ``t % num_ranks``. Returns ``(partials [N, B, H, D], lses [N, B, H])``.
 
     With ``poison_empty``, a rank that saw no token reports NaN outputs and alternates
     -inf / +inf LSEs, as real attention backends may: the combine must ignore them.
     """
     positions = torch.arange(k.shape[1], device=k.device)
-    valid = positions[None, :] < seq_lens[:, None]  # [B, T]
     outs, lses = [], []
     for rank in range(num_ranks):
         mask = valid & (positions % num_ranks == rank)[None, :]
