@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -131,14 +131,20 @@ def _local_arch() -> str | None:
     return arch_from_capability(*torch.cuda.get_device_capability())
 
 
-def register(environ: Mapping[str, str] | None = None) -> None:
-    """Entry point of ``vllm.general_plugins``: a no-op unless ``KVTIDE_KERNELS`` is set."""
+def register(
+    environ: Mapping[str, str] | None = None,
+    local_arch: Callable[[], str | None] = _local_arch,
+) -> None:
+    """Entry point of ``vllm.general_plugins``: a no-op unless ``KVTIDE_KERNELS`` is set.
+
+    ``local_arch`` reports this process's GPU arch (None: no GPU, check skipped).
+    """
     env = os.environ if environ is None else environ
     paths = _requested(env.get(PATHS_ENV, ""))
     if not paths:
         return
     engine = _engine_from_env(env.get(ENGINE_ENV))
-    local = _local_arch()
+    local = local_arch()
     if local is not None and local != engine.gpu_arch:
         raise KernelGateRefused(
             f"{ENGINE_ENV} declares {engine.gpu_arch} but this process's GPU is {local}"
