@@ -168,7 +168,9 @@ def test_plugin_refuses_a_path_the_gate_refuses() -> None:
     env = settings.env | {"KVTIDE_KERNELS_ENGINE": json.dumps(drifted)}
     with pytest.raises(vllm_plugin.KernelGateRefused, match="refuses pipeline parallelism"):
         vllm_plugin.register(env, local_arch=lambda: "sm_103a")
-    with pytest.raises(vllm_plugin.KernelGateRefused, match="dcp_lse_combine refused.*no evidence"):
+    with pytest.raises(
+        vllm_plugin.KernelGateRefused, match=r"dcp_lse_combine refused.*no evidence"
+    ):
         vllm_plugin.engine_settings(KIMI_K3_GB300, ["dcp_lse_combine"])
 
 
@@ -176,7 +178,7 @@ def test_plugin_accepts_the_kimi_path_and_names_bad_settings() -> None:
     settings = vllm_plugin.engine_settings(KIMI_K3_GB300, [gate.KIMI_K3_PATH])
     vllm_plugin.register(settings.env, local_arch=lambda: "sm_103a")
     # Declared GB300, but the process landed on a B200: refused before anything runs.
-    with pytest.raises(vllm_plugin.KernelGateRefused, match="declares sm_103a but .* is sm_100a"):
+    with pytest.raises(vllm_plugin.KernelGateRefused, match=r"declares sm_103a but .* is sm_100a"):
         vllm_plugin.register(settings.env, local_arch=lambda: "sm_100a")
     with pytest.raises(vllm_plugin.KernelGateRefused, match="KVTIDE_KERNELS_ENGINE is not:"):
         vllm_plugin.register({"KVTIDE_KERNELS": gate.KIMI_K3_PATH})

@@ -1,0 +1,87 @@
+"""Launching precompiled cubins: what can be checked here, and (gpu tier) the real thing.
+
+The shipped manifest must describe cubins that exist with an entry the launcher can pack
+arguments for; a launch checks its argument count. On a GPU, the kernels run from the
+shipped (or freshly compiled) cubins and match the torch references.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.compile import SHIPPED_ARCHS, SHIPPED_DIR
+from kernels.launch import KernelImage, LaunchError, LoadedKernel
+from kernels.ops import CubinSet, Kernels
+
+
+def test_shipped_manifest_points_at_real_files() -> None:
+    cubins = CubinSet.open(SHIPPED_DIR)
+    assert cubins.archs() == set(SHIPPED_ARCHS)
+    image = cubins.image("dcp_lse_combine", "d512-bf16", "sm_90a")
+    assert image.cubin.is_file() and image.ptx is not None and image.ptx.is_file()
+    assert image.param_types == ("u64", "u64", "u64", "u64", "u32", "u32")
+    assert image.threads == 128 and image.smem_bytes == 0
+    norm = cubins.image("fused_add_rmsnorm", "bf16-fp8_e4m3", "sm_90a")
+    assert norm.smem_bytes == 32 and norm.threads == 256
+
+
+def test_a_missing_cubin_names_what_there_is() -> None:
+    with pytest.raises(LookupError, match=r"no cubin for dcp_lse_combine/d512-bf16 on sm_100a"):
+        CubinSet.open(SHIPPED_DIR).image("dcp_lse_combine", "d512-bf16", "sm_100a")
+
+
+def test_image_refuses_parameter_types_it_cannot_pack(tmp_path: object) -> None:
+    with pytest.raises(ValueError, match=r"unsupported parameter types \['b8'\]"):
+        KernelImage(
+            cubin=SHIPPED_DIR,
+            ptx=None,
+            entry="k",
+            param_types=("u64", "b8"),
+            threads=1,
+            smem_bytes=0,
+        )
+
+
+def test_launch_checks_argument_count_and_skips_empty_grids() -> None:
+    calls: list[tuple[int, Sequence[int | float], int]] = []
+    image = KernelImage(
+        cubin=SHIPPED_DIR, ptx=None, entry="k", param_types=("u64", "u32"), threads=32, smem_bytes=0
+    )
+    kernel = LoadedKernel(image, "fake", "cubin", lambda g, a, s: calls.append((g, a, s)))
+    kernel(4, (1234, 7), 0)
+    kernel(0, (1234, 7), 0)  # nothing to do: no launch
+    assert calls == [(4, (1234, 7), 0)]
+    with pytest.raises(LaunchError, match="takes 2 arguments, got 1"):
+        kernel(1, (1,), 0)
+
+
+@pytest.mark.gpu
+def test_kernels_from_cubins_match_the_references_on_a_gpu() -> None:
+    from kernels.cli import _cubins_for
+    from kernels.scope import arch_from_capability
+
+    device = torch.device("cuda", 0)
+    arch = arch_from_capability(*torch.cuda.get_device_capability(device))
+    cubin_dir, _ = _cubins_for(arch, None)
+    kernels = Kernels(CubinSet.open(cubin_dir), device)
+
+    partials = torch.randn(8, 4, 16, 512, device=device).to(torch.bfloat16)
+    lses = torch.randn(8, 4, 16, device=device)
+    lses[3] = float("-inf")
+    partials[3] = float("nan")
+    out, lse = kernels.lse_combine(partials, lses)
+    want, want_lse = reference.lse_combine(partials, lses)
+    assert torch.allclose(out.float(), want.float(), atol=1e-2, rtol=1.6e-2)
+    assert torch.allclose(lse, want_lse, atol=1e-4)
+
+    x = torch.randn(5, 7168, device=device, dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+    weight = torch.randn(7168, device=device, dtype=torch.bfloat16)
+    normed, new_residual = kernels.fused_add_rmsnorm(x, residual, weight, 1e-6)
+    want_normed, want_residual = reference.fused_add_rmsnorm(x, residual, weight, 1e-6)
+    assert torch.equal(new_residual, want_residual)
+    assert torch.allclose(normed.float(), want_normed.float(), atol=1e-2, rtol=1.6e-2)
