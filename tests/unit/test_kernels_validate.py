@@ -153,3 +153,16 @@ def test_validate_on_this_gpu_writes_passing_evidence(tmp_path: Path) -> None:
     data = evidence.load(tmp_path / "ev.json")
     assert data["summary"]["failed"] == 0
     assert all(r["kernel_us"] and r["stock_us"] for r in data["results"])
+
+
+def test_every_validated_scope_is_covered_by_its_evidence_file() -> None:
+    # Empty until a GPU run is checked in; then each entry must name a file that passed
+    # every case of its (narrowed) scope on each arch it claims.
+    from kernels.gate import VALIDATED
+
+    for entry in VALIDATED:
+        data = evidence.load(evidence.EVIDENCE_DIR / entry.evidence)
+        assert entry.scope.archs == (data["arch"],), entry.evidence
+        passed = {r["case_id"] for r in data["results"] if r["passed"]}
+        missing = [c.case_id for c in entry.scope.cases() if c.case_id not in passed]
+        assert not missing, f"{entry.evidence} lacks passing {missing[:3]}"
