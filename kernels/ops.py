@@ -158,6 +158,7 @@ class Kernels:
         _require(weight.shape == (hidden,), f"weight must be [{hidden}]")
         _require(x.dtype == residual.dtype == weight.dtype == torch.bfloat16, "inputs must be bf16")
         _require(hidden % 8 == 0, f"hidden size {hidden} must be a multiple of 8")
+        _require(tokens * hidden <= MAX_ELEMENTS, "x over 2**31 elements")
         for name, t in (("x", x), ("residual", residual), ("weight", weight)):
             _aligned(t, name)
         out_name = "bf16" if scale is None else "fp8_e4m3"

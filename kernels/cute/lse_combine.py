@@ -78,7 +78,9 @@ def build(dsl: Dsl, variant: Variant) -> tuple[Any, tuple[Any, ...]]:
                     (num_ranks, num_rows, tpr, VEC), stride=(num_rows * head_dim, head_dim, VEC, 1)
                 ),
             )
-            g_lse = cute.make_tensor(lses, cute.make_layout((num_ranks, num_rows)))
+            g_lse = cute.make_tensor(
+                lses, cute.make_layout((num_ranks, num_rows), stride=(num_rows, 1))
+            )
             g_out = cute.make_tensor(
                 out, cute.make_layout((num_rows, tpr, VEC), stride=(head_dim, VEC, 1))
             )
