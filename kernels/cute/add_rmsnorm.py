@@ -27,7 +27,7 @@ from kernels.cute import Dsl
 from kernels.cute.lse_combine import Geometry
 from kernels.scope import Variant
 
-__all__ = ["SMEM_BYTES", "build", "geometry"]
+__all__ = ["SMEM_BYTES", "build", "geometry", "row_layout"]
 
 VEC = 8
 THREADS = 256
@@ -43,6 +43,12 @@ def geometry(variant: Variant) -> Geometry:
     if max_hidden > MAX_HIDDEN:
         raise ValueError(f"hidden size {max_hidden} over the kernel's {MAX_HIDDEN}")
     return Geometry(threads=THREADS, rows_per_cta=1, smem_bytes=SMEM_BYTES)
+
+
+def row_layout(cute: Any, hidden: Any) -> Any:
+    """One row of ``hidden`` elements as ``(vector, element)``, row-major; a row starts at
+    ``row * hidden`` elements (a test checks the offsets)."""
+    return cute.make_layout((hidden // VEC, VEC), stride=(VEC, 1))
 
 
 def build(dsl: Dsl, variant: Variant) -> tuple[Any, tuple[Any, ...]]:
@@ -71,13 +77,13 @@ def build(dsl: Dsl, variant: Variant) -> tuple[Any, tuple[Any, ...]]:
         row, _, _ = cute.arch.block_idx()
         # Rows start 16-byte aligned only because hidden % 8 == 0: tell the compiler.
         hidden = cute.assume(hidden, divby=VEC)
-        row_layout = cute.make_layout((hidden // VEC, VEC), stride=(VEC, 1))
+        one_row = row_layout(cute, hidden)
         offset = row * hidden
-        g_x = cute.make_tensor(x + offset, row_layout)
-        g_res = cute.make_tensor(residual + offset, row_layout)
-        g_res_out = cute.make_tensor(residual_out + offset, row_layout)
-        g_out = cute.make_tensor(out + offset, row_layout)
-        g_w = cute.make_tensor(weight, row_layout)
+        g_x = cute.make_tensor(x + offset, one_row)
+        g_res = cute.make_tensor(residual + offset, one_row)
+        g_res_out = cute.make_tensor(residual_out + offset, one_row)
+        g_out = cute.make_tensor(out + offset, one_row)
+        g_w = cute.make_tensor(weight, one_row)
 
         smem = cutlass.memory.SmemAllocator()
         partial_sums = smem.allocate_tensor(f32, cute.make_layout((WARPS,)), byte_alignment=16)

@@ -27,7 +27,7 @@ from typing import Any
 from kernels.cute import Dsl
 from kernels.scope import Variant
 
-__all__ = ["Geometry", "build", "geometry"]
+__all__ = ["Geometry", "build", "geometry", "layouts"]
 
 VEC = 8  # elements per 128-bit access
 THREADS = 128
@@ -48,6 +48,22 @@ def geometry(variant: Variant) -> Geometry:
     if head_dim % VEC or THREADS % (head_dim // VEC):
         raise ValueError(f"head dim {head_dim} does not tile into {THREADS} threads x {VEC}")
     return Geometry(threads=THREADS, rows_per_cta=THREADS // (head_dim // VEC))
+
+
+def layouts(cute: Any, num_ranks: Any, num_rows: Any, head_dim: int) -> tuple[Any, ...]:
+    """Layouts of ``(partials, lses, out, out_lse)``, all row-major contiguous like the
+    torch tensors: partials ``(rank, row, thread-in-row, element)``, LSEs ``(rank, row)``,
+    out ``(row, thread-in-row, element)``, out LSE ``(row,)``. (CuTe's default layout is
+    column-major, so every stride is spelled out; a test checks the offsets.)"""
+    tpr = head_dim // VEC
+    return (
+        cute.make_layout(
+            (num_ranks, num_rows, tpr, VEC), stride=(num_rows * head_dim, head_dim, VEC, 1)
+        ),
+        cute.make_layout((num_ranks, num_rows), stride=(num_rows, 1)),
+        cute.make_layout((num_rows, tpr, VEC), stride=(head_dim, VEC, 1)),
+        cute.make_layout((num_rows,), stride=(1,)),
+    )
 
 
 def build(dsl: Dsl, variant: Variant) -> tuple[Any, tuple[Any, ...]]:
@@ -72,19 +88,11 @@ def build(dsl: Dsl, variant: Variant) -> tuple[Any, tuple[Any, ...]]:
         row = bidx * rows_per_cta + tidx // tpr
         lane = tidx % tpr
         if row < num_rows:
-            g_parts = cute.make_tensor(
-                partials,
-                cute.make_layout(
-                    (num_ranks, num_rows, tpr, VEC), stride=(num_rows * head_dim, head_dim, VEC, 1)
-                ),
-            )
-            g_lse = cute.make_tensor(
-                lses, cute.make_layout((num_ranks, num_rows), stride=(num_rows, 1))
-            )
-            g_out = cute.make_tensor(
-                out, cute.make_layout((num_rows, tpr, VEC), stride=(head_dim, VEC, 1))
-            )
-            g_out_lse = cute.make_tensor(out_lse, cute.make_layout((num_rows,)))
+            parts_l, lse_l, out_l, out_lse_l = layouts(cute, num_ranks, num_rows, head_dim)
+            g_parts = cute.make_tensor(partials, parts_l)
+            g_lse = cute.make_tensor(lses, lse_l)
+            g_out = cute.make_tensor(out, out_l)
+            g_out_lse = cute.make_tensor(out_lse, out_lse_l)
 
             # 1. max LSE; +inf and NaN mean "no token on this rank".
             lse_max = -f32.inf

@@ -135,3 +135,51 @@ def test_geometry_needs_no_cutlass() -> None:
     combine = SCOPES[0].variants()[0]
     assert kc.geometry(combine).rows_per_cta == 8  # d128: 16 threads per row, 128 threads
     assert Path(kc.SHIPPED_DIR / "manifest.json").is_file()
+
+
+def test_kernel_layouts_address_torch_contiguous_tensors() -> None:
+    # CuTe's default layout is column-major; torch's is row-major. Evaluate the kernels'
+    # layouts with small static sizes and compare every offset with torch's strides.
+    import torch
+
+    from kernels.cute import add_rmsnorm, lse_combine
+
+    try:
+        dsl = load_dsl()
+    except CutlassUnavailable as exc:
+        pytest.skip(f"nvidia-cutlass-dsl cannot be imported here: {exc}")
+    cutlass, cute = dsl.cutlass, dsl.cute
+    n, rows, head_dim, hidden = 3, 5, 128, 48
+    got: dict[str, list[tuple[tuple[int, ...], int]]] = {"parts": [], "lse": [], "out": []}
+    got["row"] = []
+
+    @dsl.jit
+    def probe() -> None:
+        parts_l, lse_l, out_l, _ = lse_combine.layouts(cute, n, rows, head_dim)
+        for r in cutlass.range_constexpr(n):
+            for row in cutlass.range_constexpr(rows):
+                got["lse"].append(((r, row), cute.crd2idx((r, row), lse_l)))
+                for lane in (0, 7, 15):
+                    for e in (0, 5):
+                        c = (r, row, lane, e)
+                        got["parts"].append((c, cute.crd2idx(c, parts_l)))
+                        got["out"].append((c[1:], cute.crd2idx(c[1:], out_l)))
+        one_row = add_rmsnorm.row_layout(cute, hidden)
+        for col in cutlass.range_constexpr(hidden // 8):
+            got["row"].append(((col, 3), cute.crd2idx((col, 3), one_row)))
+
+    probe()
+    strides = {
+        "parts": torch.empty(n, rows, head_dim).stride(),
+        "lse": torch.empty(n, rows).stride(),
+        "out": torch.empty(rows, head_dim).stride(),
+        "row": torch.empty(hidden).stride(),
+    }
+    for name, pairs in got.items():
+        assert pairs, name
+        for coord, offset in pairs:
+            # (.., thread-in-row, element) is one torch index: thread * 8 + element.
+            *outer, lane, e = coord if name != "lse" else (*coord, 0, 0)
+            index = (*outer, lane * 8 + e) if name != "lse" else tuple(outer)
+            want = sum(i * s for i, s in zip(index, strides[name], strict=True))
+            assert int(offset) == want, (name, coord, offset, want)
