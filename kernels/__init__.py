@@ -14,9 +14,11 @@ Where things live:
 - ``kernels.reference``  torch references (also DCP-sharded attention, to test the combine)
 - ``kernels.cute``       CuTe DSL sources; ``cutlass`` is imported only inside functions there
 - ``kernels.compile``    compiles every kernel for every arch in scope, no GPU needed
+- ``kernels.resources``  registers, spills, PTX target and instruction mix, read on a CPU
 - ``kernels.launch``     loads a precompiled cubin and launches it on torch CUDA tensors
 - ``kernels.ops``        torch-facing calls of the kernels through ``kernels.launch``
-- ``kernels.validate``   correctness and timing on a GPU, written as evidence files
+- ``kernels.validate``   correctness and timing on a GPU against the references
+- ``kernels.evidence``   evidence files (JSON + Markdown), ``show`` and ``diff``
 - ``kernels.cli``        ``kvtide kernels {validate,show,diff,compile}``
 - ``kernels.vllm_plugin`` the ``vllm.general_plugins`` hook; inert unless asked for
 

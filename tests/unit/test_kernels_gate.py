@@ -64,6 +64,19 @@ def test_public_names_are_pinned() -> None:
             "scope_named",
         ]
     )
+    assert sorted(gate.__all__) == sorted(
+        [
+            "KIMI_K3_ADDITIONAL_CONFIG",
+            "KIMI_K3_PATH",
+            "PATHS",
+            "VALIDATED",
+            "EngineShape",
+            "PathDecision",
+            "ValidatedScope",
+            "decide",
+            "decision_for",
+        ]
+    )
     assert scope.arch_from_capability(9, 0) == "sm_90a"
     assert scope.arch_from_capability(10, 3) == "sm_103a"
 
