@@ -10,6 +10,7 @@ Inputs outside the kernels' scope raise ``ValueError`` naming the value; the gat
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,23 +85,31 @@ def _aligned(t: torch.Tensor, name: str, nbytes: int = 16) -> None:
 
 @dataclass
 class Kernels:
-    """The kernels of ``cubins`` loaded for ``device`` (arch from its compute capability)."""
+    """The kernels of ``cubins`` loaded for ``device``.
+
+    ``gpu_arch`` defaults to the device's compute capability; ``loader`` is
+    ``kernels.launch.load_kernel`` (tests pass a recording stand-in, and run on CPU).
+    """
 
     cubins: CubinSet
     device: torch.device
     backend: str | None = None
+    gpu_arch: str | None = None
+    loader: Callable[[KernelImage, int, str | None], LoadedKernel] = load_kernel
     _loaded: dict[tuple[str, str], LoadedKernel] = field(default_factory=dict)
 
     @property
     def arch(self) -> str:
-        return arch_from_capability(*torch.cuda.get_device_capability(self.device))
+        if self.gpu_arch is None:
+            self.gpu_arch = arch_from_capability(*torch.cuda.get_device_capability(self.device))
+        return self.gpu_arch
 
     def loaded(self, kernel: str, variant: str) -> LoadedKernel:
         key = (kernel, variant)
         if key not in self._loaded:
             image = self.cubins.image(kernel, variant, self.arch)
             index = self.device.index if self.device.index is not None else 0
-            self._loaded[key] = load_kernel(image, index, self.backend)
+            self._loaded[key] = self.loader(image, index, self.backend)
         return self._loaded[key]
 
     @property
@@ -113,6 +122,8 @@ class Kernels:
         return self.cubins.entry(kernel, variant, self.arch)
 
     def _stream(self) -> int:
+        if self.device.type != "cuda":
+            return 0  # only a stand-in loader runs off the GPU
         return int(torch.cuda.current_stream(self.device).cuda_stream)
 
     def lse_combine(

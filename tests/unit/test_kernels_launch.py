@@ -7,7 +7,7 @@ shipped (or freshly compiled) cubins and match the torch references.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -85,3 +85,87 @@ def test_kernels_from_cubins_match_the_references_on_a_gpu() -> None:
     want_normed, want_residual = reference.fused_add_rmsnorm(x, residual, weight, 1e-6)
     assert torch.equal(new_residual, want_residual)
     assert torch.allclose(normed.float(), want_normed.float(), atol=1e-2, rtol=1.6e-2)
+
+
+class Recorder:
+    """A loader whose kernels record their launches instead of running."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[str, int, tuple[int | float, ...]]] = []
+
+    def __call__(self, image: KernelImage, device_index: int, backend: str | None) -> LoadedKernel:
+        def launch(grid: int, args: Sequence[int | float], stream: int) -> None:
+            self.launches.append((image.entry, grid, tuple(args)))
+
+        return LoadedKernel(image, "recorder", "cubin", launch)
+
+
+def _cpu_kernels(recorder: Recorder) -> Kernels:
+    cubins = CubinSet.open(SHIPPED_DIR)
+    return Kernels(cubins, torch.device("cpu"), gpu_arch="sm_90a", loader=recorder)
+
+
+def test_combine_launch_passes_pointers_ranks_rows_and_grid() -> None:
+    rec = Recorder()
+    kernels = _cpu_kernels(rec)
+    partials = torch.zeros(8, 3, 16, 512, dtype=torch.bfloat16)
+    lses = torch.zeros(8, 3, 16)
+    out, lse = kernels.lse_combine(partials, lses)
+    assert out.shape == (3, 16, 512) and out.dtype == torch.bfloat16
+    assert lse.shape == (3, 16) and lse.dtype == torch.float32
+    ((entry, grid, args),) = rec.launches
+    assert entry == kernels.cubins.image("dcp_lse_combine", "d512-bf16", "sm_90a").entry
+    # 48 rows, 2 rows per 128-thread CTA at D=512.
+    assert grid == 24
+    assert args == (partials.data_ptr(), lses.data_ptr(), out.data_ptr(), lse.data_ptr(), 8, 48)
+
+
+def test_rmsnorm_launch_passes_scale_hidden_and_eps() -> None:
+    rec = Recorder()
+    kernels = _cpu_kernels(rec)
+    x = torch.zeros(5, 7168, dtype=torch.bfloat16)
+    residual, weight = torch.zeros_like(x), torch.ones(7168, dtype=torch.bfloat16)
+    scale = torch.tensor([0.5])  # on the CPU: refused, the kernel reads it on the GPU
+    with pytest.raises(ValueError, match="scale must be one float32 on the GPU"):
+        kernels.fused_add_rmsnorm(x, residual, weight, 1e-6, scale)
+    normed, new_residual = kernels.fused_add_rmsnorm(x, residual, weight, 1e-5, inplace=True)
+    assert normed is x and new_residual is residual
+    ((_, grid, args),) = rec.launches
+    assert grid == 5
+    assert args[:5] == (
+        x.data_ptr(),
+        residual.data_ptr(),
+        weight.data_ptr(),
+        x.data_ptr(),
+        residual.data_ptr(),
+    )
+    assert args[6:] == (7168, 1e-5)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda: (torch.zeros(2, 1, 4, 256, dtype=torch.bfloat16), torch.zeros(2, 1, 4)),
+            "no cubin for dcp_lse_combine/d256-bf16",
+        ),
+        (lambda: (torch.zeros(2, 1, 4, 128), torch.zeros(2, 1, 4)), "not bf16/fp16"),
+        (
+            lambda: (torch.zeros(2, 1, 4, 128, dtype=torch.half), torch.zeros(2, 1, 4).double()),
+            "lses must be float32",
+        ),
+        (
+            lambda: (
+                torch.zeros(2, 2, 4, 256, dtype=torch.half)[..., :128],
+                torch.zeros(2, 2, 4),
+            ),
+            "partials must be contiguous",
+        ),
+    ],
+)
+def test_combine_refuses_inputs_it_was_not_compiled_for(
+    make: Callable[[], tuple[torch.Tensor, torch.Tensor]], message: str
+) -> None:
+    partials, lses = make()
+    with pytest.raises((ValueError, LookupError), match=message):
+        _cpu_kernels(Recorder()).lse_combine(partials, lses)

@@ -43,7 +43,15 @@ class NaiveCombine(validate.ReferenceImpl):
 
 
 class NormWithoutResidual(validate.ReferenceImpl):
-    def fused_add_rmsnorm(self, x, residual, weight, eps, scale=None, inplace=False):  # type: ignore[no-untyped-def]
+    def fused_add_rmsnorm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        scale: torch.Tensor | None = None,
+        inplace: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         normed, _ = reference.fused_add_rmsnorm(x, torch.zeros_like(residual), weight, eps, scale)
         return normed, (x.float() + residual.float()).to(x.dtype)
 
