@@ -7,23 +7,33 @@ anywhere. Backends, each imported lazily, tried in this order:
 - ``cuda-bindings`` (``cuda.bindings.driver``): ``cuModuleLoadData`` + ``cuLaunchKernel``
   in torch's primary context, parameters packed by hand with ctypes (works across
   cuda-bindings versions);
-- CuPy: ``RawModule(path=...)`` and a raw-kernel call with numpy scalars.
+- CuPy: ``cupy.cuda.function.Module().load(image)`` and a kernel call with numpy scalars.
 
 If the driver refuses the cubin (e.g. it predates the toolkit that built it) the loader
-tries the PTX beside it, which the driver compiles itself; ``LoadedKernel.image_kind``
-says which ran. Launches are asynchronous on the given stream, like any torch op.
+tries the PTX beside it, which the driver compiles itself, then that PTX with its
+``.version`` lowered to the oldest ISA that knows its target (the kernels use nothing
+newer); ``LoadedKernel.image_kind`` says which ran. Launches are asynchronous on the
+given stream, like any torch op.
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PARAM_CTYPES", "KernelImage", "LaunchError", "LoadedKernel", "load_kernel"]
+__all__ = [
+    "PARAM_CTYPES",
+    "KernelImage",
+    "LaunchError",
+    "LoadedKernel",
+    "candidate_images",
+    "load_kernel",
+]
 
 # PTX parameter types the kvtide kernels use → the C type a launch must pass.
 PARAM_CTYPES: dict[str, type[ctypes._SimpleCData[Any]]] = {
@@ -64,7 +74,7 @@ class LoadedKernel:
 
     image: KernelImage
     backend: str  # "cuda-bindings" | "cupy"
-    image_kind: str  # "cubin" | "ptx"
+    image_kind: str  # "cubin" | "ptx" | "ptx-isa-<version>" (see candidate_images)
     _launch: Launch
 
     def __call__(self, grid: int, args: Sequence[int | float], stream: int) -> None:
@@ -96,6 +106,40 @@ def load_kernel(image: KernelImage, device_index: int, backend: str | None = Non
     )
 
 
+# The oldest PTX ISA that knows each target: a driver older than the PTX the DSL writes
+# (ISA 8.8, CUDA 12.9) may still take the same instructions under the older version line.
+_MIN_PTX_ISA = {"sm_90a": "8.0", "sm_100a": "8.6", "sm_103a": "8.8"}
+
+
+def candidate_images(image: KernelImage) -> list[tuple[str, bytes]]:
+    """What to offer the driver, in order: the cubin, the PTX as written, and the PTX with
+    its ``.version`` lowered to the oldest ISA for its ``.target``."""
+    images = [("cubin", image.cubin.read_bytes())]
+    if image.ptx is None:
+        return images
+    ptx = image.ptx.read_text()
+    images.append(("ptx", ptx.encode() + b"\0"))
+    target = re.search(r"^\.target\s+(\S+)", ptx, re.M)
+    version = re.search(r"^\.version\s+(\S+)", ptx, re.M)
+    lowest = _MIN_PTX_ISA.get(target.group(1)) if target else None
+    if version and lowest and float(lowest) < float(version.group(1)):
+        lowered = ptx[: version.start(1)] + lowest + ptx[version.end(1) :]
+        images.append((f"ptx-isa-{lowest}", lowered.encode() + b"\0"))
+    return images
+
+
+def _first_loadable(image: KernelImage, load: Callable[[bytes], Any]) -> tuple[str, Any]:
+    """(kind, module) of the first candidate the driver accepts, or LaunchError with all
+    the refusals."""
+    refusals = []
+    for kind, data in candidate_images(image):
+        try:
+            return kind, load(data)
+        except LaunchError as exc:
+            refusals.append(f"{kind}: {exc}")
+    raise LaunchError(f"the driver refused every image of {image.cubin.name}: {refusals}")
+
+
 def _load_cuda_bindings(image: KernelImage, device_index: int) -> LoadedKernel:
     driver: Any = importlib.import_module("cuda.bindings.driver")
 
@@ -111,12 +155,9 @@ def _load_cuda_bindings(image: KernelImage, device_index: int) -> LoadedKernel:
     # torch runs in the device's primary context; retain it and make it current here.
     context = check(driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
     check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
-    kind = "cubin"
-    result = driver.cuModuleLoadData(image.cubin.read_bytes())
-    if result[0] != driver.CUresult.CUDA_SUCCESS and image.ptx is not None:
-        kind = "ptx"
-        result = driver.cuModuleLoadData(image.ptx.read_bytes() + b"\0")
-    module = check(result, f"cuModuleLoadData ({kind})")
+    kind, module = _first_loadable(
+        image, lambda data: check(driver.cuModuleLoadData(data), "cuModuleLoadData")
+    )
     function = check(driver.cuModuleGetFunction(module, image.entry.encode()), "get function")
     ctypes_of = [PARAM_CTYPES[t] for t in image.param_types]
 
@@ -148,21 +189,22 @@ def _load_cupy(image: KernelImage, device_index: int) -> LoadedKernel:
     cupy: Any = importlib.import_module("cupy")
     numpy: Any = importlib.import_module("numpy")
     scalar = {"u64": numpy.uint64, "u32": numpy.uint32, "s32": numpy.int32, "f32": numpy.float32}
-    kind = "cubin"
-    with cupy.cuda.Device(device_index):
+
+    def load(data: bytes) -> Any:
+        module = cupy.cuda.function.Module()
         try:
-            module = cupy.RawModule(path=str(image.cubin))
-            function = module.get_function(image.entry)
-        except cupy.cuda.driver.CUDADriverError:
-            if image.ptx is None:
-                raise
-            kind = "ptx"
-            module = cupy.RawModule(path=str(image.ptx))
-            function = module.get_function(image.entry)
+            module.load(data)
+        except cupy.cuda.driver.CUDADriverError as exc:
+            raise LaunchError(str(exc)) from exc
+        return module
+
+    with cupy.cuda.Device(device_index):
+        kind, module = _first_loadable(image, load)
+        function = module.get_function(image.entry)
     converters = [scalar[t] for t in image.param_types]
 
     def launch(grid: int, args: Sequence[int | float], stream: int) -> None:
-        # RawModule unloads its image when collected: this closure keeps it alive.
+        # The module unloads its image when collected: this closure keeps it alive.
         assert module is not None
         values = tuple(conv(value) for conv, value in zip(converters, args, strict=True))
         with cupy.cuda.Device(device_index):

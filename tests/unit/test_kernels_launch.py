@@ -7,14 +7,16 @@ shipped (or freshly compiled) cubins and match the torch references.
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 import torch
 
 from kernels import reference
 from kernels.compile import SHIPPED_ARCHS, SHIPPED_DIR
-from kernels.launch import KernelImage, LaunchError, LoadedKernel
+from kernels.launch import KernelImage, LaunchError, LoadedKernel, candidate_images
 from kernels.ops import CubinSet, Kernels
 
 
@@ -169,3 +171,41 @@ def test_combine_refuses_inputs_it_was_not_compiled_for(
     partials, lses = make()
     with pytest.raises((ValueError, LookupError), match=message):
         _cpu_kernels(Recorder()).lse_combine(partials, lses)
+
+
+def _ptxas() -> str | None:
+    """A ptxas to assemble PTX with here: on PATH, or the one Triton's wheel carries."""
+    import importlib.util
+    import shutil
+
+    found = shutil.which("ptxas")
+    spec = importlib.util.find_spec("triton")
+    if found is None and spec is not None and spec.origin is not None:
+        candidate = Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "ptxas"
+        found = str(candidate) if candidate.is_file() else None
+    return found
+
+
+def test_older_drivers_are_offered_the_ptx_with_the_oldest_isa_for_its_target(
+    tmp_path: Path,
+) -> None:
+    # The DSL writes PTX ISA 8.8 (CUDA 12.9); an H200 whose driver predates it may still
+    # JIT the same instructions declared as ISA 8.0, the first that knows sm_90a.
+    cubins = CubinSet.open(SHIPPED_DIR)
+    ptxas = _ptxas()
+    for entry in cubins.entries:
+        image = cubins.image(entry["kernel"], entry["variant"], entry["arch"])
+        kinds = candidate_images(image)
+        assert [k for k, _ in kinds] == ["cubin", "ptx", "ptx-isa-8.0"]
+        lowered = kinds[2][1]
+        assert lowered.endswith(b"\0") and b"\n.version 8.0\n" in lowered
+        assert lowered.replace(b".version 8.0", b"") == kinds[1][1].replace(b".version 8.8", b"")
+        if ptxas is not None:
+            src = tmp_path / f"{entry['variant']}.ptx"
+            src.write_bytes(lowered[:-1])
+            out = subprocess.run(
+                [ptxas, "-arch=sm_90a", str(src), "-o", str(tmp_path / "k.cubin")],
+                capture_output=True,
+                text=True,
+            )
+            assert out.returncode == 0, out.stderr
