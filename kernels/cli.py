@@ -48,6 +48,7 @@ def add_parser(subparsers: Any) -> None:
 
     p = sub.add_parser("show", help="scopes and their evidence")
     p.add_argument("--evidence-dir", type=Path, help="default: kernels/evidence/")
+    p.add_argument("--cases", action="store_true", help="list every case and its evidence")
     p.set_defaults(func=_show)
 
     p = sub.add_parser("diff", help="compare two evidence files")
@@ -73,7 +74,7 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 def _show(args: argparse.Namespace) -> int:
     from kernels import evidence
 
-    print(evidence.show(args.evidence_dir or evidence.EVIDENCE_DIR))
+    print(evidence.show(args.evidence_dir or evidence.EVIDENCE_DIR, cases=args.cases))
     return 0
 
 

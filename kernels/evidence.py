@@ -195,24 +195,27 @@ def _passing_cases(evidence_dir: Path) -> dict[str, dict[str, str]]:
     return found
 
 
-def show(evidence_dir: Path = EVIDENCE_DIR) -> str:
-    """Every scope, and per arch whether its cases have passing evidence."""
+def show(evidence_dir: Path = EVIDENCE_DIR, cases: bool = False) -> str:
+    """Every scope, and per arch whether its cases have passing evidence (``cases``: each
+    case on its own line, with the file that passed it)."""
     passing = _passing_cases(evidence_dir)
     lines = []
     for scope in SCOPES:
         fields = {k: v for k, v in asdict(scope).items() if k not in ("name", "archs")}
         lines.append(f"{scope.name}: {', '.join(f'{k}={v}' for k, v in fields.items())}")
-        cases = [c.case_id for c in scope.cases()]
+        cases_ids = [c.case_id for c in scope.cases()]
         for arch in scope.archs:
             have = passing.get(arch, {})
-            covered = [c for c in cases if c in have]
+            covered = [c for c in cases_ids if c in have]
             if not covered:
                 status = "unvalidated"
             else:
                 files = sorted({have[c] for c in covered})
-                kind = "all" if len(covered) == len(cases) else "partial"
-                status = f"{kind}: {len(covered)}/{len(cases)} cases pass in {', '.join(files)}"
+                kind = "all" if len(covered) == len(cases_ids) else "partial"
+                status = f"{kind}: {len(covered)}/{len(cases_ids)} cases pass in {', '.join(files)}"
             lines.append(f"  {arch:<8} {status}")
+            if cases:
+                lines += [f"    {c}  {have.get(c, 'unvalidated')}" for c in sorted(cases_ids)]
         gated = [v.evidence for v in VALIDATED if v.scope.name == scope.name]
         lines.append(
             f"  enabled by the gate: {', '.join(gated) if gated else 'nowhere (no evidence)'}"

@@ -118,6 +118,9 @@ def test_evidence_round_trip_show_and_diff(tmp_path: Path) -> None:
     assert f"sm_90a   all: {n}/{n} cases pass in a.json" in shown
     assert "sm_100a  unvalidated" in shown
     assert "enabled by the gate: nowhere (no evidence)" in shown
+    listed = evidence.show(tmp_path, cases=True)
+    assert f"    {first}  a.json" in listed
+    assert f"    {RMSNORM.cases()[0].case_id}  unvalidated" in listed
 
     changes = evidence.diff(a, b)
     assert "fingerprint.driver: 570.1 -> 575.2" in changes
