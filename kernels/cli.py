@@ -1,0 +1,190 @@
+"""``kvtide kernels {validate,show,diff,compile}``.
+
+The orchestrator's CLI mounts this with ``kernels.cli.add_parser(subparsers)``; each
+subcommand sets ``func`` to a handler that takes the parsed ``argparse.Namespace`` and
+returns the exit code. ``main(argv)`` runs the same commands standalone
+(``python -m kernels ...``).
+
+    validate  run every case in scope on this machine's GPU; write evidence JSON + Markdown
+    show      list scopes and which cases have evidence under kernels/evidence/
+    diff      compare two evidence files
+    compile   compile every kernel for every arch in scope (no GPU needed) and report
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_parser", "main"]
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``kernels`` and its subcommands on an argparse subparsers object."""
+    parser = subparsers.add_parser(
+        "kernels", help="specialised decode kernels: compile, validate, show evidence"
+    )
+    parser.set_defaults(func=lambda _args: _usage(parser))
+    sub = parser.add_subparsers(dest="kernels_command")
+
+    p = sub.add_parser("validate", help="check every case in scope on this GPU; write evidence")
+    p.add_argument("--kernel", action="append", help="only this kernel (repeatable)")
+    p.add_argument("--cubins", type=Path, help="cubin directory (default: compile, or shipped)")
+    p.add_argument("--out", type=Path, help="evidence path stem (default: kernels/evidence/..)")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run the harness with the torch references on CPU (minutes at the largest "
+        "batches; combine with --max-batch); write nothing unless --out",
+    )
+    p.add_argument("--max-batch", type=int, help="only cases with at most this batch")
+    p.set_defaults(func=_validate)
+
+    p = sub.add_parser("show", help="scopes and their evidence")
+    p.add_argument("--evidence-dir", type=Path, help="default: kernels/evidence/")
+    p.add_argument("--cases", action="store_true", help="list every case and its evidence")
+    p.set_defaults(func=_show)
+
+    p = sub.add_parser("diff", help="compare two evidence files")
+    p.add_argument("a", type=Path)
+    p.add_argument("b", type=Path)
+    p.set_defaults(func=_diff)
+
+    p = sub.add_parser("compile", help="compile every kernel for every arch in scope (CPU)")
+    p.add_argument("--out", type=Path, help="output directory (default: a temporary one)")
+    p.add_argument("--arch", action="append", help="only this arch (repeatable)")
+    p.add_argument(
+        "--ship", action="store_true", help="rewrite the cubins shipped in kernels/cubins/"
+    )
+    p.add_argument("--sass", action="store_true", help="also count spills in the SASS")
+    p.set_defaults(func=_compile)
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
+
+
+def _show(args: argparse.Namespace) -> int:
+    from kernels import evidence
+
+    print(evidence.show(args.evidence_dir or evidence.EVIDENCE_DIR, cases=args.cases))
+    return 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from kernels import evidence
+
+    print(evidence.diff(args.a, args.b))
+    return 0
+
+
+def _compile(args: argparse.Namespace) -> int:
+    from kernels.compile import SHIPPED_ARCHS, SHIPPED_DIR, compile_all, format_report
+    from kernels.cute import CutlassUnavailable
+
+    archs = args.arch
+    out = args.out
+    if args.ship:
+        out, archs = SHIPPED_DIR, archs or list(SHIPPED_ARCHS)
+        for old in SHIPPED_DIR.glob("*/*.*"):
+            old.unlink()
+    if out is None:
+        out = Path(tempfile.mkdtemp(prefix="kvtide-kernels-"))
+    try:
+        compiled = compile_all(out, archs=archs, sass=args.sass)
+    except CutlassUnavailable as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print(format_report(compiled))
+    print(f"\n{len(compiled)} cubins in {out}")
+    return 0
+
+
+def _cubins_for(arch: str, explicit: Path | None) -> tuple[Path, str]:
+    """(directory, how it was chosen): explicit, freshly compiled, or shipped."""
+    from kernels.compile import SHIPPED_DIR, compile_all
+    from kernels.cute import CutlassUnavailable
+
+    if explicit is not None:
+        return explicit, "given"
+    try:
+        out = Path(tempfile.mkdtemp(prefix="kvtide-cubins-"))
+        compile_all(out, archs=[arch])
+        return out, "compiled here"
+    except CutlassUnavailable:
+        return SHIPPED_DIR, "shipped (nvidia-cutlass-dsl not installed)"
+
+
+def _validate(args: argparse.Namespace) -> int:
+    import torch
+
+    from kernels import evidence, validate
+
+    cases = [
+        c
+        for c in validate.all_cases()
+        if (not args.kernel or c.kernel in args.kernel)
+        and (args.max_batch is None or c.batch <= args.max_batch)
+    ]
+    if args.dry_run:
+        results = validate.run_cases(cases, validate.ReferenceImpl(), torch.device("cpu"))
+        if args.out:
+            evidence.write(args.out, "cpu", results, {"source": "torch reference (dry run)"})
+        failed = [r for r in results if not r.passed]
+        print(f"dry run: {len(results) - len(failed)} passed, {len(failed)} failed")
+        return 1 if failed else 0
+    if not torch.cuda.is_available():
+        print("no CUDA GPU here: validate needs one (try --dry-run)", file=sys.stderr)
+        return 2
+
+    from kernels.ops import CubinSet, Kernels
+    from kernels.scope import arch_from_capability
+
+    device = torch.device("cuda", 0)
+    arch = arch_from_capability(*torch.cuda.get_device_capability(device))
+    cubin_dir, how = _cubins_for(arch, args.cubins)
+    cubins = CubinSet.open(cubin_dir)
+    impl = Kernels(cubins, device)
+
+    def progress(r: validate.CaseResult) -> None:
+        timing = f"{r.kernel_us:.1f} vs {r.stock_us:.1f} µs" if r.kernel_us and r.stock_us else ""
+        print(f"{'pass' if r.passed else 'FAIL'} {r.case_id} {timing} {r.detail}", flush=True)
+
+    results = validate.run_cases(cases, impl, device, progress=progress)
+    loaded = next(iter(impl.launched), None)
+    meta = {
+        "dir": str(cubin_dir),
+        "chosen": how,
+        "source_sha256": cubins.source_sha256,
+        "nvidia_cutlass_dsl": cubins.nvidia_cutlass_dsl,
+        "backend": None if loaded is None else loaded.backend,
+        "image_kind": None if loaded is None else loaded.image_kind,
+    }
+    gpu = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    stem = args.out or evidence.EVIDENCE_DIR / f"{arch}-{gpu}-{stamp}"
+    json_path, md_path = evidence.write(stem, arch, results, meta)
+    num_failed = sum(1 for r in results if not r.passed)
+    print(
+        f"{len(results) - num_failed} passed, {num_failed} failed; evidence: {json_path}, {md_path}"
+    )
+    return 1 if num_failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kernels <validate|show|diff|compile> ...``."""
+    parser = argparse.ArgumentParser(prog="kvtide")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["kernels", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,185 @@
+"""Every kernel compiles for every arch in scope on this CPU, and the PTX and cubin show
+what the kernels promise: the right target, no local memory, registers within budget,
+128-bit vector loads, ``ex2`` in the combine, and an entry the cubin launcher can call.
+
+One compile of everything per test session (~10 s); skipped, saying why, only where
+nvidia-cutlass-dsl cannot be imported.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from kernels import compile as kc
+from kernels.cute import CutlassUnavailable, dsl_version, load_dsl
+from kernels.resources import find_tool, ptx_summary, sass_opcodes
+from kernels.scope import SCOPES
+
+REGISTER_BUDGET = {"dcp_lse_combine": 64, "fused_add_rmsnorm": 64}
+ENTRY_PARAMS = {
+    "dcp_lse_combine": ("u64",) * 4 + ("u32",) * 2,
+    "fused_add_rmsnorm": ("u64",) * 6 + ("u32", "f32"),
+}
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> list[kc.CompiledKernel]:
+    try:
+        load_dsl()
+    except CutlassUnavailable as exc:
+        pytest.skip(f"nvidia-cutlass-dsl cannot be imported here: {exc}")
+    return kc.compile_all(tmp_path_factory.mktemp("cubins"))
+
+
+def test_every_kernel_compiles_for_every_arch_in_scope(compiled: list[kc.CompiledKernel]) -> None:
+    want = {(v.variant_id, arch) for s in SCOPES for arch in s.archs for v in s.variants()}
+    assert {(k.variant.variant_id, k.arch) for k in compiled} == want
+    assert {k.arch for k in compiled} == {"sm_90a", "sm_100a", "sm_103a"}
+    for k in compiled:
+        assert k.ptx_target == k.arch, k.variant.variant_id
+        assert k.cubin.stat().st_size > 0
+
+
+def test_no_local_memory_and_registers_within_budget(compiled: list[kc.CompiledKernel]) -> None:
+    for k in compiled:
+        summary = ptx_summary(k.ptx.read_text())
+        assert not summary.uses_local_memory, k.variant.variant_id
+        if k.usage is None:
+            pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+        name = f"{k.variant.variant_id}@{k.arch}"
+        assert k.usage.local_bytes == 0 and k.usage.stack_bytes == 0, name
+        assert k.usage.registers <= REGISTER_BUDGET[k.variant.kernel], (name, k.usage.registers)
+
+
+def test_combine_reads_partials_with_128_bit_loads_and_weights_with_ex2(
+    compiled: list[kc.CompiledKernel],
+) -> None:
+    for k in compiled:
+        if k.variant.kernel != "dcp_lse_combine":
+            continue
+        ptx = k.ptx.read_text()
+        summary = ptx_summary(ptx)
+        # The rank loop is unrolled 4x (plus a remainder): one v4 load per rank copy.
+        assert summary.global_v4_loads >= 4
+        assert not re.search(r"ld\.global\.(?:b16|u16)", ptx), "scalar 16-bit loads"
+        assert re.search(r"st\.global\.v4\.b32", ptx)
+        assert summary.ex2 >= 4 and "lg2.approx" in ptx
+
+
+def test_rmsnorm_moves_vectors_and_converts_fp8_with_saturation(
+    compiled: list[kc.CompiledKernel],
+) -> None:
+    for k in compiled:
+        if k.variant.kernel != "fused_add_rmsnorm":
+            continue
+        ptx = k.ptx.read_text()
+        # x, residual, weight: one 128-bit load each per vector, four vectors per thread.
+        assert ptx_summary(ptx).global_v4_loads == 12
+        assert len(re.findall(r"st\.global\.v4\.b32", ptx)) >= 4  # new residual
+        assert "rsqrt.approx" in ptx
+        if k.variant.param("out_dtype") == "fp8_e4m3":
+            assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+            assert len(re.findall(r"st\.global\.v2\.b32", ptx)) == 4
+
+
+def test_entries_take_what_the_launcher_passes(compiled: list[kc.CompiledKernel]) -> None:
+    for k in compiled:
+        assert k.params == ENTRY_PARAMS[k.variant.kernel]
+        entry = ptx_summary(k.ptx.read_text()).entry
+        assert entry.reqntid == (k.geometry.threads, 1, 1)
+
+
+def test_sass_has_no_spill_instructions(compiled: list[kc.CompiledKernel]) -> None:
+    if find_tool("nvdisasm") is None:
+        pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
+    # One cubin per kernel (~0.5 s of nvdisasm each); resource usage covers them all.
+    picked = {"dcp_lse_combine/d512-bf16", "fused_add_rmsnorm/bf16-fp8_e4m3"}
+    for k in compiled:
+        if k.arch != "sm_90a" or k.variant.variant_id not in picked:
+            continue
+        opcodes = sass_opcodes(k.cubin)
+        assert opcodes is not None
+        assert opcodes["LDL"] + opcodes["STL"] == 0, k.variant.variant_id
+        assert opcodes["LDG"] > 0
+
+
+def test_shipped_cubins_are_what_the_sources_compile_to(
+    compiled: list[kc.CompiledKernel],
+) -> None:
+    manifest = json.loads((kc.SHIPPED_DIR / "manifest.json").read_text())
+    assert manifest["source_sha256"] == kc.source_digest(), (
+        "kernel sources changed: run `python -m kernels compile --ship` and commit kernels/cubins"
+    )
+    shipped = {(e["kernel"], e["variant"], e["arch"]): e for e in manifest["kernels"]}
+    fresh = [k for k in compiled if k.arch in kc.SHIPPED_ARCHS]
+    assert {(k.variant.kernel, k.variant.name, k.arch) for k in fresh} == set(shipped)
+    if manifest["nvidia_cutlass_dsl"] != dsl_version():
+        pytest.skip(f"shipped with nvidia-cutlass-dsl {manifest['nvidia_cutlass_dsl']}")
+    for k in fresh:
+        entry = shipped[(k.variant.kernel, k.variant.name, k.arch)]
+        assert (kc.SHIPPED_DIR / entry["cubin"]).read_bytes() == k.cubin.read_bytes()
+        assert entry["entry"] == k.entry
+
+
+def test_report_names_every_cubin(compiled: list[kc.CompiledKernel]) -> None:
+    report = kc.format_report(compiled)
+    assert len(report.splitlines()) >= len(compiled) + 2
+    assert "dcp_lse_combine/d512-bf16" in report and "sm_103a" in report
+
+
+def test_geometry_needs_no_cutlass() -> None:
+    combine = SCOPES[0].variants()[0]
+    assert kc.geometry(combine).rows_per_cta == 8  # d128: 16 threads per row, 128 threads
+    assert Path(kc.SHIPPED_DIR / "manifest.json").is_file()
+
+
+def test_kernel_layouts_address_torch_contiguous_tensors() -> None:
+    # CuTe's default layout is column-major; torch's is row-major. Evaluate the kernels'
+    # layouts with small static sizes and compare every offset with torch's strides.
+    import torch
+
+    from kernels.cute import add_rmsnorm, lse_combine
+
+    try:
+        dsl = load_dsl()
+    except CutlassUnavailable as exc:
+        pytest.skip(f"nvidia-cutlass-dsl cannot be imported here: {exc}")
+    cutlass, cute = dsl.cutlass, dsl.cute
+    n, rows, head_dim, hidden = 3, 5, 128, 48
+    got: dict[str, list[tuple[tuple[int, ...], int]]] = {"parts": [], "lse": [], "out": []}
+    got["row"] = []
+
+    @dsl.jit
+    def probe() -> None:
+        parts_l, lse_l, out_l, _ = lse_combine.layouts(cute, n, rows, head_dim)
+        for r in cutlass.range_constexpr(n):
+            for row in cutlass.range_constexpr(rows):
+                got["lse"].append(((r, row), cute.crd2idx((r, row), lse_l)))
+                for lane in (0, 7, 15):
+                    for e in (0, 5):
+                        c = (r, row, lane, e)
+                        got["parts"].append((c, cute.crd2idx(c, parts_l)))
+                        got["out"].append((c[1:], cute.crd2idx(c[1:], out_l)))
+        one_row = add_rmsnorm.row_layout(cute, hidden)
+        for col in cutlass.range_constexpr(hidden // 8):
+            got["row"].append(((col, 3), cute.crd2idx((col, 3), one_row)))
+
+    probe()
+    strides = {
+        "parts": torch.empty(n, rows, head_dim).stride(),
+        "lse": torch.empty(n, rows).stride(),
+        "out": torch.empty(rows, head_dim).stride(),
+        "row": torch.empty(hidden).stride(),
+    }
+    for name, pairs in got.items():
+        assert pairs, name
+        for coord, offset in pairs:
+            # (.., thread-in-row, element) is one torch index: thread * 8 + element.
+            *outer, lane, e = coord if name != "lse" else (*coord, 0, 0)
+            index = (*outer, lane * 8 + e) if name != "lse" else tuple(outer)
+            want = sum(i * s for i, s in zip(index, strides[name], strict=True))
+            assert int(offset) == want, (name, coord, offset, want)
