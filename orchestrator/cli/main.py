@@ -143,6 +143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from orchestrator.cli.inspect import add_inspect_parser
 
     add_inspect_parser(sub)
+    from kernels.cli import add_parser as add_kernels_parser
+
+    add_kernels_parser(sub)  # kvtide kernels validate|show|diff|compile
     args = parser.parse_args(argv)
     from orchestrator.errors import KVTideError
 

@@ -182,7 +182,37 @@ def format_plan(
     ]
     for device, tp in engines:
         lines += ["", *_decision_lines(device, tp, decisions[(device.name, tp)])]
+        lines += _kernel_lines(spec, device, tp, decisions[(device.name, tp)].dcp)
     return "\n".join(lines)
+
+
+# The PTX target of each catalog GPU that has specialised kernels in kernels/.
+GPU_ARCH = {"h100-sxm": "sm_90a", "h200": "sm_90a", "b200": "sm_100a", "gb200": "sm_100a"}
+GPU_ARCH["gb300"] = "sm_103a"
+
+
+def _kernel_lines(spec: ModelSpec, device: DeviceSpec, tp: int, dcp: int) -> list[str]:
+    """Which specialised decode path this engine would run, and why (``kernels.gate``):
+    each is enabled only inside a scope its GPU evidence covers."""
+    from kernels.gate import EngineShape, decide
+
+    arch = GPU_ARCH.get(device.name)
+    if arch is None:
+        return [f"  specialised decode paths: none for {device.name} (no kernels target it)"]
+    engine = EngineShape(
+        gpu_arch=arch,
+        model_type=spec.model_type,
+        dtype="bf16",
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        attention_head_dim=spec.mla.kv_lora_rank if spec.mla is not None else spec.head_dim,
+        tp=tp,
+        dcp=max(1, dcp),
+        max_batch=DEFAULT_MEMORY.max_num_seqs,
+    )
+    return [f"  specialised decode paths ({arch}, dcp={engine.dcp}):"] + [
+        f"    {d.path}: {'on' if d.enabled else 'off'} ({d.reason})" for d in decide(engine)
+    ]
 
 
 def _model_lines(spec: ModelSpec) -> list[str]:
