@@ -52,8 +52,6 @@ def start_ray(config: KVTideConfig, *, say: Callable[[str], None] = _say) -> Non
     ray.init(
         num_cpus=config.ray.num_cpus or 8,
         _temp_dir=temp_dir,
-        # Loopback: Ray binds its metrics endpoint (no auth) on this address only.
-        _node_ip_address=config.ray.node_ip_address,
         include_dashboard=False,
         logging_level="WARNING",
         log_to_driver=bool(os.environ.get("KVTIDE_ENGINE_LOGS")),

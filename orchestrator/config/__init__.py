@@ -165,12 +165,6 @@ class RaySection(StrictSection):
         None, ge=1, description="Logical CPUs of a locally started Ray (default: 8)."
     )
     temp_dir: str | None = Field(None, description="Ray temp dir of a locally started Ray.")
-    node_ip_address: str = Field(
-        "127.0.0.1",
-        description="Node IP of a locally started Ray. On loopback (the default) Ray's own "
-        "listeners, the Prometheus metrics endpoint among them, bind only 127.0.0.1; any "
-        "other address makes Ray bind them on every interface, without authentication.",
-    )
 
 
 class ObservabilitySection(StrictSection):
@@ -307,7 +301,6 @@ class RayConfig:
     address: str | None
     num_cpus: int | None
     temp_dir: str | None
-    node_ip_address: str = "127.0.0.1"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
