@@ -30,7 +30,8 @@ __all__ = [
 ]
 
 DEFAULT_MAX_TOKENS = 256
-_SESSION_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+# fullmatch: "$" would also match before a final newline ("abc\n").
+_SESSION_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -75,7 +76,7 @@ def parse_body(raw: bytes, content_type: str | None) -> dict[str, Any]:
 def parse_session_id(value: str | None) -> str | None:
     if value is None or value == "":
         return None
-    if not _SESSION_RE.match(value):
+    if not _SESSION_RE.fullmatch(value):
         raise InvalidRequest(
             "x-session-id must be 1-128 characters of letters, digits and ._:- ; "
             f"got {value[:40]!r}",

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from orchestrator.errors import InvalidRequest, ModelNotFound, RequestError, UnsupportedMediaType
+from orchestrator.sdk._wire import check_session_id
 from orchestrator.serve import openai_api as api
 
 MODEL = "kvtide-tiny"
@@ -112,6 +113,16 @@ def test_session_ids_are_checked() -> None:
         api.parse_session_id("has space")
     with pytest.raises(InvalidRequest):
         api.parse_session_id("x" * 129)
+
+
+@pytest.mark.parametrize("value", ["abc\n", "abc\r\n", "\nabc", "abc\x00"])
+def test_session_ids_are_matched_exactly(value: str) -> None:
+    # "$" matches before a final newline: "abc\n" once passed as "abc".
+    with pytest.raises(InvalidRequest) as err:
+        api.parse_session_id(value)
+    assert err.value.param == "x-session-id"
+    with pytest.raises(ValueError, match="session id"):
+        check_session_id(value)
 
 
 def test_stream_chunks_are_openai_shaped() -> None:
