@@ -175,12 +175,15 @@ class Router:
         request_id: str | None = None,
         prompt_text: str | None = None,
         trace_parent: tr.Parent = None,
+        sampling_options: Mapping[str, float | int] | None = None,
     ) -> AsyncIterator[tuple[GenerateChunk, TurnReport]]:
         """Stream decode chunks; each comes with the (growing) turn report.
 
         ``prompt_text``: the rendered prompt, when it came as text; the session's next
         turn continues tokenizing from it plus the generated text. ``trace_parent``: the
         ingress span the turn's spans hang under (see ``orchestrator.observability.tracing``).
+        ``sampling_options``: further ``GenerateRequest`` sampling fields (penalties,
+        ``top_k``, ``min_p``, ``min_tokens``), given to prefill and decode alike.
         """
         rid = request_id or uuid.uuid4().hex
         report = TurnReport(
@@ -192,6 +195,7 @@ class Router:
             "seed": seed,
             "stop": list(stop),
             "ignore_eos": ignore_eos,
+            **(sampling_options or {}),
         }
         with tr.span(
             tr.SPAN_ROUTE,

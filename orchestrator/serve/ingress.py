@@ -435,6 +435,7 @@ class Ingress:
             request_id=rid,
             prompt_text=text,
             trace_parent=root,
+            sampling_options=req.sampling_options(),
         )
         # Wait for the first item so that prefill failures become a proper status code.
         try:
