@@ -108,6 +108,13 @@ class ServerSection(StrictSection):
         "dashboard (and its job API) has no authentication: a non-loopback address needs "
         "allow_unauthenticated.",
     )
+    max_request_bytes: int = Field(
+        4 * 2**20,
+        ge=1024,
+        le=2**30,
+        description="Largest request body the API reads, in bytes; a larger one gets 413 "
+        "before it is read (from its Content-Length) or as soon as it passes the limit.",
+    )
 
     @field_validator("api_keys")
     @classmethod
@@ -147,6 +154,7 @@ class ServerConfig:
     api_keys: tuple[ApiKeyConfig, ...] = ()
     allow_unauthenticated: bool = False
     dashboard_host: str = "127.0.0.1"
+    max_request_bytes: int = 4 * 2**20
 
     @property
     def requires_api_key(self) -> bool:
