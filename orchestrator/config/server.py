@@ -26,9 +26,11 @@ __all__ = [
 
 
 class StrictSection(BaseModel):
-    """A config section: unknown fields are errors, values are frozen."""
+    """A config section: unknown fields are errors, values are frozen, types are strict
+    (``port: true`` or ``port: "80"`` is not a port; an integer is a valid float) and
+    numbers finite (``.inf`` and ``.nan`` are refused)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 _KEY_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
