@@ -402,3 +402,14 @@ def test_bodies_over_the_cap_are_413_before_they_are_read() -> None:
     assert err.value.status_code == 413 and "server.max_request_bytes" in err.value.message
     with pytest.raises(PayloadTooLarge):  # a lying or missing Content-Length: while reading
         asyncio.run(api.read_body(_chunks(b"x" * 3, b"x" * 3), "1", max_bytes=5))
+
+
+def test_every_request_field_is_documented() -> None:
+    from pathlib import Path
+
+    from orchestrator.serve.requests import ChatBody, CompletionBody, Message
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    fields = {*ChatBody.model_fields, *CompletionBody.model_fields, *Message.model_fields}
+    missing = sorted(f for f in fields - {"role", "content"} if f"`{f}`" not in doc)
+    assert not missing, f"docs/api.md does not say what kvtide does with {missing}"
