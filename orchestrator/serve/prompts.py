@@ -21,6 +21,7 @@ The work here is CPU-bound (seconds for a long prompt): the ingress runs it in a
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import Sequence
 from typing import Any
@@ -40,10 +41,15 @@ class RenderedChat(str):
 
     content_spans: tuple[tuple[int, int], ...] | None
 
-    def __new__(cls, text: str, content_spans: tuple[tuple[int, int], ...] | None) -> RenderedChat:
+    def __new__(
+        cls, text: str, content_spans: tuple[tuple[int, int], ...] | None = None
+    ) -> RenderedChat:
         self = super().__new__(cls, text)
         self.content_spans = content_spans
         return self
+
+    def __reduce__(self) -> tuple[type[RenderedChat], tuple[str, Any]]:
+        return RenderedChat, (str(self), self.content_spans)
 
 
 class PromptEncoder:
@@ -76,16 +82,18 @@ class PromptEncoder:
         """Refuse a prompt whose text alone cannot fit the context (400), counting
         characters only: each token covers at most ``max_chars_per_token`` of them."""
         if req.kind == "chat":
-            num_chars = sum(len(content) for _, content in req.messages)
+            self._check_chars(sum(len(content) for _, content in req.messages), "messages")
         else:
-            num_chars = len(req.prompt_text or "")
+            self._check_chars(len(req.prompt_text or ""), "prompt")
+
+    def _check_chars(self, num_chars: int, param: str) -> None:
         bound = self.max_model_len * self.max_chars_per_token
         if num_chars > bound:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {self.max_model_len} tokens, at "
                 f"most {bound} characters of text; your prompt has {num_chars} characters. "
                 "Shorten the prompt or the history.",
-                param="messages" if req.kind == "chat" else "prompt",
+                param=param,
             )
 
     def check_token_ids(self, token_ids: Sequence[int]) -> None:
@@ -99,32 +107,37 @@ class PromptEncoder:
     # ---- rendering -------------------------------------------------------------------
 
     def render_chat(self, messages: Sequence[tuple[str, str]]) -> RenderedChat:
-        """The chat prompt of ``messages`` (with the assistant's generation prompt)."""
+        """The chat prompt of ``messages`` (with the assistant's generation prompt).
+        Linear in the prompt's length, whatever the number of messages."""
         contents = [content for _, content in messages]
         text = self._render([(role, c) for role, c in messages])
-        # A sentinel per content that no content holds: private-use characters around
-        # a random nonce.
-        nonce = secrets.token_hex(8)
-        sentinels = [f"\U000f0000{nonce}.{i}\U000f0001" for i in range(len(contents))]
-        if any(s in c for s in sentinels for c in contents):
+        self._check_chars(len(text), "messages")  # the template's text counts too
+        # A sentinel per content, which no content holds: private-use characters around
+        # a random nonce and the message's index.
+        nonce = f"\U000f0000{secrets.token_hex(8)}."
+        if any(nonce in c for c in contents):
             return self._unsplit(text, contents)
-        marked = self._render([(role, s) for (role, _), s in zip(messages, sentinels, strict=True)])
+        marked = self._render(
+            [(role, f"{nonce}{i}\U000f0001") for i, (role, _) in enumerate(messages)]
+        )
         spans: list[tuple[int, int]] = []
         rebuilt: list[str] = []
+        seen: set[int] = set()
         at = offset = 0  # in ``marked``, in the rebuilt text
-        order = sorted(zip(sentinels, contents, strict=True), key=lambda sc: marked.find(sc[0]))
-        for sentinel, content in order:
-            start = marked.find(sentinel, at)
-            if start < 0 or marked.find(sentinel, start + 1) >= 0:
-                return self._unsplit(text, contents)  # dropped or repeated by the template
-            rebuilt += (marked[at:start], content)
-            offset += start - at
+        for match in re.finditer(re.escape(nonce) + "([0-9]+)\U000f0001", marked):
+            i = int(match.group(1))
+            if i in seen or i >= len(contents):
+                return self._unsplit(text, contents)  # repeated by the template
+            seen.add(i)
+            content = contents[i]
+            rebuilt += (marked[at : match.start()], content)
+            offset += match.start() - at
             spans.append((offset, offset + len(content)))
             offset += len(content)
-            at = start + len(sentinel)
+            at = match.end()
         rebuilt.append(marked[at:])
-        if "".join(rebuilt) != text:
-            return self._unsplit(text, contents)  # the template rewrites contents
+        if len(seen) != len(contents) or "".join(rebuilt) != text:
+            return self._unsplit(text, contents)  # dropped or rewritten by the template
         return RenderedChat(text, tuple(spans))
 
     def _render(self, messages: list[tuple[str, str]]) -> str:

@@ -5,6 +5,8 @@ before any tokenizing. With the tiny model's real tokenizer and ChatML-like temp
 
 from __future__ import annotations
 
+import pickle
+import time
 from typing import Any
 
 import pytest
@@ -137,3 +139,18 @@ def test_the_bound_never_refuses_a_prompt_that_fits(
 def test_rendered_chats_are_strings() -> None:
     chat = RenderedChat("abc", ((1, 2),))
     assert chat == "abc" and chat + "d" == "abcd" and type(chat + "d") is str
+    copy = pickle.loads(pickle.dumps(chat))
+    assert copy == "abc" and copy.content_spans == ((1, 2),)
+
+
+def test_many_messages_cost_linear_time(tiny_tokenizer: Any) -> None:
+    many = [("user" if i % 2 else "assistant", f"turn {i}") for i in range(5000)]
+    roomy = PromptEncoder(tiny_tokenizer, max_model_len=2**20)
+    t0 = time.monotonic()
+    chat = roomy.render_chat(many)
+    ids = roomy.encode(chat)
+    assert chat.content_spans is not None and len(chat.content_spans) == 5000
+    assert len(ids) > 5000 and time.monotonic() - t0 < 10
+    # Empty messages add no content, but their template text counts against the context.
+    with pytest.raises(ContextLengthExceeded):
+        PromptEncoder(tiny_tokenizer, max_model_len=256).render_chat([("user", "")] * 5000)
