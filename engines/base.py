@@ -95,6 +95,15 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     stop: list[str] = []
     ignore_eos: bool = False
+    # vLLM's SamplingParams of the same names; the defaults change nothing. An engine that
+    # cannot apply one (the simulated engine) ignores it: its output is not sampled.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    # Capped at max_tokens by the engine (a prefill runs one token of a longer turn).
+    min_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     # The conversation this request serves (None: none). Engines ignore it; the engine
     # host keeps it in its ledger of kept KV so the KV service can be rebuilt.

@@ -19,7 +19,13 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DEFAULT_SHAPE", "TinyModelShape", "generate_tiny_model", "is_tiny_model_dir"]
+__all__ = [
+    "DEFAULT_SHAPE",
+    "TinyModelShape",
+    "generate_tiny_model",
+    "generate_tiny_tokenizer",
+    "is_tiny_model_dir",
+]
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -199,6 +205,16 @@ def _write_weights(out: Path, shape: TinyModelShape, vocab_size: int) -> int:
         }
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return sum(t.numel() for t in tensors.values())
+
+
+def generate_tiny_tokenizer(path: str | Path, shape: TinyModelShape = DEFAULT_SHAPE) -> Path:
+    """Write only the tiny model's tokenizer (with its chat template) to ``path``: what
+    tests of rendering and tokenizing need, without torch or weights. The files are those
+    of ``generate_tiny_model`` with the same shape."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    _build_tokenizer(out, shape)
+    return out
 
 
 def generate_tiny_model(path: str | Path, shape: TinyModelShape = DEFAULT_SHAPE) -> Path:

@@ -33,7 +33,7 @@ from engines.base import (
     GenerateRequest,
 )
 
-__all__ = ["VLLMEngine", "engine_args_for"]
+__all__ = ["VLLMEngine", "engine_args_for", "sampling_args_for"]
 
 
 def engine_args_for(spec: EngineSpec) -> dict[str, Any]:
@@ -75,6 +75,30 @@ def engine_args_for(spec: EngineSpec) -> dict[str, Any]:
         }
     args.update(dict(spec.extra_engine_args))
     return args
+
+
+def sampling_args_for(request: GenerateRequest) -> dict[str, Any]:
+    """The keyword arguments of vLLM's ``SamplingParams`` for ``request`` (pure; tested)."""
+    return {
+        "max_tokens": request.max_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "seed": request.seed,
+        "stop": list(request.stop) or None,
+        "ignore_eos": request.ignore_eos,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        # vLLM refuses min_tokens > max_tokens; a turn's prefill asks for one token.
+        "min_tokens": min(request.min_tokens, request.max_tokens),
+        "extra_args": (
+            {"kv_transfer_params": dict(request.kv_transfer_params)}
+            if request.kv_transfer_params is not None
+            else None
+        ),
+    }
 
 
 class _Counters:
@@ -229,20 +253,7 @@ class VLLMEngine(EngineAdapter):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(
-            max_tokens=request.max_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            seed=request.seed,
-            stop=list(request.stop) or None,
-            ignore_eos=request.ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
-            extra_args=(
-                {"kv_transfer_params": dict(request.kv_transfer_params)}
-                if request.kv_transfer_params is not None
-                else None
-            ),
-        )
+        params = SamplingParams(**sampling_args_for(request), output_kind=RequestOutputKind.DELTA)
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
         async for out in self._llm.generate(prompt, params, request.request_id):
             completion = out.outputs[0] if out.outputs else None

@@ -9,6 +9,7 @@
         ├── ModelNotFound           404: the requested model is not served here
         ├── SessionNotFound         404: no such session for this key (also: another key's)
         ├── TurnInProgress          409: the session already has a turn running
+        ├── PayloadTooLarge         413: the body is over server.max_request_bytes
         ├── UnsupportedMediaType    415: the body is not application/json
         ├── LimitExceeded           429: over one of the key's limits (``code`` says which)
         └── Unavailable             503 with Retry-After: retrying later may succeed
@@ -33,6 +34,7 @@ __all__ = [
     "KVTideError",
     "LimitExceeded",
     "ModelNotFound",
+    "PayloadTooLarge",
     "RequestError",
     "ServiceUnavailable",
     "SessionNotFound",
@@ -69,9 +71,9 @@ class RequestError(KVTideError):
     def body(self) -> dict[str, object]:
         return {
             "error": {
-                "message": self.message,
+                "message": _utf8(self.message),
                 "type": self.error_type,
-                "param": self.param,
+                "param": None if self.param is None else _utf8(self.param),
                 "code": self.code,
             }
         }
@@ -79,6 +81,12 @@ class RequestError(KVTideError):
     def headers(self) -> dict[str, str]:
         """HTTP headers the response must carry besides the body (none by default)."""
         return {}
+
+
+def _utf8(text: str) -> str:
+    """``text`` with anything UTF-8 cannot carry (a lone surrogate from a client's JSON)
+    escaped, so that the body always encodes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class InvalidRequest(RequestError):
@@ -121,6 +129,11 @@ class TurnInProgress(RequestError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": "1"}
+
+
+class PayloadTooLarge(RequestError):
+    status_code = 413
+    code = "request_too_large"
 
 
 class UnsupportedMediaType(RequestError):

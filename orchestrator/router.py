@@ -237,6 +237,7 @@ class Router:
         prompt_text: str | None = None,
         trace_parent: tr.Parent = None,
         owner: str | None = None,
+        sampling_options: Mapping[str, float | int] | None = None,
     ) -> AsyncIterator[tuple[GenerateChunk, TurnReport]]:
         """Stream decode chunks; each comes with the (growing) turn report.
 
@@ -244,6 +245,8 @@ class Router:
         turn continues tokenizing from it plus the generated text. ``trace_parent``: the
         ingress span the turn's spans hang under (see ``orchestrator.observability.tracing``).
         ``owner``: the API key's name; the finished turn refreshes its ownership.
+        ``sampling_options``: further ``GenerateRequest`` sampling fields (penalties,
+        ``top_k``, ``min_p``, ``min_tokens``), given to prefill and decode alike.
         """
         rid = request_id or uuid.uuid4().hex
         report = TurnReport(
@@ -255,6 +258,7 @@ class Router:
             "seed": seed,
             "stop": list(stop),
             "ignore_eos": ignore_eos,
+            **(sampling_options or {}),
         }
         report.extra["owner"] = owner
         report.extra["deadline_s"] = self.clock() + self.request_timeout_s

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     Field,
     ValidationError,
@@ -26,6 +25,7 @@ from pydantic import (
 )
 
 from engines.base import EngineRole, EngineSpec, KVTransferSpec
+from orchestrator.config.file import read_yaml
 from orchestrator.config.server import (
     ApiKeyConfig,
     ServerConfig,
@@ -69,13 +69,13 @@ class ModelSection(StrictSection):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "float32", description="Weight and KV dtype. float32 keeps greedy output exact on CPU."
     )
-    max_model_len: int = Field(8192, ge=16, description="Context length in tokens.")
+    max_model_len: int = Field(8192, ge=16, le=2**24, description="Context length in tokens.")
 
 
 class PoolSection(StrictSection):
     num_engines: int = Field(1, ge=1, le=1024, description="Engines (replicas) in the pool.")
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="TP size of each engine.")
-    max_num_seqs: int = Field(64, ge=1, description="Concurrent sequences per engine.")
+    max_num_seqs: int = Field(64, ge=1, le=65536, description="Concurrent sequences per engine.")
     cpu_threads_bind: str | None = Field(
         None,
         description="vllm-cpu: cores for this pool's engines (VLLM_CPU_OMP_THREADS_BIND, "
@@ -85,11 +85,12 @@ class PoolSection(StrictSection):
     kv_cache_space_gib: int = Field(
         1,
         ge=1,
+        le=65536,
         description="vllm-cpu: KV cache size per engine in whole GiB "
         "(VLLM_CPU_KVCACHE_SPACE; vllm-cpu reads it as an integer).",
     )
-    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per engine actor.")
-    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per engine actor (TP=1).")
+    num_cpus: float = Field(1.0, ge=0, le=4096, description="Ray CPUs reserved per engine actor.")
+    num_gpus: float = Field(0.0, ge=0, le=64, description="Ray GPUs per engine actor (TP=1).")
     decode_context_parallel_size: int = Field(
         1,
         ge=1,
@@ -105,10 +106,13 @@ class KVSection(StrictSection):
         True, description="Decode sends finished KV back to prefill for the next turn."
     )
     decoder_kv_blocks_ttl_s: int = Field(
-        480, ge=10, description="How long decode keeps a finished turn's KV for send-back."
+        480,
+        ge=10,
+        le=86400,
+        description="How long decode keeps a finished turn's KV for send-back.",
     )
     kv_recompute_threshold_tokens: int = Field(
-        64, ge=0, description="Reusable remainders shorter than this are recomputed."
+        64, ge=0, le=2**24, description="Reusable remainders shorter than this are recomputed."
     )
     kv_load_failure_policy: Literal["fail", "recompute"] = Field(
         "fail",
@@ -122,11 +126,15 @@ class KVSection(StrictSection):
         "(the prefill engine declines reads within 5 s of expiry).",
     )
     pull_timeout_s: float = Field(
-        30.0, gt=0, description="Bound on a prefill that pulls KV; past it kvtide recomputes."
+        30.0,
+        gt=0,
+        le=3600,
+        description="Bound on a prefill that pulls KV; past it kvtide recomputes.",
     )
     idle_budget_mib_per_engine: float | None = Field(
         None,
         gt=0,
+        le=2**30,
         description="Most KV (MiB) idle sessions may keep on one decode engine; "
         "past it the idle sessions nearest expiry are drained back to prefill. Empty: no bound "
         "(blocks still expire at the TTL).",
@@ -162,7 +170,7 @@ class RaySection(StrictSection):
         None, description="Join this Ray cluster ('auto' or host:port); empty: start one."
     )
     num_cpus: int | None = Field(
-        None, ge=1, description="Logical CPUs of a locally started Ray (default: 8)."
+        None, ge=1, le=65536, description="Logical CPUs of a locally started Ray (default: 8)."
     )
     temp_dir: str | None = Field(None, description="Ray temp dir of a locally started Ray.")
 
@@ -192,6 +200,7 @@ class RoutingSection(StrictSection):
     long_context_threshold_tokens: int | None = Field(
         None,
         ge=1,
+        le=2**24,
         description="Prompts longer than this decode on the decode_long pool, the rest on "
         "decode. `kvtide plan --pools` proposes it for a workload. Needs decode_long.",
     )
@@ -208,15 +217,17 @@ class PlacementSection(StrictSection):
     timeout_s: float = Field(
         120.0,
         gt=0,
+        le=86400,
         description="Bound on waiting for Ray to place an engine's placement group; past "
         "it kvtide stops and lists each domain's free GPUs against what was asked.",
     )
     num_cpus_per_shard: float = Field(
-        1.0, ge=0, description="Ray CPUs reserved beside each GPU (TP rank) of an engine."
+        1.0, ge=0, le=1024, description="Ray CPUs reserved beside each GPU (TP rank) of an engine."
     )
     supervise_interval_s: float = Field(
         10.0,
         gt=0,
+        le=3600,
         description="How often `kvtide up` checks for lost nodes and re-places the engines "
         "that used them.",
     )
@@ -452,13 +463,20 @@ def _placement(f: ConfigFile) -> PlacementConfig:
 
 
 def _explain(exc: ValidationError) -> ConfigError:
-    first = exc.errors()[0]
+    first = exc.errors(include_url=False)[0]
     where = ".".join(str(p) for p in first["loc"]) or "(top level)"
     fix = {
         "extra_forbidden": "remove it or check its spelling against docs/config.md",
         "missing": "add it",
     }.get(first["type"], "see docs/config.md for the allowed values")
-    lines = [f"invalid kvtide config: {where}: {first['msg']} ({fix})"]
+    # Numbers and booleans only: a string may be a secret pasted in the wrong place.
+    value = first.get("input")
+    got = (
+        f", got {value!r}"
+        if isinstance(value, bool | int | float) and len(repr(value)) <= 40
+        else ""
+    )
+    lines = [f"invalid kvtide config: {where}: {first['msg']}{got} ({fix})"]
     lines += [f"  also {'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[1:]]
     return ConfigError("\n".join(lines), field=where)
 
@@ -482,11 +500,7 @@ def load_config(path: str | os.PathLike[str] | None) -> KVTideConfig:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing YAML file")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
-    return parse_config(data)
+    return parse_config(read_yaml(p))
 
 
 def default_config() -> KVTideConfig:

@@ -26,9 +26,11 @@ __all__ = [
 
 
 class StrictSection(BaseModel):
-    """A config section: unknown fields are errors, values are frozen."""
+    """A config section: unknown fields are errors, values are frozen, types are strict
+    (``port: true`` or ``port: "80"`` is not a port; an integer is a valid float) and
+    numbers finite (``.inf`` and ``.nan`` are refused)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 _KEY_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -124,6 +126,13 @@ class ServerSection(StrictSection):
         "dashboard (and its job API) has no authentication: a non-loopback address needs "
         "allow_unauthenticated.",
     )
+    max_request_bytes: int = Field(
+        4 * 2**20,
+        ge=1024,
+        le=2**30,
+        description="Largest request body the API reads, in bytes; a larger one gets 413 "
+        "before it is read (from its Content-Length) or as soon as it passes the limit.",
+    )
 
     @field_validator("api_keys")
     @classmethod
@@ -165,6 +174,7 @@ class ServerConfig:
     allow_unauthenticated: bool = False
     request_timeout_s: float = 600.0
     dashboard_host: str = "127.0.0.1"
+    max_request_bytes: int = 4 * 2**20
 
     @property
     def requires_api_key(self) -> bool:

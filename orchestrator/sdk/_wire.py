@@ -26,7 +26,7 @@ from orchestrator.sdk.results import TurnResult
 
 CHAT_PATH = "/v1/chat/completions"
 SESSIONS_PATH = "/kvtide/sessions"
-_SESSION_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # used with fullmatch
 # Keys the session owns: a caller passing them as sampling options is a mistake.
 _RESERVED = frozenset({"model", "messages", "stream", "stream_options"})
 
@@ -38,7 +38,7 @@ def request_id_of(headers: Mapping[str, str]) -> str | None:
 
 
 def check_session_id(session_id: str) -> str:
-    if not _SESSION_ID_RE.match(session_id):
+    if not _SESSION_ID_RE.fullmatch(session_id):
         raise ValueError(
             "a session id must be 1-128 characters of letters, digits and ._:- ; "
             f"got {session_id[:40]!r}"

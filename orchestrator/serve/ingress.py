@@ -37,7 +37,6 @@ from orchestrator.errors import (
 )
 from orchestrator.kv.actor import get_or_create_service, service_client
 from orchestrator.kv.ownership import Principal, session_not_found
-from orchestrator.kv.session_tokens import continue_tokens
 from orchestrator.kv.turn_planner import kv_lifecycle_config
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import http_status, make_metrics
@@ -45,6 +44,7 @@ from orchestrator.router import Router, TurnReport
 from orchestrator.serve import openai_api as api
 from orchestrator.serve.auth import Authenticator, ConcurrencyGate, Ticket, check_request
 from orchestrator.serve.model_info import kv_bytes_per_token_of
+from orchestrator.serve.prompts import PromptEncoder
 from orchestrator.serve.responses import (
     Output,
     ending,
@@ -99,6 +99,7 @@ class Ingress:
         self.config = config
         self.model_path = config.model.resolved_path()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.prompts = PromptEncoder(self.tokenizer, max_model_len=config.model.max_model_len)
         given = {"prefill": prefill, "decode": decode, "decode_long": decode_long}
         self.pools = {
             name: HandlePool(handles, (weights or {}).get(name))
@@ -295,31 +296,33 @@ class Ingress:
     async def completions(self, request: Request) -> Any:
         return await self._traced(request, "text_completion", self._completion)
 
+    async def _body(self, request: Request) -> dict[str, Any]:
+        """The JSON body, refused (413) past ``server.max_request_bytes`` before it is
+        read whole."""
+        raw = await api.read_body(
+            request.stream(),
+            request.headers.get("content-length"),
+            self.config.server.max_request_bytes,
+        )
+        return api.parse_body(raw, request.headers.get("content-type"))
+
     async def _chat(self, request: Request, root: Span) -> Any:
         principal = self._principal(request)
-        body = api.parse_body(await request.body(), request.headers.get("content-type"))
-        req = api.parse_chat(body, self.config.model.name)
-        text = self.tokenizer.apply_chat_template(
-            [{"role": r, "content": c} for r, c in req.messages],
-            add_generation_prompt=True,
-            tokenize=False,
-        )
+        req = api.parse_chat(await self._body(request), self.config.model.name)
+        self.prompts.check_length(req)
+        # Off the event loop, as tokenizing is: a long history takes a while to render.
+        text = await asyncio.to_thread(self.prompts.render_chat, req.messages)
         return await self._serve(req, text, None, request, principal, root)
 
     async def _completion(self, request: Request, root: Span) -> Any:
         principal = self._principal(request)
-        body = api.parse_body(await request.body(), request.headers.get("content-type"))
-        req = api.parse_completion(body, self.config.model.name)
+        req = api.parse_completion(await self._body(request), self.config.model.name)
         if req.prompt_token_ids is not None:
             ids: list[int] | None = list(req.prompt_token_ids)
-            vocab = len(self.tokenizer)
-            if max(ids) >= vocab:
-                raise api.InvalidRequest(
-                    f"prompt token id {max(ids)} is outside the vocabulary (size {vocab})",
-                    param="prompt",
-                )
+            self.prompts.check_token_ids(req.prompt_token_ids)
             return await self._serve(req, None, ids, request, principal, root)
         assert req.prompt_text is not None
+        self.prompts.check_length(req)
         return await self._serve(req, req.prompt_text, None, request, principal, root)
 
     async def _traced(
@@ -386,21 +389,16 @@ class Ingress:
     async def _tokenize(
         self, req: api.ApiRequest, session_id: str | None, text: str, principal: Principal
     ) -> list[int]:
-        tok = self.tokenizer
-        special = req.kind == "completion"  # chat templates already carry BOS
+        """``text``: a ``RenderedChat`` (its messages' contents stay text) or a
+        completion's raw prompt."""
         last_text, last_ids = None, []
         if session_id is not None:
             prefix = await self.kv.session_prefix(session_id, principal)
             if not prefix.owned:
                 raise session_not_found(session_id)
             last_text, last_ids = prefix.text, prefix.token_ids
-        return continue_tokens(
-            last_text,
-            last_ids,
-            text,
-            full=lambda t: tok.encode(t, add_special_tokens=special),
-            suffix=lambda t: tok.encode(t, add_special_tokens=False),
-        )
+        # Off the event loop: a long prompt takes seconds, and /v1/models must not wait.
+        return await asyncio.to_thread(self.prompts.encode, text, last_text, last_ids)
 
     async def _serve(
         self,
@@ -486,6 +484,7 @@ class Ingress:
             prompt_text=text,
             trace_parent=root,
             owner=None if principal.is_anonymous else principal.name,
+            sampling_options=req.sampling_options(),
         )
         # Wait for the first item so that prefill failures become a proper status code.
         try:

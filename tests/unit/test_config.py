@@ -146,3 +146,71 @@ def test_decode_context_parallelism_is_checked_where_it_can_run() -> None:
         with pytest.raises(ConfigError, match=why) as err:
             parse_config(data)
         assert str(err.value.field).endswith("decode_context_parallel_size")
+
+
+# ---- strictness (issue 12): every bad file is a ConfigError naming the field or line ----
+
+
+@pytest.mark.parametrize(
+    "data,field",
+    [
+        ({"server": {"port": True}}, "server.port"),  # was taken as port 1
+        ({"server": {"port": "8000"}}, "server.port"),
+        ({"decode": {"num_engines": 2.0}}, "decode.num_engines"),
+        ({"kv": {"bidirectional_kv_xfer": "false"}}, "kv.bidirectional_kv_xfer"),
+        ({"kv": {"bidirectional_kv_xfer": 0}}, "kv.bidirectional_kv_xfer"),
+        ({"kv": {"pull_timeout_s": float("inf")}}, "kv.pull_timeout_s"),  # was accepted
+        ({"kv": {"pull_timeout_s": float("nan")}}, "kv.pull_timeout_s"),
+        ({"kv": {"pull_timeout_s": 1e300}}, "kv.pull_timeout_s"),
+        ({"placement": {"timeout_s": float("inf")}}, "placement.timeout_s"),
+        ({"kv": {"idle_budget_mib_per_engine": float("inf")}}, "kv.idle_budget_mib_per_engine"),
+        ({"kv": {"decoder_kv_blocks_ttl_s": 10**30}}, "kv.decoder_kv_blocks_ttl_s"),
+        ({"model": {"max_model_len": 10**12}}, "model.max_model_len"),
+        ({"server": {"max_request_bytes": 10}}, "server.max_request_bytes"),
+        ({"decode": {"cpu_threads_bind": 1}}, "decode.cpu_threads_bind"),
+    ],
+)
+def test_wrong_types_infinities_and_out_of_range_values_name_the_field(
+    data: dict[str, object], field: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert err.value.field == field and field in str(err.value)
+
+
+def test_what_yaml_writes_naturally_still_validates() -> None:
+    cfg = parse_config(
+        {"kv": {"pull_timeout_s": 5, "safety_margin_s": 8}, "prefill": {"num_cpus": 2}}
+    )
+    assert cfg.kv.pull_timeout_s == 5.0 and cfg.prefill.num_cpus == 2.0
+
+
+def test_a_key_given_twice_names_it_and_its_lines(tmp_path: Path) -> None:
+    path = tmp_path / "twice.yaml"
+    path.write_text("server:\n  port: 8000\n  host: 127.0.0.1\n  port: 8080\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)  # PyYAML alone keeps 8080 silently
+    assert err.value.field == "port"
+    assert "line 4" in str(err.value) and "first on line 2" in str(err.value)
+    # Merge keys may be overridden, as YAML means them to be.
+    merged = tmp_path / "merged.yaml"
+    merged.write_text(
+        "prefill: &pool {num_engines: 2, num_cpus: 1}\ndecode:\n  <<: *pool\n  num_engines: 3\n"
+    )
+    cfg = load_config(merged)
+    assert (cfg.prefill.num_engines, cfg.decode.num_engines) == (2, 3)
+
+
+def test_files_that_cannot_be_read_as_yaml_text_are_config_errors(tmp_path: Path) -> None:
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(b"model:\n  name: caf\xe9\n")  # was an uncaught UnicodeDecodeError
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(line 2"):
+        load_config(latin1)
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("a: " + "[" * 20000 + "]" * 20000 + "\n")
+    with pytest.raises(ConfigError, match="nests too deeply"):
+        load_config(deep)
+    bool_port = tmp_path / "port.yaml"
+    bool_port.write_text("server:\n  port: yes\n")
+    with pytest.raises(ConfigError, match=r"server\.port"):
+        load_config(bool_port)

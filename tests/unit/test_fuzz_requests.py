@@ -1,0 +1,390 @@
+"""Property-based fuzz of the request path (issue 12: no body is ever a 500).
+
+Thousands of bodies, drawn from the request models' own fields (``ChatBody``,
+``CompletionBody``) with plausible values, neutral and non-neutral values of the fields
+kvtide refuses, and garbage: wrong types, huge and non-finite numbers, deep nesting,
+lone surrogates, special-token text, unknown fields, truncated or non-UTF-8 bytes.
+Each goes through the parsing layer and, fewer of them, through the ingress's own route
+methods (``ingress_harness``: the tiny tokenizer, the real router and KV service, fake
+pools). Every answer is a success or a 4xx with an OpenAI-style body that encodes and
+names no internals, in bounded time; and nothing kvtide cannot honour is accepted.
+
+Derandomized: CI runs the same cases every time (``KVTIDE_FUZZ_RANDOM=1`` draws new ones).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import time
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from ingress_harness import MODEL, bare_ingress, handle
+
+from orchestrator.errors import RequestError
+from orchestrator.serve import openai_api as api
+from orchestrator.serve.requests import ChatBody, CompletionBody
+
+_RANDOM = os.environ.get("KVTIDE_FUZZ_RANDOM") == "1"
+FAST = settings(
+    max_examples=1000,
+    deadline=None,
+    derandomize=not _RANDOM,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    database=None,
+)
+THROUGH_INGRESS = settings(FAST, max_examples=400)
+MAX_SECONDS_PER_REQUEST = 5.0  # a loaded CI box; a request takes milliseconds here
+INTERNALS = re.compile(
+    r"Traceback|\b\w+(Error|Exception)\b(?!\w)|pydantic|Input should|File \"", re.IGNORECASE
+)
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+
+# ---- values ------------------------------------------------------------------------------
+
+surrogates = st.integers(0xD800, 0xDFFF).map(chr)
+# Valid Unicode, with the tiny model's special tokens typed in now and then.
+good_texts = st.one_of(
+    st.text(st.characters(exclude_categories=("Cs",)), max_size=24),
+    st.lists(st.sampled_from([*SPECIALS, "x", " ", "\n", "é", "💥", "the model"]), max_size=6).map(
+        "".join
+    ),
+)
+texts = st.one_of(
+    good_texts,
+    st.sampled_from(["", "a\ud800b", "\udfff", "\x00"]),
+    st.lists(st.one_of(st.sampled_from([*SPECIALS, "x"]), surrogates), max_size=6).map("".join),
+)
+ints = st.one_of(
+    st.integers(-3, 300),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([2**31, 2**63, 2**64, -(2**63) - 1, 10**4000]),
+)
+floats = st.floats(allow_nan=True, allow_infinity=True)
+scalars = st.one_of(st.none(), st.booleans(), ints, floats, texts)
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(texts, inner, max_size=3),
+    max_leaves=5,
+)
+
+
+def _values(*values: object) -> st.SearchStrategy[Any]:
+    return st.sampled_from(values)
+
+
+bools = st.booleans()
+# Values a client may send that kvtide accepts (the neutral ones for fields it does not
+# honour). Cross-field rules hold: one token limit, min_tokens below it.
+VALID: dict[str, st.SearchStrategy[Any]] = {
+    "temperature": st.one_of(st.floats(0, 2), st.integers(0, 2)),
+    "top_p": st.floats(0, 1, exclude_min=True),
+    "seed": st.integers(-(2**63), 2**63 - 1),
+    "stop": st.one_of(
+        st.none(),
+        good_texts.filter(bool),
+        st.lists(good_texts.filter(bool), max_size=4),
+    ),
+    "stream": bools,
+    "stream_options": st.fixed_dictionaries(
+        {}, optional={"include_usage": bools, "include_obfuscation": bools}
+    ),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.01, 10),
+    "top_k": st.integers(-1, 100),
+    "min_p": st.floats(0, 1),
+    "min_tokens": st.integers(0, 3),
+    "ignore_eos": bools,
+    "return_token_ids": bools,
+    "user": good_texts,
+    "metadata": st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3),
+    "parallel_tool_calls": bools,
+    "prompt_cache_key": good_texts,
+    "safety_identifier": good_texts,
+    "n": _values(1, None),
+    "logit_bias": _values({}, None),
+    "top_logprobs": _values(0, None),
+    "response_format": _values({"type": "text"}, None),
+    "tools": _values([], None),
+    "tool_choice": _values("none", "auto", None),
+    "functions": _values([], None),
+    "function_call": _values("none", "auto", None),
+    "store": _values(False, None),
+    "modalities": _values(["text"], None),
+    "service_tier": _values("auto", "default", None),
+    "echo": _values(False, None),
+    "best_of": _values(1, None),
+    "suffix": _values("", None),
+}
+CHAT_ONLY_VALID = {"logprobs": _values(False, None)}
+# Values that must be refused, besides garbage: wrong types JSON clients produce, and
+# the non-neutral values of the fields kvtide does not honour.
+REFUSED: dict[str, st.SearchStrategy[Any]] = {
+    "max_tokens": _values(0, -1, 5.0, "5", True),
+    "stream": _values("false", "true", 0, 1),
+    "ignore_eos": _values("false", 1),
+    "stop": _values(5, [5], ["a"] * 5, ""),
+    "temperature": _values(3, "0.5", True, float("inf")),
+    "n": _values(2, 0, True, "1"),
+    "logit_bias": _values({"1": 5}, []),
+    "logprobs": _values(True, 3),
+    "top_logprobs": _values(2, False),
+    "response_format": _values({"type": "json_object"}, "text"),
+    "tools": _values([{"type": "function"}], {}),
+    "tool_choice": _values("required", {"type": "function"}),
+    "store": _values(True, 0),
+    "modalities": _values(["text", "audio"], []),
+    "service_tier": _values(
+        "flex",
+    ),
+    "echo": _values(True, 0),
+    "best_of": _values(2, True),
+    "suffix": _values(
+        "tail",
+    ),
+}
+BOOLEANS = {"stream", "ignore_eos", "return_token_ids", "parallel_tool_calls"}
+# Oracle: the values a field kvtide does not honour may have and still be accepted.
+NEUTRAL: dict[str, list[object]] = {
+    "n": [1],
+    "logit_bias": [{}],
+    "top_logprobs": [0],
+    "response_format": [{"type": "text"}],
+    "tools": [[]],
+    "tool_choice": ["none", "auto"],
+    "functions": [[]],
+    "function_call": ["none", "auto"],
+    "store": [False],
+    "modalities": [["text"]],
+    "service_tier": ["auto", "default"],
+    "echo": [False],
+    "best_of": [1],
+    "suffix": [""],
+    "audio": [],
+    "prediction": [],
+    "reasoning_effort": [],
+    "verbosity": [],
+    "web_search_options": [],
+}
+
+valid_messages = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["system", "user", "assistant", "tool", "developer"]),
+            "content": st.one_of(
+                good_texts,
+                st.none(),
+                st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": good_texts})),
+            ),
+        },
+        optional={"tool_calls": _values([], None), "refusal": st.none()},
+    ),
+    min_size=1,
+    max_size=3,
+)
+valid_prompts = st.one_of(
+    good_texts.filter(bool),
+    st.lists(st.integers(0, 1000), min_size=1, max_size=12),
+    good_texts.filter(bool).map(lambda t: [t]),
+)
+garbage = st.one_of(json_values, texts, ints, floats)
+
+
+@st.composite
+def bodies(draw: st.DrawFn, kind: str) -> tuple[dict[str, Any], bool]:
+    """A valid body (the required fields, a few optional ones with accepted values),
+    then 0-2 mutations: a field set to garbage or to a value that must be refused, an
+    unknown field, a required field dropped, a message broken. Returns the body and
+    whether it was mutated (an unmutated body must be accepted)."""
+    model = ChatBody if kind == "chat" else CompletionBody
+    body: dict[str, Any] = {"model": MODEL}
+    if kind == "chat":
+        body["messages"] = draw(valid_messages)
+    else:
+        body["prompt"] = draw(valid_prompts)
+    valid = VALID | (CHAT_ONLY_VALID if kind == "chat" else {})
+    for name in draw(
+        st.lists(st.sampled_from(sorted(set(valid) & set(model.model_fields))), max_size=4)
+    ):
+        body[name] = draw(valid[name])
+    limit = draw(_values(None, "max_tokens", "max_completion_tokens" if kind == "chat" else None))
+    if limit is not None:
+        body[limit] = draw(st.integers(4, 64))
+    fields = sorted(set(model.model_fields))
+    num_mutations = draw(_values(0, 0, 1, 1, 2))
+    for _ in range(num_mutations):
+        how = draw(st.integers(0, 9))
+        if how <= 3:  # a field's value
+            name = draw(st.sampled_from(fields))
+            bad = REFUSED.get(name, st.nothing())
+            body[name] = draw(st.one_of(bad, bad, garbage))
+        elif how == 4:
+            body[draw(texts)] = draw(json_values)  # usually an unknown field
+        elif how == 5:
+            body.pop(draw(st.sampled_from(sorted(body))))
+        elif how <= 7:  # a lone surrogate in text that is otherwise fine
+            poison = draw(st.tuples(good_texts, surrogates, good_texts).map("".join))
+            where = draw(_values("text", "stop", "user"))
+            if where != "text":
+                body[where] = poison
+            elif kind == "completion":
+                body["prompt"] = poison
+            elif isinstance(body.get("messages"), list) and body["messages"]:
+                body["messages"][-1] = {**body["messages"][-1], "content": poison}
+        elif kind == "chat" and isinstance(body.get("messages"), list) and body["messages"]:
+            message = body["messages"][0] = dict(body["messages"][0])
+            key = draw(st.sampled_from(["role", "content", "name", "tool_calls", draw(texts)]))
+            message[key] = draw(st.one_of(texts, garbage))
+        else:
+            body["model"] = draw(texts)
+    return body, num_mutations > 0
+
+
+def _dumps(body: dict[str, Any]) -> bytes:
+    # Lone surrogates go out as \udXXX escapes, NaN and Infinity as their literals: what
+    # a careless client sends.
+    return json.dumps(body).encode()
+
+
+def _raw(body_mutated: tuple[dict[str, Any], bool]) -> bytes:
+    return _dumps(body_mutated[0])
+
+
+raw_bodies = st.one_of(
+    bodies("chat").map(_raw),
+    st.binary(max_size=64),
+    st.integers(1, 60_000).map(lambda n: b"[" * n + b"]" * n),
+    st.integers(1, 60_000).map(lambda n: b'{"model": "kvtide-tiny", "messages": ' + b"[" * n),
+    st.integers(4000, 6000).map(lambda n: b'{"model": "kvtide-tiny", "seed": ' + b"9" * n + b"}"),
+    bodies("chat").map(_raw).flatmap(lambda b: st.integers(0, len(b)).map(lambda i: b[:i])),
+    bodies("chat").map(
+        lambda bm: json.dumps(bm[0], ensure_ascii=False).encode("utf-16", "surrogatepass")
+    ),
+    bodies("chat").map(
+        lambda bm: json.dumps(bm[0], ensure_ascii=False).encode("utf-8", "surrogatepass")
+    ),
+)
+
+# ---- checks ------------------------------------------------------------------------------
+
+
+def check_refusal(exc: RequestError) -> None:
+    assert 400 <= exc.status_code < 500, exc
+    error = exc.body()["error"]
+    assert isinstance(error, dict)
+    json.dumps(error, ensure_ascii=False).encode("utf-8")  # as the app renders it
+    assert isinstance(error["message"], str) and error["message"]
+    assert not INTERNALS.search(error["message"]), error["message"]
+
+
+def check_accepted(body: dict[str, Any], kind: str) -> None:
+    """A parsed body asked for nothing kvtide does not do, in types JSON means."""
+    model = ChatBody if kind == "chat" else CompletionBody
+    assert set(body) <= set(model.model_fields)
+    for name, value in body.items():
+        if name in NEUTRAL and value is not None:
+            assert any(type(value) is type(n) and value == n for n in NEUTRAL[name]), name
+        if name in BOOLEANS:
+            assert value is None or isinstance(value, bool), name
+    if kind == "chat":
+        assert body.get("logprobs") in (None, False)
+    else:
+        assert body.get("logprobs") is None
+    json.dumps(body, ensure_ascii=False).encode("utf-8")  # no lone surrogate anywhere
+
+
+def parse(raw: bytes, kind: str, *, must_accept: bool = False) -> None:
+    t0 = time.monotonic()
+    try:
+        body = api.parse_body(raw, "application/json")
+        req = (api.parse_chat if kind == "chat" else api.parse_completion)(body, MODEL)
+    except RequestError as exc:
+        assert not must_accept, exc.body()
+        check_refusal(exc)
+    else:
+        assert req.kind == kind
+        check_accepted(body, kind)
+    assert time.monotonic() - t0 < MAX_SECONDS_PER_REQUEST
+
+
+@FAST
+@given(bodies("chat"))
+def test_chat_bodies_parse_or_are_4xx(body_mutated: tuple[dict[str, Any], bool]) -> None:
+    body, mutated = body_mutated
+    parse(_dumps(body), "chat", must_accept=not mutated)
+
+
+@settings(FAST, max_examples=600)
+@given(bodies("completion"))
+def test_completion_bodies_parse_or_are_4xx(body_mutated: tuple[dict[str, Any], bool]) -> None:
+    body, mutated = body_mutated
+    parse(_dumps(body), "completion", must_accept=not mutated)
+
+
+@settings(FAST, max_examples=500)
+@given(raw_bodies)
+def test_raw_bytes_parse_or_are_4xx(raw: bytes) -> None:
+    parse(raw, "chat")
+
+
+# ---- through the ingress -----------------------------------------------------------------
+
+# Around the ingress's 256 KiB cap (413) and far over the 256-token context (400).
+huge_bodies = st.integers(100_000, 400_000).map(
+    lambda n: _dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * n}]})
+)
+session_ids = st.one_of(
+    st.none(),
+    st.sampled_from(["s1", "s2", "agent-7:run.3"]),
+    st.text(st.characters(max_codepoint=255), max_size=20),
+)
+
+
+@pytest.fixture(scope="module")
+def ingress(tiny_tokenizer: Any) -> Any:
+    return bare_ingress(tiny_tokenizer, max_request_bytes=256 * 1024)
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> tuple[str, bytes, dict[str, str], bool]:
+    """A path, its body, headers, and whether all of it is valid (then: 200)."""
+    kind = draw(_values("chat", "completion"))
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    body, mutated = draw(bodies(kind))
+    raw = _dumps(body) if draw(st.integers(0, 4)) else draw(raw_bodies | huge_bodies)
+    mutated = mutated or raw != _dumps(body)
+    headers = {"content_type": draw(_values(*["application/json"] * 6, "text/plain"))}
+    session_id = draw(session_ids)
+    if session_id is not None:
+        headers["x_session_id"] = session_id
+    valid_session = session_id is None or session_id in ("s1", "s2", "agent-7:run.3")
+    return (
+        path,
+        raw,
+        headers,
+        not mutated and valid_session and "text" not in headers["content_type"],
+    )
+
+
+@THROUGH_INGRESS
+@given(requests())
+def test_the_ingress_answers_every_body_with_a_success_or_a_4xx(
+    ingress: Any, case: tuple[str, bytes, dict[str, str], bool]
+) -> None:
+    path, raw, headers, valid = case
+    t0 = time.monotonic()
+    status, answer = asyncio.run(handle(ingress, path, raw, **headers))
+    assert time.monotonic() - t0 < MAX_SECONDS_PER_REQUEST
+    assert status == 200 or 400 <= status < 500, (status, answer)
+    if valid:
+        assert status == 200, answer
+    if status == 200:
+        assert "choices" in answer or "data: [DONE]" in answer
+    else:
+        assert not INTERNALS.search(answer["error"]["message"]), answer
