@@ -56,14 +56,20 @@ def test_a_restarted_service_keeps_the_conversation_reusing_its_kv(kvtide_app: A
 
     ray.kill(ray.get_actor(service_name(APP_NAME), namespace=SERVICE_NAMESPACE), no_restart=False)
 
-    # Wait for the restarted service (new epoch) to adopt the engines' ledgers.
-    deadline = time.monotonic() + 20  # well inside the TTL's offer window
+    # Wait for the restarted service (new epoch) to adopt the engines' ledgers. While Ray
+    # restarts it, calls past kv.service_timeout_s answer 503 with Retry-After: retry.
+    deadline = time.monotonic() + 25  # well inside the TTL's offer window
+    stats: dict[str, Any] = {}
     while True:
-        stats = _kv_stats(kvtide_app)
-        if stats["service"]["epoch"] != before["service"]["epoch"] and stats["service"].get(
-            "adopted", 0
-        ):
-            break
+        resp = httpx.get(kvtide_app.base_url + "/kvtide/stats", timeout=60)
+        assert resp.status_code in (200, 503), resp.text
+        if resp.status_code == 503:
+            assert resp.headers["retry-after"] and "service_unavailable" in resp.text
+        else:
+            stats = resp.json()["kv"]
+            service = stats["service"]
+            if service["epoch"] != before["service"]["epoch"] and service.get("adopted", 0):
+                break
         assert time.monotonic() < deadline, f"the service did not rebuild: {stats}"
         time.sleep(0.2)
     # Exactly what the engines still hold: turn 2's blocks, not turn 1's (read by turn 2).
