@@ -18,7 +18,7 @@ rest of the suite runs; the root conftest keeps these tests together.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import pytest
 from netns_cluster import HostSpec, NetnsCluster, unavailable_reason
@@ -60,8 +60,13 @@ def hosts() -> Iterator[NetnsCluster]:
     _cluster.close()
 
 
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    # The last test on the fake hosts stops them (the fixture's teardown, at the end of
-    # the session, then finds nothing left to do).
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, None, None]:
+    # After the last test on the fake hosts has torn down its own fixtures (a module's
+    # Serve app), stop the hosts; the session fixture's teardown then finds nothing to do.
+    result = yield
     if _cluster is not None and (nextitem is None or "netns" not in nextitem.keywords):
         _cluster.close()
+    return result

@@ -12,17 +12,22 @@ each. Here each node gets what a host has:
   address reaches the world" (Ray's and vLLM's way of finding their own IP) answers the
   node's IP while nothing can leave;
 * its own PID namespace with its own ``/proc``: the node's processes see only each
-  other, so a new driver finds exactly one raylet, its node's;
-* its own Ray temp dir (logs under ``<root>/<node>/session_*/logs``).
+  other, so a new driver finds exactly one raylet, its node's (a network namespace
+  alone is not enough: the process table still shows every node's raylet, and the
+  driver still picks the head's);
+* its own hostname (UTS namespace) that resolves to its IP (its own ``/etc/hosts``,
+  bind-mounted in its mount namespace);
+* its own Ray temp dir (logs under ``<root>/<node>/session_*/logs``; set
+  ``KVTIDE_KEEP_HOST_LOGS=1`` to keep them after the cluster stops).
 
 The head is a host too: the machine's network namespace (the test process connects
-through it, as a driver on the head host does), its own PID namespace. Each node runs
+through it, as a driver on the head host does), its own PID and UTS namespaces. Each node runs
 ``sh`` as its PID-namespace init, with ``ray start --block`` as its child: killing the
 init (or all the namespace's processes) kills the node the way a host dies, and tearing
 down kills nothing this cluster did not start.
 
-Needs root, ``ip`` (iproute2) and ``unshare`` (util-linux); ``unavailable_reason`` says
-what is missing. Nothing here sends traffic beyond the bridge.
+Needs root, ``ip`` (iproute2), ``unshare`` and ``mount`` (util-linux);
+``unavailable_reason`` says what is missing. Nothing here sends traffic beyond the bridge.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ def unavailable_reason() -> str | None:
     namespace: root, iproute2, util-linux and kernel support are all checked for real."""
     if os.geteuid() != 0:
         return "fake hosts need root (network and PID namespaces); run as root"
-    for tool, package in (("ip", "iproute2"), ("unshare", "util-linux")):
+    for tool, package in (("ip", "iproute2"), ("unshare", "util-linux"), ("mount", "mount")):
         if shutil.which(tool) is None:
             return f"fake hosts need `{tool}` (install {package})"
     probe = f"kvtp{os.getpid() % 100000}"
@@ -74,12 +79,11 @@ def unavailable_reason() -> str | None:
         made = _run("ip", "netns", "add", probe, check=False)
         if made.returncode != 0:
             return f"`ip netns add` failed: {made.stderr.strip()}"
-        pid_ns = _run(
-            *("ip", "netns", "exec", probe, "unshare", "--pid", "--fork", "--mount-proc", "true"),
-            check=False,
-        )
-        if pid_ns.returncode != 0:
-            return f"`unshare --pid --mount-proc` failed: {pid_ns.stderr.strip()}"
+        unshare = ("unshare", "--pid", "--fork", "--mount-proc", "--uts")
+        script = "hostname kvt-probe && mount --bind /etc/hosts /etc/hosts"
+        host_ns = _run("ip", "netns", "exec", probe, *unshare, "sh", "-c", script, check=False)
+        if host_ns.returncode != 0:
+            return f"`unshare {' '.join(unshare[1:])}` failed: {host_ns.stderr.strip()}"
     finally:
         _run("ip", "netns", "del", probe, check=False)
     return None
@@ -112,6 +116,10 @@ def _node_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "VLLM_", "KVTIDE_"))}
     env |= {
         "RAY_USAGE_STATS_ENABLED": "0",
+        # Ray turns token auth on when ~/.ray/auth_token exists, which another Ray on
+        # this machine may create at any moment: the hosts would disagree. The cluster
+        # listens only on its own bridge.
+        "RAY_AUTH_MODE": "disabled",
         "VLLM_NO_USAGE_STATS": "1",
         "HF_HUB_OFFLINE": "1",
         # Ray's prestarted workers run at nice 15 and starve beside engines on 2 cores.
@@ -266,7 +274,10 @@ class NetnsCluster:
                 _run("ip", "netns", "del", host.netns, check=False)
         if self._bridge_made:
             _run("ip", "link", "del", self.bridge, check=False)
-        shutil.rmtree(self.root, ignore_errors=True)
+        if os.environ.get("KVTIDE_KEEP_HOST_LOGS"):
+            print(f"fake hosts' Ray logs kept under {self.root}", file=sys.stderr)
+        else:
+            shutil.rmtree(self.root, ignore_errors=True)
 
     # ---- internals ------------------------------------------------------------------
 
@@ -324,11 +335,26 @@ class NetnsCluster:
             args.append(f"--address={self.address}")
         return args
 
+    def hostname(self, name: str) -> str:
+        return f"kvt-{name}"
+
     def _start_host(self, host: _Host) -> None:
         host.temp_dir.mkdir(parents=True, exist_ok=True)
+        # The host's name resolves to its own IP, as on a real host (Gloo, which vLLM's
+        # CPU workers talk over, binds the address the hostname resolves to; this
+        # machine's name resolves to loopback).
+        hosts_file = self.root / f"{host.spec.name}.hosts"
+        hosts_file.write_text(
+            "127.0.0.1 localhost\n"
+            + "".join(f"{h.ip} {self.hostname(n)}\n" for n, h in self._hosts.items())
+        )
         # sh is the PID namespace's init: it reaps orphans and, when `ray start --block`
         # ends, exits, which kills whatever is left in the namespace.
-        init = ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", '"$@" & wait $!', "sh"]
+        script = 'hostname "$1" && mount --bind "$2" /etc/hosts || exit 1; shift 2; "$@" & wait $!'
+        init = [
+            *("unshare", "--pid", "--fork", "--mount-proc", "--uts", "sh", "-c", script, "sh"),
+            *(self.hostname(host.spec.name), str(hosts_file)),
+        ]
         netns = [] if host.netns is None else ["ip", "netns", "exec", host.netns]
         with open(host.log, "wb") as log:
             host.proc = subprocess.Popen(
