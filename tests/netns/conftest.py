@@ -33,6 +33,7 @@ HOSTS = [
 ]
 
 _cluster: NetnsCluster | None = None
+_unavailable: list[str | None] = []  # why fake hosts cannot run here, once checked
 
 
 @pytest.fixture(scope="session")
@@ -44,9 +45,10 @@ def hosts() -> Iterator[NetnsCluster]:
     if ray.is_initialized():
         pytest.skip("this process is already connected to a Ray; run this tier on its own")
     if _cluster is None:
-        reason = unavailable_reason()
-        if reason is not None:
-            pytest.skip(f"fake hosts unavailable: {reason}")
+        if not _unavailable:
+            _unavailable.append(unavailable_reason())
+        if _unavailable[0] is not None:
+            pytest.skip(f"fake hosts unavailable: {_unavailable[0]}")
         cluster = NetnsCluster(
             HostSpec(name="head", num_cpus=4),
             HOSTS,

@@ -110,6 +110,20 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+_AUTH_MODE = "RAY_AUTH_MODE"
+
+
+def _set_auth_mode(mode: str | None) -> None:
+    """Set (None: unset) this process's Ray auth mode; Ray caches it in its config."""
+    from ray._raylet import Config
+
+    if mode is None:
+        os.environ.pop(_AUTH_MODE, None)
+    else:
+        os.environ[_AUTH_MODE] = mode
+    Config.initialize("")
+
+
 def _node_env() -> dict[str, str]:
     """The environment of a fake host's Ray processes: the test's, less anything that
     would point them at another Ray or engine setup."""
@@ -119,7 +133,7 @@ def _node_env() -> dict[str, str]:
         # Ray turns token auth on when ~/.ray/auth_token exists, which another Ray on
         # this machine may create at any moment: the hosts would disagree. The cluster
         # listens only on its own bridge.
-        "RAY_AUTH_MODE": "disabled",
+        _AUTH_MODE: "disabled",
         "VLLM_NO_USAGE_STATS": "1",
         "HF_HUB_OFFLINE": "1",
         # Ray's prestarted workers run at nice 15 and starve beside engines on 2 cores.
@@ -173,6 +187,7 @@ class NetnsCluster:
         self._bridge_made = False
         self._closed = False
         self.driver_connected = False
+        self._saved_auth_mode: list[str | None] = []  # set while connect() overrides it
 
     # ---- what tests read ------------------------------------------------------------
 
@@ -230,6 +245,11 @@ class NetnsCluster:
         each host's Ray node id from Ray's node table."""
         import ray
 
+        # This process may be in token-auth mode already (Ray switches a process to it
+        # when it starts a local cluster and ~/.ray/auth_token exists); as a token-mode
+        # driver it would refuse its own workers' replies. Match the hosts until close().
+        self._saved_auth_mode = [os.environ.get(_AUTH_MODE)]
+        _set_auth_mode("disabled")
         ray.init(address=self.address, logging_level="WARNING", log_to_driver=False)
         self.driver_connected = True
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -267,6 +287,8 @@ class NetnsCluster:
 
             ray.shutdown()
             self.driver_connected = False
+        if self._saved_auth_mode:
+            _set_auth_mode(self._saved_auth_mode.pop())
         for host in reversed(list(self._hosts.values())):
             self._kill_host(host)
         for host in self._hosts.values():
