@@ -140,7 +140,7 @@ class KVSection(StrictSection):
         "(blocks still expire at the TTL).",
     )
     service_timeout_s: float = Field(
-        10.0,
+        30.0,
         gt=0,
         le=600,
         description="Deadline of one call to the KV lifecycle service (a Ray actor). Past "
@@ -303,7 +303,7 @@ class KVConfig:
     safety_margin_s: float
     pull_timeout_s: float
     idle_budget_mib_per_engine: float | None
-    service_timeout_s: float = 10.0
+    service_timeout_s: float = 30.0
     replay_max_mib: float = 64.0
 
 
