@@ -5,6 +5,7 @@ error bodies → typed errors, SSE decoding and turning the server's answer into
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -82,6 +83,72 @@ def chat_body(
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
+
+
+# In-stream errors after which the turn goes on where it stopped (``resume_request``).
+RESUMABLE_CODES = frozenset({"engine_unavailable", "service_unavailable", "stream_failed"})
+
+
+def resumable_tokens(error: KVTideAPIError) -> int | None:
+    """The completion tokens a turn had generated when ``error`` ended its stream, if
+    the turn can be continued after it (else ``None``)."""
+    ext = error.body.get("kvtide") if isinstance(error.body, Mapping) else None
+    used = ext.get("completion_tokens") if isinstance(ext, Mapping) else None
+    if error.code not in RESUMABLE_CODES or not isinstance(used, int) or used < 0:
+        return None
+    return used
+
+
+def next_resume(
+    collector: StreamCollector,
+    request: tuple[dict[str, Any], dict[str, str]] | None,
+    text: str,
+    error: KVTideAPIError,
+    max_resumes: int,
+) -> tuple[dict[str, Any], dict[str, str], int] | None:
+    """Body, headers and the tokens the broken stream made, for continuing a streamed
+    turn (first sent as ``request``) after ``error``; ``None`` when it cannot go on."""
+    made = resumable_tokens(error)
+    if request is None or made is None or collector.num_resumes >= max_resumes:
+        return None
+    used = made + collector.prior_tokens
+    nxt = resume_request(*request, text, used, collector.num_resumes + 1)
+    return None if nxt is None else (*nxt, made)
+
+
+def resume_request(
+    body: Mapping[str, Any],
+    headers: Mapping[str, str],
+    text: str,
+    used_tokens: int,
+    resumes: int,
+) -> tuple[dict[str, Any], dict[str, str]] | None:
+    """The request that continues a streamed turn (first sent as ``body``/``headers``)
+    whose stream broke after the caller saw ``text`` and the turn had generated
+    ``used_tokens``; its ``resumes``-th continuation. ``None``: nothing to continue.
+
+    The server ended the stream with a retryable error event (``resumable_tokens``);
+    nothing of the turn was booked. The continuation sends the same conversation with
+    ``text`` as a final assistant message to continue (``continue_final_message``),
+    ``max_tokens`` lowered by the tokens already made, and its own idempotency key
+    (derived from the turn's), so the caller sees every token once and the turn never
+    makes more tokens than it was allowed.
+    """
+    new = dict(body)
+    if text:
+        new["messages"] = [*body["messages"], {"role": "assistant", "content": text}]
+        new["continue_final_message"] = True
+        new["add_generation_prompt"] = False
+        if isinstance(body.get("max_tokens"), int):
+            if body["max_tokens"] - used_tokens < 1:
+                return None  # the turn had made all it may
+            new["max_tokens"] = body["max_tokens"] - used_tokens
+        if isinstance(body.get("min_tokens"), int):
+            new["min_tokens"] = max(0, body["min_tokens"] - used_tokens)
+    key = headers["idempotency-key"]
+    if len(key) > 200:  # the server takes keys of up to 255 characters
+        key = hashlib.sha256(key.encode()).hexdigest()
+    return new, {**headers, "idempotency-key": f"{key}.resume{resumes}"}
 
 
 def turn_headers(session_id: str, idempotency_key: str, traceparent: str | None) -> dict[str, str]:
@@ -248,6 +315,19 @@ class StreamCollector:
         self.num_deltas = 0
         self.parts: list[str] = []
         self._data: list[str] = []
+        # Completion tokens of the streams this one resumes (see ``resume_request``).
+        self.prior_tokens = 0
+        self.num_resumes = 0
+
+    def resumed(self, request_id: str | None, used_tokens: int) -> StreamCollector:
+        """A collector for the stream that continues this one after it failed having
+        generated ``used_tokens``: the text so far is kept, the rest starts over."""
+        nxt = StreamCollector(request_id)
+        nxt.parts = list(self.parts)
+        nxt.num_deltas = self.num_deltas
+        nxt.prior_tokens = self.prior_tokens + used_tokens
+        nxt.num_resumes = self.num_resumes + 1
+        return nxt
 
     def feed(self, line: str) -> str | None:
         if line.startswith("data:"):
@@ -309,11 +389,11 @@ class StreamCollector:
     ) -> TurnResult:
         """``ttft_s`` and ``finish_s``: client times of the first delta and the finish."""
         ext = self.kvtide
-        counts = _usage_counts(self.usage, ext) or (
-            0,
-            self.num_deltas,
-            int(ext.get("num_cached_tokens", 0)),
-        )
+        counts = _usage_counts(self.usage, ext)
+        if counts is None:
+            counts = (0, self.num_deltas, int(ext.get("num_cached_tokens", 0)))
+        else:
+            counts = (counts[0], counts[1] + self.prior_tokens, counts[2])
         first = ttft_s if ttft_s is not None else finish_s
         return TurnResult(
             turn=meta.turn,
@@ -333,4 +413,5 @@ class StreamCollector:
             num_attempts=meta.num_attempts,
             streamed=True,
             kvtide=dict(ext),
+            num_resumes=self.num_resumes,
         )

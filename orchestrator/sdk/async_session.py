@@ -4,6 +4,7 @@ thread. The semantics (history, idempotency, retries, renewal) are ``Session``'s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
@@ -19,6 +20,7 @@ from orchestrator.sdk._wire import (
     connection_error,
     json_body,
     new_idempotency_key,
+    next_resume,
     request_id_of,
     result_from_completion,
 )
@@ -140,7 +142,7 @@ class AsyncSession:
             self._turn_failed(exc, key)
             raise
         meta = state.turn_meta(key, attempts)
-        return AsyncTurnStream(self, user_text, response, meta, start)
+        return AsyncTurnStream(self, user_text, response, meta, start, (body, headers))
 
     async def _model(self) -> str:
         if self._state.model is None:
@@ -241,8 +243,11 @@ class AsyncTurnStream:
         response: httpx.Response,
         meta: TurnMeta,
         start_s: float,
+        request: tuple[dict[str, Any], dict[str, str]] | None = None,
     ) -> None:
         self._session = session
+        # The turn's first request, for continuing it after a broken stream.
+        self._request = request
         self._user_text = user_text
         self._response = response
         self._lines = response.aiter_lines()
@@ -271,15 +276,22 @@ class AsyncTurnStream:
     async def __anext__(self) -> str:
         if self._ended:
             raise StopAsyncIteration
-        try:
-            delta = await self._next_delta()
-        except httpx.TransportError as exc:
-            error = connection_error(exc, self._session._client.base_url, mid_stream=True)
-            await self._abort(error)
-            raise error from exc
-        except BaseException as exc:
-            await self._abort(exc)
-            raise
+        while True:
+            try:
+                delta = await self._next_delta()
+            except httpx.TransportError as exc:
+                error = connection_error(exc, self._session._client.base_url, mid_stream=True)
+                await self._abort(error)
+                raise error from exc
+            except KVTideAPIError as exc:
+                if await self._resume(exc):
+                    continue
+                await self._abort(exc)
+                raise
+            except BaseException as exc:
+                await self._abort(exc)
+                raise
+            break
         if delta is None:
             raise StopAsyncIteration
         return delta
@@ -303,6 +315,29 @@ class AsyncTurnStream:
                 break
         await self._complete()
         return None
+
+    async def _resume(self, error: KVTideAPIError) -> bool:
+        """Continue the turn after a retryable in-stream error (see
+        ``orchestrator.sdk._wire.resume_request``); False when it cannot go on."""
+        client, collector = self._session._client, self._collector
+        nxt = next_resume(collector, self._request, self.text, error, client.retry.max_retries)
+        if nxt is None:
+            return False
+        await self._response.aclose()
+        try:
+            response, attempts = await client._send(
+                "POST", CHAT_PATH, json=nxt[0], headers=nxt[1], stream=True
+            )
+        except KVTideAPIError:
+            log.warning("could not continue turn %s after: %s", self._meta.turn, error)
+            return False
+        log.info("turn %s: stream broke (%s); continuing it", self._meta.turn, error.code)
+        self._response, self._lines = response, response.aiter_lines()
+        self._collector = collector.resumed(request_id_of(response.headers), nxt[2])
+        self._meta = dataclasses.replace(
+            self._meta, num_attempts=self._meta.num_attempts + attempts
+        )
+        return True
 
     def _first(self, delta: str) -> str:
         if self._first_s is None:

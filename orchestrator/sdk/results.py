@@ -27,6 +27,9 @@ class TurnResult:
     ``server_ttft_s`` is always the server's. ``tokens_per_s`` is the decode rate after the
     first token, ``(completion_tokens - 1) / (total_s - ttft_s)``, or ``None`` when fewer
     than two tokens came back. ``kvtide`` is the server's ``kvtide`` object as sent.
+    ``num_resumes``: how often a streamed turn went on after its stream broke on the
+    server (an engine failed mid-stream with no other to continue on); ``text`` and
+    ``completion_tokens`` cover the whole turn.
     """
 
     turn: int
@@ -46,6 +49,7 @@ class TurnResult:
     num_attempts: int
     streamed: bool
     kvtide: Mapping[str, Any] = field(default_factory=dict)
+    num_resumes: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

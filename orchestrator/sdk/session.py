@@ -8,6 +8,7 @@ lease every ``renew_every_s``, so KV survives a user who pauses longer than the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -24,6 +25,7 @@ from orchestrator.sdk._wire import (
     connection_error,
     json_body,
     new_idempotency_key,
+    next_resume,
     request_id_of,
     result_from_completion,
 )
@@ -152,7 +154,7 @@ class Session:
             self._turn_failed(exc, key)
             raise
         meta = state.turn_meta(key, attempts)
-        return TurnStream(self, user_text, response, meta, start)
+        return TurnStream(self, user_text, response, meta, start, (body, headers))
 
     def _model(self) -> str:
         if self._state.model is None:
@@ -259,8 +261,11 @@ class TurnStream:
         response: httpx.Response,
         meta: TurnMeta,
         start_s: float,
+        request: tuple[dict[str, Any], dict[str, str]] | None = None,
     ) -> None:
         self._session = session
+        # The turn's first request, for continuing it after a broken stream.
+        self._request = request
         self._user_text = user_text
         self._response = response
         self._lines = response.iter_lines()
@@ -290,15 +295,22 @@ class TurnStream:
     def __next__(self) -> str:
         if self._ended:
             raise StopIteration
-        try:
-            delta = self._next_delta()
-        except httpx.TransportError as exc:
-            error = connection_error(exc, self._session._client.base_url, mid_stream=True)
-            self._abort(error)
-            raise error from exc
-        except BaseException as exc:
-            self._abort(exc)
-            raise
+        while True:
+            try:
+                delta = self._next_delta()
+            except httpx.TransportError as exc:
+                error = connection_error(exc, self._session._client.base_url, mid_stream=True)
+                self._abort(error)
+                raise error from exc
+            except KVTideAPIError as exc:
+                if self._resume(exc):
+                    continue
+                self._abort(exc)
+                raise
+            except BaseException as exc:
+                self._abort(exc)
+                raise
+            break
         if delta is None:
             raise StopIteration
         return delta
@@ -319,6 +331,29 @@ class TurnStream:
                 return self._first(delta)
         self._complete()
         return None
+
+    def _resume(self, error: KVTideAPIError) -> bool:
+        """Continue the turn after a retryable in-stream error (see
+        ``orchestrator.sdk._wire.resume_request``); False when it cannot go on."""
+        client, collector = self._session._client, self._collector
+        nxt = next_resume(collector, self._request, self.text, error, client.retry.max_retries)
+        if nxt is None:
+            return False
+        self._response.close()
+        try:
+            response, attempts = client._send(
+                "POST", CHAT_PATH, json=nxt[0], headers=nxt[1], stream=True
+            )
+        except KVTideAPIError:
+            log.warning("could not continue turn %s after: %s", self._meta.turn, error)
+            return False
+        log.info("turn %s: stream broke (%s); continuing it", self._meta.turn, error.code)
+        self._response, self._lines = response, response.iter_lines()
+        self._collector = collector.resumed(request_id_of(response.headers), nxt[2])
+        self._meta = dataclasses.replace(
+            self._meta, num_attempts=self._meta.num_attempts + attempts
+        )
+        return True
 
     def _first(self, delta: str) -> str:
         if self._first_s is None:

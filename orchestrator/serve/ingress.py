@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -55,6 +54,7 @@ from orchestrator.serve.responses import (
     replay_sse,
     server_error_body,
     session_body,
+    stream_error,
     usage_of,
 )
 
@@ -311,7 +311,11 @@ class Ingress:
         req = api.parse_chat(await self._body(request), self.config.model.name)
         self.prompts.check_length(req)
         # Off the event loop, as tokenizing is: a long history takes a while to render.
-        text = await asyncio.to_thread(self.prompts.render_chat, req.messages)
+        text = await asyncio.to_thread(
+            self.prompts.render_chat,
+            req.messages,
+            continue_final_message=req.continue_final_message,
+        )
         return await self._serve(req, text, None, request, principal, root)
 
     async def _completion(self, request: Request, root: Span) -> Any:
@@ -561,11 +565,11 @@ class Ingress:
                 await self.kv.replay_complete(replay_key, final_body(req, rid, ids, out, report))
             completed = True
         except RequestError as exc:
-            yield f"data: {json.dumps(exc.body())}\n\n"
+            yield stream_error(exc.body(), out)
         except Exception:
             log.exception("stream %s failed", rid)  # details in the log, not the stream
             body = server_error_body("the stream failed; retry the request", "stream_failed")
-            yield f"data: {json.dumps(body)}\n\n"
+            yield stream_error(body, out)
         else:
             if req.include_usage:
                 yield api.stream_chunk(

@@ -106,11 +106,16 @@ class PromptEncoder:
 
     # ---- rendering -------------------------------------------------------------------
 
-    def render_chat(self, messages: Sequence[tuple[str, str]]) -> RenderedChat:
-        """The chat prompt of ``messages`` (with the assistant's generation prompt).
-        Linear in the prompt's length, whatever the number of messages."""
+    def render_chat(
+        self, messages: Sequence[tuple[str, str]], *, continue_final_message: bool = False
+    ) -> RenderedChat:
+        """The chat prompt of ``messages``: with the assistant's generation prompt, or
+        (``continue_final_message``) ending inside the final assistant message, whose
+        text the model goes on writing. Linear in the prompt's length, whatever the
+        number of messages."""
+        cont = continue_final_message
         contents = [content for _, content in messages]
-        text = self._render([(role, c) for role, c in messages])
+        text = self._render([(role, c) for role, c in messages], cont)
         self._check_chars(len(text), "messages")  # the template's text counts too
         # A sentinel per content, which no content holds: private-use characters around
         # a random nonce and the message's index.
@@ -118,7 +123,7 @@ class PromptEncoder:
         if any(nonce in c for c in contents):
             return self._unsplit(text, contents)
         marked = self._render(
-            [(role, f"{nonce}{i}\U000f0001") for i, (role, _) in enumerate(messages)]
+            [(role, f"{nonce}{i}\U000f0001") for i, (role, _) in enumerate(messages)], cont
         )
         spans: list[tuple[int, int]] = []
         rebuilt: list[str] = []
@@ -140,7 +145,7 @@ class PromptEncoder:
             return self._unsplit(text, contents)  # dropped or rewritten by the template
         return RenderedChat(text, tuple(spans))
 
-    def _render(self, messages: list[tuple[str, str]]) -> str:
+    def _render(self, messages: list[tuple[str, str]], cont: bool = False) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest(
                 "this model has no chat template: send the prompt to /v1/completions",
@@ -151,13 +156,23 @@ class PromptEncoder:
         try:
             text = self.tokenizer.apply_chat_template(
                 [{"role": r, "content": c} for r, c in messages],
-                add_generation_prompt=True,
+                add_generation_prompt=not cont,
+                continue_final_message=cont,
                 tokenize=False,
             )
         except jinja2.TemplateError as exc:  # the template's own raise_exception(...)
             raise InvalidRequest(
                 f"this model's chat template refused the conversation: {str(exc)[:200]}",
                 param="messages",
+            ) from None
+        except ValueError:
+            if not cont:
+                raise
+            # The template rewrote the final message: there is no end of it to go on from.
+            raise InvalidRequest(
+                "this model's chat template rewrites the final message, so it cannot be "
+                "continued; leave continue_final_message out",
+                param="continue_final_message",
             ) from None
         return str(text)
 

@@ -71,6 +71,8 @@ class ApiRequest:
     ignore_eos: bool
     # vLLM's extension: return prompt and completion token ids in the response.
     return_token_ids: bool = False
+    # vLLM's extension: the model goes on writing the final (assistant) message.
+    continue_final_message: bool = False
     # Sampling the engines apply (vLLM's SamplingParams defaults: no effect).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -298,6 +300,10 @@ class ChatBody(_Common):
 
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    # vLLM's extensions: continue the final assistant message instead of starting a
+    # new one (what the SDK sends to resume a stream cut by an engine failure).
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
     # No effect on the answer.
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None
     parallel_tool_calls: bool | None = None
@@ -494,7 +500,31 @@ def parse_chat(body: dict[str, Any], served_model: str) -> ApiRequest:
             param="max_completion_tokens",
         )
     messages = tuple((m.role, m.content) for m in b.messages)
-    return ApiRequest(kind="chat", messages=messages, **_common(b, served_model, max_tokens))
+    cont = bool(b.continue_final_message)
+    if cont and b.add_generation_prompt:
+        raise InvalidRequest(
+            "continue_final_message and add_generation_prompt cannot both be true; send "
+            "add_generation_prompt: false to continue the final message",
+            param="add_generation_prompt",
+        )
+    if b.add_generation_prompt is False and not cont:
+        raise InvalidRequest(
+            "add_generation_prompt: false is supported only with continue_final_message: "
+            "true; leave it out",
+            param="add_generation_prompt",
+        )
+    if cont and (messages[-1][0] != "assistant" or not messages[-1][1]):
+        raise InvalidRequest(
+            "continue_final_message needs a final assistant message with the text to "
+            "continue; add it, or leave continue_final_message out",
+            param=f"messages[{len(messages) - 1}]",
+        )
+    return ApiRequest(
+        kind="chat",
+        messages=messages,
+        continue_final_message=cont,
+        **_common(b, served_model, max_tokens),
+    )
 
 
 def parse_completion(body: dict[str, Any], served_model: str) -> ApiRequest:

@@ -7,6 +7,7 @@ importable module, rather than beside it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ __all__ = [
     "replay_sse",
     "server_error_body",
     "session_body",
+    "stream_error",
     "usage_of",
 ]
 
@@ -116,6 +118,13 @@ class Output:
     def add(self, chunk: GenerateChunk) -> None:
         self.text.append(chunk.text)
         self.token_ids.extend(chunk.token_ids)
+
+
+def stream_error(body: dict[str, Any], out: Output) -> str:
+    """The final SSE event of a stream that failed: the error, and how many completion
+    tokens the turn had generated (a client resuming the turn with
+    ``continue_final_message`` lowers its ``max_tokens`` by them)."""
+    return f"data: {json.dumps({**body, 'kvtide': {'completion_tokens': len(out.token_ids)}})}\n\n"
 
 
 def server_error_body(message: str, code: str) -> dict[str, Any]:

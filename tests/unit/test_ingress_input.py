@@ -86,9 +86,9 @@ def test_tokenizing_runs_off_the_event_loop_and_models_answers_meanwhile(
     class Slow(PromptEncoder):
         """Tokenizes as slowly as a 25 MB body would, and says where it ran."""
 
-        def render_chat(self, messages: Sequence[tuple[str, str]]) -> RenderedChat:
+        def render_chat(self, messages: Sequence[tuple[str, str]], **kw: bool) -> RenderedChat:
             threads["render"] = threading.get_ident()
-            return super().render_chat(messages)
+            return super().render_chat(messages, **kw)
 
         def encode(self, prompt: str, *args: Any) -> list[int]:
             threads["encode"] = threading.get_ident()
@@ -143,3 +143,35 @@ def test_special_tokens_typed_in_a_message_reach_the_engine_as_text(
 def test_bad_bodies_are_400s(tiny_tokenizer: Any, body: bytes, param: str | None) -> None:
     status, answer = asyncio.run(handle(bare_ingress(tiny_tokenizer), CHAT, body))
     assert status == 400 and answer["error"]["param"] == param
+
+
+def test_a_stream_cut_by_engine_failures_says_how_far_it_got_and_can_be_continued(
+    tiny_tokenizer: Any,
+) -> None:
+    from test_router import FakePool, decode_script
+
+    class DiesAfterOneToken(FakePool):
+        async def _stream(self, request: Any) -> Any:
+            self.requests.append(request)
+            yield self.script(request)[0]
+            raise RuntimeError("ActorDiedError: the decode replica's worker process died")
+
+    ingress = bare_ingress(tiny_tokenizer)
+    ingress.router.decode = DiesAfterOneToken(decode_script)
+    status, text = asyncio.run(handle(ingress, CHAT, _chat("q", stream=True, max_tokens=8)))
+    events = [json.loads(line[6:]) for line in text.splitlines() if line[6:].startswith("{")]
+    # The turn moved twice (max_migrations), one token each time, then no engine was left.
+    assert status == 200 and len(ingress.router.decode.requests) == 3
+    assert [e["choices"][0]["delta"].get("content") for e in events[:-1]] == ["a"] * 3
+    assert events[-1]["error"]["code"] == "engine_unavailable"
+    assert events[-1]["kvtide"] == {"completion_tokens": 3}
+    # The client continues the turn: its text so far as the final assistant message.
+    ingress.router.decode = FakePool(decode_script)
+    body = json.loads(_chat("q", stream=True, max_tokens=5))
+    body["messages"].append({"role": "assistant", "content": "aaa"})
+    body |= {"continue_final_message": True, "add_generation_prompt": False}
+    status, text = asyncio.run(handle(ingress, CHAT, json.dumps(body).encode()))
+    assert status == 200 and '"finish_reason": "length"' in text
+    [resumed] = ingress.router.decode.requests
+    prompt = tiny_tokenizer.decode(resumed.prompt_token_ids)
+    assert prompt.endswith("<|im_start|>assistant\naaa")

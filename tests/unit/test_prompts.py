@@ -154,3 +154,60 @@ def test_many_messages_cost_linear_time(tiny_tokenizer: Any) -> None:
     # Empty messages add no content, but their template text counts against the context.
     with pytest.raises(ContextLengthExceeded):
         PromptEncoder(tiny_tokenizer, max_model_len=256).render_chat([("user", "")] * 5000)
+
+
+def test_a_final_assistant_message_can_be_continued(
+    prompts: PromptEncoder, tiny_tokenizer: Any
+) -> None:
+    messages = [("user", "tell me a story"), ("assistant", "Once upon <|im_end|> a")]
+    chat = prompts.render_chat(messages, continue_final_message=True)
+    # The prompt ends inside the assistant's message: no end of turn, no new turn.
+    assert str(chat) == (
+        "<|im_start|>user\ntell me a story<|im_end|>\n<|im_start|>assistant\nOnce upon <|im_end|> a"
+    )
+    ids = prompts.encode(chat)
+    assert _count(tiny_tokenizer, ids, "<|im_start|>") == 2
+    assert _count(tiny_tokenizer, ids, "<|im_end|>") == 1  # the typed one stays text
+    # Without continuing, the same messages close the assistant's turn and open a new one.
+    assert str(prompts.render_chat(messages)).endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"continue_final_message": True, "add_generation_prompt": True}, "add_generation_prompt"),
+        ({"add_generation_prompt": False}, "add_generation_prompt"),
+        ({"continue_final_message": True, "last": ("user", "hi")}, "messages[1]"),
+        ({"continue_final_message": True, "last": ("assistant", "")}, "messages[1]"),
+        ({"continue_final_message": "true"}, "continue_final_message"),
+    ],
+)
+def test_continuing_needs_a_final_assistant_message_and_no_generation_prompt(
+    extra: dict[str, Any], param: str
+) -> None:
+    from orchestrator.serve.requests import parse_chat
+
+    role, content = extra.pop("last", ("assistant", "Once"))
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "q"}, {"role": role, "content": content}],
+        **extra,
+    }
+    with pytest.raises(InvalidRequest) as caught:
+        parse_chat(body, "m")
+    assert caught.value.param == param
+
+
+def test_a_continuation_request_is_parsed() -> None:
+    from orchestrator.serve.requests import parse_chat
+
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "On"}],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    }
+    assert parse_chat(body, "m").continue_final_message
+    assert not parse_chat(
+        {**body, "continue_final_message": False, "add_generation_prompt": True}, "m"
+    ).continue_final_message

@@ -362,6 +362,95 @@ def test_error_inside_a_stream_raises_its_type_and_keeps_history(
     assert session.send("hello").text == "answer 1 from kvtide"
 
 
+def stream_of(words: list[str], clock: FakeClock, *, error_after: int | None = None) -> Script:
+    """A chat stream of ``words``; with ``error_after`` the server's engine fails after
+    that many words and the stream ends with kvtide's error event (tokens so far)."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        base = {"id": "chatcmpl-r", "object": "chat.completion.chunk", "model": MODEL}
+        events = []
+        for i, word in enumerate(words[:error_after]):
+            last = error_after is None and i == len(words) - 1
+            choice = {"index": 0, "delta": {"content": word}, "finish_reason": None}
+            if last:
+                choice["finish_reason"] = "length"
+            events.append((0.1, sse({**base, "choices": [choice]})))
+        if error_after is not None:
+            error = {"message": "no decode engine left", "type": "server_error"}
+            error |= {"param": None, "code": "engine_unavailable"}
+            events.append((0.1, sse({"error": error, "kvtide": {"completion_tokens": 3}})))
+        else:
+            usage = {"prompt_tokens": 30, "completion_tokens": len(words), "total_tokens": 0}
+            events.append((0.0, sse({**base, "choices": [], "usage": usage})))
+        events.append((0.0, "data: [DONE]\n\n"))
+        headers = {"content-type": "text/event-stream", "x-kvtide-request-id": "chatcmpl-r"}
+        return httpx.Response(200, headers=headers, stream=TimedStream(events, clock))
+
+    return answer
+
+
+def test_a_stream_broken_by_an_engine_failure_goes_on_where_it_stopped(
+    server: FakeKVTide, sleeps: list[float]
+) -> None:
+    session = make_client(server, sleeps).session(model=MODEL, renew_every_s=None)
+    # Three tokens reached the client as two deltas; then no decode engine was left.
+    server.script = [
+        stream_of(["Once", " upon", " a"], server.clock, error_after=2),
+        stream_of([" time", " there"], server.clock),
+    ]
+    stream = session.stream("tell me", max_tokens=8, min_tokens=4)
+    deltas = list(stream)
+    assert deltas == ["Once", " upon", " time", " there"]  # each token once
+    first, resumed = server.chats()
+    body = body_of(resumed)
+    # The continuation: the same conversation, the text so far to be continued, and
+    # what is left of the token budget; a key of its own, derived from the turn's.
+    assert body["messages"] == [
+        *body_of(first)["messages"],
+        {"role": "assistant", "content": "Once upon"},
+    ]
+    assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
+    assert (body["max_tokens"], body["min_tokens"]) == (5, 1)
+    key = first.headers["idempotency-key"]
+    assert resumed.headers["idempotency-key"] == f"{key}.resume1"
+    result = stream.result
+    assert result.text == "Once upon time there" and result.num_resumes == 1
+    assert result.completion_tokens == 3 + 2 and result.idempotency_key == key
+    assert session.messages[-1] == {"role": "assistant", "content": "Once upon time there"}
+
+
+def test_a_broken_stream_is_not_continued_past_its_budget_or_without_a_count(
+    server: FakeKVTide, sleeps: list[float]
+) -> None:
+    session = make_client(server, sleeps).session(model=MODEL, renew_every_s=None)
+    # The engine failed after the turn's last allowed token: nothing to continue.
+    server.script = [stream_of(["a", " b", " c"], server.clock, error_after=2)]
+    with pytest.raises(EngineUnavailableError):
+        list(session.stream("x", max_tokens=3))
+    assert len(server.chats()) == 1 and session.messages == []
+
+
+def test_async_stream_goes_on_after_an_engine_failure(
+    server: FakeKVTide, sleeps: list[float]
+) -> None:
+    server.script = [
+        stream_of(["Once", " upon", " a"], server.clock, error_after=2),
+        stream_of([" time"], server.clock),
+    ]
+
+    async def main() -> tuple[list[str], TurnResult]:
+        async with make_async_client(server, sleeps) as client:
+            session = client.session(model=MODEL, renew_every_s=None)
+            stream = await session.stream("tell me")
+            return [d async for d in stream], stream.result
+
+    deltas, result = asyncio.run(main())
+    assert deltas == ["Once", " upon", " time"] and result.num_resumes == 1
+    body = body_of(server.chats()[1])
+    assert body["messages"][-1] == {"role": "assistant", "content": "Once upon"}
+    assert "max_tokens" not in body  # none was set: the server's default applies
+
+
 def test_broken_stream_raises_connection_error(server: FakeKVTide, sleeps: list[float]) -> None:
     session = make_client(server, sleeps).session(model=MODEL, renew_every_s=None)
     server.drop_stream_after = 2
