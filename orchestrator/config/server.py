@@ -1,14 +1,16 @@
 """The ``server`` section of kvtide's config: bind address, API keys, and the refusal to
-serve unauthenticated beyond loopback (edge model, core types, conversion).
+serve unauthenticated beyond loopback.
 
-``orchestrator.config`` assembles the whole file from this and its other sections.
+Each section is one frozen pydantic model: validated at the edge (YAML) and used as is
+by the orchestrator. ``orchestrator.config`` assembles the whole file from this and its
+other sections.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
-from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -16,19 +18,19 @@ from orchestrator.errors import ConfigError
 
 __all__ = [
     "ApiKeyConfig",
-    "ApiKeySection",
     "ServerConfig",
-    "ServerSection",
     "StrictSection",
+    "check_server",
     "is_loopback_host",
-    "server_config",
 ]
 
 
 class StrictSection(BaseModel):
-    """A config section: unknown fields are errors, values are frozen, types are strict
-    (``port: true`` or ``port: "80"`` is not a port; an integer is a valid float) and
-    numbers finite (``.inf`` and ``.nan`` are refused)."""
+    """A config section: unknown fields are errors, values are frozen (hashable, and
+    picklable for Ray actors and Serve deployments), types are strict (``port: true`` or
+    ``port: "80"`` is not a port; an integer is a valid float) and numbers finite
+    (``.inf`` and ``.nan`` are refused). Derive a changed copy with
+    ``model_copy(update=...)``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
@@ -37,7 +39,10 @@ _KEY_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
-class ApiKeySection(StrictSection):
+class ApiKeyConfig(StrictSection):
+    """One accepted API key: its name, the SHA-256 of its token and its limits
+    (``None``: no limit from the key)."""
+
     name: str = Field(
         description="The key's name, unique: appears in logs and metrics (not a secret)."
     )
@@ -95,12 +100,15 @@ class ApiKeySection(StrictSection):
         return value
 
 
-class ServerSection(StrictSection):
+class ServerConfig(StrictSection):
+    """How the OpenAI API is served: bind address, keys, request limits (``check_server``
+    refuses unauthenticated listeners beyond loopback)."""
+
     host: str = Field("127.0.0.1", description="HTTP bind address (loopback by default).")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI API.")
     route_prefix: str = Field("/", description="Serve route prefix of the app.")
-    api_keys: list[ApiKeySection] = Field(
-        default_factory=list,
+    api_keys: tuple[ApiKeyConfig, ...] = Field(
+        (),
         description="API keys the OpenAI API accepts ('Authorization: Bearer <key>'), kept as "
         "SHA-256 hashes (see docs/auth.md). Empty: requests need no key, which is allowed "
         "only on a loopback server.host unless allow_unauthenticated is set.",
@@ -134,9 +142,19 @@ class ServerSection(StrictSection):
         "before it is read (from its Content-Length) or as soon as it passes the limit.",
     )
 
+    @property
+    def requires_api_key(self) -> bool:
+        return bool(self.api_keys)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _list_to_tuple(cls, keys: Any) -> Any:
+        # YAML gives a list; the frozen config holds a tuple (hashable).
+        return tuple(keys) if isinstance(keys, list) else keys
+
     @field_validator("api_keys")
     @classmethod
-    def _unique_keys(cls, keys: list[ApiKeySection]) -> list[ApiKeySection]:
+    def _unique_keys(cls, keys: tuple[ApiKeyConfig, ...]) -> tuple[ApiKeyConfig, ...]:
         names: set[str] = set()
         by_hash: dict[str, str] = {}
         for key in keys:
@@ -152,35 +170,6 @@ class ServerSection(StrictSection):
         return keys
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ApiKeyConfig:
-    """One accepted API key: its name, the SHA-256 of its token and its limits
-    (``None``: no limit from the key)."""
-
-    name: str
-    sha256: str
-    max_prompt_tokens: int | None = None
-    max_tokens: int | None = None
-    max_concurrent_requests: int | None = None
-    max_sessions: int = 1000
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ServerConfig:
-    host: str
-    port: int
-    route_prefix: str
-    api_keys: tuple[ApiKeyConfig, ...] = ()
-    allow_unauthenticated: bool = False
-    request_timeout_s: float = 600.0
-    dashboard_host: str = "127.0.0.1"
-    max_request_bytes: int = 4 * 2**20
-
-    @property
-    def requires_api_key(self) -> bool:
-        return bool(self.api_keys)
-
-
 def is_loopback_host(host: str) -> bool:
     """``localhost`` or a loopback IP (127.0.0.0/8, ::1). Other names are not: kvtide
     cannot know what they resolve to."""
@@ -193,8 +182,8 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def server_config(s: ServerSection) -> ServerConfig:
-    """Convert the server section, refusing unauthenticated listeners beyond loopback
+def check_server(s: ServerConfig) -> ServerConfig:
+    """The server section, checked: unauthenticated listeners beyond loopback are refused
     unless ``allow_unauthenticated`` says so."""
     if not s.allow_unauthenticated:
         if not s.api_keys and not is_loopback_host(s.host):
@@ -214,5 +203,4 @@ def server_config(s: ServerSection) -> ServerConfig:
                 "SSH tunnel) or set server.allow_unauthenticated: true to expose it on purpose",
                 field="server.dashboard_host",
             )
-    keys = tuple(ApiKeyConfig(**k.model_dump()) for k in s.api_keys)
-    return ServerConfig(**{**s.model_dump(), "api_keys": keys})
+    return s

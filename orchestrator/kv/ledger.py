@@ -18,12 +18,12 @@ host keeps its half until the blocks' TTL passes, then forgets it. The clock is 
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from engines.base import GenerateChunk, GenerateRequest
+from orchestrator.kv.bounded import BoundedMap
 from orchestrator.kv.messages import KeptBlocks, LedgerReport
 
 __all__ = ["EngineLedger", "kept_blocks_of", "read_target_of"]
@@ -87,8 +87,10 @@ class EngineLedger:
         self.role = role
         self.ttl_s = ttl_s
         self.clock = clock
-        self._kept: OrderedDict[tuple[str, str], _Kept] = OrderedDict()
-        self._consumed: OrderedDict[tuple[str, str], float] = OrderedDict()
+        # Unbounded by count: each entry goes when its blocks' TTL passes. Put order is
+        # expiry order (one TTL per engine), so ``expire`` stops at the first live one.
+        self._kept: BoundedMap[tuple[str, str], _Kept] = BoundedMap()
+        self._consumed: BoundedMap[tuple[str, str], None] = BoundedMap()
 
     def __len__(self) -> int:
         return len(self._kept) + len(self._consumed)
@@ -136,15 +138,17 @@ class EngineLedger:
         engine_id, request_id, blocks, num_tokens = kept
         now = self.clock()
         self._prune(now)
-        self._kept[(engine_id, request_id)] = _Kept(
+        expiry_s = now + (self.ttl_s if expires_in_s is None else expires_in_s)
+        kept_blocks = _Kept(
             session_id=session_id,
             block_ids=tuple(blocks),
             num_tokens=num_tokens,
             token_ids=array("I", token_ids),
             params=dict(kv_transfer_params),
-            expiry_s=now + (self.ttl_s if expires_in_s is None else expires_in_s),
+            expiry_s=expiry_s,
             finished_s=now,
         )
+        self._kept.put((engine_id, request_id), kept_blocks, expires_s=expiry_s)
 
     def on_read(self, params: Mapping[str, Any] | None) -> None:
         """A prefill request that read kept blocks succeeded: the decode engine freed them."""
@@ -153,7 +157,7 @@ class EngineLedger:
             return
         now = self.clock()
         self._prune(now)
-        self._consumed[target] = now + self.ttl_s
+        self._consumed.put(target, None, expires_s=now + self.ttl_s)
 
     def report(self) -> LedgerReport:
         """What the service needs to rebuild, with times as durations from now."""
@@ -178,14 +182,5 @@ class EngineLedger:
         )
 
     def _prune(self, now: float) -> None:
-        # Insertion order is expiry order (one TTL per engine), so pruning stops early.
-        while self._kept:
-            key, k = next(iter(self._kept.items()))
-            if k.expiry_s > now:
-                break
-            del self._kept[key]
-        while self._consumed:
-            key, until = next(iter(self._consumed.items()))
-            if until > now:
-                break
-            del self._consumed[key]
+        self._kept.expire(now)
+        self._consumed.expire(now)

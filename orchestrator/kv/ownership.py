@@ -8,12 +8,13 @@ authenticates) use them, so they live here, below ``serve/``. Pure: ``now_s`` co
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from orchestrator.config import ApiKeyConfig
 from orchestrator.errors import LimitExceeded, SessionNotFound
+from orchestrator.kv.bounded import BoundedMap
 
 __all__ = ["ANONYMOUS", "Principal", "SessionOwners", "session_not_found"]
 
@@ -75,6 +76,9 @@ class SessionOwners:
 
     ``now_s`` must not go backwards (a monotonic clock). With the anonymous principal
     (no keys configured) nothing is recorded and nothing is refused.
+
+    The book is a ``BoundedMap`` without a bound of its own: when full it refuses the
+    new session instead of dropping the oldest, as the map would.
     """
 
     def __init__(self, *, idle_ttl_s: float, max_sessions: int) -> None:
@@ -84,8 +88,9 @@ class SessionOwners:
             )
         self.idle_ttl_s = idle_ttl_s
         self.max_sessions = max_sessions
-        # session id → (owner key name, last use); ordered by last use, oldest first.
-        self._owners: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        # session id → owner key name, expiring idle_ttl_s after its last use; ordered by
+        # last use, oldest first.
+        self._owners: BoundedMap[str, str] = BoundedMap()
         self._per_key: Counter[str] = Counter()
 
     def __len__(self) -> int:
@@ -96,10 +101,7 @@ class SessionOwners:
 
     def owner(self, session_id: str, now_s: float) -> str | None:
         """The owning key's name, or ``None`` (never claimed, forgotten or expired)."""
-        entry = self._owners.get(session_id)
-        if entry is None or now_s - entry[1] >= self.idle_ttl_s:
-            return None
-        return entry[0]
+        return self._owners.get(session_id, now_s)
 
     def check(self, session_id: str, principal: Principal, now_s: float) -> None:
         """Query: raises ``session_not_found(session_id)`` when another key owns the
@@ -121,16 +123,15 @@ class SessionOwners:
         if principal.is_anonymous:
             return ()
         dropped = list(self.expire(now_s, keep=(session_id,)))
-        entry = self._owners.get(session_id)
-        if entry is not None and entry[0] != principal.name:  # expired, as check passed
+        owner = self._owners.get(session_id)
+        if owner is not None and owner != principal.name:  # expired, as check passed
             self._remove(session_id)
             dropped.append(session_id)
-            entry = None
-        if entry is None:
+            owner = None
+        if owner is None:
             self._check_room(principal)
             self._per_key[principal.name] += 1
-        self._owners[session_id] = (principal.name, now_s)
-        self._owners.move_to_end(session_id)
+        self._use(session_id, principal.name, now_s)
         return tuple(dropped)
 
     def _check_room(self, principal: Principal) -> None:
@@ -157,16 +158,14 @@ class SessionOwners:
         ownership may last longer than it would have, never shorter)."""
         if session_id not in self._owners:
             self._per_key[key_name] += 1
-            self._owners[session_id] = (key_name, now_s)
+            self._use(session_id, key_name, now_s)
 
     def touch(self, session_id: str, principal: Principal, now_s: float) -> None:
         """Restart the idle clock of ``principal``'s session when a turn ends or the
         session is renewed (its KV is kept from then on). Does nothing if ``principal``
         no longer owns it; never raises."""
-        entry = self._owners.get(session_id)
-        if entry is not None and entry[0] == principal.name and not principal.is_anonymous:
-            self._owners[session_id] = (principal.name, now_s)
-            self._owners.move_to_end(session_id)
+        if self._owners.get(session_id) == principal.name and not principal.is_anonymous:
+            self._use(session_id, principal.name, now_s)
 
     def expire(self, now_s: float, keep: Iterable[str] = ()) -> tuple[str, ...]:
         """Drop entries idle for ``idle_ttl_s`` or longer, except those in ``keep``
@@ -174,16 +173,11 @@ class SessionOwners:
         session ids."""
         kept = set(keep)
         dropped: list[str] = []
-        while self._owners:
-            session_id, (name, last_s) = next(iter(self._owners.items()))
-            if now_s - last_s < self.idle_ttl_s:
-                break
+        for session_id, name in self._owners.expire(now_s):
             if session_id in kept:
-                self._owners[session_id] = (name, now_s)
-                self._owners.move_to_end(session_id)
-                kept.discard(session_id)
+                self._use(session_id, name, now_s)
                 continue
-            self._remove(session_id)
+            self._drop_count(name)
             dropped.append(session_id)
         return tuple(dropped)
 
@@ -191,9 +185,15 @@ class SessionOwners:
         """The session was closed: anyone may start a new one with this id."""
         self._remove(session_id)
 
+    def _use(self, session_id: str, key_name: str, now_s: float) -> None:
+        self._owners.put(session_id, key_name, expires_s=now_s + self.idle_ttl_s)
+
     def _remove(self, session_id: str) -> None:
-        entry = self._owners.pop(session_id, None)
-        if entry is not None:
-            self._per_key[entry[0]] -= 1
-            if not self._per_key[entry[0]]:
-                del self._per_key[entry[0]]
+        name = self._owners.pop(session_id)
+        if name is not None:
+            self._drop_count(name)
+
+    def _drop_count(self, key_name: str) -> None:
+        self._per_key[key_name] -= 1
+        if not self._per_key[key_name]:
+            del self._per_key[key_name]

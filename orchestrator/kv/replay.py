@@ -24,12 +24,12 @@ the longest a turn may run) instead of running a second time.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
 
+from orchestrator.kv.bounded import BoundedMap
 from orchestrator.kv.durable import DurableStore, MemoryStore
 
 __all__ = ["Replay", "TurnReplayBook"]
@@ -70,21 +70,23 @@ class TurnReplayBook:
         store: DurableStore | None = None,
         clock: Callable[[], float],
     ) -> None:
-        if max_entries < 1 or max_bytes < 1:
-            raise ValueError(
-                f"max_entries ({max_entries}) and max_bytes ({max_bytes}) must be >= 1"
-            )
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.running_grace_s = running_grace_s
         self.store: DurableStore = store if store is not None else MemoryStore()
         self.clock = clock
-        # key -> (stored at, response body or None while running, stored size in bytes)
-        self._entries: OrderedDict[str, tuple[float, dict[str, Any] | None, int]] = OrderedDict()
-        self.num_bytes = 0
+        # key -> response body (None while running), expiring ttl_s after it was stored;
+        # sized as stored.
+        self._entries: BoundedMap[str, dict[str, Any] | None] = BoundedMap(
+            max_entries=max_entries, max_bytes=max_bytes
+        )
         self.num_duplicates = 0
         self._load()
+
+    @property
+    def num_bytes(self) -> int:
+        return self._entries.num_bytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -92,26 +94,24 @@ class TurnReplayBook:
     def begin(self, key: str) -> Replay:
         now = self.clock()
         self._prune(now)
-        entry = self._entries.get(key)
-        if entry is None:
+        if key not in self._entries:
             self._put(key, now, None)
             return Replay(action="run")
-        if entry[1] is None:
+        body = self._entries.get(key)
+        if body is None:
             return Replay(action="in_progress")
-        return Replay(action="replay", body=entry[1])
+        return Replay(action="replay", body=body)
 
     def complete(self, key: str, body: dict[str, Any]) -> None:
         """The turn succeeded: keep its response for retries. A key that had completed
         already ran twice: counted in ``num_duplicates`` (it should stay 0)."""
-        entry = self._entries.get(key)
-        if entry is not None and entry[1] is not None:
+        if self._entries.get(key) is not None:
             self.num_duplicates += 1
         self._put(key, self.clock(), body)
 
     def fail(self, key: str) -> None:
         """The turn failed or was cancelled: a retry may run it."""
-        entry = self._entries.get(key)
-        if entry is not None and entry[1] is None:
+        if key in self._entries and self._entries.get(key) is None:
             self._drop(key)
 
     def _put(self, key: str, now: float, body: dict[str, Any] | None) -> None:
@@ -121,23 +121,20 @@ class TurnReplayBook:
         if len(data) > self.max_bytes:
             return  # a response larger than the whole book is not kept: a retry runs
         self.store.put(_store_key(key), data)
-        self._entries[key] = (now, body, len(data))
-        self.num_bytes += len(data)
-        while len(self._entries) > self.max_entries or self.num_bytes > self.max_bytes:
-            self._drop(next(iter(self._entries)))
+        self._keep(key, now + self.ttl_s, body, len(data))
+
+    def _keep(self, key: str, expires_s: float, body: dict[str, Any] | None, size: int) -> None:
+        for old, _ in self._entries.put(key, body, expires_s=expires_s, size=size):
+            self.store.delete(_store_key(old))
 
     def _drop(self, key: str) -> None:
-        _, _, size = self._entries.pop(key)
-        self.num_bytes -= size
+        self._entries.pop(key)
         self.store.delete(_store_key(key))
 
     def _prune(self, now: float) -> None:
-        while self._entries:
-            # A turn running longer than ttl_s is forgotten too (its ingress may be gone).
-            key, (stored, _, _) = next(iter(self._entries.items()))
-            if now - stored < self.ttl_s:
-                break
-            self._drop(key)
+        # A turn running longer than ttl_s is forgotten too (its ingress may be gone).
+        for key, _ in self._entries.expire(now):
+            self.store.delete(_store_key(key))
 
     def _load(self) -> None:
         """Read back what a previous instance stored. A turn that was running is
@@ -159,5 +156,4 @@ class TurnReplayBook:
                 since = now - max(0.0, self.ttl_s - self.running_grace_s)
             loaded.append((since, stored.key, stored.body, len(raw)))
         for since, key, body, size in sorted(loaded, key=lambda e: e[0]):  # oldest first
-            self._entries[key] = (since, body, size)
-            self.num_bytes += size
+            self._keep(key, since + self.ttl_s, body, size)

@@ -18,9 +18,10 @@ first; entries older than ``ttl_s`` are ignored. The clock is passed in.
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from orchestrator.kv.bounded import BoundedMap
 
 __all__ = ["SessionTokens", "continue_tokens"]
 
@@ -51,12 +52,16 @@ class _Turn:
 
 
 class SessionTokens:
+    """Each session's last turn, at most ``max_sessions`` (the least recently
+    remembered dropped first). An entry past ``ttl_s`` is ignored when read, not
+    dropped: it still counts until a newer one pushes it out."""
+
     def __init__(self, *, max_sessions: int = 50_000, ttl_s: float = 480.0) -> None:
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
-        self._turns: OrderedDict[str, _Turn] = OrderedDict()
+        self._turns: BoundedMap[str, _Turn] = BoundedMap(max_entries=max_sessions)
 
     def __len__(self) -> int:
         return len(self._turns)
@@ -84,10 +89,7 @@ class SessionTokens:
         prompt sent as token ids), and ids."""
         if session_id is None:
             return
-        self._turns[session_id] = _Turn(text, array("I", token_ids), now_s)
-        self._turns.move_to_end(session_id)
-        while len(self._turns) > self.max_sessions:
-            self._turns.popitem(last=False)
+        self._turns.put(session_id, _Turn(text, array("I", token_ids), now_s))
 
     def last_turn(self, session_id: str, now_s: float) -> tuple[str | None, Sequence[int]]:
         """The text and ids the session's last turn covered (``(None, ())``: nothing
@@ -103,4 +105,4 @@ class SessionTokens:
         return turn.token_ids if turn is not None else None
 
     def forget(self, session_id: str) -> None:
-        self._turns.pop(session_id, None)
+        self._turns.pop(session_id)

@@ -8,7 +8,6 @@ A second ingress with keys configured is deployed as its own Serve application u
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,8 +39,8 @@ def keyed(kvtide_app: Any) -> Iterator[str]:
         ),
         ApiKeyConfig(name="bob", sha256=hash_key(BOB)),
     )
-    keyed_config = dataclasses.replace(
-        config, server=dataclasses.replace(config.server, api_keys=keys)
+    keyed_config = config.model_copy(
+        update={"server": config.server.model_copy(update={"api_keys": keys})}
     )
     prefill = serve.get_deployment_handle("prefill-pool", app_name=APP_NAME)
     decode = serve.get_deployment_handle("decode-pool", app_name=APP_NAME)

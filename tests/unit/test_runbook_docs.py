@@ -16,13 +16,13 @@ from pydantic import BaseModel
 
 from engines.base import EngineStats
 from orchestrator.config import (
-    KVSection,
-    ObservabilitySection,
+    KVConfig,
+    ObservabilityConfig,
     PoolSection,
-    RaySection,
-    RoutingSection,
+    RayConfig,
+    RoutingConfig,
+    ServerConfig,
 )
-from orchestrator.config.server import ServerSection
 from orchestrator.observability import tracing
 from orchestrator.observability.metrics import METRICS
 from policies.kv_records import KVStats, RecomputeReason
@@ -33,14 +33,14 @@ SECTIONS = ["## Symptoms", "## What to read", "## Commands", "## The fix"]
 READ_ONLY = ("kvtide inspect ", "kvtide plan ", "curl -sf ", "python -c ")
 
 CONFIG: dict[str, type[BaseModel]] = {
-    "kv": KVSection,
+    "kv": KVConfig,
     "prefill": PoolSection,
     "decode": PoolSection,
     "decode_long": PoolSection,
-    "ray": RaySection,
-    "server": ServerSection,
-    "routing": RoutingSection,
-    "observability": ObservabilitySection,
+    "ray": RayConfig,
+    "server": ServerConfig,
+    "routing": RoutingConfig,
+    "observability": ObservabilityConfig,
 }
 # GET /kvtide/stats -> "kv": the policy's KVStats, the service's own counters, "service".
 KV_STATS = set(KVStats.__dataclass_fields__) | {
@@ -148,7 +148,7 @@ def test_every_name_a_runbook_uses_exists(page: Path) -> None:
         assert name in METRIC_NAMES, f"{page.name}: no metric named {name}"
     for section, field, sub in (f for code in codes for f in _FIELD.findall(code)):
         dotted = ".".join(filter(None, (section, field, sub)))
-        if section == "kv" and field not in KVSection.model_fields:
+        if section == "kv" and field not in KVConfig.model_fields:
             # not a config field: then a GET /kvtide/stats field of "kv"
             assert field in KV_STATS, f"{page.name}: no config or stats field {dotted}"
             assert not sub or (field == "service" and sub in SERVICE), dotted
