@@ -25,6 +25,8 @@ from pydantic import (
 )
 
 from engines.base import EngineRole, EngineSpec, KVTransferSpec
+from engines.decode_path import decode_path_settings
+from orchestrator.config.decode_paths import decode_path_for
 from orchestrator.config.file import read_yaml
 from orchestrator.config.server import (
     ApiKeyConfig,
@@ -242,6 +244,14 @@ class ConfigFile(StrictSection):
         "and routing on clusters with fake GPUs).",
     )
     placement: PlacementSection = PlacementSection()
+    gpu_arch: Literal["sm_90a", "sm_100a", "sm_103a"] | None = Field(
+        None,
+        description="The PTX target of the engines' GPUs: sm_90a (H100/H200), sm_100a "
+        "(B200/GB200), sm_103a (GB300). With device cuda, kvtide asks kernels.gate which "
+        "specialised decode path each pool's engines may run (docs/kernels.md) and each "
+        "engine checks the arch of its GPUs at start. Empty: every engine runs the stock "
+        "path.",
+    )
     model: ModelSection = ModelSection()
     prefill: PoolSection = PoolSection(cpu_threads_bind="0")
     decode: PoolSection = PoolSection(cpu_threads_bind="1")
@@ -352,6 +362,7 @@ class KVTideConfig:
     routing: RoutingConfig = RoutingConfig()
     backend: Literal["vllm", "simulated"] = "vllm"
     placement: PlacementConfig = PlacementConfig()
+    gpu_arch: str | None = None
 
     def pools(self) -> tuple[PoolConfig, ...]:
         extra = () if self.decode_long is None else (self.decode_long,)
@@ -371,6 +382,10 @@ class KVTideConfig:
             env.append(("VLLM_CPU_KVCACHE_SPACE", str(pool.kv_cache_space_gib)))
             if pool.cpu_threads_bind is not None:
                 env.append(("VLLM_CPU_OMP_THREADS_BIND", pool.cpu_threads_bind))
+        # The gate's decision; its plugin variables reach every vLLM process (TP workers
+        # get the spec's env through their runtime env) and re-check it there.
+        decode_path = decode_path_for(self, pool)
+        env += sorted(decode_path_settings(decode_path).env.items())
         kv = self.kv
         return EngineSpec(
             engine_id=engine_id,
@@ -397,6 +412,7 @@ class KVTideConfig:
                 kv_load_failure_policy=kv.kv_load_failure_policy,
             ),
             env=tuple(env),
+            decode_path=decode_path,
         )
 
 
@@ -453,7 +469,18 @@ def _to_core(f: ConfigFile) -> KVTideConfig:
         observability=ObservabilityConfig(**f.observability.model_dump()),
         backend=f.backend,
         placement=_placement(f),
+        gpu_arch=_gpu_arch(f),
     )
+
+
+def _gpu_arch(f: ConfigFile) -> str | None:
+    if f.gpu_arch is not None and f.device != "cuda":
+        raise ConfigError(
+            f"invalid kvtide config: gpu_arch: {f.gpu_arch} needs device: cuda (it names "
+            "the engines' GPUs); remove it on cpu",
+            field="gpu_arch",
+        )
+    return f.gpu_arch
 
 
 def _placement(f: ConfigFile) -> PlacementConfig:
