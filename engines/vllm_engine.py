@@ -16,6 +16,7 @@ engines with vLLM's ``NixlConnector``; the hand-off between roles is carried ent
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -32,12 +33,20 @@ from engines.base import (
     GenerateChunk,
     GenerateRequest,
 )
+from engines.decode_path import check_decode_backend, decode_path_settings
 
 __all__ = ["VLLMEngine", "engine_args_for", "sampling_args_for"]
 
+log = logging.getLogger("kvtide.engine")
+
 
 def engine_args_for(spec: EngineSpec) -> dict[str, Any]:
-    """The keyword arguments of vLLM's ``AsyncEngineArgs`` for ``spec`` (pure; tested)."""
+    """The keyword arguments of vLLM's ``AsyncEngineArgs`` for ``spec`` (pure; tested).
+
+    A specialised decode path adds its ``additional_config`` keys (the stock path adds
+    nothing). Raises ``KernelGateRefused`` when the gate no longer allows the spec's path,
+    or when the engine args ask for vLLM's Kimi K3 backend that the path does not run.
+    """
     args: dict[str, Any] = {
         "model": spec.model_path,
         "served_model_name": [spec.served_model_name],
@@ -74,6 +83,10 @@ def engine_args_for(spec: EngineSpec) -> dict[str, Any]:
             },
         }
     args.update(dict(spec.extra_engine_args))
+    path_config = decode_path_settings(spec.decode_path).additional_config
+    if path_config:
+        args["additional_config"] = {**dict(args.get("additional_config") or {}), **path_config}
+    check_decode_backend(args.get("additional_config"), spec.decode_path)
     return args
 
 
@@ -179,6 +192,14 @@ class VLLMEngine(EngineAdapter):
 
     async def start(self) -> EngineInfo:
         spec = self.spec
+        # First: the gate's re-check refuses a decode path that does not hold here.
+        engine_args = engine_args_for(spec)
+        log.info(
+            "engine %s decode path: %s (%s)",
+            spec.engine_id,
+            spec.decode_path.name,
+            spec.decode_path.reason,
+        )
         # vLLM reads these when its engine core starts; each engine has its own process.
         for key, value in spec.env:
             os.environ[key] = value
@@ -189,7 +210,7 @@ class VLLMEngine(EngineAdapter):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(**engine_args_for(spec))
+        args = AsyncEngineArgs(**engine_args)
         self._llm = AsyncLLM.from_engine_args(
             args, stat_loggers=[_make_stat_logger(self._counters)]
         )
@@ -245,6 +266,8 @@ class VLLMEngine(EngineAdapter):
             num_kv_transfers=int(v.get("kv_transfers", 0)),
             num_kv_transfer_failures=int(v.get("kv_failures", 0)),
             num_kv_expired_reads=int(v.get("kv_expired", 0)),
+            decode_path=self.spec.decode_path.name,
+            decode_path_reason=self.spec.decode_path.reason,
         )
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:

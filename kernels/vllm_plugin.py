@@ -37,6 +37,7 @@ from kernels.scope import arch_from_capability
 
 __all__ = [
     "ENGINE_ENV",
+    "INTEGRATED_PATHS",
     "PATHS_ENV",
     "EngineSettings",
     "KernelGateRefused",
@@ -47,6 +48,11 @@ __all__ = [
 
 PATHS_ENV = "KVTIDE_KERNELS"
 ENGINE_ENV = "KVTIDE_KERNELS_ENGINE"
+
+INTEGRATED_PATHS: tuple[str, ...] = (KIMI_K3_PATH,)
+"""Paths an engine can run today. vLLM's Kimi K3 path needs only ``additional_config``;
+kvtide's own kernels have no vLLM integration yet, so ``register`` stops an engine that
+names them even where the gate allows them."""
 
 
 class KernelGateRefused(RuntimeError):
@@ -150,7 +156,7 @@ def register(
             f"{ENGINE_ENV} declares {engine.gpu_arch} but this process's GPU is {local}"
         )
     _check_paths(paths, engine, VALIDATED)
-    pending = [p for p in paths if p != KIMI_K3_PATH]
+    pending = [p for p in paths if p not in INTEGRATED_PATHS]
     if pending:
         raise KernelGateRefused(
             f"{pending} passed the gate but this kvtide version has no vLLM integration for "

@@ -24,6 +24,8 @@ from urllib.parse import quote
 
 import httpx
 
+from engines.decode_path import STOCK
+
 if TYPE_CHECKING:
     from orchestrator.cluster.ray_nodes import RayNode
 
@@ -244,8 +246,19 @@ def format_stats(body: Mapping[str, Any]) -> str:
             f"{_num(e.get('num_kv_transfer_failures'))}, expired reads "
             f"{_num(e.get('num_kv_expired_reads'))}",
         ]
+        paths: Mapping[str, Any] = e.get("decode_paths") or {}
+        if paths:
+            lines.append(
+                "    decode paths: " + ", ".join(f"{p} {_num(n)}" for p, n in paths.items())
+            )
     if not engines:
         lines.append("  none reported")
+    replicas: Mapping[str, Mapping[str, Any]] = body.get("engine_replicas") or {}
+    if replicas:
+        lines += ["", "Decode path of each engine (kernels.gate's decision and reason):"]
+    for engine_id, e in sorted(replicas.items()):
+        reason = e.get("decode_path_reason") or "no reason reported"
+        lines.append(f"  {engine_id}: {e.get('decode_path') or STOCK} ({reason})")
     metrics: Mapping[str, Any] = body.get("metrics") or {}
     lines += ["", "Metrics (the ingress replica that answered):"]
     lines += [f"  {key} {_num(value)}" for key, value in sorted(metrics.items())] or ["  none"]

@@ -194,18 +194,16 @@ GPU_ARCH["gb300"] = "sm_103a"
 def _kernel_lines(spec: ModelSpec, device: DeviceSpec, tp: int, dcp: int) -> list[str]:
     """Which specialised decode path this engine would run, and why (``kernels.gate``):
     each is enabled only inside a scope its GPU evidence covers."""
-    from kernels.gate import EngineShape, decide
+    from kernels.gate import decide
+    from orchestrator.config.decode_paths import model_engine_shape
 
     arch = GPU_ARCH.get(device.name)
     if arch is None:
         return [f"  specialised decode paths: none for {device.name} (no kernels target it)"]
-    engine = EngineShape(
+    engine = model_engine_shape(
+        spec,
         gpu_arch=arch,
-        model_type=spec.model_type,
         dtype="bf16",
-        hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_attention_heads,
-        attention_head_dim=spec.mla.kv_lora_rank if spec.mla is not None else spec.head_dim,
         tp=tp,
         dcp=max(1, dcp),
         max_batch=DEFAULT_MEMORY.max_num_seqs,

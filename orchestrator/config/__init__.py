@@ -27,6 +27,8 @@ from pydantic import (
 )
 
 from engines.base import EngineRole, EngineSpec, KVTransferSpec
+from engines.decode_path import decode_path_settings
+from orchestrator.config.decode_paths import decode_path_for
 from orchestrator.config.file import read_yaml
 from orchestrator.config.server import (
     ApiKeyConfig,
@@ -265,6 +267,14 @@ class ConfigFile(StrictSection):
         "and routing on clusters with fake GPUs).",
     )
     placement: PlacementConfig = PlacementConfig()
+    gpu_arch: Literal["sm_90a", "sm_100a", "sm_103a"] | None = Field(
+        None,
+        description="The PTX target of the engines' GPUs: sm_90a (H100/H200), sm_100a "
+        "(B200/GB200), sm_103a (GB300). With device cuda, kvtide asks kernels.gate which "
+        "specialised decode path each pool's engines may run (docs/kernels.md) and each "
+        "engine checks the arch of its GPUs at start. Empty: every engine runs the stock "
+        "path.",
+    )
     model: ModelConfig = ModelConfig()
     prefill: PoolSection = PoolSection(cpu_threads_bind="0")
     decode: PoolSection = PoolSection(cpu_threads_bind="1")
@@ -314,6 +324,10 @@ class KVTideConfig(ConfigFile):
             env.append(("VLLM_CPU_KVCACHE_SPACE", str(pool.kv_cache_space_gib)))
             if pool.cpu_threads_bind is not None:
                 env.append(("VLLM_CPU_OMP_THREADS_BIND", pool.cpu_threads_bind))
+        # The gate's decision; its plugin variables reach every vLLM process (TP workers
+        # get the spec's env through their runtime env) and re-check it there.
+        decode_path = decode_path_for(self, pool)
+        env += sorted(decode_path_settings(decode_path).env.items())
         kv = self.kv
         return EngineSpec(
             engine_id=engine_id,
@@ -340,6 +354,7 @@ class KVTideConfig(ConfigFile):
                 kv_load_failure_policy=kv.kv_load_failure_policy,
             ),
             env=tuple(env),
+            decode_path=decode_path,
         )
 
 
@@ -376,6 +391,15 @@ def _check_routing(f: ConfigFile) -> None:
         )
 
 
+def _check_gpu_arch(f: ConfigFile) -> None:
+    if f.gpu_arch is not None and f.device != "cuda":
+        raise ConfigError(
+            f"invalid kvtide config: gpu_arch: {f.gpu_arch} needs device: cuda (it names "
+            "the engines' GPUs); remove it on cpu",
+            field="gpu_arch",
+        )
+
+
 def _to_core(f: ConfigFile) -> KVTideConfig:
     prefill = _pool("prefill", "prefill", f.prefill, f.device)
     decode = _pool("decode", "decode", f.decode, f.device)
@@ -384,6 +408,7 @@ def _to_core(f: ConfigFile) -> KVTideConfig:
     )
     _check_routing(f)
     server = check_server(f.server)
+    _check_gpu_arch(f)
     p = f.placement
     mode = p.mode if p.mode != "auto" else ("domain" if f.device == "cuda" else "off")
     core: dict[str, Any] = {

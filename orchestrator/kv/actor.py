@@ -120,6 +120,7 @@ class _ServiceActor:
         for engine_id in {r.engine_id for r in lifecycle.records()} | self._engines_seen:
             self.metrics.set_bytes_held(engine_id, lifecycle.bytes_held(engine_id))
             self._engines_seen.add(engine_id)
+        self.metrics.set_engines_by_decode_path(self.service.engines_by_decode_path())
         expiries = lifecycle.stats().num_expiries
         if expiries > self._num_expiries:
             self.metrics.inc("kvtide_kv_expiries_total", expiries - self._num_expiries)

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from engines.base import GenerateChunk, GenerateRequest
+from engines.decode_path import STOCK
 from orchestrator.errors import LimitExceeded, SessionNotFound
 from orchestrator.kv.durable import DurableStore, MemoryStore
 from orchestrator.kv.ledger import kept_blocks_of
@@ -53,13 +54,35 @@ from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.kv.turn_planner import KVPlanner
 from policies.kv_lifecycle import Effect, KVLifecycleConfig, prefix_hash
 
-__all__ = ["API_METHODS", "KVService", "KVServiceAPI", "PrefillPool", "merge_counters"]
+__all__ = [
+    "API_METHODS",
+    "KVService",
+    "KVServiceAPI",
+    "PrefillPool",
+    "count_decode_paths",
+    "engine_pool",
+    "merge_counters",
+]
 
 log = logging.getLogger("kvtide.kv_service")
 
 _OWNER_PREFIX = "owner/"
 # session id -> wall-clock time its running turn was claimed (seconds, as text).
 _RUNNING_PREFIX = "running/"
+
+
+def engine_pool(engine_id: str) -> str:
+    """The pool of an engine hosted by ``EngineHost`` (its id is ``<pool>-<replica id>``)."""
+    return engine_id.rsplit("-", 1)[0]
+
+
+def count_decode_paths(books: Iterable[dict[str, Any]]) -> dict[str, int]:
+    """How many of the engines' books report each decode path (``EngineStats``)."""
+    counts: dict[str, int] = {}
+    for book in books:
+        path = str(book.get("decode_path") or STOCK)
+        counts[path] = counts.get(path, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def merge_counters(books: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -447,6 +470,13 @@ class KVService:
         if lost:
             self._lose_engines(lost)
         return lost
+
+    def engines_by_decode_path(self) -> dict[str, dict[str, int]]:
+        """Per pool, how many live engines run each decode path (from their heartbeats)."""
+        by_pool: dict[str, list[dict[str, Any]]] = {}
+        for engine_id, stats in self._engine_stats.items():
+            by_pool.setdefault(engine_pool(engine_id), []).append(stats)
+        return {pool: count_decode_paths(books) for pool, books in sorted(by_pool.items())}
 
     def engine_nodes(self) -> dict[str, tuple[str, ...]]:
         """The nodes of each live engine's shards, as its host reported them."""

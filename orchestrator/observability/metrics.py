@@ -92,6 +92,13 @@ METRICS: tuple[MetricSpec, ...] = (
         tag_keys=("engine",),
     ),
     MetricSpec(
+        name="kvtide_engines_by_decode_path",
+        kind="gauge",
+        description="Live engines of a pool running each decode path (stock, or a "
+        "specialised path kernels.gate allowed), from the engines' heartbeats.",
+        tag_keys=("pool", "path"),
+    ),
+    MetricSpec(
         name="kvtide_sessions_live",
         kind="gauge",
         description="Sessions whose KV kvtide tracks.",
@@ -155,6 +162,7 @@ class Metrics:
             spec.name: 0.0 for spec in METRICS if spec.kind != "histogram" and not spec.tag_keys
         }
         self._in_flight = 0
+        self._decode_paths_seen: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
 
     @property
@@ -232,6 +240,16 @@ class Metrics:
 
     def set_bytes_held(self, engine: str, num_bytes: int) -> None:
         self.set_gauge("kvtide_kv_bytes_held", num_bytes, engine=engine)
+
+    def set_engines_by_decode_path(self, counts: Mapping[str, Mapping[str, int]]) -> None:
+        """``counts``: pool -> decode path -> live engines (the KV service's view). A
+        series set before and absent now reads 0, not its last count."""
+        now = {(pool, path): n for pool, paths in counts.items() for path, n in paths.items()}
+        for pool, path in sorted(self._decode_paths_seen - now.keys()):
+            self.set_gauge("kvtide_engines_by_decode_path", 0, pool=pool, path=path)
+        for (pool, path), num in sorted(now.items()):
+            self.set_gauge("kvtide_engines_by_decode_path", num, pool=pool, path=path)
+        self._decode_paths_seen |= now.keys()
 
     def set_sessions_live(self, num_sessions: int) -> None:
         self.set_gauge("kvtide_sessions_live", num_sessions)

@@ -36,6 +36,7 @@ from orchestrator.errors import (
 )
 from orchestrator.kv.actor import get_or_create_service, service_client
 from orchestrator.kv.ownership import Principal, session_not_found
+from orchestrator.kv.service import engine_pool
 from orchestrator.kv.turn_planner import kv_lifecycle_config
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import http_status, make_metrics
@@ -240,7 +241,7 @@ class Ingress:
         metrics = kv.pop("metrics", {})
         by_pool: dict[str, list[dict[str, Any]]] = {name: [] for name in self.pools}
         for engine_id, counters in engines.items():
-            by_pool.setdefault(engine_id.rsplit("-", 1)[0], []).append(counters)
+            by_pool.setdefault(engine_pool(engine_id), []).append(counters)
         for name, books in by_pool.items():
             if not books and name in self.pools:
                 timeout_s = self.config.kv.service_timeout_s

@@ -15,7 +15,7 @@ from engines.base import GenerateChunk
 from orchestrator.errors import InvalidRequest, LimitExceeded, TurnInProgress
 from orchestrator.kv.messages import Claim, SessionInfo
 from orchestrator.kv.ownership import session_not_found
-from orchestrator.kv.service import merge_counters
+from orchestrator.kv.service import count_decode_paths, merge_counters
 from orchestrator.router import TurnReport
 from orchestrator.serve import openai_api as api
 
@@ -150,11 +150,16 @@ def raise_unclaimed(claim: Claim, session_id: str) -> None:
 
 def pool_stats(pool: str, books: list[dict[str, Any]]) -> dict[str, Any]:
     """One pool's engine counters: each replica's summed, the KV cache usage averaged
-    (a fraction of each engine's cache), ``engine_id`` the pool's name."""
+    (a fraction of each engine's cache), ``decode_paths`` the number of replicas on each
+    decode path (their reasons are in the replicas' own entries), ``engine_id`` the
+    pool's name."""
     merged = merge_counters(books)
     if books:
         usage = [float(b.get("kv_cache_usage", 0.0)) for b in books]
         merged["kv_cache_usage"] = sum(usage) / len(usage)
+    merged.pop("decode_path_reason", None)
+    merged.pop("decode_path", None)
+    merged["decode_paths"] = count_decode_paths(books)
     merged["engine_id"] = pool
     merged["num_replicas"] = len(books)
     return merged
