@@ -62,6 +62,21 @@ def hosts() -> Iterator[NetnsCluster]:
     _cluster.close()
 
 
+@pytest.fixture(scope="session")
+def serve_on_head(hosts: NetnsCluster) -> int:
+    """Serve on the fake hosts, started once, as `kvtide up` starts it (one HTTP proxy,
+    on the head); returns its port. Tests delete their apps and leave Serve running:
+    under load, a `serve.start()` right after a `serve.shutdown()` was seen to lose its
+    new proxy ("killed by `ray.kill`", "never ran")."""
+    from ray import serve
+
+    from orchestrator.serve.engine_host import free_port
+
+    port = free_port()
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    return port
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(
     item: pytest.Item, nextitem: pytest.Item | None

@@ -49,6 +49,7 @@ from typing import Any
 __all__ = ["HostSpec", "NetnsCluster", "unavailable_reason"]
 
 START_TIMEOUT_S = 120.0
+START_ATTEMPTS = 3
 DEATH_TIMEOUT_S = 60.0
 
 
@@ -230,12 +231,11 @@ class NetnsCluster:
             self.port = _free_port(head.ip)
             self._start_host(head)
             self._wait_started(head)
-            for host in self._hosts.values():
-                if host.netns is not None:
-                    self._start_host(host)
-            for host in self._hosts.values():
-                if host.netns is not None:
-                    self._wait_started(host)
+            workers = [h for h in self._hosts.values() if h.netns is not None]
+            for host in workers:
+                self._start_host(host)
+            for host in workers:
+                self._wait_started_or_restart(host)
         except BaseException:
             self.close()
             raise
@@ -378,7 +378,7 @@ class NetnsCluster:
             *(self.hostname(host.spec.name), str(hosts_file)),
         ]
         netns = [] if host.netns is None else ["ip", "netns", "exec", host.netns]
-        with open(host.log, "wb") as log:
+        with open(host.log, "ab") as log:
             host.proc = subprocess.Popen(
                 [*netns, *init, *self._ray_start_args(host)],
                 stdout=log,
@@ -388,6 +388,21 @@ class NetnsCluster:
                 cwd=os.getcwd(),
                 start_new_session=True,
             )
+
+    def _wait_started_or_restart(self, host: _Host) -> None:
+        """Ray gives a joining node 30 s to register with the GCS, which hosts starting
+        together on a busy two-core machine can miss ("The current node timed out during
+        startup"); such a host is started again."""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                self._wait_started(host)
+                return
+            except RuntimeError:
+                if attempt == START_ATTEMPTS:
+                    raise
+            self._kill_host(host)
+            host.dead, host.proc = False, None
+            self._start_host(host)
 
     def _wait_started(self, host: _Host) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -8,8 +8,8 @@ head node's raylet, so the actors it creates are owned from the wrong node.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
+from subprocess import PIPE
 from typing import Any
 
 import pytest
@@ -34,25 +34,26 @@ print(json.dumps({"node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_
 class Probe:
     """Reports its own node and the node a ``ray.init()`` in a child process attaches to."""
 
-    def where(self) -> dict[str, Any]:
+    async def where(self) -> dict[str, Any]:
+        import asyncio
         import os
 
         ctx = ray.get_runtime_context()
         # The engine host gives its engine core the cluster's address the same way.
         env = {**os.environ, "RAY_ADDRESS": ctx.gcs_address}
-        child = subprocess.run(
-            [sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=120
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _CHILD, env=env, stdout=PIPE, stderr=PIPE
         )
+        out, err = await asyncio.wait_for(child.communicate(), timeout=240)
         if child.returncode != 0:
-            raise RuntimeError(child.stderr[-3000:])
-        return {"node_id": ctx.get_node_id(), "child": json.loads(child.stdout.splitlines()[-1])}
+            raise RuntimeError(err.decode()[-3000:])
+        return {"node_id": ctx.get_node_id(), "child": json.loads(out.decode().splitlines()[-1])}
 
 
 def test_a_driver_started_in_a_replica_attaches_to_its_own_hosts_raylet(
-    hosts: NetnsCluster,
+    hosts: NetnsCluster, serve_on_head: int
 ) -> None:
     workers = [name for name in hosts.names if name != hosts.head_name]
-    serve.start(proxy_location="Disabled")  # handles only; no HTTP
     # One replica per host, pinned to it by Ray's node-id label.
     for name in workers:
         app = Probe.options(
@@ -66,16 +67,17 @@ def test_a_driver_started_in_a_replica_attaches_to_its_own_hosts_raylet(
             lambda: all(
                 serve.status().applications[f"probe-{n}"].status == "RUNNING" for n in workers
             ),
-            timeout=180,
+            timeout=240,
         )
         for name in workers:
             handle = serve.get_app_handle(f"probe-{name}")
-            seen = handle.where.remote().result(timeout_s=120)
+            seen = handle.where.remote().result(timeout_s=300)
             assert seen["node_id"] == hosts.node_id(name), name  # the replica is on N...
             # ...and the new driver joined through N's raylet, with N's IP.
             assert seen["child"] == {"node_id": hosts.node_id(name), "node_ip": hosts.ip(name)}
     finally:
-        serve.shutdown()
+        for name in workers:
+            serve.delete(f"probe-{name}")
 
 
 def test_every_host_has_its_own_ip_and_labels_in_rays_node_table(hosts: NetnsCluster) -> None:

@@ -40,7 +40,6 @@ from orchestrator.cluster.pool_layout import PoolLayout
 from orchestrator.cluster.supervisor import PlacementWatch, read_pending_groups
 from orchestrator.config import KVTideConfig, parse_config
 from orchestrator.kv.actor import lookup_service
-from orchestrator.serve.engine_host import free_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.netns]
 
@@ -63,7 +62,7 @@ def _say(message: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def app(hosts: NetnsCluster) -> Iterator[Deployed]:
+def app(hosts: NetnsCluster, serve_on_head: int) -> Iterator[Deployed]:
     model = generate_tiny_model(hosts.root / "tiny")
     config = parse_config(
         {
@@ -73,7 +72,7 @@ def app(hosts: NetnsCluster) -> Iterator[Deployed]:
             "prefill": {"cpu_threads_bind": "0", "max_num_seqs": 4},
             "decode": {"tensor_parallel_size": 2, "cpu_threads_bind": "1", "max_num_seqs": 4},
             "kv": {"decoder_kv_blocks_ttl_s": 300, "safety_margin_s": 10},
-            "server": {"port": free_port()},
+            "server": {"port": serve_on_head},
             "observability": {"metrics": False},
         }
     )
@@ -83,7 +82,7 @@ def app(hosts: NetnsCluster) -> Iterator[Deployed]:
     try:
         yield Deployed(config=config, layout=layout)
     finally:
-        serve.shutdown()
+        serve.delete(runtime.APP_NAME)
         service = lookup_service(runtime.APP_NAME)
         if service is not None:
             ray.kill(service)
