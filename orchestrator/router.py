@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
 from opentelemetry.trace import Span, SpanKind
 
 from engines.base import GenerateChunk, GenerateRequest
@@ -86,6 +87,7 @@ class TurnReport:
     router_s: float = 0.0
     finish_reason: str | None = None
     migrations: int = 0
+    prefill_retries: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -103,6 +105,7 @@ class TurnReport:
             "total_s": round(self.total_s, 6),
             "router_s": round(self.router_s, 6),
             "migrations": self.migrations,
+            "prefill_retries": self.prefill_retries,
         }
 
 
@@ -221,6 +224,29 @@ class Router:
             if limit < deadline_s:
                 raise TimeoutError from None  # the pull's own bound, not the request's
             raise
+
+    async def _recompute(
+        self, req: GenerateRequest, report: TurnReport, deadline_s: float
+    ) -> GenerateChunk:
+        """A plain prefill (nothing pulled back); when its engine fails, the prompt is
+        prefilled again on another, ``max_migrations`` times at most (the pool's
+        balancing sends the retry elsewhere; a dead replica leaves Serve's routing)."""
+        attempt = req
+        while True:
+            try:
+                return await self._prefill(attempt, deadline_s)
+            except EngineUnavailable:
+                if report.prefill_retries >= self.max_migrations:
+                    raise
+            report.prefill_retries += 1
+            log.warning("turn %s: prefill failed; prefilling again", report.request_id)
+            attempt = msgspec.structs.replace(
+                req, request_id=f"{req.request_id}{report.prefill_retries}"
+            )
+            # A moment for Serve to see the replica gone (bounded by the deadline).
+            await asyncio.sleep(
+                max(0.0, min(0.1 * report.prefill_retries, deadline_s - self.clock()))
+            )
 
     async def run_turn(
         self,
@@ -378,13 +404,14 @@ class Router:
             report.migrations += 1
             log.warning("turn %s: decode failed after %d tokens; migrating", rid, len(out.ids))
             resumed = {**base, "prompt_token_ids": [*prompt_token_ids, *out.ids]}
-            pre = await self._prefill(
+            pre = await self._recompute(
                 GenerateRequest(
                     request_id=f"{rid}-m{report.migrations}",
                     max_tokens=1,
                     kv_transfer_params={"do_remote_decode": True},
                     **resumed,
                 ),
+                report,
                 report.extra["deadline_s"],
             )
 
@@ -401,17 +428,19 @@ class Router:
         becomes a plain prefill."""
         t_start = tr.now_ns()
         deadline_s: float = report.extra["deadline_s"]
-        try:
-            pre = await self._prefill(
-                GenerateRequest(
-                    request_id=f"{rid}-p", max_tokens=1, kv_transfer_params=params, **base
-                ),
-                deadline_s,
-                self.pull_timeout_s if plan.kind == "pull" else None,
+        first = GenerateRequest(
+            request_id=f"{rid}-p", max_tokens=1, kv_transfer_params=params, **base
+        )
+        if plan.kind != "pull":
+            pre = await self._recompute(first, report, deadline_s)
+            self.metrics.inc("kvtide_kv_recomputes_total")
+            tr.set_attrs(
+                span, {tr.KV_CACHED_TOKENS: pre.num_cached_tokens, tr.PULL_FALLBACK: False}
             )
+            return pre
+        try:
+            pre = await self._prefill(first, deadline_s, self.pull_timeout_s)
         except (TimeoutError, EngineUnavailable) as exc:
-            if plan.kind != "pull":
-                raise
             # The pull hung or failed: forget those blocks and prefill from scratch.
             assert report.session_id is not None
             self.metrics.inc("kvtide_kv_transfer_failures_total")
@@ -427,23 +456,22 @@ class Router:
             )
             await self.kv.pull_failed(report.session_id)
             report.pull_fallback = True
-            pre = await self._prefill(
+            pre = await self._recompute(
                 GenerateRequest(
                     request_id=f"{rid}-r",
                     max_tokens=1,
                     kv_transfer_params={"do_remote_decode": True},
                     **base,
                 ),
+                report,
                 deadline_s,
             )
-        else:
-            if plan.kind == "pull":
-                attrs = self._transfer_attrs(plan.kv_transfer_params, "decode_to_prefill")
-                tr.record_span(tr.SPAN_KV_TRANSFER, t_start, tr.now_ns(), attrs, parent=span)
-                self.metrics.inc("kvtide_kv_send_backs_total")
-                self.metrics.add_transfer_bytes("decode_to_prefill", _bytes(attrs))
-        if plan.kind != "pull" or report.pull_fallback:
             self.metrics.inc("kvtide_kv_recomputes_total")
+        else:
+            attrs = self._transfer_attrs(plan.kv_transfer_params, "decode_to_prefill")
+            tr.record_span(tr.SPAN_KV_TRANSFER, t_start, tr.now_ns(), attrs, parent=span)
+            self.metrics.inc("kvtide_kv_send_backs_total")
+            self.metrics.add_transfer_bytes("decode_to_prefill", _bytes(attrs))
         tr.set_attrs(
             span,
             {tr.KV_CACHED_TOKENS: pre.num_cached_tokens, tr.PULL_FALLBACK: report.pull_fallback},

@@ -257,7 +257,8 @@ class EpochWatcher:
     ``lookup`` finds the service (None until an ingress created it); ``report`` is the
     host's ledger report; ``stats`` the engine's counters, sent with each heartbeat so
     that the service can sum every replica's (a deployment handle reaches one replica).
-    Each call is bounded by ``timeout_s``.
+    Each call is bounded by ``timeout_s``; the ledger goes in pages of about
+    ``page_bytes``.
     """
 
     def __init__(
@@ -270,7 +271,9 @@ class EpochWatcher:
         node_ids: Sequence[str] = (),
         stats: Callable[[], dict[str, Any]] | None = None,
         timeout_s: float = 10.0,
+        page_bytes: int = 4 * 2**20,
     ) -> None:
+        self.page_bytes = page_bytes
         self.stats = stats
         self.timeout_s = timeout_s
         self.lookup = lookup
@@ -294,7 +297,8 @@ class EpochWatcher:
         epoch = await asyncio.wait_for(call, self.timeout_s)
         if epoch == self.reported_epoch:
             return False
-        await asyncio.wait_for(handle.restore.remote(self.report()), self.timeout_s)
+        for page in self.report().pages(self.page_bytes):
+            await asyncio.wait_for(handle.restore.remote(page), self.timeout_s)
         self.reported_epoch = epoch
         return True
 

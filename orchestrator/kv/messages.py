@@ -99,6 +99,47 @@ class LedgerReport(msgspec.Struct, frozen=True, kw_only=True):
     role: str
     kept: list[KeptBlocks] = []
     consumed: list[tuple[str, str]] = []
+    # A large ledger travels in pages (``pages``): the service applies it at the last.
+    page: int = 0
+    last: bool = True
+
+    def pages(self, max_bytes: int) -> list[LedgerReport]:
+        """This report cut into pages of at most about ``max_bytes`` each (one entry
+        larger than that travels alone), so that no call carries the whole ledger."""
+        out: list[LedgerReport] = []
+        kept: list[KeptBlocks] = []
+        consumed: list[tuple[str, str]] = []
+        size = 0
+
+        def flush() -> None:
+            nonlocal kept, consumed, size
+            out.append(
+                LedgerReport(
+                    engine_id=self.engine_id,
+                    role=self.role,
+                    kept=kept,
+                    consumed=consumed,
+                    page=len(out),
+                    last=False,
+                )
+            )
+            kept, consumed, size = [], [], 0
+
+        for k in self.kept:
+            n = len(msgspec.msgpack.encode(k))
+            if size and size + n > max_bytes:
+                flush()
+            kept.append(k)
+            size += n
+        for pair in self.consumed:
+            n = len(pair[0]) + len(pair[1]) + 8
+            if size and size + n > max_bytes:
+                flush()
+            consumed.append(pair)
+            size += n
+        flush()
+        out[-1] = msgspec.structs.replace(out[-1], last=True)
+        return out
 
 
 class SessionInfo(msgspec.Struct, frozen=True, kw_only=True):

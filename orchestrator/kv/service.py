@@ -58,6 +58,8 @@ __all__ = ["API_METHODS", "KVService", "KVServiceAPI", "PrefillPool", "merge_cou
 log = logging.getLogger("kvtide.kv_service")
 
 _OWNER_PREFIX = "owner/"
+# session id -> wall-clock time its running turn was claimed (seconds, as text).
+_RUNNING_PREFIX = "running/"
 
 
 def merge_counters(books: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -162,6 +164,7 @@ class KVService:
         replay_max_bytes: int = 64 * 2**20,
         running_grace_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.planner = KVPlanner(config)
         self.tokens = SessionTokens(max_sessions=max_sessions, ttl_s=config.ttl_s)
@@ -185,8 +188,12 @@ class KVService:
                 self.owners.adopt(key.removeprefix(_OWNER_PREFIX), name.decode(), clock())
         # session id -> when its running turn was claimed (one turn per session at once;
         # a claim older than running_grace_s is stale: its ingress is gone).
+        # The marks are written through to the store, so a restarted service still
+        # refuses a second turn of a session whose turn its ingress is running.
         self.running_grace_s = running_grace_s
+        self.wall_clock = wall_clock
         self._running: dict[str, float] = {}
+        self._restore_running()
         # The latest counters of every engine (from its heartbeat) and every ingress
         # replica (``report_metrics``): /kvtide/stats sums them.
         self._engine_stats: dict[str, dict[str, Any]] = {}
@@ -195,6 +202,7 @@ class KVService:
         self.started_s = clock()
         self._drains: set[asyncio.Task[None]] = set()
         self._kept_reports: dict[str, list[KeptBlocks]] = {}
+        self._ledger_pages: dict[str, list[LedgerReport]] = {}
         self._consumed: set[tuple[str, str]] = set()
         self._prefill_reporters: set[str] = set()
         self.engine_silence_s = engine_silence_s
@@ -268,8 +276,31 @@ class KVService:
             await self.close(sid)
         if not principal.is_anonymous and was_owner != principal.name:
             self.store.put(_OWNER_PREFIX + session_id, principal.name.encode())
-        self._running[session_id] = now
+        self._set_running(session_id, now)
         return Claim(outcome="claimed")
+
+    def _set_running(self, session_id: str, now: float) -> None:
+        self._running[session_id] = now
+        self.store.put(_RUNNING_PREFIX + session_id, repr(self.wall_clock()).encode())
+
+    def _clear_running(self, session_id: str) -> None:
+        if self._running.pop(session_id, None) is not None:
+            self.store.delete(_RUNNING_PREFIX + session_id)
+
+    def _restore_running(self) -> None:
+        """The running marks a previous instance left (its turns' ingresses may still
+        finish them), each at its age; marks past ``running_grace_s`` are dropped."""
+        now, wall = self.clock(), self.wall_clock()
+        for key in self.store.keys(_RUNNING_PREFIX):
+            raw = self.store.get(key)
+            try:
+                age = wall - float(raw or b"")
+            except ValueError:
+                age = self.running_grace_s
+            if 0 <= age < self.running_grace_s:
+                self._running[key.removeprefix(_RUNNING_PREFIX)] = now - age
+            else:
+                self.store.delete(key)
 
     async def plan_turn(self, session_id: str, prompt_token_ids: list[int]) -> TurnPlan:
         return self.planner.plan_turn(session_id, prompt_token_ids, self.clock())
@@ -286,7 +317,7 @@ class KVService:
             # Nobody will pull these blocks back: free them now, not at the TTL.
             self._drain(done.kv_transfer_params, done.token_ids)
             return
-        self._running.pop(sid, None)
+        self._clear_running(sid)
         if done.owner is not None:
             self.owners.touch(sid, Principal(name=done.owner), now)
         # The record this turn supersedes covers the *previous* tokens: drain it with
@@ -306,7 +337,7 @@ class KVService:
 
     async def turn_abandoned(self, session_id: str | None) -> None:
         if session_id is not None:
-            self._running.pop(session_id, None)
+            self._clear_running(session_id)
             self._apply(self.planner.abandon(session_id, self.clock()))
 
     # ---- idempotent turns (shared by every ingress replica) --------------------------
@@ -362,7 +393,7 @@ class KVService:
         now = self.clock()
         stale = [s for s, t in self._running.items() if now - t >= self.running_grace_s]
         for sid in stale:
-            del self._running[sid]
+            self._clear_running(sid)
         for sid in self.owners.expire(now, keep=self._running):
             self.store.delete(_OWNER_PREFIX + sid)
             await self.close(sid)
@@ -460,13 +491,25 @@ class KVService:
     # ---- restart recovery --------------------------------------------------------------
 
     async def restore(self, report: LedgerReport) -> None:
-        """An engine host's ledger, sent after it saw a new ``epoch``."""
+        """An engine host's ledger, sent after it saw a new ``epoch``, in pages
+        (``LedgerReport.pages``): applied when its last page has come."""
+        pending = self._ledger_pages.setdefault(report.engine_id, [])
+        if report.page == 0:
+            pending.clear()  # a host that started over
+        elif len(pending) != report.page:
+            log.warning("ledger page %d of %s out of order", report.page, report.engine_id)
+            return  # the host sees no new epoch acknowledged and sends it all again
+        pending.append(report)
+        if not report.last:
+            return
+        del self._ledger_pages[report.engine_id]
         self.counters["restores"] += 1
+        kept = [k for page in pending for k in page.kept]
         if report.role == "prefill":
             self._prefill_reporters.add(report.engine_id)
-            self._consumed.update((e, r) for e, r in report.consumed)
-        if report.kept:
-            self._kept_reports[report.engine_id] = list(report.kept)
+            self._consumed.update((e, r) for page in pending for e, r in page.consumed)
+        if kept:
+            self._kept_reports[report.engine_id] = kept
         self._maybe_adopt()
 
     def _maybe_adopt(self) -> None:

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pytest
 from test_router import FakeClock, FakePool, decode_script, prefill_script
 
@@ -143,6 +144,37 @@ def test_a_restarted_service_rebuilds_exactly_what_the_engines_still_hold() -> N
         # The conversation goes on with the KV it had before the restart.
         r3 = await c.turn([*S1_T2, 11, 12, 13, 60, 61], "s1")
         assert (r3.kv_plan, r3.kv_source) == ("pull", "sent_back")
+
+    asyncio.run(run())
+
+
+def test_a_restart_rebuilds_the_same_books_from_ledgers_sent_in_small_pages() -> None:
+    c = Cluster()
+
+    async def run() -> None:
+        await two_sessions(c)
+        before = c.bytes_held()
+
+        def books(service: KVService) -> dict[str, Any]:
+            return {
+                s: (r.engine_id, r.block_ids, r.num_tokens, r.prefix_hash)
+                for s in ("s1", "s2")
+                if (r := service.planner.lifecycle.record(s)) is not None
+            }
+
+        records = books(c.service)
+        assert set(records) == {"s1", "s2"}
+        svc = c.new_service()
+        decode_report, prefill_report = c.reports()
+        pages = [*decode_report.pages(600), *prefill_report.pages(600)]
+        # Each kept request's tokens go in a page of their own: no call carries it all.
+        assert len(pages) >= 4 and all(len(msgspec.msgpack.encode(p)) < 1500 for p in pages)
+        for page in pages:
+            await svc.restore(page)
+        await svc.wait_drains()
+        assert c.bytes_held() == before
+        assert books(svc) == records
+        assert svc.counters["restores"] == 2
 
     asyncio.run(run())
 

@@ -28,6 +28,7 @@ def restarted(c: Cluster, store: MemoryStore) -> KVService:
         store=store,
         running_grace_s=60.0,
         clock=c.clock,
+        wall_clock=c.clock,
     )
     return c.service
 
@@ -45,6 +46,7 @@ def test_session_ownership_survives_a_service_restart() -> None:
         assert not await service.session_owned("s1", MALLORY)
         assert (await service.session_prefix("s1", MALLORY)).owned is False
         assert (await service.claim_session("s1", ALICE)).outcome == "claimed"
+        await service.turn_abandoned("s1")
         # Closing ends the ownership for good, also for the next instance.
         await service.close("s1")
         service = restarted(c, store)
@@ -92,6 +94,31 @@ def test_a_second_concurrent_turn_of_a_session_is_refused_until_the_first_ends()
         assert (await service.claim_session("s1", ALICE)).outcome == "claimed"
         await service.turn_abandoned("s1")  # a failed turn frees the session too
         assert (await service.claim_session("s1", ALICE)).outcome == "claimed"
+
+    asyncio.run(run())
+
+
+def test_a_running_turn_still_refuses_a_second_one_after_a_service_restart() -> None:
+    c, store = Cluster(), MemoryStore()
+    restarted(c, store)
+
+    async def run() -> None:
+        assert (await c.service.claim_session("s1", ALICE)).outcome == "claimed"
+        assert (await c.service.claim_session("s2", ALICE)).outcome == "claimed"
+        await c.service.turn_abandoned("s2")
+        service = restarted(c, store)  # s1's turn is still running on its ingress
+        assert (await service.claim_session("s1", ALICE)).outcome == "turn_in_progress"
+        assert (await service.claim_session("s2", ALICE)).outcome == "claimed"
+        # The original's end reaches the new instance and clears the mark for good.
+        await service.turn_abandoned("s1")
+        assert (await service.claim_session("s1", ALICE)).outcome == "claimed"
+        await service.turn_abandoned("s1")
+        assert (await restarted(c, store).claim_session("s1", ALICE)).outcome == "claimed"
+        # A mark whose ingress died too expires running_grace_s after its claim, also
+        # across a restart.
+        c.clock.now_s += 61.0
+        assert (await restarted(c, store).claim_session("s1", ALICE)).outcome == "claimed"
+        assert store.keys("running/") == ["running/s1"]
 
     asyncio.run(run())
 

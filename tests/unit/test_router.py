@@ -406,3 +406,50 @@ def test_a_turn_whose_decode_engine_dies_continues_on_another_without_repeating(
     # The session's record is the surviving engine's, covering the whole turn.
     record = service_of(router).planner.lifecycle.record("s")
     assert record is not None and record.engine_id == "D2"
+
+
+class PrefillDies(FakePool):
+    """A prefill pool whose first ``failures`` requests land on an engine that dies."""
+
+    def __init__(self, script: Script, failures: int) -> None:
+        super().__init__(script)
+        self.failures = failures
+
+    async def _stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        self.requests.append(request)
+        if len(self.requests) <= self.failures:
+            raise RuntimeError("ActorDiedError: the prefill replica's worker process died")
+        for chunk in self.script(request):
+            yield chunk
+
+
+def test_a_turn_whose_prefill_engine_dies_is_prefilled_again_on_another() -> None:
+    prefill, decode = PrefillDies(prefill_script(), failures=1), FakePool(decode_script)
+    router = make_router(prefill, decode)
+    report = asyncio.run(turn(router, list(range(100)), "s"))
+    assert report.finish_reason == "length" and report.num_completion_tokens == 3
+    assert report.prefill_retries == 1 and report.as_dict()["prefill_retries"] == 1
+    # Two prefill requests under distinct ids (an engine rejects a duplicate id); decode
+    # got the surviving engine's KV.
+    assert [r.request_id.rsplit("-", 1)[1] for r in prefill.requests] == ["p", "p1"]
+    [dec] = decode.requests
+    assert (dec.kv_transfer_params or {}).get("remote_block_ids") == [[1, 2]]
+    assert router.metrics.snapshot()["kvtide_kv_recomputes_total"] == 1
+
+
+def test_a_prefill_failing_on_every_engine_is_503_after_the_bounded_retries() -> None:
+    prefill, decode = PrefillDies(prefill_script(), failures=99), FakePool(decode_script)
+    router = make_router(prefill, decode)
+    service = service_of(router)
+
+    async def run() -> None:
+        assert (await service.claim_session("s", ANONYMOUS)).outcome == "claimed"
+        with pytest.raises(EngineUnavailable) as caught:
+            await turn(router, list(range(100)), "s")
+        assert caught.value.status_code == 503
+        # max_migrations retries after the first attempt, then no more engine work.
+        assert len(prefill.requests) == 1 + router.max_migrations
+        assert decode.requests == []
+        assert (await service.claim_session("s", ANONYMOUS)).outcome == "claimed"
+
+    asyncio.run(run())
