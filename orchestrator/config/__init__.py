@@ -317,8 +317,18 @@ class KVTideConfig(ConfigFile):
                 return pool
         raise ConfigError(f"no pool {name!r} in this config", field=name)
 
-    def engine_spec(self, pool: PoolConfig, engine_id: str, side_channel_port: int) -> EngineSpec:
-        """The ``EngineSpec`` of one engine of ``pool`` (the only pool → spec conversion)."""
+    def engine_spec(
+        self,
+        pool: PoolConfig,
+        engine_id: str,
+        side_channel_port: int,
+        side_channel_host: str = "127.0.0.1",
+    ) -> EngineSpec:
+        """The ``EngineSpec`` of one engine of ``pool`` (the only pool → spec conversion).
+
+        ``side_channel_host`` is the address the engine's NIXL side channel listens on
+        and that its peers dial: the engine's host as the other hosts reach it.
+        """
         env: list[tuple[str, str]] = []
         if self.device == "cpu":
             env.append(("VLLM_CPU_KVCACHE_SPACE", str(pool.kv_cache_space_gib)))
@@ -340,6 +350,8 @@ class KVTideConfig(ConfigFile):
             max_model_len=self.model.max_model_len,
             max_num_seqs=pool.max_num_seqs,
             tensor_parallel_size=pool.tensor_parallel_size,
+            # CUDA graphs on GPUs; vllm-cpu runs eagerly.
+            enforce_eager=self.device == "cpu",
             extra_engine_args=(
                 (("decode_context_parallel_size", pool.decode_context_parallel_size),)
                 if pool.decode_context_parallel_size > 1
@@ -347,6 +359,7 @@ class KVTideConfig(ConfigFile):
             ),
             kv_transfer=KVTransferSpec(
                 buffer_device="cpu" if self.device == "cpu" else "cuda",
+                side_channel_host=side_channel_host,
                 side_channel_port=side_channel_port,
                 bidirectional_kv_xfer=kv.bidirectional_kv_xfer,
                 decoder_kv_blocks_ttl_s=kv.decoder_kv_blocks_ttl_s,

@@ -21,11 +21,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+import ray
 from ray import serve
 
 from engines.base import EngineInfo, EngineSpec, EngineStats, GenerateChunk, GenerateRequest
 from engines.registry import create_engine
-from orchestrator.cluster.placed_engine import ray_executor_spec
+from orchestrator.cluster.placed_engine import ray_executor_spec, with_cluster_address
 from orchestrator.cluster.pool_layout import PoolDeployment, pool_deployment_name
 from orchestrator.config import KVTideConfig
 from orchestrator.kv.actor import EpochWatcher, lookup_service
@@ -86,13 +87,24 @@ def uses_ray_executor(config: KVTideConfig, pool_name: str, domain_id: str | Non
 
 
 def host_engine_spec(
-    config: KVTideConfig, pool_name: str, domain_id: str | None, engine_id: str, port: int
+    config: KVTideConfig,
+    pool_name: str,
+    domain_id: str | None,
+    engine_id: str,
+    port: int,
+    host: str = "127.0.0.1",
+    gcs_address: str | None = None,
 ) -> EngineSpec:
-    """The spec of the engine a replica of the pool's deployment hosts."""
-    spec = config.engine_spec(config.pool(pool_name), engine_id, side_channel_port=port)
+    """The spec of the engine a replica of the pool's deployment hosts (pure): its NIXL
+    side channel on ``host:port``; with TP workers as Ray actors, the cluster at
+    ``gcs_address`` for vLLM's engine core to join."""
+    pool = config.pool(pool_name)
+    spec = config.engine_spec(pool, engine_id, side_channel_port=port, side_channel_host=host)
     if uses_ray_executor(config, pool_name, domain_id):
         # vLLM takes this replica's placement group and puts a worker in each GPU bundle.
         spec = ray_executor_spec(spec, spec.tensor_parallel_size)
+        if gcs_address is not None:
+            spec = with_cluster_address(spec, gcs_address)
     return spec
 
 
@@ -114,7 +126,12 @@ class EngineHost:
         role = pool.role
         ctx = serve.get_replica_context()
         engine_id = f"{pool_name}-{ctx.replica_id.unique_id}"
-        spec = host_engine_spec(config, pool_name, domain_id, engine_id, free_port())
+        # Peers on other hosts dial this engine's NIXL side channel: it listens on the
+        # address Ray knows this host by (loopback only reaches this host's processes).
+        node_ip = ray.util.get_node_ip_address()
+        gcs_address = ray.get_runtime_context().gcs_address
+        port = free_port(node_ip)
+        spec = host_engine_spec(config, pool_name, domain_id, engine_id, port, node_ip, gcs_address)
         self.domain_id = domain_id
         self.engine = create_engine(spec)
         self._info: EngineInfo = await self.engine.start()
@@ -155,7 +172,6 @@ class EngineHost:
         """Where this engine runs, from Ray's own tables: the replica's node and each
         bundle of its placement group (bundle 0 is the host; with TP > 1 the others are
         the TP ranks' GPUs). ``bundles`` is empty when the replica has no group."""
-        import ray
         from ray.util.placement_group import get_current_placement_group, placement_group_table
 
         group = get_current_placement_group()

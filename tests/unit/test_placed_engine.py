@@ -55,3 +55,20 @@ def test_a_gpu_engine_needs_no_platform_plugin() -> None:
 def test_a_spec_for_another_engine_is_refused() -> None:
     with pytest.raises(ValueError, match="engine spec 'other' does not match plan 'e'"):
         placed_engine_spec(spec(engine_id="other"), tp2_plan())
+
+
+def test_a_replica_engine_joins_its_cluster_and_listens_on_its_hosts_address() -> None:
+    from orchestrator.config import parse_config
+    from orchestrator.serve.engine_host import host_engine_spec
+
+    cfg = parse_config({"placement": {"mode": "domain"}, "decode": {"tensor_parallel_size": 2}})
+    spec = host_engine_spec(cfg, "decode", "d0", "e", 5601, "10.0.0.7", "10.0.0.1:6379")
+    # vLLM's engine core, a process of its own, joins this cluster to create the workers.
+    assert dict(spec.env)["RAY_ADDRESS"] == "10.0.0.1:6379"
+    assert dict(spec.env)["KVTIDE_CPU_RAY_PLATFORM"] == "1"
+    # Peers on other hosts reach the NIXL side channel at the host's address.
+    assert spec.kv_transfer is not None
+    assert spec.kv_transfer.side_channel_host == "10.0.0.7"
+    # A TP=1 engine runs in the replica: no Ray workers, no cluster address needed.
+    tp1 = host_engine_spec(cfg, "prefill", "d0", "p", 5602, "10.0.0.7", "10.0.0.1:6379")
+    assert "RAY_ADDRESS" not in dict(tp1.env)
