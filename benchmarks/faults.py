@@ -1,6 +1,6 @@
 """Multi-turn sessions under faults: what is completed, retried, migrated, lost or run twice.
 
-    python benchmarks/faults.py [--sessions 12] [--turns 4] [--max-tokens 48]
+    python benchmarks/faults.py [--sessions 12] [--turns 4] [--max-tokens 128]
 
 Starts a local Ray and the kvtide app with kvtide's simulated engines (two prefill and
 two decode engines on the CPU; no model weights) and two API keys. For each scenario it
@@ -10,11 +10,15 @@ injects the fault:
 
 * ``none``: the baseline, the same load without a fault;
 * ``kv-service``: the KV lifecycle service actor is killed (Ray restarts it);
-* ``decode``: one decode replica's actor is killed mid-stream (Serve replaces it);
-* ``prefill``: one prefill replica's actor is killed.
+* ``decode``: a decode replica's actor is killed mid-stream (Serve replaces it);
+* ``prefill``: a prefill replica's actor is killed while it has requests.
+
+Half the sessions stream. A killed replica is one with requests running (found from the
+counters engines send with their heartbeats), so its turns are cut mid-stream.
 
 It prints, per scenario, the turns completed, retried by the SDK, migrated to another
-decode engine, failed (an error after the SDK's retries), run twice (a completed
+decode engine, prefilled again on another prefill engine, resumed by the SDK after a
+stream error event, failed (an error after the SDK's retries), run twice (a completed
 Idempotency-Key completed again, from the service's book) and taken over (a session
 another key could read afterwards), and the p99 turn latency as a ratio to the baseline.
 """
@@ -43,6 +47,8 @@ class Outcome:
     completed: int = 0
     retried: int = 0
     migrated: int = 0
+    prefill_retried: int = 0
+    resumed: int = 0
     failed: int = 0
     latencies_s: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -53,8 +59,24 @@ def p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else 0.0
 
 
-def kill_fault(name: str) -> None:
-    """Kill what ``name`` says, the way a crashed process dies."""
+def busy_replica(base_url: str, key: str, pool: str) -> str | None:
+    """The Serve replica id of a ``pool`` engine running requests now, from the counters
+    each engine sends with its heartbeat (engine ids are ``<pool>-<replica id>``)."""
+    import httpx
+
+    resp = httpx.get(
+        f"{base_url}/kvtide/stats", headers={"authorization": f"Bearer {key}"}, timeout=30
+    )
+    replicas: dict[str, dict[str, Any]] = resp.json().get("engine_replicas", {})
+    for engine_id, counters in sorted(replicas.items()):
+        if engine_id.startswith(f"{pool}-") and counters.get("num_running", 0) > 0:
+            return engine_id.removeprefix(f"{pool}-")
+    return None
+
+
+def kill_fault(name: str, base_url: str, key: str) -> None:
+    """Kill what ``name`` says, the way a crashed process dies: the KV service actor, or
+    a replica of the pool, one with requests running when there is one (mid-stream)."""
     import ray
 
     if name == "kv-service":
@@ -63,8 +85,16 @@ def kill_fault(name: str) -> None:
         handle = ray.get_actor(service_name("kvtide"), namespace=SERVICE_NAMESPACE)
         ray.kill(handle, no_restart=False)
         return
-    actors = ray.util.list_named_actors(all_namespaces=True)
-    target = next(a for a in actors if f"#{name}-pool#" in a["name"])
+    actors = [
+        a for a in ray.util.list_named_actors(all_namespaces=True) if f"#{name}-pool#" in a["name"]
+    ]
+    busy = None
+    deadline = time.monotonic() + 10.0
+    while busy is None and time.monotonic() < deadline:
+        busy = busy_replica(base_url, key, name)
+        if busy is None:
+            time.sleep(0.05)  # polling the load (not waiting out a race)
+    target = next((a for a in actors if busy and a["name"].endswith(f"#{busy}")), actors[0])
     ray.kill(ray.get_actor(target["name"], namespace=target["namespace"]), no_restart=True)
 
 
@@ -91,7 +121,13 @@ def run_load(
                 text = f"session {i} turn {turn}: " + "lorem ipsum " * (40 + 10 * turn)
                 t0 = time.monotonic()
                 try:
-                    result = session.send(text, max_tokens=args.max_tokens)
+                    if i % 2:  # half the sessions stream
+                        with session.stream(text, max_tokens=args.max_tokens) as stream:
+                            for _ in stream:
+                                pass
+                        result = stream.result
+                    else:
+                        result = session.send(text, max_tokens=args.max_tokens)
                 except Exception as exc:  # counted: the point of the run
                     with lock:
                         outcome.failed += 1
@@ -101,7 +137,10 @@ def run_load(
                     outcome.completed += 1
                     outcome.latencies_s.append(time.monotonic() - t0)
                     outcome.retried += result.num_attempts > 1
-                    outcome.migrated += bool((result.kvtide or {}).get("migrations"))
+                    moves = result.kvtide or {}
+                    outcome.migrated += bool(moves.get("migrations"))
+                    outcome.prefill_retried += bool(moves.get("prefill_retries"))
+                    outcome.resumed += result.num_resumes > 0
                     if outcome.completed + outcome.failed >= total // 3:
                         done.set()
 
@@ -113,7 +152,7 @@ def run_load(
         while not done.wait(0.2) and any(t.is_alive() for t in threads):
             if time.monotonic() > deadline:
                 break
-        kill_fault(fault)
+        kill_fault(fault, base_url, keys[0])
     for thread in threads:
         thread.join(timeout=900)
     return outcome, owners
@@ -181,7 +220,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=12)
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument(
         "--faults", default="none,kv-service,decode,prefill", help="comma-separated scenarios"
     )
@@ -206,6 +245,8 @@ def main() -> None:
                     outcome.completed,
                     outcome.retried,
                     outcome.migrated,
+                    outcome.prefill_retried,
+                    outcome.resumed,
                     outcome.failed,
                     lost - outcome.failed,
                     duplicates(base_url, keys[0]) - before,
@@ -218,7 +259,7 @@ def main() -> None:
                 print(f"  {fault}: {error}", file=sys.stderr)
     print(
         f"{args.sessions} sessions x {args.turns} turns, simulated engines (2 prefill, "
-        "2 decode) on this machine's CPU, SDK retries on\n"
+        f"2 decode) on this machine's CPU, SDK retries on, {args.max_tokens} tokens a turn\n"
     )
     print(
         format_table(
@@ -227,6 +268,8 @@ def main() -> None:
                 "completed",
                 "retried",
                 "migrated",
+                "prefill again",
+                "resumed",
                 "failed",
                 "hung",
                 "run twice",
