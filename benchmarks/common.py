@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.base import GenerateRequest
+from engines.kv_params import KVTransferParams
 
 
 @contextmanager
@@ -42,7 +43,7 @@ class DirectTurn:
     ttft_s: float
     token_times: list[float] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    kept: dict[str, Any] | None = None  # decode's final params: its kept blocks
+    kept: KVTransferParams | None = None  # decode's final params: its kept blocks
 
 
 async def direct_turn(
@@ -50,13 +51,11 @@ async def direct_turn(
     decode: Any,
     prompt: list[int],
     max_tokens: int,
-    pull: dict[str, Any] | None = None,
+    pull: KVTransferParams | None = None,
 ) -> DirectTurn:
     """Prefill (``max_tokens=1``, ``do_remote_decode``; pulling ``pull``'s blocks back when
     given), then decode with the prefill's returned params, as vLLM's P/D proxy does."""
-    params: dict[str, Any] = {"do_remote_decode": True}
-    if pull is not None:
-        params = {**pull, "do_remote_decode": True, "do_remote_prefill": False}
+    params = KVTransferParams.keep_for_decode() if pull is None else pull.pull_back()
     rid = uuid.uuid4().hex
     t0 = time.monotonic()
     pre = None

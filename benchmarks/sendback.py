@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx
 
 from benchmarks.common import direct_turn, embedded_app, stream_completion
+from engines.kv_params import KVTransferParams
 
 OUTPUT_TOKENS = 16
 QUESTION_TOKENS = 32
@@ -84,7 +85,7 @@ async def _direct_pair(
 ) -> tuple[float, float]:
     first = _ids(rng, n)
     one = await direct_turn(prefill, decode, first, OUTPUT_TOKENS)
-    assert one.kept is not None and one.kept.get("remote_block_ids")
+    assert one.kept is not None and one.kept.remote_block_ids
     second = first + one.token_ids + _ids(rng, QUESTION_TOKENS)
     reused = await direct_turn(prefill, decode, second, OUTPUT_TOKENS, pull=one.kept)
     fresh = await direct_turn(prefill, decode, _ids(rng, len(second)), OUTPUT_TOKENS)
@@ -126,7 +127,7 @@ def policy_speed(num_sessions: int = 100_000, prompt_tokens: int = 1024) -> list
     kv = KVLifecycle(KVLifecycleConfig(kv_bytes_per_token=4096, block_size_tokens=128))
     rng = random.Random(1)
     base = _ids(rng, prompt_tokens)
-    params = {"remote_engine_id": "decode-0", "remote_block_ids": [[1, 2, 3]]}
+    params = KVTransferParams(remote_engine_id="decode-0", remote_block_ids=((1, 2, 3),))
     now = 0.0
     # Populate: every session has finished one turn and holds a record.
     for i in range(num_sessions):
@@ -194,13 +195,13 @@ def _pct(xs: list[float], q: float) -> float:
 def _done(sid: str, prompt: list[int], i: int) -> Any:
     from orchestrator.kv.messages import TurnDone
 
-    params = {
-        "do_remote_decode": True,
-        "remote_engine_id": f"decode-{i % 16}",
-        "remote_request_id": f"r{i}",
-        "remote_block_ids": [[1, 2, 3]],
-        "remote_num_tokens": len(prompt),
-    }
+    params = KVTransferParams(
+        do_remote_decode=True,
+        remote_engine_id=f"decode-{i % 16}",
+        remote_request_id=f"r{i}",
+        remote_block_ids=((1, 2, 3),),
+        remote_num_tokens=len(prompt),
+    )
     return TurnDone(
         session_id=sid,
         token_ids=[*prompt, 5],

@@ -8,9 +8,10 @@ run and what they may do:
   safe to call at any time from any caller;
 * data plane — ``generate``, ``abort``: act on requests. ``generate`` streams
   ``GenerateChunk``s; the *last* chunk (``finished=True``) carries the engine's
-  ``kv_transfer_params`` — ownership of any KV blocks the engine kept for the request
-  passes to the caller with them (a prefill engine's blocks wait to be pulled by
-  decode; a decode engine's blocks wait to be sent back to prefill until their TTL);
+  ``kv_transfer_params`` (typed: ``engines.kv_params``) — ownership of any KV blocks
+  the engine kept for the request passes to the caller with them (a prefill engine's
+  blocks wait to be pulled by decode; a decode engine's blocks wait to be sent back to
+  prefill until their TTL);
 * lifecycle — ``start``, ``shutdown``.
 
 Wire types are ``msgspec.Struct``s so they cross Ray actor boundaries cheaply.
@@ -26,6 +27,7 @@ from typing import Any, Literal
 import msgspec
 
 from engines.decode_path import STOCK, DecodePath
+from engines.kv_params import KVTransferParams
 
 __all__ = [
     "EngineAdapter",
@@ -110,7 +112,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     min_p: float = 0.0
     # Capped at max_tokens by the engine (a prefill runs one token of a longer turn).
     min_tokens: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     # The conversation this request serves (None: none). Engines ignore it; the engine
     # host keeps it in its ledger of kept KV so the KV service can be rebuilt.
     session_id: str | None = None
@@ -127,7 +129,7 @@ class GenerateChunk(msgspec.Struct, frozen=True, kw_only=True):
     num_prompt_tokens: int = 0
     # Prompt tokens whose KV the engine did not compute itself (prefix cache + pulled).
     num_cached_tokens: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     # Seconds until the engine frees the blocks it kept for this request (its
     # ``remote_blocks_expiry_time`` converted from the engine's own clock when it
     # reported them); None when it kept none or did not say.

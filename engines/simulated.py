@@ -41,7 +41,6 @@ import zlib
 from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 from engines.base import (
     EngineAdapter,
@@ -52,6 +51,7 @@ from engines.base import (
     GenerateChunk,
     GenerateRequest,
 )
+from engines.kv_params import KVTransferParams
 from engines.simulated_config import SimulatedEngineConfig, simulated_config
 from engines.simulated_kv import KVBlockPool, SimulatedFabric, nixl_params
 from placement.decode_model import decode_step
@@ -67,9 +67,6 @@ __all__ = [
 
 PREFILL_LEASE_S = 480.0  # vLLM frees a prefill's unread blocks after this (abort timeout)
 EXPIRY_MARGIN_S = 5.0  # a prefill declines to read decode blocks this close to their expiry
-# A pull needs all of these in the params, as NixlConnector checks.
-_PULL_KEYS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host",
-              "remote_port")  # fmt: skip
 
 
 class RequestRejected(ValueError):
@@ -106,7 +103,7 @@ DEFAULT_FABRIC = SimulatedFabric()
 class _Request:
     request: GenerateRequest
     out: asyncio.Queue[GenerateChunk | BaseException]
-    params: dict[str, Any] | None  # kv_transfer_params in (None without a connector)
+    params: KVTransferParams | None  # kv_transfer_params in (None without a connector)
     worst_case_blocks: int
     digest: int  # hash of every token so far; the next token is derived from it
     num_cached: int = 0  # prompt tokens whose KV was pulled
@@ -254,7 +251,7 @@ class SimulatedEngine(EngineAdapter):
         return _Request(
             request=request,
             out=asyncio.Queue(),
-            params=dict(params) if params else None,
+            params=None if params == KVTransferParams() else params,  # {} asks for nothing
             worst_case_blocks=blocks,
             digest=digest,
         )
@@ -315,36 +312,39 @@ class SimulatedEngine(EngineAdapter):
     def _start_pull(self, req: _Request, now: float) -> bool:
         """Begin reading a peer's blocks if the params ask for it; False: compute here."""
         p, kv = req.params, self.spec.kv_transfer
-        if not p or kv is None or not all(p.get(k) is not None for k in _PULL_KEYS):
+        # A pull needs the blocks and their engine's side channel, as NixlConnector checks.
+        target = p.read_target() if p is not None else None
+        if p is None or kv is None or target is None or None in (p.remote_host, p.remote_port):
             return False
-        if p.get("do_remote_prefill"):  # decode reads the prompt a prefill computed
+        engine_id, remote_id = target
+        if p.do_remote_prefill:  # decode reads the prompt a prefill computed
             count = req.prompt_len
-        elif p.get("do_remote_decode"):  # prefill reads back what a decode kept
-            count = min(int(p.get("remote_num_tokens") or 0), req.prompt_len)
+        elif p.do_remote_decode:  # prefill reads back what a decode kept
+            count = min(p.remote_num_tokens or 0, req.prompt_len)
             if count < max(1, kv.kv_recompute_threshold_tokens):
                 return False  # not worth a transfer; the peer keeps its blocks to the TTL
-            expiry = p.get("remote_blocks_expiry_time")
-            if expiry is not None and now >= float(expiry) - EXPIRY_MARGIN_S:
+            expiry = p.remote_blocks_expiry_time
+            if expiry is not None and now >= expiry - EXPIRY_MARGIN_S:
                 self._count("kv_expired")
                 return False
         else:
             return False
-        peer = self._fabric.get(str(p["remote_engine_id"]))
-        kept = peer.kv.kept(str(p["remote_request_id"]), now) if peer else None
+        peer = self._fabric.get(engine_id)
+        kept = peer.kv.kept(remote_id, now) if peer else None
         if peer is None or kept is None:
             self._count("kv_failures")
             if kv.kv_load_failure_policy == "recompute":
                 return False
             self._finish(req, "error", error=KVTransferFailed(
-                f"request {req.request.request_id!r}: engine {p['remote_engine_id']!r} no "
-                f"longer holds the KV of {p['remote_request_id']!r} (read, expired or never "
+                f"request {req.request.request_id!r}: engine {engine_id!r} no "
+                f"longer holds the KV of {remote_id!r} (read, expired or never "
                 "kept); send the turn again without kv_transfer_params."
             ))  # fmt: skip
             return True
         count = min(count, kept.num_tokens)
         # A full hit recomputes the last prompt token so that the next can be sampled.
         req.num_cached = min(count, req.prompt_len - 1)
-        req.pull_from = (peer, str(p["remote_request_id"]))
+        req.pull_from = (peer, remote_id)
         per_gpu = count * self.config.kv_bytes_per_token_per_gpu
         req.ready_s = now + per_gpu / (self.config.kv_transfer_gbps * 1e9)
         self._count("kv_transfers")
@@ -408,13 +408,13 @@ class SimulatedEngine(EngineAdapter):
             )
         )
 
-    def _kept_params(self, req: _Request) -> tuple[dict[str, Any] | None, float | None]:
+    def _kept_params(self, req: _Request) -> tuple[KVTransferParams | None, float | None]:
         """What NixlConnector.request_finished returns: params naming the blocks kept
         for a peer, and until when (None, None: the blocks are freed)."""
         p, kv, cfg = req.params, self.spec.kv_transfer, self.config
         request_id = req.request.request_id
         block_ids = self.kv.blocks_of(request_id)
-        is_prefill = bool(p and p.get("do_remote_decode"))
+        is_prefill = p is not None and p.do_remote_decode
         if not p or kv is None or not block_ids or not (is_prefill or kv.bidirectional_kv_xfer):
             return None, None
         expires_s = self._clock() + (

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from engines.base import KVTransferSpec
+from engines.kv_params import KVTransferParams
 from placement.capacity import EngineShape
 
 if TYPE_CHECKING:
@@ -159,21 +160,21 @@ def nixl_params(
     num_tokens: int,
     is_prefill: bool,
     expires_s: float,
-) -> dict[str, Any]:
+) -> KVTransferParams:
     """The ``kv_transfer_params`` vLLM 0.32's NixlConnector returns for kept blocks: a
     prefill's ask decode to pull them; a decode's offer them back to the next prefill."""
-    return {
-        "do_remote_prefill": is_prefill,
-        "do_remote_decode": not is_prefill,
-        "remote_block_ids": [block_ids],  # one list per KV cache group
-        "remote_engine_id": engine_id,
-        "remote_request_id": request_id,
-        "remote_host": kv.side_channel_host,
-        "remote_port": kv.side_channel_port,
-        "tp_size": shape.tp,
-        "dcp_size": shape.dcp,
-        "pp_size": shape.pp,
-        "remote_num_tokens": num_tokens,
-        "remote_blocks_expiry_time": None if is_prefill else expires_s,
-        "transfer_mode": "pull",
-    }
+    return KVTransferParams(
+        do_remote_prefill=is_prefill,
+        do_remote_decode=not is_prefill,
+        remote_block_ids=(tuple(block_ids),),  # one tuple per KV-cache group
+        remote_engine_id=engine_id,
+        remote_request_id=request_id,
+        remote_host=kv.side_channel_host,
+        remote_port=kv.side_channel_port,
+        tp_size=shape.tp,
+        dcp_size=shape.dcp,
+        pp_size=shape.pp,
+        remote_num_tokens=num_tokens,
+        remote_blocks_expiry_time=None if is_prefill else expires_s,
+        transfer_mode="pull",
+    )

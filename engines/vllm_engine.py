@@ -12,6 +12,10 @@ engines with vLLM's ``NixlConnector``; the hand-off between roles is carried ent
   blocks, kept for ``decoder_kv_blocks_ttl`` seconds;
 * next turn's prefill: those params plus ``do_remote_decode: True,
   do_remote_prefill: False``: the prefill engine pulls the previous turn's KV back.
+
+This adapter is where vLLM's dicts enter and leave kvtide: ``sampling_args_for`` writes
+a request's ``KVTransferParams`` as vLLM's dict, and ``generate`` reads the finished
+output's dict into one (``engines/kv_params.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from engines.base import (
     GenerateRequest,
 )
 from engines.decode_path import check_decode_backend, decode_path_settings
+from engines.kv_params import KVTransferParams
 
 __all__ = ["VLLMEngine", "engine_args_for", "sampling_args_for"]
 
@@ -107,7 +112,7 @@ def sampling_args_for(request: GenerateRequest) -> dict[str, Any]:
         # vLLM refuses min_tokens > max_tokens; a turn's prefill asks for one token.
         "min_tokens": min(request.min_tokens, request.max_tokens),
         "extra_args": (
-            {"kv_transfer_params": dict(request.kv_transfer_params)}
+            {"kv_transfer_params": request.kv_transfer_params.to_vllm()}
             if request.kv_transfer_params is not None
             else None
         ),
@@ -170,15 +175,15 @@ def _make_stat_logger(counters: _Counters) -> Any:
     return KVTideStatLogger
 
 
-def _expires_in_s(kv_params: dict[str, Any] | None) -> float | None:
+def _expires_in_s(kv_params: KVTransferParams | None) -> float | None:
     """Seconds left on the blocks an engine kept. vLLM's NIXL connector stamps
     ``remote_blocks_expiry_time`` with ``time.perf_counter()`` in the engine core;
     on Linux that is CLOCK_MONOTONIC, one clock for every process on the host, so the
     engine's host converts it here, next to the engine, into a duration."""
-    expiry = (kv_params or {}).get("remote_blocks_expiry_time")
-    if not isinstance(expiry, int | float):
+    expiry = kv_params.remote_blocks_expiry_time if kv_params is not None else None
+    if expiry is None:
         return None
-    return max(0.0, float(expiry) - time.perf_counter())
+    return max(0.0, expiry - time.perf_counter())
 
 
 class VLLMEngine(EngineAdapter):
@@ -280,7 +285,7 @@ class VLLMEngine(EngineAdapter):
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
         async for out in self._llm.generate(prompt, params, request.request_id):
             completion = out.outputs[0] if out.outputs else None
-            kv_params = out.kv_transfer_params if out.finished else None
+            kv_params = KVTransferParams.from_vllm(out.kv_transfer_params) if out.finished else None
             yield GenerateChunk(
                 request_id=request.request_id,
                 text=completion.text if completion else "",

@@ -39,6 +39,7 @@ import msgspec
 from opentelemetry.trace import Span, SpanKind
 
 from engines.base import GenerateChunk, GenerateRequest
+from engines.kv_params import KVTransferParams
 from orchestrator.errors import DeadlineExceeded, EngineUnavailable, RequestError
 from orchestrator.kv.messages import TurnDone, TurnPlan
 from orchestrator.kv.service import KVServiceAPI
@@ -323,13 +324,9 @@ class Router:
             report.kv_plan, report.kv_plan_reason = plan.kind, plan.reason
 
             base = {"prompt_token_ids": prompt_token_ids, "session_id": session_id, **sampling}
-            params: dict[str, Any] = {"do_remote_decode": True}
+            params = KVTransferParams.keep_for_decode()
             if plan.kind == "pull" and plan.kv_transfer_params is not None:
-                params = {
-                    **plan.kv_transfer_params,
-                    "do_remote_decode": True,
-                    "do_remote_prefill": False,
-                }
+                params = plan.kv_transfer_params.pull_back()
             t_engine = self.clock()
             async for item in self._stream(
                 route, plan, params, base, rid, max_tokens, report, t0, t_engine, prompt_text
@@ -349,7 +346,7 @@ class Router:
         self,
         route: Span,
         plan: TurnPlan,
-        params: dict[str, Any],
+        params: KVTransferParams,
         base: dict[str, Any],
         rid: str,
         max_tokens: int,
@@ -408,7 +405,7 @@ class Router:
                 GenerateRequest(
                     request_id=f"{rid}-m{report.migrations}",
                     max_tokens=1,
-                    kv_transfer_params={"do_remote_decode": True},
+                    kv_transfer_params=KVTransferParams.keep_for_decode(),
                     **resumed,
                 ),
                 report,
@@ -419,7 +416,7 @@ class Router:
         self,
         span: Span,
         plan: TurnPlan,
-        params: dict[str, Any],
+        params: KVTransferParams,
         base: dict[str, Any],
         rid: str,
         report: TurnReport,
@@ -460,7 +457,7 @@ class Router:
                 GenerateRequest(
                     request_id=f"{rid}-r",
                     max_tokens=1,
-                    kv_transfer_params={"do_remote_decode": True},
+                    kv_transfer_params=KVTransferParams.keep_for_decode(),
                     **base,
                 ),
                 report,
@@ -479,10 +476,11 @@ class Router:
         return pre
 
     def _transfer_attrs(
-        self, params: Mapping[str, Any] | None, direction: tr.Direction
+        self, params: KVTransferParams | None, direction: tr.Direction
     ) -> dict[str, Any]:
+        num_blocks = params.num_blocks if params is not None else 0
         return tr.kv_transfer_attrs(
-            tr.num_blocks_in(params), self.block_size_tokens, self.kv_bytes_per_token, direction
+            num_blocks, self.block_size_tokens, self.kv_bytes_per_token, direction
         )
 
     async def _decode(
@@ -545,8 +543,8 @@ class Router:
                 with tr.span(
                     tr.SPAN_SEND_BACK,
                     {
-                        tr.ENGINE_ID: (kept or {}).get("remote_engine_id"),
-                        tr.KV_TRANSFER_BLOCKS: tr.num_blocks_in(kept),
+                        tr.ENGINE_ID: kept.remote_engine_id if kept is not None else None,
+                        tr.KV_TRANSFER_BLOCKS: kept.num_blocks if kept is not None else 0,
                     },
                     parent=route,
                 ):

@@ -28,7 +28,7 @@ Books kept (invariants checked by the tests after every call):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 from policies.errors import InvalidTurn
 from policies.kv_books import KVBooks, SessionState
@@ -146,7 +146,7 @@ class KVLifecycle:
         engine_id: str,
         token_ids_covered: Sequence[int],
         block_ids: Sequence[int],
-        transfer_params: Mapping[str, object],
+        transfer_params: object,
         expiry_s: float | None,
         now_s: float,
         pool_id: str = "decode",
@@ -156,7 +156,8 @@ class KVLifecycle:
         ``token_ids_covered``: exactly the tokens whose KV the blocks hold (vLLM's
         ``remote_num_tokens`` first tokens of prompt + output). ``expiry_s``: the
         engine's expiry converted to the clock of ``now_s``; None means
-        ``now_s + ttl_s``. A finished turn also resolves its pull as a success.
+        ``now_s + ttl_s``. ``transfer_params``: opaque here, handed back with the
+        record (``KVRecord``). A finished turn also resolves its pull as a success.
         """
         if not engine_id:
             raise InvalidTurn(
@@ -358,7 +359,7 @@ class KVLifecycle:
         engine_id: str,
         token_ids_covered: Sequence[int],
         block_ids: Sequence[int],
-        transfer_params: Mapping[str, object],
+        transfer_params: object,
         expiry_s: float,
         last_used_s: float,
         pool_id: str = "decode",

@@ -156,11 +156,12 @@ class KVRecord:
     first ``num_tokens`` tokens of the conversation, whose hash is ``prefix_hash``,
     until ``expiry_s`` (converted by the caller to the clock ``now_s`` uses).
     ``transfer_params`` is the engine's ``kv_transfer_params`` as returned with the
-    turn's final output: an opaque, read-only payload kvtide never inspects and hands
-    back verbatim for the next prefill to pull the blocks. It takes no part in
-    equality or hashing. ``pool_id`` names the engine's pool for the router;
-    ``bytes_held`` is what the record books on its engine (KV blocks plus, for hybrid
-    models, one sequence's linear-attention state).
+    turn's final output: an opaque, read-only payload the policy never inspects and
+    hands back verbatim for the next prefill to pull the blocks (the orchestrator's is
+    a frozen ``engines.kv_params.KVTransferParams``; a mapping is kept as a read-only
+    copy). It takes no part in equality or hashing. ``pool_id`` names the engine's pool
+    for the router; ``bytes_held`` is what the record books on its engine (KV blocks
+    plus, for hybrid models, one sequence's linear-attention state).
     """
 
     session_id: str
@@ -172,9 +173,7 @@ class KVRecord:
     expiry_s: float
     last_used_s: float
     bytes_held: int
-    transfer_params: Mapping[str, object] = field(
-        default_factory=lambda: MappingProxyType({}), compare=False
-    )
+    transfer_params: object = field(default_factory=lambda: MappingProxyType({}), compare=False)
 
     def __post_init__(self) -> None:
         if self.num_tokens < 1:
@@ -183,8 +182,10 @@ class KVRecord:
             )
         if self.bytes_held < 0:
             raise ValueError(f"KVRecord.bytes_held={self.bytes_held}: use zero or more bytes")
-        # A read-only copy: the caller's dict may change after the report.
-        object.__setattr__(self, "transfer_params", MappingProxyType(dict(self.transfer_params)))
+        if isinstance(self.transfer_params, Mapping):
+            # A read-only copy: the caller's dict may change after the report.
+            params = MappingProxyType(dict(self.transfer_params))
+            object.__setattr__(self, "transfer_params", params)
 
     def offer_deadline_s(self, safety_margin_s: float) -> float:
         """Last moment this record may be offered for a pull."""

@@ -18,52 +18,15 @@ host keeps its half until the blocks' TTL passes, then forgets it. The clock is 
 from __future__ import annotations
 
 from array import array
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from engines.base import GenerateChunk, GenerateRequest
+from engines.kv_params import KVTransferParams
 from orchestrator.kv.bounded import BoundedMap
 from orchestrator.kv.messages import KeptBlocks, LedgerReport
 
-__all__ = ["EngineLedger", "kept_blocks_of", "read_target_of"]
-
-
-def _flat_blocks(value: object) -> list[int]:
-    """vLLM reports block ids per KV-cache group: ``[[1, 2, 3]]``."""
-    if not isinstance(value, list | tuple):
-        return []
-    out: list[int] = []
-    for item in value:
-        if isinstance(item, list | tuple):
-            out.extend(int(b) for b in item)
-        else:
-            out.append(int(item))
-    return out
-
-
-def kept_blocks_of(params: Mapping[str, Any] | None) -> tuple[str, str, list[int], int] | None:
-    """``(engine_id, request_id, block_ids, num_tokens)`` of the blocks a decode engine
-    kept, from its final ``kv_transfer_params``; None when it kept none."""
-    if not params or not params.get("do_remote_decode"):
-        return None
-    blocks = _flat_blocks(params.get("remote_block_ids"))
-    num_tokens = int(params.get("remote_num_tokens") or 0)
-    engine_id = str(params.get("remote_engine_id") or "")
-    request_id = str(params.get("remote_request_id") or "")
-    if not blocks or num_tokens <= 0 or not engine_id or not request_id:
-        return None
-    return engine_id, request_id, blocks, num_tokens
-
-
-def read_target_of(params: Mapping[str, Any] | None) -> tuple[str, str] | None:
-    """``(engine_id, request_id)`` of kept blocks a prefill request reads (a pull or a
-    drain), from the params it was sent with; None for a plain prefill."""
-    if not params or not params.get("remote_block_ids"):
-        return None
-    engine_id = str(params.get("remote_engine_id") or "")
-    request_id = str(params.get("remote_request_id") or "")
-    return (engine_id, request_id) if engine_id and request_id else None
+__all__ = ["EngineLedger"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +35,7 @@ class _Kept:
     block_ids: tuple[int, ...]
     num_tokens: int
     token_ids: array[int]
-    params: Mapping[str, Any]
+    params: KVTransferParams
     expiry_s: float
     finished_s: float
 
@@ -127,32 +90,30 @@ class EngineLedger:
         *,
         session_id: str | None,
         token_ids: Sequence[int],
-        kv_transfer_params: Mapping[str, Any] | None,
+        kv_transfer_params: KVTransferParams | None,
         expires_in_s: float | None,
     ) -> None:
         """A decode request finished: note the blocks its engine kept, if any."""
-        kept = kept_blocks_of(kv_transfer_params)
-        if kept is None:
+        if kv_transfer_params is None or (kept := kv_transfer_params.kept_blocks()) is None:
             return
-        assert kv_transfer_params is not None
         engine_id, request_id, blocks, num_tokens = kept
         now = self.clock()
         self._prune(now)
         expiry_s = now + (self.ttl_s if expires_in_s is None else expires_in_s)
         kept_blocks = _Kept(
             session_id=session_id,
-            block_ids=tuple(blocks),
+            block_ids=blocks,
             num_tokens=num_tokens,
             token_ids=array("I", token_ids),
-            params=dict(kv_transfer_params),
+            params=kv_transfer_params,
             expiry_s=expiry_s,
             finished_s=now,
         )
         self._kept.put((engine_id, request_id), kept_blocks, expires_s=expiry_s)
 
-    def on_read(self, params: Mapping[str, Any] | None) -> None:
+    def on_read(self, params: KVTransferParams | None) -> None:
         """A prefill request that read kept blocks succeeded: the decode engine freed them."""
-        target = read_target_of(params)
+        target = params.read_target() if params is not None else None
         if target is None:
             return
         now = self.clock()
@@ -171,7 +132,7 @@ class EngineLedger:
                 block_ids=list(k.block_ids),
                 num_tokens=k.num_tokens,
                 token_ids=list(k.token_ids),
-                kv_transfer_params=dict(k.params),
+                kv_transfer_params=k.params,
                 expires_in_s=k.expiry_s - now,
                 age_s=now - k.finished_s,
             )

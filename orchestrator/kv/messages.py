@@ -7,9 +7,11 @@ them to its own monotonic clock on receipt.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
+
+from engines.kv_params import KVTransferParams
 
 __all__ = [
     "Claim",
@@ -52,7 +54,7 @@ class TurnPlan(msgspec.Struct, frozen=True, kw_only=True):
 
     kind: Literal["pull", "recompute"]
     reason: str
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None  # a pull: the kept blocks
     num_reusable_tokens: int = 0
 
 
@@ -66,7 +68,7 @@ class TurnDone(msgspec.Struct, frozen=True, kw_only=True):
 
     session_id: str | None
     token_ids: list[int]
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     kv_expires_in_s: float | None = None
     next_text: str | None = None
     next_token_ids: list[int] | None = None
@@ -82,7 +84,7 @@ class KeptBlocks(msgspec.Struct, frozen=True, kw_only=True):
     block_ids: list[int]
     num_tokens: int
     token_ids: list[int]  # prompt + output: the first num_tokens are covered
-    kv_transfer_params: dict[str, Any]
+    kv_transfer_params: KVTransferParams
     expires_in_s: float
     age_s: float  # seconds since the turn finished: newer turns win on rebuild
 

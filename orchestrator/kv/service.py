@@ -36,9 +36,9 @@ from typing import Any, Protocol
 
 from engines.base import GenerateChunk, GenerateRequest
 from engines.decode_path import STOCK
+from engines.kv_params import KVTransferParams
 from orchestrator.errors import LimitExceeded, SessionNotFound
 from orchestrator.kv.durable import DurableStore, MemoryStore
-from orchestrator.kv.ledger import kept_blocks_of
 from orchestrator.kv.messages import (
     Claim,
     KeptBlocks,
@@ -51,7 +51,7 @@ from orchestrator.kv.messages import (
 from orchestrator.kv.ownership import Principal, SessionOwners
 from orchestrator.kv.replay import Replay, TurnReplayBook
 from orchestrator.kv.session_tokens import SessionTokens
-from orchestrator.kv.turn_planner import KVPlanner
+from orchestrator.kv.turn_planner import KVPlanner, params_of
 from policies.kv_lifecycle import Effect, KVLifecycleConfig, prefix_hash
 
 __all__ = [
@@ -607,32 +607,30 @@ class KVService:
             if ids is None:
                 self.counters["undrainable"] += 1
                 continue
-            self._drain(record.transfer_params, ids[: record.num_tokens + 1])
+            self._drain(params_of(record), ids[: record.num_tokens + 1])
 
-    def _drain(self, params: Any, token_ids: Sequence[int]) -> None:
+    def _drain(self, params: KVTransferParams | None, token_ids: Sequence[int]) -> None:
         """Free a decode engine's kept blocks by reading them into a prefill engine."""
-        if self.prefill is None or kept_blocks_of(params) is None:
+        if self.prefill is None or params is None or params.kept_blocks() is None:
             return
-        task = asyncio.get_running_loop().create_task(
-            self._read_back(dict(params), list(token_ids))
-        )
+        task = asyncio.get_running_loop().create_task(self._read_back(params, list(token_ids)))
         self._drains.add(task)
         task.add_done_callback(self._drains.discard)
 
-    async def _read_back(self, params: dict[str, Any], token_ids: list[int]) -> None:
+    async def _read_back(self, params: KVTransferParams, token_ids: list[int]) -> None:
         assert self.prefill is not None
         req = GenerateRequest(
             request_id=f"drain-{uuid.uuid4().hex}",
             prompt_token_ids=token_ids,
             max_tokens=1,
-            kv_transfer_params={**params, "do_remote_decode": True, "do_remote_prefill": False},
+            kv_transfer_params=params.pull_back(),
         )
         try:
             await asyncio.wait_for(_read_to_end(self.prefill.generate(req)), self.drain_timeout_s)
             self.counters["drains"] += 1
         except Exception as exc:
             self.counters["drain_failures"] += 1
-            log.warning("drain of %s failed: %s", params.get("remote_request_id"), exc)
+            log.warning("drain of %s failed: %s", params.remote_request_id, exc)
 
     async def wait_drains(self) -> None:
         """Wait for the drains in flight (tests and shutdown)."""

@@ -1,22 +1,34 @@
 """The router's view of the KV lifecycle policy: what to do with a session's KV this turn.
 
 ``KVPlanner`` applies the pure ``policies.kv_lifecycle.KVLifecycle`` to vLLM's
-``kv_transfer_params``: it turns a decision into the params the prefill sends, and a
-decode engine's final params into a record. It owns the clock-to-policy translation
-(the router passes ``now_s`` from one monotonic clock) and the counters the service
-reports. Requests without a session id never leave records.
+``kv_transfer_params`` (``engines.kv_params.KVTransferParams``): it turns a decision into
+the kept blocks the prefill pulls, and a decode engine's final params into a record,
+which carries them (opaque to the policy) until the next turn or a drain. It owns the
+clock-to-policy translation (the router passes ``now_s`` from one monotonic clock) and
+the counters the service reports. Requests without a session id never leave records.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from orchestrator.kv.ledger import kept_blocks_of
+from engines.kv_params import KVTransferParams
 from orchestrator.kv.messages import TurnPlan
-from policies.kv_lifecycle import Effect, KVLifecycle, KVLifecycleConfig, TurnAction
+from policies.kv_lifecycle import Effect, KVLifecycle, KVLifecycleConfig, KVRecord, TurnAction
 
-__all__ = ["Effect", "KVPlanner", "TurnPlan", "kv_lifecycle_config"]
+__all__ = ["Effect", "KVPlanner", "TurnPlan", "kv_lifecycle_config", "params_of"]
+
+
+def params_of(record: KVRecord) -> KVTransferParams:
+    """The kept blocks' params a record carries (``KVPlanner`` books them as given)."""
+    params = record.transfer_params
+    if not isinstance(params, KVTransferParams):
+        raise TypeError(
+            f"the record of session {record.session_id!r} carries "
+            f"{type(params).__name__} transfer params; kvtide books KVTransferParams"
+        )
+    return params
 
 
 def kv_lifecycle_config(
@@ -55,7 +67,7 @@ class KVPlanner:
             return TurnPlan(
                 kind="pull",
                 reason="reuse",
-                kv_transfer_params=dict(decision.record.transfer_params),
+                kv_transfer_params=params_of(decision.record),
                 num_reusable_tokens=decision.num_reusable_tokens,
             )
         return TurnPlan(kind="recompute", reason=str(decision.reason))
@@ -69,7 +81,7 @@ class KVPlanner:
         self,
         session_id: str | None,
         token_ids: Sequence[int],
-        kv_transfer_params: Mapping[str, Any] | None,
+        kv_transfer_params: KVTransferParams | None,
         now_s: float,
         *,
         expiry_s: float | None = None,
@@ -80,8 +92,7 @@ class KVPlanner:
         TTL, a few ms late, which the safety margin covers)."""
         if session_id is None:
             return []
-        kept = kept_blocks_of(kv_transfer_params)
-        if kept is None:
+        if kv_transfer_params is None or (kept := kv_transfer_params.kept_blocks()) is None:
             # The engine kept nothing to send back (send-back off, or an aborted turn).
             return self.lifecycle.on_turn_abandoned(session_id, now_s=now_s)
         engine_id, _, block_ids, num_tokens = kept
@@ -90,7 +101,7 @@ class KVPlanner:
             engine_id=engine_id,
             token_ids_covered=token_ids[:num_tokens],
             block_ids=block_ids,
-            transfer_params=kv_transfer_params or {},
+            transfer_params=kv_transfer_params,
             expiry_s=expiry_s,
             now_s=now_s,
         )

@@ -92,7 +92,6 @@ __all__ = [
     "inject_context",
     "kv_transfer_attrs",
     "now_ns",
-    "num_blocks_in",
     "record_error",
     "record_span",
     "set_attrs",
@@ -407,28 +406,16 @@ def _clean(attrs: Mapping[str, AttrValue | None] | None) -> dict[str, AttrValue]
 # ---- KV transfer attributes --------------------------------------------------------------
 
 
-def num_blocks_in(kv_transfer_params: Mapping[str, object] | None) -> int:
-    """Blocks an engine reported in ``remote_block_ids`` (per KV-cache group: ``[[1, 2]]``).
-
-    Counts the largest group: every group covers the same tokens, and
-    ``kv_bytes_per_token`` already sums all layers. 0 when the params list no blocks.
-    """
-    ids = (kv_transfer_params or {}).get("remote_block_ids")
-    if not isinstance(ids, list | tuple) or not ids:
-        return 0
-    groups = [group for group in ids if isinstance(group, list | tuple)]
-    return max(len(group) for group in groups) if groups else len(ids)
-
-
 def kv_transfer_attrs(
     num_blocks: int, block_size_tokens: int, kv_bytes_per_token: int, direction: Direction
 ) -> dict[str, AttrValue]:
     """Attributes of a ``kvtide.kv_transfer`` span: blocks, bytes, backend, direction.
 
     The bytes are *computed* from the block counts the engines report (the offered
-    ``remote_block_ids``): ``num_blocks * block_size_tokens * kv_bytes_per_token``. vLLM
-    does not report what NIXL moved per request, and the reading engine may find some
-    blocks in its own prefix cache, so this is an upper bound of the bytes on the wire.
+    ``remote_block_ids``, ``KVTransferParams.num_blocks``): ``num_blocks *
+    block_size_tokens * kv_bytes_per_token``. vLLM does not report what NIXL moved per
+    request, and the reading engine may find some blocks in its own prefix cache, so
+    this is an upper bound of the bytes on the wire.
     """
     if direction not in DIRECTIONS:
         raise ValueError(f"direction {direction!r} is not one of {DIRECTIONS}")

@@ -16,6 +16,7 @@ import pytest
 from test_router import FakeClock, FakePool, decode_script, prefill_script
 
 from engines.base import GenerateChunk, GenerateRequest
+from engines.kv_params import KVTransferParams
 from orchestrator.kv.actor import EpochWatcher
 from orchestrator.kv.ledger import EngineLedger
 from orchestrator.kv.messages import LedgerReport, TurnDone
@@ -43,7 +44,7 @@ def decode_with_fresh_blocks(req: GenerateRequest) -> list[GenerateChunk]:
     last = chunks[-1]
     assert last.kv_transfer_params is not None
     block = 10 + int(req.request_id.split("-")[1])
-    params = {**last.kv_transfer_params, "remote_block_ids": [[block]]}
+    params = msgspec.structs.replace(last.kv_transfer_params, remote_block_ids=((block,),))
     return [*chunks[:-1], GenerateChunk(**{**_fields(last), "kv_transfer_params": params})]
 
 
@@ -199,11 +200,11 @@ def test_a_session_that_moved_on_during_the_restart_keeps_its_new_record() -> No
         assert svc.planner.lifecycle.record("s2") == new
         assert svc.counters["adopt_superseded"] == 1
         drained = [
-            q.kv_transfer_params["remote_block_ids"]
+            q.kv_transfer_params.remote_block_ids
             for q in c.prefill.pool.requests
             if q.request_id.startswith("drain-") and q.kv_transfer_params
         ]
-        assert [list(old.block_ids)] in drained
+        assert (old.block_ids,) in drained
 
     asyncio.run(run())
 
@@ -245,13 +246,13 @@ def test_records_expire_on_the_engines_clock_not_a_guess() -> None:
     async def run() -> None:
         svc = c.service
         await svc.plan_turn("s", [1, 2, 3])
-        params = {
-            "do_remote_decode": True,
-            "remote_engine_id": "D",
-            "remote_request_id": "x",
-            "remote_block_ids": [[1]],
-            "remote_num_tokens": 4,
-        }
+        params = KVTransferParams(
+            do_remote_decode=True,
+            remote_engine_id="D",
+            remote_request_id="x",
+            remote_block_ids=((1,),),
+            remote_num_tokens=4,
+        )
         # The engine said its blocks live 100 s more (not the configured 480 s).
         await svc.turn_done(
             TurnDone(

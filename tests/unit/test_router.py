@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from engines.base import GenerateChunk, GenerateRequest
+from engines.kv_params import KVTransferParams
 from orchestrator.errors import DeadlineExceeded, EngineUnavailable
 from orchestrator.kv.ownership import ANONYMOUS
 from orchestrator.kv.service import KVService
@@ -28,8 +29,8 @@ class FakePool:
 
     async def _stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         self.requests.append(request)
-        params = request.kv_transfer_params or {}
-        if self.hang_pulls and params.get("remote_block_ids"):
+        params = request.kv_transfer_params or KVTransferParams()
+        if self.hang_pulls and params.remote_block_ids:
             await asyncio.Event().wait()  # a KV pull that never completes
         for chunk in self.script(request):
             yield chunk
@@ -49,8 +50,8 @@ class FakeClock:
 
 def prefill_script(cached: int = 0, fail_pulls: bool = False) -> Script:
     def run(req: GenerateRequest) -> list[GenerateChunk]:
-        params = req.kv_transfer_params or {}
-        if fail_pulls and params.get("remote_block_ids"):
+        params = req.kv_transfer_params or KVTransferParams()
+        if fail_pulls and params.remote_block_ids:
             raise RuntimeError("NIXL read declined: blocks expired")
         return [
             GenerateChunk(
@@ -59,12 +60,10 @@ def prefill_script(cached: int = 0, fail_pulls: bool = False) -> Script:
                 finished=True,
                 finish_reason="length",
                 num_prompt_tokens=len(req.prompt_token_ids),
-                num_cached_tokens=cached if params.get("remote_block_ids") else 0,
-                kv_transfer_params={
-                    "do_remote_prefill": True,
-                    "remote_engine_id": "P",
-                    "remote_block_ids": [[1, 2]],
-                },
+                num_cached_tokens=cached if params.remote_block_ids else 0,
+                kv_transfer_params=KVTransferParams(
+                    do_remote_prefill=True, remote_engine_id="P", remote_block_ids=((1, 2),)
+                ),
             )
         ]
 
@@ -84,13 +83,13 @@ def decode_script(req: GenerateRequest) -> list[GenerateChunk]:
             finished=True,
             finish_reason="length",
             num_prompt_tokens=n,
-            kv_transfer_params={
-                "do_remote_decode": True,
-                "remote_engine_id": "D",
-                "remote_request_id": req.request_id,
-                "remote_block_ids": [[5, 6, 7]],
-                "remote_num_tokens": n + 2,
-            },
+            kv_transfer_params=KVTransferParams(
+                do_remote_decode=True,
+                remote_engine_id="D",
+                remote_request_id=req.request_id,
+                remote_block_ids=((5, 6, 7),),
+                remote_num_tokens=n + 2,
+            ),
         ),
     ]
 
@@ -137,10 +136,10 @@ def test_one_turn_hands_prefill_params_to_decode() -> None:
     prefill, decode = FakePool(prefill_script()), FakePool(decode_script)
     report = asyncio.run(turn(make_router(prefill, decode), list(range(100)), None))
     [pre] = [r for r in prefill.requests if not r.request_id.startswith("drain-")]
-    assert pre.max_tokens == 1 and pre.kv_transfer_params == {"do_remote_decode": True}
+    assert pre.max_tokens == 1 and pre.kv_transfer_params == KVTransferParams.keep_for_decode()
     [dec] = decode.requests
     assert dec.max_tokens == 3 and dec.kv_transfer_params is not None
-    assert dec.kv_transfer_params["remote_engine_id"] == "P"
+    assert dec.kv_transfer_params.remote_engine_id == "P"
     assert (report.kv_source, report.kv_plan_reason) == ("recomputed", "no_session")
     assert report.num_completion_tokens == 3 and report.finish_reason == "length"
 
@@ -155,8 +154,8 @@ def test_second_turn_pulls_the_kv_decode_kept() -> None:
     r2 = asyncio.run(turn(router, [*first, 11, 12, 13, 50, 51], "s"))
     pull = prefill.requests[1].kv_transfer_params
     assert pull is not None
-    assert pull["remote_engine_id"] == "D" and pull["remote_block_ids"] == [[5, 6, 7]]
-    assert pull["do_remote_decode"] is True and pull["do_remote_prefill"] is False
+    assert pull.remote_engine_id == "D" and pull.remote_block_ids == ((5, 6, 7),)
+    assert pull.do_remote_decode is True and pull.do_remote_prefill is False
     assert (r2.kv_plan, r2.kv_source, r2.num_cached_tokens) == ("pull", "sent_back", 101)
 
 
@@ -166,7 +165,7 @@ def test_history_that_does_not_extend_the_record_is_recomputed() -> None:
     asyncio.run(turn(router, list(range(100)), "s"))
     r2 = asyncio.run(turn(router, [999, *range(1, 100), 11, 12, 50], "s"))
     assert (r2.kv_plan, r2.kv_plan_reason) == ("recompute", "prefix_mismatch")
-    assert prefill.requests[1].kv_transfer_params == {"do_remote_decode": True}
+    assert prefill.requests[1].kv_transfer_params == KVTransferParams.keep_for_decode()
 
 
 def test_failed_pull_becomes_a_plain_prefill_and_the_turn_completes() -> None:
@@ -228,8 +227,8 @@ def test_blocks_nobody_will_pull_are_drained_back_to_prefill() -> None:
     drain = prefill.requests[-1]
     assert drain.request_id.startswith("drain-") and drain.max_tokens == 1
     assert drain.kv_transfer_params is not None
-    assert drain.kv_transfer_params["remote_block_ids"] == [[5, 6, 7]]
-    assert drain.kv_transfer_params["do_remote_prefill"] is False
+    assert drain.kv_transfer_params.remote_block_ids == ((5, 6, 7),)
+    assert drain.kv_transfer_params.do_remote_prefill is False
     # The drain reads exactly the tokens the blocks hold: prompt + output.
     assert drain.prompt_token_ids == [*range(100), 11, 12, 13]
     assert service_of(router).counters["drains"] == 1
@@ -371,13 +370,13 @@ def test_a_turn_whose_decode_engine_dies_continues_on_another_without_repeating(
             finished=True,
             finish_reason="length",
             num_prompt_tokens=n,
-            kv_transfer_params={
-                "do_remote_decode": True,
-                "remote_engine_id": "D2",
-                "remote_request_id": req.request_id,
-                "remote_block_ids": [[8, 9]],
-                "remote_num_tokens": n + req.max_tokens - 1,
-            },
+            kv_transfer_params=KVTransferParams(
+                do_remote_decode=True,
+                remote_engine_id="D2",
+                remote_request_id=req.request_id,
+                remote_block_ids=((8, 9),),
+                remote_num_tokens=n + req.max_tokens - 1,
+            ),
         )
         return chunks
 
@@ -433,7 +432,8 @@ def test_a_turn_whose_prefill_engine_dies_is_prefilled_again_on_another() -> Non
     # got the surviving engine's KV.
     assert [r.request_id.rsplit("-", 1)[1] for r in prefill.requests] == ["p", "p1"]
     [dec] = decode.requests
-    assert (dec.kv_transfer_params or {}).get("remote_block_ids") == [[1, 2]]
+    assert dec.kv_transfer_params is not None
+    assert dec.kv_transfer_params.remote_block_ids == ((1, 2),)
     assert router.metrics.snapshot()["kvtide_kv_recomputes_total"] == 1
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from engines.base import EngineSpec, GenerateChunk, GenerateRequest, KVTransferSpec
+from engines.kv_params import KVTransferParams
 from engines.registry import create_engine
 from engines.simulated import KVTransferFailed, RequestRejected, SimulatedEngine, VirtualClock
 from engines.simulated_kv import SimulatedFabric
@@ -87,7 +88,7 @@ async def collect(engine: SimulatedEngine, request: GenerateRequest) -> list[Gen
 
 
 def req(
-    request_id: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None = None
+    request_id: str, prompt: list[int], max_tokens: int, params: KVTransferParams | None = None
 ) -> GenerateRequest:
     return GenerateRequest(
         request_id=request_id,
@@ -102,6 +103,7 @@ def tokens(chunks: list[GenerateChunk]) -> list[int]:
 
 
 PROMPT = list(range(1000, 1200))  # 200 tokens = 13 blocks of 16 (the last one half full)
+KEEP = KVTransferParams.keep_for_decode()  # a prefill: keep the prompt's KV for decode
 
 
 def test_prefill_hands_its_blocks_to_decode_which_pulls_them_and_decodes_like_one_engine() -> None:
@@ -109,14 +111,14 @@ def test_prefill_hands_its_blocks_to_decode_which_pulls_them_and_decodes_like_on
         async with Pair() as pair:
             p, d, clock = pair.prefill, pair.decode, pair.clock
             # Turn 1, prefill: 200 prompt tokens in 13 blocks, one token, blocks kept.
-            out = await collect(p, req("t1-p", PROMPT, 1, {"do_remote_decode": True}))
+            out = await collect(p, req("t1-p", PROMPT, 1, KEEP))
             assert clock.now_s == pytest.approx(200 / PREFILL_TOKENS_PER_S)
             params = out[-1].kv_transfer_params
             assert params is not None
-            assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
-            assert params["remote_block_ids"] == [list(range(13))]
-            assert (params["remote_engine_id"], params["remote_request_id"]) == ("p0", "t1-p")
-            assert params["remote_num_tokens"] == 200
+            assert params.do_remote_prefill is True and params.do_remote_decode is False
+            assert params.remote_block_ids == (tuple(range(13)),)
+            assert (params.remote_engine_id, params.remote_request_id) == ("p0", "t1-p")
+            assert params.remote_num_tokens == 200
             assert p.stats().kv_cache_usage == 13 / 64  # kept for decode to read
 
             # Turn 1, decode: pulls 200 tokens' KV, recomputes the last, decodes 8.
@@ -141,20 +143,20 @@ def test_decode_keeps_its_blocks_and_the_next_prefill_pulls_them_back() -> None:
     async def story() -> None:
         async with Pair() as pair:
             p, d, clock = pair.prefill, pair.decode, pair.clock
-            out = await collect(p, req("t1-p", PROMPT, 1, {"do_remote_decode": True}))
+            out = await collect(p, req("t1-p", PROMPT, 1, KEEP))
             out_d = await collect(d, req("t1-d", PROMPT, 8, out[-1].kv_transfer_params))
             # Decode keeps prompt + 7 computed output tokens = 207 tokens in 13 blocks.
             back = out_d[-1].kv_transfer_params
             assert back is not None
-            assert back["do_remote_decode"] is True and back["do_remote_prefill"] is False
-            assert back["remote_num_tokens"] == 207
-            assert back["remote_block_ids"] == [list(range(13))]
-            assert back["remote_blocks_expiry_time"] == pytest.approx(clock.now_s + 480)
+            assert back.do_remote_decode is True and back.do_remote_prefill is False
+            assert back.remote_num_tokens == 207
+            assert back.remote_block_ids == (tuple(range(13)),)
+            assert back.remote_blocks_expiry_time == pytest.approx(clock.now_s + 480)
             assert d.stats().kv_cache_usage == 13 / 64
 
             # Turn 2: history plus 40 new tokens; prefill reads the 207 tokens back.
             turn2 = PROMPT + tokens(out_d) + list(range(40))
-            params = {**back, "do_remote_decode": True, "do_remote_prefill": False}
+            params = back.pull_back()
             out2 = await collect(p, req("t2-p", turn2, 1, params))
             assert out2[-1].num_cached_tokens == 207
             assert p.stats().num_kv_transfers == 1
@@ -162,7 +164,7 @@ def test_decode_keeps_its_blocks_and_the_next_prefill_pulls_them_back() -> None:
             # And prefill hands turn 2 on as in turn 1: 255 tokens in 16 blocks.
             assert out2[-1].kv_transfer_params is not None
             # (freed blocks join the back of the free queue, as in vLLM: 13 is next)
-            assert out2[-1].kv_transfer_params["remote_block_ids"] == [list(range(13, 29))]
+            assert out2[-1].kv_transfer_params.remote_block_ids == (tuple(range(13, 29)),)
 
     run(story())
 
@@ -171,9 +173,10 @@ def test_send_back_is_skipped_near_expiry_and_under_the_recompute_threshold() ->
     async def story() -> None:
         async with Pair() as pair:
             p, d, clock = pair.prefill, pair.decode, pair.clock
-            out = await collect(p, req("a-p", PROMPT, 1, {"do_remote_decode": True}))
+            out = await collect(p, req("a-p", PROMPT, 1, KEEP))
             back = (await collect(d, req("a-d", PROMPT, 8, out[-1].kv_transfer_params)))[-1]
-            params = {**back.kv_transfer_params, "do_remote_prefill": False}  # type: ignore[dict-item]
+            assert back.kv_transfer_params is not None
+            params = back.kv_transfer_params.pull_back()
             # 476 s later the blocks expire in 4 s: prefill declines and recomputes.
             clock.advance(476)
             out2 = await collect(p, req("a-2", PROMPT + list(range(10)), 1, params))
@@ -185,11 +188,11 @@ def test_send_back_is_skipped_near_expiry_and_under_the_recompute_threshold() ->
 
             # 40 tokens of history is under the 64-token threshold: recompute silently.
             short = list(range(33))
-            out = await collect(p, req("b-p", short, 1, {"do_remote_decode": True}))
+            out = await collect(p, req("b-p", short, 1, KEEP))
             back = (await collect(d, req("b-d", short, 8, out[-1].kv_transfer_params)))[-1]
             assert back.kv_transfer_params is not None
-            assert back.kv_transfer_params["remote_num_tokens"] == 40
-            params = {**back.kv_transfer_params, "do_remote_prefill": False}
+            assert back.kv_transfer_params.remote_num_tokens == 40
+            params = back.kv_transfer_params.pull_back()
             out2 = await collect(p, req("b-2", short + list(range(50)), 1, params))
             assert out2[-1].num_cached_tokens == 0
             assert p.stats().num_kv_transfers == 0
@@ -202,7 +205,7 @@ def test_a_pull_of_blocks_already_read_fails_or_recomputes_by_policy() -> None:
     async def story(policy: str) -> tuple[list[GenerateChunk] | Exception, float]:
         async with Pair(kv_load_failure_policy=policy) as pair:
             p, d = pair.prefill, pair.decode
-            out = await collect(p, req("p", PROMPT, 1, {"do_remote_decode": True}))
+            out = await collect(p, req("p", PROMPT, 1, KEEP))
             params = out[-1].kv_transfer_params
             await collect(d, req("d1", PROMPT, 2, params))
             try:

@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import INVALID_SPAN, SpanKind, StatusCode
 
+from engines.kv_params import KVTransferParams
 from orchestrator.config import ObservabilityConfig, parse_config
 from orchestrator.errors import ConfigError
 from orchestrator.observability import tracing as tr
@@ -67,9 +68,9 @@ def serve_turn(headers: dict[str, str]) -> None:
             ) as prefill:
                 start = tr.now_ns()
                 # The prefill engine pulled the 4 blocks decode kept (64 tokens).
-                params = {"remote_block_ids": [[5, 6, 7, 8]], "remote_engine_id": "D0"}
+                params = KVTransferParams(remote_block_ids=((5, 6, 7, 8),), remote_engine_id="D0")
                 pull = tr.kv_transfer_attrs(
-                    tr.num_blocks_in(params), BLOCK_SIZE, KV_BYTES_PER_TOKEN, "decode_to_prefill"
+                    params.num_blocks, BLOCK_SIZE, KV_BYTES_PER_TOKEN, "decode_to_prefill"
                 )
                 tr.record_span(tr.SPAN_KV_TRANSFER, start, tr.now_ns(), pull, parent=prefill)
                 tr.set_attrs(prefill, {tr.KV_CACHED_TOKENS: 64, tr.PULL_FALLBACK: False})
@@ -309,11 +310,7 @@ def test_config_rejects_an_unknown_mode_and_a_non_http_endpoint() -> None:
     )
 
 
-def test_blocks_are_counted_from_the_engines_params() -> None:
-    assert tr.num_blocks_in({"remote_block_ids": [[1, 2, 3]]}) == 3
-    assert tr.num_blocks_in({"remote_block_ids": [[1, 2], [9, 10, 11]]}) == 3  # largest group
-    assert tr.num_blocks_in({"remote_block_ids": [4, 5]}) == 2
-    assert tr.num_blocks_in({"do_remote_decode": True}) == 0
-    assert tr.num_blocks_in(None) == 0
+def test_a_transfer_has_a_known_direction() -> None:
+    # (Blocks are counted by KVTransferParams.num_blocks: tests/unit/test_kv_params.py.)
     with pytest.raises(ValueError, match="direction"):
         tr.kv_transfer_attrs(1, 16, 1, "sideways")  # type: ignore[arg-type]
