@@ -382,8 +382,10 @@ def test_the_ingress_answers_every_body_with_a_success_or_a_4xx(
     status, answer = asyncio.run(handle(ingress, path, raw, **headers))
     assert time.monotonic() - t0 < MAX_SECONDS_PER_REQUEST
     assert status == 200 or 400 <= status < 500, (status, answer)
-    if valid:
-        assert status == 200, answer
+    if valid and status != 200:
+        # Well formed, but a body's length is not part of its shape: a long enough
+        # history with its max_tokens may not fit the tiny model's 256-token context.
+        assert answer["error"]["code"] == "context_length_exceeded", answer
     if status == 200:
         assert "choices" in answer or "data: [DONE]" in answer
     else:
