@@ -10,7 +10,7 @@ flow (engine handles):
 
 Part 2: the KV lifecycle at 100,000 live sessions, three ways in the same run: the pure
 policy (``on_turn_start`` + ``on_turn_finished``), the service in-process (the same plus
-session tokens and messages: ``plan_turn`` + ``turn_done``), and the service as the Ray
+session tokens and messages: ``decide_turn`` + ``turn_done``), and the service as the Ray
 actor every ingress talks to (a round trip per call). Events per second and decision
 latency (p50/p99).
 
@@ -246,7 +246,7 @@ def service_speed(
             i = rng.randrange(num_sessions)
             prompt = [i, *base, 5, 7, 8, 9]
             t0 = time.perf_counter()
-            await svc.plan_turn(f"s{i}", prompt)
+            await svc.decide_turn(f"s{i}", prompt)
             t1 = time.perf_counter()
             await svc.turn_done(_done(f"s{i}", prompt, i))
             plans.append(t1 - t0)
@@ -279,7 +279,7 @@ def service_speed(
             ray.shutdown()
     lines = [
         f"KV lifecycle service at {num_sessions:,} live sessions, {prompt_tokens}-token "
-        "prompts (plan_turn + turn_done per turn; latency per call):",
+        "prompts (decide_turn + turn_done per turn; latency per call):",
         f"{'where':>24} {'calls/s':>9} {'plan p50 us':>12} {'plan p99 us':>12} "
         f"{'done p50 us':>12} {'done p99 us':>12}",
     ]

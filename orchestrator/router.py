@@ -41,7 +41,7 @@ from opentelemetry.trace import Span, SpanKind
 from engines.base import GenerateChunk, GenerateRequest
 from engines.kv_params import KVTransferParams
 from orchestrator.errors import DeadlineExceeded, EngineUnavailable, RequestError
-from orchestrator.kv.messages import TurnDone, TurnPlan
+from orchestrator.kv.messages import KVDecision, TurnDone
 from orchestrator.kv.service import KVServiceAPI
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import Metrics
@@ -314,22 +314,25 @@ class Router:
         t0 = self.clock()
         done = False
         try:
-            with tr.span(tr.SPAN_KV_DECISION, parent=route) as decision:
-                plan = (
-                    TurnPlan(kind="recompute", reason="no_session")
+            with tr.span(tr.SPAN_KV_DECISION, parent=route) as decision_span:
+                decision = (
+                    KVDecision(kind="recompute", reason="no_session")
                     if session_id is None
-                    else await self.kv.plan_turn(session_id, prompt_token_ids)
+                    else await self.kv.decide_turn(session_id, prompt_token_ids)
                 )
-                tr.set_attrs(decision, {tr.KV_PLAN: plan.kind, tr.KV_PLAN_REASON: plan.reason})
-            report.kv_plan, report.kv_plan_reason = plan.kind, plan.reason
+                tr.set_attrs(
+                    decision_span,
+                    {tr.KV_PLAN: decision.kind, tr.KV_PLAN_REASON: decision.reason},
+                )
+            report.kv_plan, report.kv_plan_reason = decision.kind, decision.reason
 
             base = {"prompt_token_ids": prompt_token_ids, "session_id": session_id, **sampling}
             params = KVTransferParams.keep_for_decode()
-            if plan.kind == "pull" and plan.kv_transfer_params is not None:
-                params = plan.kv_transfer_params.pull_back()
+            if decision.kind == "pull" and decision.kv_transfer_params is not None:
+                params = decision.kv_transfer_params.pull_back()
             t_engine = self.clock()
             async for item in self._stream(
-                route, plan, params, base, rid, max_tokens, report, t0, t_engine, prompt_text
+                route, decision, params, base, rid, max_tokens, report, t0, t_engine, prompt_text
             ):
                 if item[0].finished:
                     done = True
@@ -345,7 +348,7 @@ class Router:
     async def _stream(
         self,
         route: Span,
-        plan: TurnPlan,
+        decision: KVDecision,
         params: KVTransferParams,
         base: dict[str, Any],
         rid: str,
@@ -359,13 +362,13 @@ class Router:
         with tr.span(
             tr.SPAN_PREFILL, {tr.ENGINE_POOL: "prefill"}, parent=route, kind=SpanKind.CLIENT
         ) as prefill_span:
-            pre = await self._prefill_turn(prefill_span, plan, params, base, rid, report)
+            pre = await self._prefill_turn(prefill_span, decision, params, base, rid, report)
         report.prefill_s = self.clock() - t_engine
-        # kvtide's own work: planning before the engines, booking after them.
+        # kvtide's own work: deciding before the engines, booking after them.
         report.router_s = t_engine - t0
         report.num_cached_tokens = pre.num_cached_tokens
         if pre.num_cached_tokens > 0:
-            pulled = plan.kind == "pull" and not report.pull_fallback
+            pulled = decision.kind == "pull" and not report.pull_fallback
             report.kv_source = "sent_back" if pulled else "prefix_cache"
         if pre.kv_transfer_params is None:
             raise EngineUnavailable(
@@ -415,20 +418,20 @@ class Router:
     async def _prefill_turn(
         self,
         span: Span,
-        plan: TurnPlan,
+        decision: KVDecision,
         params: KVTransferParams,
         base: dict[str, Any],
         rid: str,
         report: TurnReport,
     ) -> GenerateChunk:
-        """The prefill, pulling the kept KV back when planned; a failed or hung pull
+        """The prefill, pulling the kept KV back when decided; a failed or hung pull
         becomes a plain prefill."""
         t_start = tr.now_ns()
         deadline_s: float = report.extra["deadline_s"]
         first = GenerateRequest(
             request_id=f"{rid}-p", max_tokens=1, kv_transfer_params=params, **base
         )
-        if plan.kind != "pull":
+        if decision.kind != "pull":
             pre = await self._recompute(first, report, deadline_s)
             self.metrics.inc("kvtide_kv_recomputes_total")
             tr.set_attrs(
@@ -446,7 +449,7 @@ class Router:
                     tr.SPAN_KV_TRANSFER,
                     t_start,
                     tr.now_ns(),
-                    self._transfer_attrs(plan.kv_transfer_params, "decode_to_prefill"),
+                    self._transfer_attrs(decision.kv_transfer_params, "decode_to_prefill"),
                     parent=span,
                 ),
                 exc,
@@ -465,7 +468,7 @@ class Router:
             )
             self.metrics.inc("kvtide_kv_recomputes_total")
         else:
-            attrs = self._transfer_attrs(plan.kv_transfer_params, "decode_to_prefill")
+            attrs = self._transfer_attrs(decision.kv_transfer_params, "decode_to_prefill")
             tr.record_span(tr.SPAN_KV_TRANSFER, t_start, tr.now_ns(), attrs, parent=span)
             self.metrics.inc("kvtide_kv_send_backs_total")
             self.metrics.add_transfer_bytes("decode_to_prefill", _bytes(attrs))

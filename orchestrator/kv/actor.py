@@ -115,7 +115,7 @@ class _ServiceActor:
             log.warning("engines lost with nodes %s: %s", sorted(dead), lost)
 
     def _export_metrics(self) -> None:
-        lifecycle = self.service.planner.lifecycle
+        lifecycle = self.service.decider.lifecycle
         self.metrics.set_sessions_live(lifecycle.num_sessions())
         for engine_id in {r.engine_id for r in lifecycle.records()} | self._engines_seen:
             self.metrics.set_bytes_held(engine_id, lifecycle.bytes_held(engine_id))
@@ -131,7 +131,7 @@ class _ServiceActor:
 
     async def config(self) -> tuple[KVLifecycleConfig, int]:
         """The lifecycle config this instance runs with, and its replay budget."""
-        return self.service.planner.lifecycle.config, self.service.replays.max_bytes
+        return self.service.decider.lifecycle.config, self.service.replays.max_bytes
 
     async def wait_drains(self) -> None:
         await self.service.wait_drains()

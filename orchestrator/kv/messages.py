@@ -15,12 +15,12 @@ from engines.kv_params import KVTransferParams
 
 __all__ = [
     "Claim",
+    "KVDecision",
     "KeptBlocks",
     "LedgerReport",
     "SessionInfo",
     "SessionPrefix",
     "TurnDone",
-    "TurnPlan",
 ]
 
 
@@ -49,7 +49,7 @@ class Claim(msgspec.Struct, frozen=True, kw_only=True):
     retry_after_s: float | None = None
 
 
-class TurnPlan(msgspec.Struct, frozen=True, kw_only=True):
+class KVDecision(msgspec.Struct, frozen=True, kw_only=True):
     """The service's answer for a new turn: pull the kept KV back, or recompute."""
 
     kind: Literal["pull", "recompute"]

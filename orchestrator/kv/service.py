@@ -3,7 +3,7 @@ session's KV lives, shared by every ingress replica.
 
 It owns, for the whole application:
 
-- the KV lifecycle books (``policies.kv_lifecycle`` through ``KVPlanner``): records,
+- the KV lifecycle books (``policies.kv_lifecycle`` through ``KVDecider``): records,
   leases, the idle-memory budget, TTL margins;
 - each session's exact token ids (``SessionTokens``): the prefix check and draining
   need the tokens the kept blocks hold, and a session's turns may land on different
@@ -38,20 +38,20 @@ from engines.base import GenerateChunk, GenerateRequest
 from engines.decode_path import STOCK
 from engines.kv_params import KVTransferParams
 from orchestrator.errors import LimitExceeded, SessionNotFound
+from orchestrator.kv.decider import KVDecider, params_of
 from orchestrator.kv.durable import DurableStore, MemoryStore
 from orchestrator.kv.messages import (
     Claim,
     KeptBlocks,
+    KVDecision,
     LedgerReport,
     SessionInfo,
     SessionPrefix,
     TurnDone,
-    TurnPlan,
 )
 from orchestrator.kv.ownership import Principal, SessionOwners
 from orchestrator.kv.replay import Replay, TurnReplayBook
 from orchestrator.kv.session_tokens import SessionTokens
-from orchestrator.kv.turn_planner import KVPlanner, params_of
 from policies.kv_lifecycle import Effect, KVLifecycleConfig, prefix_hash
 
 __all__ = [
@@ -110,7 +110,7 @@ class PrefillPool(Protocol):
 class KVServiceAPI(Protocol):
     """Everything the service answers, in-process (``KVService``) or through its Ray
     actor (``orchestrator.kv.actor`` derives the actor's methods and the client's from
-    this list: ``API_METHODS``). Callers: the router (``plan_turn``, ``pull_failed``,
+    this list: ``API_METHODS``). Callers: the router (``decide_turn``, ``pull_failed``,
     ``turn_done``, ``turn_abandoned``), the ingress (sessions, ownership, replays,
     stats) and the engine hosts (``heartbeat``, ``restore``)."""
 
@@ -122,7 +122,7 @@ class KVServiceAPI(Protocol):
 
     async def claim_session(self, session_id: str, principal: Principal) -> Claim: ...
 
-    async def plan_turn(self, session_id: str, prompt_token_ids: list[int]) -> TurnPlan: ...
+    async def decide_turn(self, session_id: str, prompt_token_ids: list[int]) -> KVDecision: ...
 
     async def pull_failed(self, session_id: str) -> None: ...
 
@@ -189,7 +189,7 @@ class KVService:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        self.planner = KVPlanner(config)
+        self.decider = KVDecider(config)
         self.tokens = SessionTokens(max_sessions=max_sessions, ttl_s=config.ttl_s)
         self.prefill = prefill
         self.drain_timeout_s = drain_timeout_s
@@ -325,11 +325,11 @@ class KVService:
             else:
                 self.store.delete(key)
 
-    async def plan_turn(self, session_id: str, prompt_token_ids: list[int]) -> TurnPlan:
-        return self.planner.plan_turn(session_id, prompt_token_ids, self.clock())
+    async def decide_turn(self, session_id: str, prompt_token_ids: list[int]) -> KVDecision:
+        return self.decider.decide_turn(session_id, prompt_token_ids, self.clock())
 
     async def pull_failed(self, session_id: str) -> None:
-        self._apply(self.planner.pull_failed(session_id, self.clock()))
+        self._apply(self.decider.pull_failed(session_id, self.clock()))
 
     async def turn_done(self, done: TurnDone) -> None:
         """Book the kept blocks and the session's tokens together (one step: a record is
@@ -352,7 +352,7 @@ class KVService:
             self.tokens.remember(sid, done.next_text, done.next_token_ids, now)
         expiry = None if done.kv_expires_in_s is None else now + done.kv_expires_in_s
         self._apply(
-            self.planner.turn_finished(
+            self.decider.turn_finished(
                 sid, done.token_ids, done.kv_transfer_params, now, expiry_s=expiry
             ),
             candidates=(previous, done.token_ids),
@@ -361,7 +361,7 @@ class KVService:
     async def turn_abandoned(self, session_id: str | None) -> None:
         if session_id is not None:
             self._clear_running(session_id)
-            self._apply(self.planner.abandon(session_id, self.clock()))
+            self._apply(self.decider.abandon(session_id, self.clock()))
 
     # ---- idempotent turns (shared by every ingress replica) --------------------------
 
@@ -378,7 +378,7 @@ class KVService:
 
     async def session(self, session_id: str) -> SessionInfo:
         now = self.clock()
-        lifecycle = self.planner.lifecycle
+        lifecycle = self.decider.lifecycle
         lease = lifecycle.lease_expiry(session_id)
         if lease is None:
             return SessionInfo(session_id=session_id, known=False)
@@ -397,15 +397,15 @@ class KVService:
         """Extend the session's lease (SDK heartbeat) and its owner's idle clock;
         ``known`` False if it is gone."""
         now = self.clock()
-        self.planner.lifecycle.renew(session_id, now)
+        self.decider.lifecycle.renew(session_id, now)
         if principal is not None:
             self.owners.touch(session_id, principal, now)
         return await self.session(session_id)
 
     async def close(self, session_id: str) -> bool:
         """End a session: its kept KV is drained back to prefill (freed on decode now)."""
-        known = self.planner.lifecycle.lease_expiry(session_id) is not None
-        self._apply(self.planner.close(session_id, self.clock()))
+        known = self.decider.lifecycle.lease_expiry(session_id) is not None
+        self._apply(self.decider.close(session_id, self.clock()))
         self.tokens.forget(session_id)
         if self.owners.owner(session_id, self.clock()) is not None:
             self.store.delete(_OWNER_PREFIX + session_id)
@@ -420,7 +420,7 @@ class KVService:
         for sid in self.owners.expire(now, keep=self._running):
             self.store.delete(_OWNER_PREFIX + sid)
             await self.close(sid)
-        self._apply(self.planner.tick(now))
+        self._apply(self.decider.tick(now))
         silent = [e for e, (_, seen) in self._engines.items() if now - seen > self.engine_silence_s]
         if silent:
             self._lose_engines(silent)
@@ -447,7 +447,7 @@ class KVService:
 
     def _lose_engines(self, engine_ids: Sequence[str]) -> int:
         """Engines that died (their node was lost, or they went silent for
-        ``engine_silence_s``): their KV is gone, so no session's next turn is planned
+        ``engine_silence_s``): their KV is gone, so no session's next turn is decided
         to read it; those turns recompute at once instead of waiting on a pull.
         Returns the sessions whose KV was dropped."""
         now = self.clock()
@@ -455,7 +455,7 @@ class KVService:
         for engine_id in engine_ids:
             self._engines.pop(engine_id, None)
             self._engine_stats.pop(engine_id, None)
-            effects = self.planner.lifecycle.on_engine_lost(engine_id, now)
+            effects = self.decider.lifecycle.on_engine_lost(engine_id, now)
             self.counters["engines_lost"] += 1
             dropped += len(effects)
             self._apply(effects)  # never drainable: nothing is left to read
@@ -483,10 +483,10 @@ class KVService:
         return {e: nodes for e, (nodes, _) in self._engines.items()}
 
     async def stats(self) -> dict[str, Any]:
-        lifecycle = self.planner.lifecycle
+        lifecycle = self.decider.lifecycle
         engines = sorted({r.engine_id for r in lifecycle.records()})
         return {
-            **self.planner.stats(),
+            **self.decider.stats(),
             "bytes_held": {e: lifecycle.bytes_held(e) for e in engines},
             "num_drains": self.counters["drains"],
             "num_drain_failures": self.counters["drain_failures"],
@@ -549,7 +549,7 @@ class KVService:
         if len(self._prefill_reporters) < self.num_prefill_engines and not waited:
             return  # a read we have not heard of yet would make us book freed blocks
         now = self.clock()
-        lifecycle = self.planner.lifecycle
+        lifecycle = self.decider.lifecycle
         reports, self._kept_reports = self._kept_reports, {}
         # Oldest first: a session reported twice keeps its newest blocks.
         entries = sorted((k for kept in reports.values() for k in kept), key=lambda k: -k.age_s)

@@ -4,7 +4,7 @@ One HTTP request is one trace::
 
     kvtide.ingress            SERVER  child of the caller's W3C traceparent, if any
     └─ kvtide.route                   one turn through the pools
-       ├─ kvtide.kv_decision          what the KV planner chose, and why
+       ├─ kvtide.kv_decision          what the KV decider chose, and why
        ├─ kvtide.prefill      CLIENT  the prefill engine request (max_tokens=1)
        │  └─ kvtide.kv_transfer       decode → prefill pull of the previous turn's KV
        ├─ kvtide.decode       CLIENT  the decode engine stream
@@ -128,7 +128,7 @@ HTTP_RESPONSE_STATUS_CODE = "http.response.status_code"
 
 # ---- attribute keys: kvtide's own --------------------------------------------------------
 
-KV_PLAN = "kvtide.kv.plan"  # the planner's choice: "pull" | "recompute" | ...
+KV_PLAN = "kvtide.kv.plan"  # the KV decider's choice: "pull" | "recompute" | ...
 KV_PLAN_REASON = "kvtide.kv.plan_reason"
 KV_SOURCE = "kvtide.kv.source"  # where the prompt's KV came from (router.KV_SOURCES)
 KV_CACHED_TOKENS = "kvtide.kv.cached_tokens"

@@ -1,6 +1,6 @@
 """The OpenAI-compatible ingress: a Ray Serve deployment with a FastAPI app.
 
-It validates and tokenizes requests (so the router sees token ids and the KV planner can
+It validates and tokenizes requests (so the router sees token ids and the KV decider can
 hash prefixes), runs each turn through the ``Router`` (prefill pool → NIXL → decode pool)
 and streams SSE back. Errors are OpenAI-style bodies with 4xx/5xx codes; a failed request
 leaves no KV record behind.
@@ -35,9 +35,9 @@ from orchestrator.errors import (
     TurnInProgress,
 )
 from orchestrator.kv.actor import get_or_create_service, service_client
+from orchestrator.kv.decider import kv_lifecycle_config
 from orchestrator.kv.ownership import Principal, session_not_found
 from orchestrator.kv.service import engine_pool
-from orchestrator.kv.turn_planner import kv_lifecycle_config
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import http_status, make_metrics
 from orchestrator.router import Router, TurnReport

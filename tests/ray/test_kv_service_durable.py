@@ -17,8 +17,8 @@ from ray._common.test_utils import wait_for_condition
 
 from orchestrator.errors import ServiceUnavailable
 from orchestrator.kv.actor import get_or_create_service, service_client
+from orchestrator.kv.decider import kv_lifecycle_config
 from orchestrator.kv.ownership import Principal
-from orchestrator.kv.turn_planner import kv_lifecycle_config
 
 pytestmark = pytest.mark.ray
 
@@ -81,7 +81,7 @@ def test_a_call_to_a_service_that_does_not_answer_is_503_within_its_deadline(
     kv = service_client(handle, timeout_s=2.0)
     started = time.monotonic()
     with pytest.raises(ServiceUnavailable) as caught:
-        asyncio.run(kv.plan_turn("s1", [1, 2, 3]))
+        asyncio.run(kv.decide_turn("s1", [1, 2, 3]))
     assert time.monotonic() - started < 5.0
     body = caught.value.body()["error"]
     assert body["code"] == "service_unavailable" and "Actor" not in str(body)

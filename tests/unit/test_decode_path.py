@@ -26,8 +26,8 @@ from kernels.gate import KIMI_K3_PATH
 from orchestrator.cli.inspect import format_stats
 from orchestrator.config import KVTideConfig, parse_config
 from orchestrator.errors import ConfigError
+from orchestrator.kv.decider import kv_lifecycle_config
 from orchestrator.kv.service import KVService
-from orchestrator.kv.turn_planner import kv_lifecycle_config
 from orchestrator.observability.metrics import Metrics
 from orchestrator.serve.responses import pool_stats
 from placement.model_catalog import BUILTIN_MODELS

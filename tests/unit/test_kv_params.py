@@ -17,8 +17,8 @@ import engines.kv_params
 from engines.base import GenerateChunk, GenerateRequest
 from engines.kv_params import KVTransferParams
 from engines.vllm_engine import _expires_in_s, sampling_args_for
-from orchestrator.kv.messages import KeptBlocks, LedgerReport, TurnDone, TurnPlan
-from orchestrator.kv.turn_planner import KVPlanner, kv_lifecycle_config, params_of
+from orchestrator.kv.decider import KVDecider, kv_lifecycle_config, params_of
+from orchestrator.kv.messages import KeptBlocks, KVDecision, LedgerReport, TurnDone
 
 # Unknown to kvtide: a key vLLM reads (remote_block_size), internal bookkeeping and a
 # nested value a later vLLM might send. All must reach vLLM again unchanged.
@@ -147,7 +147,7 @@ def test_messages_carrying_params_encode_and_pickle() -> None:
             request_id="r", prompt_token_ids=[1], max_tokens=1, kv_transfer_params=params
         ),
         GenerateChunk(request_id="r", finished=True, kv_transfer_params=params),
-        TurnPlan(kind="pull", reason="reuse", kv_transfer_params=params),
+        KVDecision(kind="pull", reason="reuse", kv_transfer_params=params),
         TurnDone(session_id="s", token_ids=[1, 2], kv_transfer_params=params),
         LedgerReport(
             engine_id="decode-0",
@@ -190,7 +190,7 @@ def test_the_vllm_adapter_converts_at_vllms_boundary() -> None:
 
 
 def test_the_kv_records_carry_the_params_as_given() -> None:
-    planner = KVPlanner(
+    planner = KVDecider(
         kv_lifecycle_config(
             ttl_s=480.0,
             safety_margin_s=15.0,
@@ -204,11 +204,11 @@ def test_the_kv_records_carry_the_params_as_given() -> None:
         KVTransferParams.from_vllm(decode_output()), remote_num_tokens=2_000
     )
     prompt = list(range(2_001))
-    planner.plan_turn("s", prompt[:1_990], now_s=0.0)
+    planner.decide_turn("s", prompt[:1_990], now_s=0.0)
     planner.turn_finished("s", prompt, kept, now_s=1.0)
     record = planner.lifecycle.record("s")
     assert record is not None and record.transfer_params is kept and params_of(record) is kept
-    plan = planner.plan_turn("s", [*prompt, 99], now_s=2.0)
+    plan = planner.decide_turn("s", [*prompt, 99], now_s=2.0)
     assert plan.kind == "pull" and plan.kv_transfer_params is kept
     # A record booked with anything else is a bug, named as such.
     planner.lifecycle.on_turn_finished(

@@ -18,10 +18,10 @@ from test_router import FakeClock, FakePool, decode_script, prefill_script
 from engines.base import GenerateChunk, GenerateRequest
 from engines.kv_params import KVTransferParams
 from orchestrator.kv.actor import EpochWatcher
+from orchestrator.kv.decider import kv_lifecycle_config
 from orchestrator.kv.ledger import EngineLedger
 from orchestrator.kv.messages import LedgerReport, TurnDone
 from orchestrator.kv.service import KVService
-from orchestrator.kv.turn_planner import kv_lifecycle_config
 from orchestrator.router import Router, TurnReport
 
 TTL_S = 480.0
@@ -97,7 +97,7 @@ class Cluster:
         return reports[-1]
 
     def bytes_held(self) -> dict[str, int]:
-        return dict(self.service.planner.lifecycle._books.held_bytes)
+        return dict(self.service.decider.lifecycle._books.held_bytes)
 
     def reports(self) -> tuple[LedgerReport, LedgerReport]:
         return self.decode.ledger.report(), self.prefill.ledger.report()
@@ -121,18 +121,18 @@ def test_a_restarted_service_rebuilds_exactly_what_the_engines_still_hold() -> N
     async def run() -> None:
         await two_sessions(c)
         before = c.bytes_held()
-        s1_record = c.service.planner.lifecycle.record("s1")
+        s1_record = c.service.decider.lifecycle.record("s1")
         assert s1_record is not None
         svc = c.new_service()  # the actor died; Ray started a new one, books empty
         decode_report, prefill_report = c.reports()
         await svc.restore(decode_report)
         # Not adopted yet: a read the prefill engine has not reported would make the
         # service book blocks that are already free.
-        assert svc.planner.lifecycle.records() == []
+        assert svc.decider.lifecycle.records() == []
         await svc.restore(prefill_report)
         await svc.wait_drains()
         assert c.bytes_held() == before
-        rebuilt = svc.planner.lifecycle.record("s1")
+        rebuilt = svc.decider.lifecycle.record("s1")
         assert rebuilt is not None
         # Turn 2's blocks, not turn 1's (those were read by turn 2's pull: freed).
         assert (rebuilt.block_ids, rebuilt.prefix_hash) == (
@@ -160,7 +160,7 @@ def test_a_restart_rebuilds_the_same_books_from_ledgers_sent_in_small_pages() ->
             return {
                 s: (r.engine_id, r.block_ids, r.num_tokens, r.prefix_hash)
                 for s in ("s1", "s2")
-                if (r := service.planner.lifecycle.record(s)) is not None
+                if (r := service.decider.lifecycle.record(s)) is not None
             }
 
         records = books(c.service)
@@ -185,19 +185,19 @@ def test_a_session_that_moved_on_during_the_restart_keeps_its_new_record() -> No
 
     async def run() -> None:
         await two_sessions(c)
-        old = c.service.planner.lifecycle.record("s2")
+        old = c.service.decider.lifecycle.record("s2")
         assert old is not None
         svc = c.new_service()
         # s2 comes back before any engine reported: the service recomputes...
         r = await c.turn([*range(200, 300), 11, 12, 13, 70], "s2")
         assert (r.kv_plan, r.kv_plan_reason) == ("recompute", "no_record")
-        new = svc.planner.lifecycle.record("s2")
+        new = svc.decider.lifecycle.record("s2")
         assert new is not None and new.block_ids != old.block_ids
         for report in c.reports():
             await svc.restore(report)
         await svc.wait_drains()
         # ...and the old blocks, reported later, are drained instead of booked.
-        assert svc.planner.lifecycle.record("s2") == new
+        assert svc.decider.lifecycle.record("s2") == new
         assert svc.counters["adopt_superseded"] == 1
         drained = [
             q.kv_transfer_params.remote_block_ids
@@ -217,10 +217,10 @@ def test_without_every_prefill_report_the_service_adopts_after_the_wait() -> Non
         svc = c.new_service()
         await svc.restore(c.decode.ledger.report())
         await svc.tick()
-        assert svc.planner.lifecycle.records() == []
+        assert svc.decider.lifecycle.records() == []
         c.clock.now_s += 10.0  # restore_wait_s
         await svc.tick()
-        assert svc.planner.lifecycle.record("s1") is not None
+        assert svc.decider.lifecycle.record("s1") is not None
 
     asyncio.run(run())
 
@@ -245,7 +245,7 @@ def test_records_expire_on_the_engines_clock_not_a_guess() -> None:
 
     async def run() -> None:
         svc = c.service
-        await svc.plan_turn("s", [1, 2, 3])
+        await svc.decide_turn("s", [1, 2, 3])
         params = KVTransferParams(
             do_remote_decode=True,
             remote_engine_id="D",
@@ -325,12 +325,12 @@ def test_sessions_on_a_lost_engine_recompute_at_once_instead_of_pulling() -> Non
     async def run() -> None:
         assert (await c.turn(S1_T1, "s1")).kv_plan == "recompute"
         assert await c.service.heartbeat("D", node_ids=["node-6", "node-7"]) == c.service.epoch
-        assert c.service.planner.lifecycle.record("s1") is not None
+        assert c.service.decider.lifecycle.record("s1") is not None
         # Ray reports node-7 dead: a rank of the decode engine was there, so the engine
         # and the KV it kept are gone.
         assert c.service.nodes_lost(["node-3"]) == []
         assert c.service.nodes_lost(["node-7"]) == ["D"]
-        assert c.service.planner.lifecycle.record("s1") is None
+        assert c.service.decider.lifecycle.record("s1") is None
         assert c.bytes_held().get("D", 0) == 0
         report = await c.turn(S1_T2, "s1")
         assert report.kv_plan == "recompute" and report.kv_source != "sent_back"
@@ -351,14 +351,14 @@ def test_an_engine_silent_past_the_bound_is_lost_one_that_beats_is_not() -> None
         await c.service.heartbeat("D")
         c.clock.now_s += 59.0
         await c.service.tick()
-        assert c.service.planner.lifecycle.record("s1") is not None
+        assert c.service.decider.lifecycle.record("s1") is not None
         await c.service.heartbeat("D")  # still beating
         c.clock.now_s += 59.0
         await c.service.tick()
-        assert c.service.planner.lifecycle.record("s1") is not None
+        assert c.service.decider.lifecycle.record("s1") is not None
         c.clock.now_s += 2.0  # 61 s since its last beat: its host is gone
         await c.service.tick()
-        assert c.service.planner.lifecycle.record("s1") is None
+        assert c.service.decider.lifecycle.record("s1") is None
         assert c.service.counters["engines_lost"] == 1
 
     asyncio.run(run())

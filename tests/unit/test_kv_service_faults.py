@@ -22,7 +22,7 @@ MALLORY = Principal(name="mallory")
 
 def restarted(c: Cluster, store: MemoryStore) -> KVService:
     c.service = KVService(
-        c.service.planner.lifecycle.config,
+        c.service.decider.lifecycle.config,
         prefill=c.prefill,
         drain_timeout_s=5.0,
         store=store,
@@ -172,7 +172,7 @@ def test_a_superseded_record_is_drained_with_the_tokens_it_covers() -> None:
         assert report.kv_plan == "recompute"
         assert c.service.counters["undrainable"] == 0
         assert c.service.counters["drains"] == 1  # turn 1's blocks were read back
-        held = c.service.planner.lifecycle.records()
+        held = c.service.decider.lifecycle.records()
         assert [r.session_id for r in held] == ["s1"] and len(held) == 1
 
     asyncio.run(run())

@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator
 from engines.base import EngineSpec, GenerateChunk, GenerateRequest, KVTransferSpec
 from engines.simulated import SimulatedEngine, VirtualClock
 from engines.simulated_kv import SimulatedFabric
+from orchestrator.kv.decider import kv_lifecycle_config
 from orchestrator.kv.service import KVService
-from orchestrator.kv.turn_planner import kv_lifecycle_config
 from orchestrator.router import Router, TurnReport
 
 NUM_PREFILL, NUM_DECODE, NUM_SESSIONS = 8, 64, 400
@@ -112,7 +112,7 @@ def test_400_sessions_over_72_simulated_engines() -> None:
         )
         reports = await asyncio.gather(*(session(router, s) for s in range(NUM_SESSIONS)))
         held = {
-            e.spec.engine_id: service.planner.lifecycle.bytes_held(e.spec.engine_id)
+            e.spec.engine_id: service.decider.lifecycle.bytes_held(e.spec.engine_id)
             for e in decodes
         }
         kept_blocks = sum(e.kv.num_used(e._clock()) for e in decodes)
@@ -122,7 +122,7 @@ def test_400_sessions_over_72_simulated_engines() -> None:
         await service.wait_drains()
         assert service.counters["drains"] == NUM_SESSIONS
         assert service.counters["drain_failures"] == 0
-        assert service.planner.lifecycle.records() == []
+        assert service.decider.lifecycle.records() == []
         # Every block a decode engine kept for a session has been read back and freed.
         assert sum(e.kv.num_used(e._clock()) for e in decodes) == 0
         await asyncio.gather(*(e.shutdown() for e in [*prefills, *decodes]))

@@ -11,9 +11,9 @@ import pytest
 from engines.base import GenerateChunk, GenerateRequest
 from engines.kv_params import KVTransferParams
 from orchestrator.errors import DeadlineExceeded, EngineUnavailable
+from orchestrator.kv.decider import kv_lifecycle_config
 from orchestrator.kv.ownership import ANONYMOUS
 from orchestrator.kv.service import KVService
-from orchestrator.kv.turn_planner import kv_lifecycle_config
 from orchestrator.router import Router, TurnReport
 
 Script = Callable[[GenerateRequest], list[GenerateChunk]]
@@ -177,7 +177,7 @@ def test_failed_pull_becomes_a_plain_prefill_and_the_turn_completes() -> None:
     assert r2.pull_fallback and r2.kv_source == "recomputed"
     assert [r.request_id.endswith("-r") for r in prefill.requests] == [False, False, True]
     assert r2.num_completion_tokens == 3
-    assert service_of(router).planner.stats()["num_declines"] == 1
+    assert service_of(router).decider.stats()["num_declines"] == 1
 
 
 def test_hung_pull_is_bounded_by_the_timeout_and_the_turn_completes() -> None:
@@ -187,7 +187,7 @@ def test_hung_pull_is_bounded_by_the_timeout_and_the_turn_completes() -> None:
     prefill.hang_pulls = True  # the pull never answers; the plain prefill does
     r2 = asyncio.run(turn(router, [*range(100), 11, 12, 13, 50], "s"))
     assert r2.kv_plan == "pull" and r2.pull_fallback and r2.num_completion_tokens == 3
-    assert service_of(router).planner.stats()["num_declines"] == 1
+    assert service_of(router).decider.stats()["num_declines"] == 1
 
 
 def test_decode_failure_mid_stream_keeps_no_record() -> None:
@@ -200,7 +200,7 @@ def test_decode_failure_mid_stream_keeps_no_record() -> None:
     with pytest.raises(EngineUnavailable, match="the decode failed") as caught:
         asyncio.run(turn(router, list(range(100)), "s"))
     assert "engine died" not in str(caught.value.body())
-    lifecycle = service_of(router).planner.lifecycle
+    lifecycle = service_of(router).decider.lifecycle
     assert lifecycle.record("s") is None
     assert lifecycle.pulls_in_flight() == []
 
@@ -327,7 +327,7 @@ def test_a_hung_prefill_ends_at_the_request_deadline_and_frees_the_session() -> 
         assert decode.requests == []
         # The turn was abandoned: the session may run its next turn at once.
         assert (await service.claim_session("s", ANONYMOUS)).outcome == "claimed"
-        assert service.planner.lifecycle.record("s") is None
+        assert service.decider.lifecycle.record("s") is None
 
     asyncio.run(run())
 
@@ -403,7 +403,7 @@ def test_a_turn_whose_decode_engine_dies_continues_on_another_without_repeating(
     assert report.migrations == 1 and report.num_completion_tokens == 5
     assert [r.request_id.rsplit("-", 1)[1] for r in prefill.requests] == ["p", "m1"]
     # The session's record is the surviving engine's, covering the whole turn.
-    record = service_of(router).planner.lifecycle.record("s")
+    record = service_of(router).decider.lifecycle.record("s")
     assert record is not None and record.engine_id == "D2"
 
 

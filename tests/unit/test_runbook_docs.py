@@ -57,8 +57,8 @@ def _service_fields() -> set[str]:
     """The fields of the ``service`` block of ``/kvtide/stats``, as the service reports them."""
     import asyncio
 
+    from orchestrator.kv.decider import kv_lifecycle_config
     from orchestrator.kv.service import KVService
-    from orchestrator.kv.turn_planner import kv_lifecycle_config
 
     config = kv_lifecycle_config(
         ttl_s=480, safety_margin_s=15, recompute_threshold_tokens=64,

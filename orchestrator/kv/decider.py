@@ -1,6 +1,6 @@
 """The router's view of the KV lifecycle policy: what to do with a session's KV this turn.
 
-``KVPlanner`` applies the pure ``policies.kv_lifecycle.KVLifecycle`` to vLLM's
+``KVDecider`` applies the pure ``policies.kv_lifecycle.KVLifecycle`` to vLLM's
 ``kv_transfer_params`` (``engines.kv_params.KVTransferParams``): it turns a decision into
 the kept blocks the prefill pulls, and a decode engine's final params into a record,
 which carries them (opaque to the policy) until the next turn or a drain. It owns the
@@ -14,14 +14,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from engines.kv_params import KVTransferParams
-from orchestrator.kv.messages import TurnPlan
+from orchestrator.kv.messages import KVDecision
 from policies.kv_lifecycle import Effect, KVLifecycle, KVLifecycleConfig, KVRecord, TurnAction
 
-__all__ = ["Effect", "KVPlanner", "TurnPlan", "kv_lifecycle_config", "params_of"]
+__all__ = ["Effect", "KVDecider", "KVDecision", "kv_lifecycle_config", "params_of"]
 
 
 def params_of(record: KVRecord) -> KVTransferParams:
-    """The kept blocks' params a record carries (``KVPlanner`` books them as given)."""
+    """The kept blocks' params a record carries (``KVDecider`` books them as given)."""
     params = record.transfer_params
     if not isinstance(params, KVTransferParams):
         raise TypeError(
@@ -51,26 +51,26 @@ def kv_lifecycle_config(
     )
 
 
-class KVPlanner:
+class KVDecider:
     """Wraps ``KVLifecycle`` for the router. Single-threaded (one event loop)."""
 
     def __init__(self, config: KVLifecycleConfig) -> None:
         self.lifecycle = KVLifecycle(config)
 
-    def plan_turn(
+    def decide_turn(
         self, session_id: str | None, prompt_token_ids: Sequence[int], now_s: float
-    ) -> TurnPlan:
+    ) -> KVDecision:
         if session_id is None:
-            return TurnPlan(kind="recompute", reason="no_session")
+            return KVDecision(kind="recompute", reason="no_session")
         decision = self.lifecycle.on_turn_start(session_id, prompt_token_ids, now_s)
         if decision.action is TurnAction.PULL_FROM_DECODE and decision.record is not None:
-            return TurnPlan(
+            return KVDecision(
                 kind="pull",
                 reason="reuse",
                 kv_transfer_params=params_of(decision.record),
                 num_reusable_tokens=decision.num_reusable_tokens,
             )
-        return TurnPlan(kind="recompute", reason=str(decision.reason))
+        return KVDecision(kind="recompute", reason=str(decision.reason))
 
     def pull_failed(self, session_id: str | None, now_s: float) -> list[Effect]:
         if session_id is None:
