@@ -71,7 +71,9 @@ def app(hosts: NetnsCluster, serve_on_head: int) -> Iterator[Deployed]:
             # One core each; the decode engine's two workers share theirs.
             "prefill": {"cpu_threads_bind": "0", "max_num_seqs": 4},
             "decode": {"tensor_parallel_size": 2, "cpu_threads_bind": "1", "max_num_seqs": 4},
-            "kv": {"decoder_kv_blocks_ttl_s": 300, "safety_margin_s": 10},
+            # A pull waits out the loaded 2-core box (turn 2 took 56 s once) instead of
+            # falling back to the prefill engine's own prefix cache.
+            "kv": {"decoder_kv_blocks_ttl_s": 300, "safety_margin_s": 10, "pull_timeout_s": 180},
             "server": {"port": serve_on_head},
             "observability": {"metrics": False},
         }
