@@ -197,25 +197,12 @@ def supervise(
             say("engines re-placed after lost nodes:\n" + result.layout.describe())
 
 
-def _stop_forwarding_actor_logs() -> None:
-    """Actors print their own deaths while Serve and Ray stop ("listen_for_change
-    failed", "the actor is dead because it was killed"): expected at shutdown, noise on
-    the user's terminal. Stop copying actor logs to this process's output first (they
-    stay in Ray's log files)."""
-    try:
-        from ray._private.worker import global_worker_stdstream_dispatcher
-    except ImportError:  # a Ray without it: the noise stays, nothing else changes
-        return
-    global_worker_stdstream_dispatcher.remove_handler("ray_print_logs")
-
-
 def shutdown() -> None:
     import ray
     from ray import serve
 
     from orchestrator.kv.actor import lookup_service
 
-    _stop_forwarding_actor_logs()
     try:
         serve.shutdown()
         service = lookup_service(APP_NAME)  # detached: outlives the app on a shared cluster
