@@ -433,45 +433,42 @@ class Router:
         )
         if decision.kind != "pull":
             pre = await self._recompute(first, report, deadline_s)
-            self.metrics.inc("kvtide_kv_recomputes_total")
-            tr.set_attrs(
-                span, {tr.KV_CACHED_TOKENS: pre.num_cached_tokens, tr.PULL_FALLBACK: False}
-            )
-            return pre
-        try:
-            pre = await self._prefill(first, deadline_s, self.pull_timeout_s)
-        except (TimeoutError, EngineUnavailable) as exc:
-            # The pull hung or failed: forget those blocks and prefill from scratch.
-            assert report.session_id is not None
-            self.metrics.inc("kvtide_kv_transfer_failures_total")
-            tr.record_error(
-                tr.record_span(
-                    tr.SPAN_KV_TRANSFER,
-                    t_start,
-                    tr.now_ns(),
-                    self._transfer_attrs(decision.kv_transfer_params, "decode_to_prefill"),
-                    parent=span,
-                ),
-                exc,
-            )
-            await self.kv.pull_failed(report.session_id)
-            report.pull_fallback = True
-            pre = await self._recompute(
-                GenerateRequest(
-                    request_id=f"{rid}-r",
-                    max_tokens=1,
-                    kv_transfer_params=KVTransferParams.keep_for_decode(),
-                    **base,
-                ),
-                report,
-                deadline_s,
-            )
-            self.metrics.inc("kvtide_kv_recomputes_total")
         else:
-            attrs = self._transfer_attrs(decision.kv_transfer_params, "decode_to_prefill")
-            tr.record_span(tr.SPAN_KV_TRANSFER, t_start, tr.now_ns(), attrs, parent=span)
-            self.metrics.inc("kvtide_kv_send_backs_total")
-            self.metrics.add_transfer_bytes("decode_to_prefill", _bytes(attrs))
+            try:
+                pre = await self._prefill(first, deadline_s, self.pull_timeout_s)
+            except (TimeoutError, EngineUnavailable) as exc:
+                # The pull hung or failed: forget those blocks and prefill from scratch.
+                assert report.session_id is not None
+                self.metrics.inc("kvtide_kv_transfer_failures_total")
+                tr.record_error(
+                    tr.record_span(
+                        tr.SPAN_KV_TRANSFER,
+                        t_start,
+                        tr.now_ns(),
+                        self._transfer_attrs(decision.kv_transfer_params, "decode_to_prefill"),
+                        parent=span,
+                    ),
+                    exc,
+                )
+                await self.kv.pull_failed(report.session_id)
+                report.pull_fallback = True
+                pre = await self._recompute(
+                    GenerateRequest(
+                        request_id=f"{rid}-r",
+                        max_tokens=1,
+                        kv_transfer_params=KVTransferParams.keep_for_decode(),
+                        **base,
+                    ),
+                    report,
+                    deadline_s,
+                )
+            else:
+                attrs = self._transfer_attrs(decision.kv_transfer_params, "decode_to_prefill")
+                tr.record_span(tr.SPAN_KV_TRANSFER, t_start, tr.now_ns(), attrs, parent=span)
+                self.metrics.inc("kvtide_kv_send_backs_total")
+                self.metrics.add_transfer_bytes("decode_to_prefill", _bytes(attrs))
+        if decision.kind != "pull" or report.pull_fallback:
+            self.metrics.inc("kvtide_kv_recomputes_total")
         tr.set_attrs(
             span,
             {tr.KV_CACHED_TOKENS: pre.num_cached_tokens, tr.PULL_FALLBACK: report.pull_fallback},

@@ -107,7 +107,7 @@ def shown(value: object) -> str:
     if isinstance(value, float):
         return repr(value)
     if isinstance(value, str):
-        text = json.dumps(value[:40])  # ensure_ascii: surrogates become \\udXXX
+        text = json.dumps(value[:40])  # ensure_ascii: a lone surrogate becomes an escape
         return text if len(value) <= 40 else text[:-1] + '..."'
     if isinstance(value, list):
         return "a list"
