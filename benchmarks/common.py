@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import tempfile
 import time
@@ -12,14 +13,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from engines.base import GenerateRequest
 from engines.kv_params import KVTransferParams
 
 
 @contextmanager
-def embedded_app() -> Iterator[tuple[str, str, Any, Any]]:
-    """Start the embedded default on a free port; yield (base URL, model name, prefill
-    handle, decode handle) — the handles stream, for driving the engines directly."""
+def embedded_app(kv: dict[str, Any] | None = None) -> Iterator[tuple[str, str, Any, Any]]:
+    """Start the embedded default (with ``kv`` as its ``kv`` section) on a free port;
+    yield (base URL, model name, prefill handle, decode handle) — the handles stream,
+    for driving the engines directly."""
     from ray import serve
 
     from orchestrator import runtime
@@ -27,13 +31,28 @@ def embedded_app() -> Iterator[tuple[str, str, Any, Any]]:
     from orchestrator.serve.engine_host import free_port
 
     tmp = Path(tempfile.mkdtemp(prefix="kvt-bench-"))
-    config = parse_config({"server": {"port": free_port()}, "ray": {"temp_dir": str(tmp / "ray")}})
+    config = parse_config(
+        {"server": {"port": free_port()}, "ray": {"temp_dir": str(tmp / "ray")}, "kv": kv or {}}
+    )
     with runtime.running(config) as base_url:
         handles = [
             serve.get_deployment_handle(f"{pool}-pool", app_name="kvtide").options(stream=True)
             for pool in ("prefill", "decode")
         ]
         yield base_url, config.model.name, handles[0], handles[1]
+
+
+async def engine_requests(base_url: str, prefill: Any, decode: Any) -> int:
+    """Requests both engines have finished, once the KV service has no drain running
+    (a drain is a prefill request kvtide makes on its own)."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        while (await client.get("/kvtide/stats")).json()["kv"]["num_drains_running"]:
+            await asyncio.sleep(0.1)  # the benchmark's pause, not a test's
+    total = 0
+    for handle in (prefill, decode):
+        stats = await handle.options(stream=False).stats.remote()
+        total += stats.num_requests
+    return total
 
 
 @dataclass
@@ -55,7 +74,7 @@ async def direct_turn(
 ) -> DirectTurn:
     """Prefill (``max_tokens=1``, ``do_remote_decode``; pulling ``pull``'s blocks back when
     given), then decode with the prefill's returned params, as vLLM's P/D proxy does."""
-    params = KVTransferParams.keep_for_decode() if pull is None else pull.pull_back()
+    params = KVTransferParams.keep_for_decode() if pull is None else pull.pull_back(keep=True)
     rid = uuid.uuid4().hex
     t0 = time.monotonic()
     pre = None

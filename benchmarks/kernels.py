@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels.compile import compile_all, format_report
 from kernels.cute import CutlassUnavailable
+from orchestrator.cli.table import format_table
 
 
 def compile_table(archs: list[str] | None) -> Path | None:
@@ -57,12 +58,12 @@ def timing_table(cubin_dir: Path | None, repeats: int) -> None:
     device = torch.device("cuda", 0)
     kernels = Kernels(CubinSet.open(cubin_dir or SHIPPED_DIR), device)
     print(f"\nµs per call on {torch.cuda.get_device_name(device)} ({kernels.arch}), median")
-    print(f"{'case':<44} {'kernel':>8} {'stock':>8} {'speed-up':>8}")
+    rows: list[list[str]] = []
 
     def row(name: str, kernel_fn: object, stock_fn: object) -> None:
         k = time_us(kernel_fn, repeats=repeats)  # type: ignore[arg-type]
         s = time_us(stock_fn, repeats=repeats)  # type: ignore[arg-type]
-        print(f"{name:<44} {k:>8.1f} {s:>8.1f} {s / k:>7.2f}x")
+        rows.append([name, f"{k:.1f}", f"{s:.1f}", f"{s / k:.2f}x"])
 
     for d, heads in ((512, 16), (128, 32)):
         for batch in (1, 64, 256):
@@ -87,6 +88,7 @@ def timing_table(cubin_dir: Path | None, repeats: int) -> None:
                     lambda x=x, r=res, w=w, sc=sc: kernels.fused_add_rmsnorm(x, r, w, 1e-6, sc),
                     lambda x=x, r=res, w=w, sc=sc: reference.fused_add_rmsnorm(x, r, w, 1e-6, sc),
                 )
+    print(format_table(["case", "kernel", "stock", "speed-up"], rows))
 
 
 def main() -> None:

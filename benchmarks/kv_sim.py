@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from orchestrator.cli.table import format_table
 from placement.capacity import (
     EngineShape,
     devices_needed,
@@ -191,13 +192,7 @@ def table(rows: list[tuple[SimConfig, SimResult]], num_sessions: int) -> str:
     if all(config.policy.idle_budget_bytes_per_engine is None for config, _ in rows):
         # No budget anywhere: no budget column, and the few drains are not the story.
         lines = [line[:2] + line[3:-1] for line in lines]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    out = [
-        "| " + " | ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) + " |"
-        for line in lines
-    ]
-    out.insert(1, "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
-    return "\n".join(out)
+    return format_table(lines[0], lines[1:], align=[">"] * len(lines[0]), markdown=True)
 
 
 def plot(

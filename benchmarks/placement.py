@@ -45,6 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from orchestrator.cli.table import format_table
 from placement.first_fit import FirstFitPlacement, FirstFitPlanner
 from placement.planner import EngineRequest, PlacementPlan, PlacementPlanner
 from placement.topology import ClusterLedger, ClusterTopology, NodeSpec
@@ -179,30 +180,13 @@ ROWS: tuple[tuple[str, Callable[[Result], float]], ...] = (
 def table(kvtide: Result, first_fit: Result, one_domain: Result) -> str:
     """kvtide, first fit and first fit in one domain, with kvtide's ratio to each."""
     header = ("metric", "kvtide", "first fit", "ratio", "first fit, 1 domain", "ratio")
-    widths = (33, 8, 9, 5, 19, 5)
-    lines = [
-        "| "
-        + " | ".join(
-            h.ljust(w) if i == 0 else h.rjust(w)
-            for i, (h, w) in enumerate(zip(header, widths, strict=True))
-        )
-        + " |",
-        "|" + "|".join("-" * (w + 1) + (":" if i else "-") for i, w in enumerate(widths)) + "|",
-    ]
+    rows = []
     for name, metric in ROWS:
         a, b, c = (float(metric(r)) for r in (kvtide, first_fit, one_domain))
         whole = name.startswith("decisions") or all(v == int(v) for v in (a, b, c))
         fmt = "{:,.0f}" if whole else "{:.1f}"
-        cells = (name, fmt.format(a), fmt.format(b), ratio(a, b), fmt.format(c), ratio(a, c))
-        lines.append(
-            "| "
-            + " | ".join(
-                cell.ljust(w) if i == 0 else cell.rjust(w)
-                for i, (cell, w) in enumerate(zip(cells, widths, strict=True))
-            )
-            + " |"
-        )
-    return "\n".join(lines)
+        rows.append((name, fmt.format(a), fmt.format(b), ratio(a, b), fmt.format(c), ratio(a, c)))
+    return format_table(header, rows, align=["<"] + [">"] * 5, markdown=True)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -273,12 +257,8 @@ def layout_table(topology: ClusterTopology) -> str:
             ratio(moved_sticky, moved_scratch),
         ),
     ]
-    lines = [
-        "| Serve pool layout                                     | kvtide | from scratch | ratio |",
-        "|-------------------------------------------------------|-------:|-------------:|------:|",
-    ]
-    lines += [f"| {a:<53} | {b:>6} | {c:>12} | {d:>5} |" for a, b, c, d in rows]
-    return "\n".join(lines)
+    header = ("Serve pool layout", "kvtide", "from scratch", "ratio")
+    return format_table(header, rows, align=("<", ">", ">", ">"), markdown=True)
 
 
 if __name__ == "__main__":

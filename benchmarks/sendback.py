@@ -37,6 +37,7 @@ import httpx
 
 from benchmarks.common import direct_turn, embedded_app, stream_completion
 from engines.kv_params import KVTransferParams
+from orchestrator.cli.table import format_table
 
 OUTPUT_TOKENS = 16
 QUESTION_TOKENS = 32
@@ -99,8 +100,8 @@ async def _engines(
     lines = [
         f"turn-2 TTFT, p50 of {repeats}; turn 2 = turn 1 ({OUTPUT_TOKENS} output tokens) "
         f"+ {QUESTION_TOKENS} new tokens; recompute = fresh prompt of the same length",
-        f"{'context':>7} {'path':>7} {'send-back ms':>13} {'recompute ms':>13} {'speed-up x':>11}",
     ]
+    table = []
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
         await _kvtide_pair(client, model, rng, 256)  # warm-up
         for n in sizes:
@@ -113,11 +114,11 @@ async def _engines(
                         pairs.append(await _kvtide_pair(client, model, rng, n))
                 reused = statistics.median(p[0] for p in pairs)
                 fresh = statistics.median(p[1] for p in pairs)
-                lines.append(
-                    f"{n:>7} {path:>7} {reused * 1e3:>13.1f} {fresh * 1e3:>13.1f} "
-                    f"{fresh / reused:>11.2f}"
+                table.append(
+                    [n, path, f"{reused * 1e3:.1f}", f"{fresh * 1e3:.1f}", f"{fresh / reused:.2f}"]
                 )
-    return lines
+    header = ["context", "path", "send-back ms", "recompute ms", "speed-up x"]
+    return [*lines, format_table(header, table, align=[">"] * 5)]
 
 
 def policy_speed(num_sessions: int = 100_000, prompt_tokens: int = 1024) -> list[str]:
@@ -182,9 +183,14 @@ def policy_speed(num_sessions: int = 100_000, prompt_tokens: int = 1024) -> list
     return [
         f"KV policy at {num_sessions:,} live sessions, {prompt_tokens}-token prompts "
         f"(prefix hashed per turn): {num_events / wall:,.0f} events/s",
-        f"{'call':>17} {'p50 us':>8} {'p99 us':>8}",
-        f"{'on_turn_start':>17} {pct(starts, 0.5):>8.1f} {pct(starts, 0.99):>8.1f}",
-        f"{'on_turn_finished':>17} {pct(finishes, 0.5):>8.1f} {pct(finishes, 0.99):>8.1f}",
+        format_table(
+            ["call", "p50 us", "p99 us"],
+            [
+                ["on_turn_start", f"{pct(starts, 0.5):.1f}", f"{pct(starts, 0.99):.1f}"],
+                ["on_turn_finished", f"{pct(finishes, 0.5):.1f}", f"{pct(finishes, 0.99):.1f}"],
+            ],
+            align=[">"] * 3,
+        ),
     ]
 
 
@@ -280,14 +286,19 @@ def service_speed(
     lines = [
         f"KV lifecycle service at {num_sessions:,} live sessions, {prompt_tokens}-token "
         "prompts (decide_turn + turn_done per turn; latency per call):",
-        f"{'where':>24} {'calls/s':>9} {'plan p50 us':>12} {'plan p99 us':>12} "
-        f"{'done p50 us':>12} {'done p99 us':>12}",
+        format_table(
+            ["where", "calls/s", "plan p50 us", "plan p99 us", "done p50 us", "done p99 us"],
+            [
+                [
+                    name,
+                    f"{rate:,.0f}",
+                    *(f"{_pct(xs, q):.1f}" for xs in (plans, dones) for q in (0.5, 0.99)),
+                ]
+                for name, rate, plans, dones in rows
+            ],
+            align=[">"] * 6,
+        ),
     ]
-    for name, rate, plans, dones in rows:
-        lines.append(
-            f"{name:>24} {rate:>9,.0f} {_pct(plans, 0.5):>12.1f} {_pct(plans, 0.99):>12.1f} "
-            f"{_pct(dones, 0.5):>12.1f} {_pct(dones, 0.99):>12.1f}"
-        )
     base_rate = rows[0][1]
     for name, rate, _, _ in rows[1:]:
         lines.append(f"{name}: {base_rate / rate:.1f}x the in-process cost per call")

@@ -39,6 +39,8 @@ __all__ = [
     "GenerateChunk",
     "GenerateRequest",
     "KVTransferSpec",
+    "RequestFailed",
+    "final_chunk",
 ]
 
 EngineRole = Literal["prefill", "decode", "both"]
@@ -56,8 +58,14 @@ class KVTransferSpec:
     # Decode sends finished KV back to prefill for the session's next turn.
     bidirectional_kv_xfer: bool = True
     decoder_kv_blocks_ttl_s: int = 480
+    # How long a prefill keeps a prompt's KV for a decode that has not begun reading it.
+    prefill_lease_s: int = 30
     kv_recompute_threshold_tokens: int = 64
     kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
+    # kvtide's NixlConnector subclass (engines/kv_connector.py): a request's blocks are
+    # kept for a peer only when its kv_transfer_params ask (``kvtide_keep``). False:
+    # vLLM's own connector, which keeps every finished request's blocks.
+    per_request_keep: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -134,6 +142,26 @@ class GenerateChunk(msgspec.Struct, frozen=True, kw_only=True):
     # ``remote_blocks_expiry_time`` converted from the engine's own clock when it
     # reported them); None when it kept none or did not say.
     kv_expires_in_s: float | None = None
+    # The engine that ran the request, on the finished chunk (set by the engine's host;
+    # None where nothing set it).
+    engine_id: str | None = None
+
+
+class RequestFailed(RuntimeError):
+    """An engine ended a request without its finished chunk, or failed it."""
+
+
+async def final_chunk(stream: AsyncIterator[GenerateChunk]) -> GenerateChunk:
+    """Read a request's stream to its end: the finished chunk. ``RequestFailed`` when the
+    stream ended without one or the engine failed the request (a KV load that failed)."""
+    last: GenerateChunk | None = None
+    async for chunk in stream:
+        last = chunk
+    if last is None or not last.finished:
+        raise RequestFailed("ended the request without a result")
+    if last.finish_reason == "error":
+        raise RequestFailed("failed the request (KV load failed?)")
+    return last
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -144,6 +172,7 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int
     block_size: int
     num_kv_blocks: int
+    vocab_size: int  # token ids run from 0 to vocab_size - 1
     kv_side_channel: str | None = None
 
 
@@ -161,6 +190,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    num_requests: int = 0  # requests finished (a turn is two: prefill, decode; a drain one)
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_prefix_cache_queries: int = 0

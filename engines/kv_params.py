@@ -17,10 +17,18 @@ moment an engine adapter receives it until an adapter gives it back to vLLM:
   group (``[[1, 2, 3]]`` from vLLM); a flat list (older vLLMs) is read as one group.
 
 The shapes kvtide makes: ``keep_for_decode()`` (a prefill keeps its KV for a decode
-engine to pull), ``pull_back()`` (a prefill reads kept blocks back from the decode engine
-that holds them: the next turn's prefill, or a drain). The ones it reads: the prefill's
-params, passed to decode verbatim, and decode's final params, which name the blocks it
-kept (``kept_blocks()``) until ``remote_blocks_expiry_time``.
+engine to pull), ``for_decode(keep=...)`` (the prefill's params as a decode reads them,
+saying whether the decode keeps its blocks for a send-back), ``pull_back(keep=...)`` (a
+prefill reads kept blocks back from the decode engine that holds them: the next turn's
+prefill, which keeps its copy for decode, or a drain, which does not). The ones it reads:
+decode's final params, which name the blocks it kept (``kept_blocks()``) until
+``remote_blocks_expiry_time``.
+
+**Keeping per request** (``kvtide_keep``): vLLM's NixlConnector keeps a finished
+request's blocks for a peer whenever bidirectional transfer is on. kvtide's subclass
+(``engines/kv_connector.py``) reads ``kvtide_keep`` and, when it is ``False``, frees the
+blocks at once, as for a plain request; ``True`` or absent leaves vLLM's behaviour.
+``frees_at_once`` is how the connector reads it from vLLM's dict.
 """
 
 from __future__ import annotations
@@ -69,6 +77,9 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     dcp_size: int | None = None
     pp_size: int | None = None
     transfer_mode: str | None = None
+    # kvtide's own key, read by engines.kv_connector: False frees the request's blocks
+    # when it finishes instead of keeping them for a peer; None: the engine's default.
+    kvtide_keep: bool | None = None
     # Every key vLLM sent that kvtide does not know, unchanged.
     extra: dict[str, Any] = {}
 
@@ -124,11 +135,26 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
         """A prefill's params: compute the prompt and keep its KV for a decode to pull."""
         return cls(do_remote_decode=True)
 
-    def pull_back(self) -> KVTransferParams:
+    def pull_back(self, *, keep: bool) -> KVTransferParams:
         """These kept blocks as a prefill reads them back from the engine that keeps
-        them (the next turn's prefill, or a drain); the prefill keeps its own KV for
-        decode as usual."""
-        return msgspec.structs.replace(self, do_remote_decode=True, do_remote_prefill=False)
+        them. ``keep``: the prefill keeps its own copy for a decode to pull (the next
+        turn); False: a drain, whose copy nobody reads, freed as soon as it finishes."""
+        return msgspec.structs.replace(
+            self, do_remote_decode=True, do_remote_prefill=False, kvtide_keep=keep
+        )
+
+    def for_decode(self, *, keep: bool) -> KVTransferParams:
+        """A prefill's returned params as its decode reads them. ``keep``: the decode
+        keeps its blocks for a later turn's prefill to pull back (a session's turn);
+        False: it frees them when it finishes (nobody will read them)."""
+        return msgspec.structs.replace(self, kvtide_keep=keep)
+
+    @staticmethod
+    def frees_at_once(params: Mapping[str, Any] | None) -> bool:
+        """Whether vLLM's dict of a finishing request asks that its blocks be freed now,
+        not kept for a peer (``kvtide_keep`` is False). Read by ``engines.kv_connector``
+        inside vLLM's scheduler."""
+        return params is not None and params.get("kvtide_keep") is False
 
     # ---- queries ----------------------------------------------------------------------
     @property

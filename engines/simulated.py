@@ -18,9 +18,17 @@ in ``EngineSpec.model_path``) on a catalog device (``engines/simulated_config.py
   ``kv_transfer_gbps``; ``num_cached_tokens`` reports it) and, with
   ``bidirectional_kv_xfer``, keeps its own blocks for ``decoder_kv_blocks_ttl_s`` and
   returns params for the send-back; a prefill given those reads them back, except
-  within 5 s of their expiry or under ``kv_recompute_threshold_tokens``. Engines find
+  within 5 s of their expiry or under ``kv_recompute_threshold_tokens``. With
+  ``per_request_keep`` (kvtide's connector, ``engines/kv_connector.py``) a request
+  whose params say ``kvtide_keep: False`` keeps nothing: its blocks are freed when it
+  finishes and it returns no params. Engines find
   each other by engine id on a ``SimulatedFabric`` (one process); engines that
   exchange KV should share one clock;
+* **prefix cache** (``spec.enable_prefix_caching``): the engine remembers the chained
+  hashes of the full prompt blocks it computed, the most recent ``num_kv_blocks`` of
+  them; a prompt computed here (not pulled) skips its longest remembered prefix, reports
+  it as ``num_cached_tokens`` and in ``stats().num_prefix_cache_hits``, as vLLM does. It
+  models what vLLM's cache can hold, not which free blocks it reuses first;
 * **tokens**: each is a hash of every token before it, so a prefill/decode pair
   produces what one engine would. Stop strings and EOS are not modelled.
 
@@ -53,7 +61,7 @@ from engines.base import (
 )
 from engines.kv_params import KVTransferParams
 from engines.simulated_config import SimulatedEngineConfig, simulated_config
-from engines.simulated_kv import KVBlockPool, SimulatedFabric, nixl_params
+from engines.simulated_kv import KVBlockPool, PrefixCache, SimulatedFabric, nixl_params
 from placement.decode_model import decode_step
 from placement.model_spec import ModelSpec
 
@@ -106,7 +114,7 @@ class _Request:
     params: KVTransferParams | None  # kv_transfer_params in (None without a connector)
     worst_case_blocks: int
     digest: int  # hash of every token so far; the next token is derived from it
-    num_cached: int = 0  # prompt tokens whose KV was pulled
+    num_cached: int = 0  # prompt tokens whose KV was pulled or found in the prefix cache
     num_output: int = 0
     ready_s: float = 0.0  # when its pull completes
     pull_from: tuple[SimulatedEngine, str] | None = None  # peer, and its request id
@@ -136,6 +144,11 @@ class SimulatedEngine(EngineAdapter):
         self.spec = spec
         self.config: SimulatedEngineConfig = simulated_config(spec, model)
         self.kv = KVBlockPool(self.config.num_kv_blocks)
+        self.prefix_cache = (
+            PrefixCache(self.config.block_size, self.config.num_kv_blocks)
+            if spec.enable_prefix_caching
+            else None
+        )
         self._sleep, self._clock, self._fabric = sleep, clock, fabric
         self._info: EngineInfo | None = None
         self._waiting: list[_Request] = []
@@ -157,6 +170,7 @@ class SimulatedEngine(EngineAdapter):
             max_model_len=spec.max_model_len,
             block_size=self.config.block_size,
             num_kv_blocks=self.config.num_kv_blocks,
+            vocab_size=self.config.model.vocab_size,
             kv_side_channel=f"{kv.side_channel_host}:{kv.side_channel_port}" if kv else None,
         )
         self._fabric.register(self)
@@ -196,8 +210,11 @@ class SimulatedEngine(EngineAdapter):
             num_running=len(self._running) + len(self._pulling),
             num_waiting=len(self._waiting),
             kv_cache_usage=self.kv.num_used(self._clock()) / self.kv.num_blocks,
+            num_requests=c.get("requests", 0),
             num_prompt_tokens=c.get("prompt_tokens", 0),
             num_generation_tokens=c.get("generation_tokens", 0),
+            num_prefix_cache_queries=c.get("prefix_queries", 0),
+            num_prefix_cache_hits=c.get("prefix_hits", 0),
             kv_transfer_bytes=c.get("kv_bytes", 0),
             num_kv_transfers=c.get("kv_transfers", 0),
             num_kv_transfer_failures=c.get("kv_failures", 0),
@@ -238,6 +255,10 @@ class SimulatedEngine(EngineAdapter):
             raise RequestRejected("a request needs at least one prompt token and max_tokens >= 1")
         if request.request_id in self._requests:
             raise RequestRejected(f"request id {request.request_id!r} is already running here")
+        vocab = self.config.model.vocab_size
+        outside = next((t for t in request.prompt_token_ids if not 0 <= t < vocab), None)
+        if outside is not None:  # as vLLM's input processor
+            raise RequestRejected(f"Token id {outside} is out of vocabulary")
         if length > self.spec.max_model_len or blocks > self.kv.num_blocks:
             raise RequestRejected(
                 f"request {request.request_id!r} needs {length} tokens ({blocks} blocks); "
@@ -307,7 +328,23 @@ class SimulatedEngine(EngineAdapter):
             self.kv.admit(request_id, req.worst_case_blocks)
             self.kv.fill(request_id, math.ceil(req.prompt_len / self.config.block_size))
             if not self._start_pull(req, now):
+                self._find_prefix(req)
                 self._running.append(req)
+
+    def _find_prefix(self, req: _Request) -> None:
+        """Skip the longest prefix of the prompt whose blocks this engine computed."""
+        if self.prefix_cache is None:
+            return
+        num_blocks = self.prefix_cache.match(req.request.prompt_token_ids)
+        # A full hit recomputes the last prompt token so that the next can be sampled.
+        req.num_cached = min(num_blocks * self.config.block_size, req.prompt_len - 1)
+        self._count("prefix_queries", req.prompt_len)
+        self._count("prefix_hits", req.num_cached)
+
+    def _cache_prompt(self, req: _Request) -> None:
+        """Remember the prompt's full blocks (computed or pulled) for later prompts."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.remember(req.request.prompt_token_ids)
 
     def _start_pull(self, req: _Request, now: float) -> bool:
         """Begin reading a peer's blocks if the params ask for it; False: compute here."""
@@ -356,6 +393,7 @@ class SimulatedEngine(EngineAdapter):
         """One token for ``req``: a hash of every token before it, the prompt included."""
         if req.num_output == 0:
             self._count("prompt_tokens", req.prompt_len)
+            self._cache_prompt(req)
         token = req.digest % self.config.model.vocab_size
         req.digest = zlib.crc32(token.to_bytes(4, "little"), req.digest)
         req.num_output += 1
@@ -389,6 +427,7 @@ class SimulatedEngine(EngineAdapter):
         for queue in (self._waiting, self._pulling, self._running):
             if req in queue:
                 queue.remove(req)
+        self._count("requests")
         params, keep_until_s = self._kept_params(req) if reason == "length" else (None, None)
         self.kv.finish(request_id, keep_until_s=keep_until_s, num_tokens=req.num_computed)
         self._wake.set()  # freed blocks may admit a waiting request
@@ -417,6 +456,8 @@ class SimulatedEngine(EngineAdapter):
         is_prefill = p is not None and p.do_remote_decode
         if not p or kv is None or not block_ids or not (is_prefill or kv.bidirectional_kv_xfer):
             return None, None
+        if kv.per_request_keep and p.kvtide_keep is False:
+            return None, None  # engines.kv_connector: nobody will read them
         expires_s = self._clock() + (
             PREFILL_LEASE_S if is_prefill else float(kv.decoder_kv_blocks_ttl_s)
         )

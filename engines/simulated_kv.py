@@ -7,22 +7,26 @@ its blocks are freed, or kept for a peer until an expiry time (a prefill's block
 for decode to read them; a decode's wait to be sent back), as vLLM's NixlConnector
 keeps them. Block ids are handed out lowest first and freed blocks are reused last in,
 last out (vLLM's free block queue), so tests can name exact ids.
+
+``PrefixCache`` is the engine's prefix cache: the chained hashes of the full prompt
+blocks it computed, the most recent ``max_blocks`` of them.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engines.base import KVTransferSpec
 from engines.kv_params import KVTransferParams
 from placement.capacity import EngineShape
+from policies.prefix_routing import block_hashes
 
 if TYPE_CHECKING:
     from engines.simulated import SimulatedEngine
 
-__all__ = ["KVBlockPool", "KeptBlocks", "SimulatedFabric", "nixl_params"]
+__all__ = ["KVBlockPool", "KeptBlocks", "PrefixCache", "SimulatedFabric", "nixl_params"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -124,6 +128,34 @@ class KVBlockPool:
         for request_id in due:
             self.release_kept(request_id)
         return len(due)
+
+
+class PrefixCache:
+    """The chained hashes of prompt blocks an engine computed, least recently used first
+    (it models what vLLM's cache can hold, not which free blocks it reuses first)."""
+
+    def __init__(self, block_size: int, max_blocks: int) -> None:
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self._hashes: OrderedDict[int, None] = OrderedDict()
+
+    def match(self, token_ids: list[int]) -> int:
+        """Full blocks of ``token_ids``' longest prefix held here (marked recently used)."""
+        num_blocks = 0
+        for h in block_hashes(token_ids, self.block_size):
+            if h not in self._hashes:
+                break
+            self._hashes.move_to_end(h)
+            num_blocks += 1
+        return num_blocks
+
+    def remember(self, token_ids: list[int]) -> None:
+        """Hold ``token_ids``' full blocks, dropping the least recently used past the bound."""
+        for h in block_hashes(token_ids, self.block_size):
+            self._hashes[h] = None
+            self._hashes.move_to_end(h)
+        while len(self._hashes) > self.max_blocks:
+            self._hashes.popitem(last=False)
 
 
 class SimulatedFabric:

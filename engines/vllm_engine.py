@@ -38,6 +38,7 @@ from engines.base import (
     GenerateRequest,
 )
 from engines.decode_path import check_decode_backend, decode_path_settings
+from engines.kv_connector import CONNECTOR_MODULE
 from engines.kv_params import KVTransferParams
 
 __all__ = ["VLLMEngine", "engine_args_for", "sampling_args_for"]
@@ -84,9 +85,13 @@ def engine_args_for(spec: EngineSpec) -> dict[str, Any]:
             "kv_connector_extra_config": {
                 "bidirectional_kv_xfer": kv.bidirectional_kv_xfer,
                 "decoder_kv_blocks_ttl": kv.decoder_kv_blocks_ttl_s,
+                "kv_lease_duration": kv.prefill_lease_s,
                 "kv_recompute_threshold": kv.kv_recompute_threshold_tokens,
             },
         }
+        if kv.per_request_keep and kv.connector == "NixlConnector":
+            # kvtide's subclass, under vLLM's name (see engines/kv_connector.py).
+            args["kv_transfer_config"]["kv_connector_module_path"] = CONNECTOR_MODULE
     args.update(dict(spec.extra_engine_args))
     path_config = decode_path_settings(spec.decode_path).additional_config
     if path_config:
@@ -150,6 +155,7 @@ def _make_stat_logger(counters: _Counters) -> Any:
                 if iteration_stats is not None:
                     counters.add("prompt_tokens", iteration_stats.num_prompt_tokens)
                     counters.add("generation_tokens", iteration_stats.num_generation_tokens)
+                    counters.add("requests", len(iteration_stats.finished_requests))
                 if scheduler_stats is None:
                     return
                 counters.gauges["running"] = scheduler_stats.num_running_reqs
@@ -229,6 +235,7 @@ class VLLMEngine(EngineAdapter):
             max_model_len=self._llm.vllm_config.model_config.max_model_len,
             block_size=cache.block_size,
             num_kv_blocks=int(cache.num_gpu_blocks or 0),
+            vocab_size=self._llm.vllm_config.model_config.get_vocab_size(),
             kv_side_channel=(
                 f"{kv.side_channel_host}:{kv.side_channel_port}" if kv is not None else None
             ),
@@ -263,6 +270,7 @@ class VLLMEngine(EngineAdapter):
             num_running=int(g.get("running", 0)),
             num_waiting=int(g.get("waiting", 0)),
             kv_cache_usage=float(g.get("kv_cache_usage", 0.0)),
+            num_requests=int(v.get("requests", 0)),
             num_prompt_tokens=int(v.get("prompt_tokens", 0)),
             num_generation_tokens=int(v.get("generation_tokens", 0)),
             num_prefix_cache_queries=int(v.get("prefix_queries", 0)),

@@ -7,6 +7,7 @@
         ├── ContextLengthExceeded   400: prompt + max_tokens over the model's context
         ├── AuthenticationFailed    401: API key missing, malformed or unknown (never echoed)
         ├── ModelNotFound           404: the requested model is not served here
+        ├── NotFound                404: a route that is switched off in the config
         ├── SessionNotFound         404: no such session for this key (also: another key's)
         ├── TurnInProgress          409: the session already has a turn running
         ├── PayloadTooLarge         413: the body is over server.max_request_bytes
@@ -34,6 +35,7 @@ __all__ = [
     "KVTideError",
     "LimitExceeded",
     "ModelNotFound",
+    "NotFound",
     "PayloadTooLarge",
     "RequestError",
     "ServiceUnavailable",
@@ -111,6 +113,13 @@ class AuthenticationFailed(RequestError):
 class ModelNotFound(RequestError):
     status_code = 404
     code = "model_not_found"
+
+
+class NotFound(RequestError):
+    """404 for a route the config switched off; the message names the setting."""
+
+    status_code = 404
+    code = "not_found"
 
 
 class SessionNotFound(RequestError):

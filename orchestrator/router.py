@@ -13,6 +13,11 @@
    continues from to the service in one ``TurnDone`` (the service drains what nobody
    will reuse; see ``orchestrator.kv.service``).
 
+Only a session's decode asks to keep its blocks (``KVTransferParams.for_decode``): with
+kvtide's connector (``engines/kv_connector.py``) a sessionless request's decode frees
+them when it finishes, and the turn books nothing with the service. An engine without
+that connector keeps them anyway; the service then drains them, as it always did.
+
 Every started turn ends with ``turn_done`` or ``turn_abandoned``, also when the client
 goes away or the service call that plans it fails. Every wait has a deadline: the whole
 turn is bounded by ``request_timeout_s`` (prefill, transfer and decode, each chunk
@@ -38,13 +43,15 @@ from typing import Any, Protocol
 import msgspec
 from opentelemetry.trace import Span, SpanKind
 
-from engines.base import GenerateChunk, GenerateRequest
+from engines.base import GenerateChunk, GenerateRequest, RequestFailed, final_chunk
 from engines.kv_params import KVTransferParams
 from orchestrator.errors import DeadlineExceeded, EngineUnavailable, RequestError
 from orchestrator.kv.messages import KVDecision, TurnDone
 from orchestrator.kv.service import KVServiceAPI
+from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import Metrics
+from policies.prefix_routing import RouteChoice
 
 __all__ = ["KV_SOURCES", "PoolClient", "Router", "TurnReport"]
 
@@ -89,6 +96,11 @@ class TurnReport:
     finish_reason: str | None = None
     migrations: int = 0
     prefill_retries: int = 0
+    # The prefill engine that computed the prompt, and why it was chosen: a prefix
+    # router's reason (``policies.prefix_routing``), or "pow2" (Serve's load balancing).
+    prefill_replica: str | None = None
+    prefill_route_reason: str = "pow2"
+    prefill_matched_tokens: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -107,6 +119,9 @@ class TurnReport:
             "router_s": round(self.router_s, 6),
             "migrations": self.migrations,
             "prefill_retries": self.prefill_retries,
+            "prefill_replica": self.prefill_replica,
+            "prefill_route_reason": self.prefill_route_reason,
+            "prefill_matched_tokens": self.prefill_matched_tokens,
         }
 
 
@@ -151,15 +166,22 @@ class _Streamed:
     text: list[str] = field(default_factory=list)
 
 
+def _plain_prefill(request_id: str, fields: Mapping[str, Any]) -> GenerateRequest:
+    """A prefill that computes the prompt (nothing pulled back) and keeps its KV for the
+    decode engine to read."""
+    return GenerateRequest(
+        request_id=request_id,
+        max_tokens=1,
+        kv_transfer_params=KVTransferParams.keep_for_decode(),
+        **fields,
+    )
+
+
 async def _last(stream: AsyncIterator[GenerateChunk]) -> GenerateChunk:
-    last: GenerateChunk | None = None
-    async for chunk in stream:
-        last = chunk
-    if last is None or not last.finished:
-        raise EngineUnavailable("the prefill engine ended the request without a result")
-    if last.finish_reason == "error":
-        raise EngineUnavailable("the prefill engine failed the request (KV load failed?)")
-    return last
+    try:
+        return await final_chunk(stream)
+    except RequestFailed as exc:
+        raise EngineUnavailable(f"the prefill engine {exc}") from None
 
 
 class Router:
@@ -179,6 +201,8 @@ class Router:
         request_timeout_s: float = 600.0,
         max_migrations: int = 2,
         clock: Callable[[], float] = time.monotonic,
+        prefill_routes: Callable[[str], RouteChoice | None] | None = None,
+        session_tokens: SessionTokens | None = None,
     ) -> None:
         if (decode_long is None) != (long_context_threshold_tokens is None):
             raise ValueError(
@@ -200,6 +224,12 @@ class Router:
         self.max_migrations = max_migrations
         self.eos_token_id = eos_token_id
         self.clock = clock
+        # With prefix-aware prefill routing: where the request router sent a prefill
+        # request (by request id) and why (``orchestrator.cluster.route_notes``).
+        self.prefill_routes = prefill_routes
+        # The caller's copy of each session's last turn (the ingress tokenizes the next
+        # one from it): written once the service has booked the turn.
+        self.session_tokens = session_tokens
 
     def decode_pool_for(self, num_prompt_tokens: int) -> tuple[str, PoolClient]:
         """The decode pool of a prompt: the long-context pool (TP+DCP) above the pool
@@ -265,6 +295,7 @@ class Router:
         trace_parent: tr.Parent = None,
         owner: str | None = None,
         sampling_options: Mapping[str, float | int] | None = None,
+        decision: KVDecision | None = None,
     ) -> AsyncIterator[tuple[GenerateChunk, TurnReport]]:
         """Stream decode chunks; each comes with the (growing) turn report.
 
@@ -274,6 +305,8 @@ class Router:
         ``owner``: the API key's name; the finished turn refreshes its ownership.
         ``sampling_options``: further ``GenerateRequest`` sampling fields (penalties,
         ``top_k``, ``min_p``, ``min_tokens``), given to prefill and decode alike.
+        ``decision``: the KV plan the service gave when the turn began (``begin_turn``);
+        without it a session's turn asks the service (``decide_turn``).
         """
         rid = request_id or uuid.uuid4().hex
         report = TurnReport(
@@ -295,7 +328,14 @@ class Router:
             parent=trace_parent,
         ) as route:
             async for item in self._turn(
-                route, report, prompt_token_ids, max_tokens, session_id, prompt_text, sampling
+                route,
+                report,
+                prompt_token_ids,
+                max_tokens,
+                session_id,
+                prompt_text,
+                sampling,
+                decision,
             ):
                 yield item
             tr.set_attrs(route, {tr.KV_SOURCE: report.kv_source})
@@ -309,17 +349,19 @@ class Router:
         session_id: str | None,
         prompt_text: str | None,
         sampling: dict[str, Any],
+        given: KVDecision | None,
     ) -> AsyncIterator[tuple[GenerateChunk, TurnReport]]:
         rid = report.request_id
         t0 = self.clock()
         done = False
         try:
             with tr.span(tr.SPAN_KV_DECISION, parent=route) as decision_span:
-                decision = (
-                    KVDecision(kind="recompute", reason="no_session")
-                    if session_id is None
-                    else await self.kv.decide_turn(session_id, prompt_token_ids)
-                )
+                if given is not None:
+                    decision = given
+                elif session_id is None:
+                    decision = KVDecision(kind="recompute", reason="no_session")
+                else:
+                    decision = await self.kv.decide_turn(session_id, prompt_token_ids)
                 tr.set_attrs(
                     decision_span,
                     {tr.KV_PLAN: decision.kind, tr.KV_PLAN_REASON: decision.reason},
@@ -329,7 +371,7 @@ class Router:
             base = {"prompt_token_ids": prompt_token_ids, "session_id": session_id, **sampling}
             params = KVTransferParams.keep_for_decode()
             if decision.kind == "pull" and decision.kv_transfer_params is not None:
-                params = decision.kv_transfer_params.pull_back()
+                params = decision.kv_transfer_params.pull_back(keep=True)
             t_engine = self.clock()
             async for item in self._stream(
                 route, decision, params, base, rid, max_tokens, report, t0, t_engine, prompt_text
@@ -376,12 +418,15 @@ class Router:
                 "a KV connector (kv_transfer_config)?"
             )
         report.decode_pool, decode = self.decode_pool_for(len(prompt_token_ids))
+        # Only a session's decode keeps its blocks for the next turn to pull back; a
+        # sessionless one frees them when it finishes (engines/kv_connector.py).
+        keep = report.session_id is not None
         out = _Streamed()
         while True:
             decode_req = GenerateRequest(
                 request_id=f"{rid}-d" if not report.migrations else f"{rid}-d{report.migrations}",
                 max_tokens=max_tokens - len(out.ids),
-                kv_transfer_params=pre.kv_transfer_params,
+                kv_transfer_params=pre.kv_transfer_params.for_decode(keep=keep),
                 **{**base, "prompt_token_ids": [*prompt_token_ids, *out.ids]},
             )
             try:
@@ -405,12 +450,7 @@ class Router:
             log.warning("turn %s: decode failed after %d tokens; migrating", rid, len(out.ids))
             resumed = {**base, "prompt_token_ids": [*prompt_token_ids, *out.ids]}
             pre = await self._recompute(
-                GenerateRequest(
-                    request_id=f"{rid}-m{report.migrations}",
-                    max_tokens=1,
-                    kv_transfer_params=KVTransferParams.keep_for_decode(),
-                    **resumed,
-                ),
+                _plain_prefill(f"{rid}-m{report.migrations}", resumed),
                 report,
                 report.extra["deadline_s"],
             )
@@ -453,12 +493,7 @@ class Router:
                 await self.kv.pull_failed(report.session_id)
                 report.pull_fallback = True
                 pre = await self._recompute(
-                    GenerateRequest(
-                        request_id=f"{rid}-r",
-                        max_tokens=1,
-                        kv_transfer_params=KVTransferParams.keep_for_decode(),
-                        **base,
-                    ),
+                    _plain_prefill(f"{rid}-r", base),
                     report,
                     deadline_s,
                 )
@@ -473,7 +508,20 @@ class Router:
             span,
             {tr.KV_CACHED_TOKENS: pre.num_cached_tokens, tr.PULL_FALLBACK: report.pull_fallback},
         )
+        self._note_route(pre, report)
         return pre
+
+    def _note_route(self, pre: GenerateChunk, report: TurnReport) -> None:
+        """Which prefill engine computed the turn's prompt, and why it was chosen."""
+        report.prefill_replica = pre.engine_id
+        if self.prefill_routes is None:
+            return
+        route = self.prefill_routes(pre.request_id)
+        if route is None:
+            report.prefill_route_reason = "unrecorded"
+            return
+        report.prefill_route_reason = route.reason
+        report.prefill_matched_tokens = route.num_matched_tokens
 
     def _transfer_attrs(
         self, params: KVTransferParams | None, direction: tr.Direction
@@ -532,35 +580,53 @@ class Router:
                         tr.GEN_AI_RESPONSE_FINISH_REASONS: (chunk.finish_reason or "",),
                     },
                 )
-                next_text, next_ids = self._continuation(
-                    prompt_text,
-                    list(prompt_token_ids),
-                    output_text,
-                    output_ids,
-                    chunk.finish_reason,
-                )
                 kept = chunk.kv_transfer_params
-                with tr.span(
-                    tr.SPAN_SEND_BACK,
-                    {
-                        tr.ENGINE_ID: kept.remote_engine_id if kept is not None else None,
-                        tr.KV_TRANSFER_BLOCKS: kept.num_blocks if kept is not None else 0,
-                    },
-                    parent=route,
-                ):
-                    await self.kv.turn_done(
-                        TurnDone(
-                            session_id=session_id,
-                            token_ids=[*prompt_token_ids, *output_ids],
-                            kv_transfer_params=kept,
-                            kv_expires_in_s=chunk.kv_expires_in_s,
-                            next_text=next_text,
-                            next_token_ids=next_ids,
-                            owner=report.extra.get("owner"),
-                        )
-                    )
+                # A sessionless turn whose decode kept nothing leaves nothing to book
+                # or drain: no call to the service.
+                if session_id is not None or (kept is not None and kept.kept_blocks()):
+                    await self._turn_done(route, report, chunk, prompt_token_ids, out, prompt_text)
                 report.router_s += self.clock() - now
             yield chunk, report
+
+    async def _turn_done(
+        self,
+        route: Span,
+        report: TurnReport,
+        chunk: GenerateChunk,
+        prompt_token_ids: list[int],
+        out: _Streamed,
+        prompt_text: str | None,
+    ) -> None:
+        """Hand the decode's kept blocks and the session's next tokens to the service."""
+        next_text, next_ids = self._continuation(
+            prompt_text, list(prompt_token_ids), out.text, out.ids, chunk.finish_reason
+        )
+        kept = chunk.kv_transfer_params
+        with tr.span(
+            tr.SPAN_SEND_BACK,
+            {
+                tr.ENGINE_ID: kept.remote_engine_id if kept is not None else None,
+                tr.KV_TRANSFER_BLOCKS: kept.num_blocks if kept is not None else 0,
+            },
+            parent=route,
+        ):
+            await self.kv.turn_done(
+                TurnDone(
+                    session_id=report.session_id,
+                    token_ids=[*prompt_token_ids, *out.ids],
+                    kv_transfer_params=kept,
+                    kv_expires_in_s=chunk.kv_expires_in_s,
+                    next_text=next_text,
+                    next_token_ids=next_ids,
+                    owner=report.extra.get("owner"),
+                )
+            )
+        sid, tokens = report.session_id, self.session_tokens
+        if sid is not None and tokens is not None:  # as the service now holds it
+            if next_ids is None:
+                tokens.forget(sid)
+            else:
+                tokens.remember(sid, next_text, next_ids, self.clock())
 
     def _continuation(
         self,

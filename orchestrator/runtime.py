@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import tempfile
@@ -35,6 +36,10 @@ def _say(msg: str) -> None:
     print(f"[kvtide] {msg}", file=sys.stderr, flush=True)
 
 
+RAY_WITHOUT_METRICS = {"enable_metrics_collection": False}
+"""The system config of a local Ray without its metrics agent's Prometheus endpoint."""
+
+
 def start_ray(config: KVTideConfig, *, say: Callable[[str], None] = _say) -> None:
     """Join ``config.ray.address`` or start a private local Ray (own temp dir)."""
     import ray
@@ -55,6 +60,9 @@ def start_ray(config: KVTideConfig, *, say: Callable[[str], None] = _say) -> Non
         include_dashboard=False,
         logging_level="WARNING",
         log_to_driver=bool(os.environ.get("KVTIDE_ENGINE_LOGS")),
+        # Ray's Prometheus endpoint listens on every interface without auth: only when
+        # kvtide's metrics are to be exported through it (GET /metrics needs none of it).
+        _system_config=None if config.observability.exports_to_ray else RAY_WITHOUT_METRICS,
     )
 
 
@@ -197,14 +205,33 @@ def supervise(
             say("engines re-placed after lost nodes:\n" + result.layout.describe())
 
 
+SHUTDOWN_TIMEOUT_S = 60.0
+"""How long ``shutdown`` waits for Serve to delete the app before leaving Ray anyway."""
+
+
 def shutdown() -> None:
+    """Delete kvtide's app (its engines stop gracefully, within ``SHUTDOWN_TIMEOUT_S``)
+    and its KV service, then leave Ray; a Ray that kvtide started goes down with it.
+
+    Serve itself is not shut down: on a joined cluster it may serve other apps, and on
+    kvtide's own Ray it goes with Ray. (Killing Serve's controller first made Ray print
+    its pending long-poll tasks as failed after the demo's table.)
+    """
     import ray
     from ray import serve
+    from ray.serve.exceptions import RayServeException
 
     from orchestrator.kv.actor import lookup_service
 
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # not "Deleting app ..."
     try:
-        serve.shutdown()
+        try:
+            serve.delete(APP_NAME, _blocking=False)
+            deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+            while APP_NAME in serve.status().applications and time.monotonic() < deadline:
+                time.sleep(0.2)  # polling Serve's deletion, bounded
+        except RayServeException:
+            pass  # Serve never started: nothing was deployed
         service = lookup_service(APP_NAME)  # detached: outlives the app on a shared cluster
         if service is not None:
             ray.kill(service)

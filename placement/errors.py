@@ -16,6 +16,9 @@ would fix it.
         ├── InvalidDomainId         a configured domain id that is no valid label
         ├── FabricNotReady          the GPU fabric has not (successfully) registered
         └── FabricInconsistent      GPUs of one node report different fabrics
+
+The capacity model's errors (`placement.model_errors`: UnsupportedModel,
+InvalidEngineShape, CapacityError, UnknownDevice) are PlacementErrors too.
 """
 
 from __future__ import annotations

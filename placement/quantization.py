@@ -27,7 +27,7 @@ from typing import Any
 
 from placement.model_errors import UnsupportedModel
 
-__all__ = ["QuantScheme", "module_matches"]
+__all__ = ["WEIGHT_PRECISIONS", "QuantScheme", "module_matches", "stored_as"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -128,8 +128,19 @@ def _fp8(config: Mapping[str, Any], dtype_bytes: int, ignore: tuple[str, ...]) -
             scale_bytes=4,
             ignore=ignore,
         )
+    return _fp8_tensor(ignore, dtype_bytes)
+
+
+def _fp8_tensor(
+    ignore: tuple[str, ...], dtype_bytes: int, per_matrix_bytes: int = 4
+) -> QuantScheme:
+    # fp32 scales per matrix: the weight's (4 bytes), plus the input's where a reader counts it.
     return QuantScheme(
-        name="fp8-tensor", weight_bits=8, dtype_bytes=dtype_bytes, per_matrix_bytes=4, ignore=ignore
+        name="fp8-tensor",
+        weight_bits=8,
+        dtype_bytes=dtype_bytes,
+        per_matrix_bytes=per_matrix_bytes,
+        ignore=ignore,
     )
 
 
@@ -261,13 +272,7 @@ def _compressed_tensors(
                 per_row_scale_bytes=dtype_bytes,
                 ignore=ignore,
             )
-        return QuantScheme(
-            name="fp8-tensor",
-            weight_bits=8,
-            dtype_bytes=dtype_bytes,
-            per_matrix_bytes=4,
-            ignore=ignore,
-        )
+        return _fp8_tensor(ignore, dtype_bytes)
     if kind == "int":
         return _int_group(
             f"int{bits}-g{group}",
@@ -289,13 +294,7 @@ def _modelopt(config: Mapping[str, Any], dtype_bytes: int, ignore: tuple[str, ..
     if algo == "NVFP4":
         return _nvfp4(ignore, dtype_bytes, int(config.get("group_size", 16)))
     if algo == "FP8":
-        return QuantScheme(
-            name="fp8-tensor",
-            weight_bits=8,
-            dtype_bytes=dtype_bytes,
-            per_matrix_bytes=8,
-            ignore=ignore,
-        )
+        return _fp8_tensor(ignore, dtype_bytes, per_matrix_bytes=8)
     raise UnsupportedModel(f"modelopt quant_algo {algo!r} is not modelled; use FP8 or NVFP4.")
 
 
@@ -305,13 +304,7 @@ def _quark(config: Mapping[str, Any], dtype_bytes: int, ignore: tuple[str, ...])
     if dtype == "fp4":
         return _mxfp4(ignore, dtype_bytes)
     if dtype.startswith("fp8"):
-        return QuantScheme(
-            name="fp8-tensor",
-            weight_bits=8,
-            dtype_bytes=dtype_bytes,
-            per_matrix_bytes=4,
-            ignore=ignore,
-        )
+        return _fp8_tensor(ignore, dtype_bytes)
     raise UnsupportedModel(f"quark weight dtype {dtype!r} is not modelled; use fp4 or fp8.")
 
 
@@ -324,3 +317,36 @@ _READERS = {
     "modelopt": _modelopt,
     "quark": _quark,
 }
+
+
+WEIGHT_PRECISIONS = ("bf16", "fp16", "fp8", "int8", "int4")
+"""What ``stored_as`` (``kvtide plan --weights``) knows."""
+
+
+def stored_as(precision: str, checkpoint: QuantScheme) -> QuantScheme:
+    """The weights of a checkpoint (quantized as ``checkpoint``) stored at ``precision``
+    instead, scales included, e.g. to plan an FP8 or INT4 build of a BF16 release:
+
+    - ``bf16`` / ``fp16``: 2 bytes a weight, no scales;
+    - ``fp8``: 1 byte a weight and an fp32 scale per matrix (per-tensor FP8);
+    - ``int8``: 1 byte a weight and a 2-byte scale per output row (per-channel);
+    - ``int4``: half a byte a weight and a 2-byte scale per 64 inputs (group-quantized,
+      symmetric): 4.25 bits a weight.
+
+    Modules the checkpoint keeps unquantized (its ignore list: routers, some
+    projections) stay so; embeddings and norms are never quantized (``ModelSpec``).
+    """
+    keep, plain = checkpoint.ignore, checkpoint.dtype_bytes
+    if precision in ("bf16", "fp16"):
+        return QuantScheme(name=precision, weight_bits=16, dtype_bytes=2, ignore=keep)
+    if precision == "fp8":
+        return _fp8_tensor(keep, plain)
+    if precision in ("int8", "int4"):
+        bits, group = (8, -1) if precision == "int8" else (4, 64)  # -1: per output row
+        name = "int8-channel" if precision == "int8" else "int4-g64"
+        return _int_group(
+            name, bits, group, dtype_bytes=plain, symmetric=True, act_order=False, ignore=keep
+        )
+    raise ValueError(
+        f"unknown weight precision {precision!r}: one of {', '.join(WEIGHT_PRECISIONS)}"
+    )

@@ -232,11 +232,8 @@ class EvictReason(enum.StrEnum):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Expire:
-    """kvtide stopped offering ``record``: its engine expiry is within the safety margin.
-
-    Apply: nothing to free; the engine frees the blocks itself at ``record.expiry_s``.
-    """
+class _RecordEffect:
+    """What every `Effect` carries: the ``record`` it decides about, and its keys."""
 
     record: KVRecord
 
@@ -247,6 +244,14 @@ class Expire:
     @property
     def engine_id(self) -> str:
         return self.record.engine_id
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Expire(_RecordEffect):
+    """kvtide stopped offering ``record``: its engine expiry is within the safety margin.
+
+    Apply: nothing to free; the engine frees the blocks itself at ``record.expiry_s``.
+    """
 
     @property
     def drainable(self) -> bool:
@@ -255,7 +260,7 @@ class Expire:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Evict:
+class Evict(_RecordEffect):
     """kvtide dropped a live ``record`` from its books and will never offer it again.
 
     Apply: stop offering it. In vLLM 0.32 the decode engine keeps the blocks pinned
@@ -263,16 +268,7 @@ class Evict:
     orchestrator may free them early with a read whose result it discards.
     """
 
-    record: KVRecord
     reason: EvictReason
-
-    @property
-    def session_id(self) -> str:
-        return self.record.session_id
-
-    @property
-    def engine_id(self) -> str:
-        return self.record.engine_id
 
     @property
     def drainable(self) -> bool:
@@ -280,23 +276,14 @@ class Evict:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Release:
+class Release(_RecordEffect):
     """kvtide no longer needs ``record`` (superseded, closed, lease over, or failed).
 
     Apply as `Evict`: the engine keeps the blocks until ``record.expiry_s`` unless
     drained; a failed record is not drainable (reads of it fail).
     """
 
-    record: KVRecord
     reason: ReleaseReason
-
-    @property
-    def session_id(self) -> str:
-        return self.record.session_id
-
-    @property
-    def engine_id(self) -> str:
-        return self.record.engine_id
 
     @property
     def drainable(self) -> bool:

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 import httpx
 
-from orchestrator.sdk._wire import StreamCollector
+from orchestrator.cli.table import format_table
+from orchestrator.sdk._stream import StreamCollector
 from orchestrator.sdk.errors import KVTideAPIError
 
-__all__ = ["TurnRow", "format_table", "long_document", "run_demo", "stream_chat"]
+__all__ = ["TurnRow", "format_turns", "long_document", "run_demo", "stream_chat"]
 
 _WORDS = (
     "cache token prefill decode engine session rack domain tensor block layer turn agent "
@@ -139,19 +140,26 @@ def run_demo(
     return rows
 
 
-def format_table(rows: list[TurnRow]) -> str:
+def format_turns(rows: list[TurnRow]) -> str:
+    """The demo's table: one row per turn, and turn 3's TTFT against a fresh prompt's."""
     head = ("turn", "prompt tok", "cached tok", "TTFT s", "tok/s", "prompt KV came from")
-    lines = [f"{head[0]:>5} {head[1]:>10} {head[2]:>10} {head[3]:>8} {head[4]:>7}  {head[5]}"]
     labels = {
         "sent_back": "sent back from decode (previous turn's KV)",
         "prefix_cache": "prefix cache on prefill",
         "recomputed": "recomputed on prefill",
     }
-    for r in rows:
-        lines.append(
-            f"{r.turn:>5} {r.num_prompt_tokens:>10,} {r.num_cached_tokens:>10,} "
-            f"{r.ttft_s:>8.3f} {r.tokens_per_s:>7.1f}  {labels.get(r.kv_source, r.kv_source)}"
-        )
+    cells = [
+        [
+            str(r.turn),
+            r.num_prompt_tokens,
+            r.num_cached_tokens,
+            f"{r.ttft_s:.3f}",
+            f"{r.tokens_per_s:.1f}",
+            labels.get(r.kv_source, r.kv_source),
+        ]
+        for r in rows
+    ]
+    lines = [format_table(head, cells, align=(">", ">", ">", ">", ">", "<"))]
     reused = [r for r in rows if r.kv_source == "sent_back"]
     fresh = [r for r in rows if r.turn == "fresh"]
     if reused and fresh:

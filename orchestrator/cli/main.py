@@ -31,10 +31,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
     try:
         layout = runtime.deploy(config)
         if args.demo:
-            from orchestrator.cli.demo import format_table, run_demo
+            from orchestrator.cli.demo import format_turns, run_demo
 
             url = f"http://{config.server.host}:{config.server.port}"
-            print(format_table(run_demo(url, num_turns=args.turns)), flush=True)
+            print(format_turns(run_demo(url, num_turns=args.turns)), flush=True)
             return 0
         print("press Ctrl-C to stop", file=sys.stderr, flush=True)
         stop = threading.Event()
@@ -49,9 +49,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from orchestrator.cli.demo import format_table, run_demo
+    from orchestrator.cli.demo import format_turns, run_demo
 
-    print(format_table(run_demo(args.url, num_turns=args.turns)))
+    print(format_turns(run_demo(args.url, num_turns=args.turns)))
     return 0
 
 

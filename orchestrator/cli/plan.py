@@ -13,10 +13,12 @@ to read it. ``--plot PATH`` also draws decode speed against context (needs matpl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from orchestrator.cli.table import Align, format_table
 from orchestrator.errors import ConfigError
 from placement.capacity import (
     DEFAULT_MEMORY,
@@ -31,6 +33,7 @@ from placement.model_catalog import BUILTIN_MODELS, load_model_spec
 from placement.model_errors import UnknownDevice, UnsupportedModel
 from placement.model_spec import ModelSpec
 from placement.pools import PlanRow, PoolPlan, Workload, plan_pools, plan_table
+from placement.quantization import WEIGHT_PRECISIONS, stored_as
 
 __all__ = ["add_plan_parser", "cmd_plan", "format_plan"]
 
@@ -76,6 +79,13 @@ def add_plan_parser(subparsers: Any) -> None:
     plan.add_argument(
         "--users", type=_positive_int, default=64, help="concurrent users (default 64)"
     )
+    plan.add_argument(
+        "--weights",
+        choices=WEIGHT_PRECISIONS,
+        help="plan the weights stored at this precision instead of the checkpoint's "
+        "(scales included: int4 is group-quantized, 4.25 bits a weight; fp8 per tensor; "
+        "int8 per channel)",
+    )
     plan.add_argument("--plot", metavar="PATH", help="also write a PNG of decode speed vs context")
     plan.add_argument(
         "--pools",
@@ -109,6 +119,8 @@ def add_plan_parser(subparsers: Any) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the plan; 0 on success, 1 when the plot was asked for but not written."""
     spec: ModelSpec = args.model
+    if args.weights is not None:
+        spec = dataclasses.replace(spec, quant=stored_as(args.weights, spec.quant))
     devices = _unique(d for group in args.device for d in group)
     tps = sorted({tp for group in args.tp or () for tp in group}) or None
     if tps:
@@ -250,7 +262,7 @@ def _fit_lines(spec: ModelSpec, devices: Sequence[DeviceSpec], context_tokens: i
     return lines
 
 
-_HEADER = (
+_HEADER: tuple[tuple[str, Align], ...] = (
     ("device", "<"),
     ("tp", ">"),
     ("dcp", ">"),
@@ -269,7 +281,7 @@ _HEADER = (
 def _table_lines(
     rows: Sequence[PlanRow], decisions: dict[tuple[str, int], DCPDecision]
 ) -> list[str]:
-    cells = [[h for h, _ in _HEADER]]
+    cells: list[list[str]] = []
     for r in rows:
         e = r.engine.estimate
         chosen = decisions[(r.device.name, r.shape.tp)].dcp == r.shape.dcp
@@ -290,11 +302,8 @@ def _table_lines(
                 note,
             ]
         )
-    widths = [max(len(row[i]) for row in cells) for i in range(len(_HEADER))]
-    return [
-        "  ".join(f"{c:{a}{w}}" for c, (_, a), w in zip(row, _HEADER, widths, strict=True)).rstrip()
-        for row in cells
-    ]
+    headers = [h for h, _ in _HEADER]
+    return format_table(headers, cells, align=[a for _, a in _HEADER]).splitlines()
 
 
 def _decision_lines(device: DeviceSpec, tp: int, decision: DCPDecision) -> list[str]:
@@ -318,7 +327,8 @@ def _write_plot(
     except ImportError:
         print(
             "kvtide plan: --plot needs matplotlib, which is not installed here; "
-            "install it with `pip install matplotlib` (the table above is complete without it).",
+            "install kvtide's `plot` extra (`pip install -e '.[plot]'` in a clone, or "
+            "`pip install matplotlib`); the table above is complete without it.",
             file=sys.stderr,
         )
         return 1

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
 import ray
+from ray._common.constants import HEAD_NODE_RESOURCE_NAME
 from ray.actor import ActorHandle
 from ray.exceptions import RayError
 from ray.serve.handle import DeploymentHandle
@@ -172,9 +173,11 @@ def get_or_create_service(
     observability: ObservabilityConfig | None = None,
     replay_max_bytes: int = 64 * 2**20,
     running_grace_s: float = 600.0,
-    timeout_s: float = 30.0,
+    timeout_s: float = 120.0,
 ) -> ActorHandle:
-    """The application's service actor; the first caller creates it.
+    """The application's service actor; the first caller creates it, and waits for it
+    to answer at most ``timeout_s`` (a new actor starts a Ray worker process: on a host
+    busy loading engines that can take tens of seconds).
 
     An actor left by an earlier deployment of the app that runs another config (a
     redeploy with a changed ``kv`` section) is replaced: it is killed, and the new one
@@ -195,6 +198,9 @@ def get_or_create_service(
         "namespace": SERVICE_NAMESPACE,
         "lifetime": "detached",
         "get_if_exists": True,
+        # On the head host, as Serve's controller: a lost GPU host does not take it (and
+        # every session's next turn) through a restart.
+        "resources": {HEAD_NODE_RESOURCE_NAME: 0.001},
     }
     handle = KVServiceActor.options(**options).remote(*args)  # type: ignore[attr-defined]
     running = ray.get(handle.config.remote(), timeout=timeout_s)

@@ -10,16 +10,26 @@ and reads them back when it starts.
 
 Under Ray the store is the GCS's key-value table (``RayKVStore``): it outlives every
 actor and worker, and lives as long as the cluster (with GCS fault tolerance, longer).
-A write is one GCS round trip; the service writes on a session's first turn, a session's
-end, and an idempotent turn's start and end. ``MemoryStore`` is the same contract in a
-dict, for tests and in-process use.
+A write is one GCS round trip (about 0.5 ms on a 2-core box); the service writes on a
+session's first turn and its end, and an idempotent turn's start and end, before it
+answers. The marks of a session's running turn (written as the turn begins and ends) go
+through ``WriteBehind`` instead: in order, off the turn's path; the price is that a
+service that dies within a write's round trip of a turn's start may not know after its
+restart that the turn is running (a concurrent turn of that session then runs beside
+it instead of getting 409). ``MemoryStore`` is the same contract in a dict, for tests
+and in-process use.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections import deque
 from typing import Protocol
 
-__all__ = ["DurableStore", "MemoryStore", "RayKVStore"]
+__all__ = ["DurableStore", "MemoryStore", "RayKVStore", "WriteBehind"]
+
+log = logging.getLogger("kvtide.kv_service")
 
 
 class DurableStore(Protocol):
@@ -81,3 +91,49 @@ class RayKVStore:
 
         found = internal_kv._internal_kv_list(prefix, namespace=self.namespace)
         return [k.decode() if isinstance(k, bytes) else str(k) for k in found]
+
+
+class WriteBehind:
+    """A ``DurableStore``'s writes (``put``, ``delete``) applied in the order made, by one
+    task in a worker thread, so that the caller's event loop does not wait for them.
+    Outside an event loop a write is made at once. ``flush`` waits for the writes made so
+    far."""
+
+    def __init__(self, store: DurableStore) -> None:
+        self.store = store
+        self._queue: deque[tuple[str, bytes | None]] = deque()  # value None: delete
+        self._task: asyncio.Task[None] | None = None
+
+    def put(self, key: str, value: bytes) -> None:
+        self._write(key, value)
+
+    def delete(self, key: str) -> None:
+        self._write(key, None)
+
+    def _write(self, key: str, value: bytes | None) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._apply(key, value)
+            return
+        self._queue.append((key, value))
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._drain())
+
+    def _apply(self, key: str, value: bytes | None) -> None:
+        if value is None:
+            self.store.delete(key)
+        else:
+            self.store.put(key, value)
+
+    async def _drain(self) -> None:
+        while self._queue:
+            key, value = self._queue.popleft()
+            try:
+                await asyncio.to_thread(self._apply, key, value)
+            except Exception:  # the next write goes on; the mark is stale until then
+                log.exception("durable write of %s failed", key)
+
+    async def flush(self) -> None:
+        while self._task is not None and not self._task.done():
+            await asyncio.shield(self._task)

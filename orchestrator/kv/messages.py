@@ -33,22 +33,6 @@ class SessionPrefix(msgspec.Struct, frozen=True, kw_only=True):
     token_ids: list[int] = []
 
 
-class Claim(msgspec.Struct, frozen=True, kw_only=True):
-    """The service's answer when a turn asks to run on a session.
-
-    ``claimed``: the caller's key owns the session and this turn is its only one running;
-    ``not_found``: another key owns it (the caller sees the same 404 as for no session);
-    ``turn_in_progress``: a turn of this session is running (409, retry after it);
-    ``limit``: a session limit refuses a new session (429; ``code`` and ``message`` say
-    which, ``retry_after_s`` when waiting helps).
-    """
-
-    outcome: Literal["claimed", "not_found", "turn_in_progress", "limit"]
-    code: str | None = None
-    message: str = ""
-    retry_after_s: float | None = None
-
-
 class KVDecision(msgspec.Struct, frozen=True, kw_only=True):
     """The service's answer for a new turn: pull the kept KV back, or recompute."""
 
@@ -56,6 +40,27 @@ class KVDecision(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     kv_transfer_params: KVTransferParams | None = None  # a pull: the kept blocks
     num_reusable_tokens: int = 0
+
+
+class Claim(msgspec.Struct, frozen=True, kw_only=True):
+    """The service's answer when a turn asks to run on a session.
+
+    ``claimed``: the caller's key owns the session and this turn is its only one running
+    (from ``begin_turn``: with the turn's ``decision``);
+    ``not_found``: another key owns it (the caller sees the same 404 as for no session);
+    ``turn_in_progress``: a turn of this session is running (409, retry after it);
+    ``limit``: a session limit refuses a new session (429; ``code`` and ``message`` say
+    which, ``retry_after_s`` when waiting helps);
+    ``retokenize`` (``begin_turn`` only): the prompt was tokenized from another last turn
+    than the session's; nothing was claimed: tokenize again from ``prefix`` and ask again.
+    """
+
+    outcome: Literal["claimed", "not_found", "turn_in_progress", "limit", "retokenize"]
+    code: str | None = None
+    message: str = ""
+    retry_after_s: float | None = None
+    decision: KVDecision | None = None
+    prefix: SessionPrefix | None = None
 
 
 class TurnDone(msgspec.Struct, frozen=True, kw_only=True):

@@ -34,12 +34,14 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
-from engines.base import GenerateChunk, GenerateRequest
+import msgspec
+
+from engines.base import GenerateRequest, final_chunk
 from engines.decode_path import STOCK
 from engines.kv_params import KVTransferParams
 from orchestrator.errors import LimitExceeded, SessionNotFound
 from orchestrator.kv.decider import KVDecider, params_of
-from orchestrator.kv.durable import DurableStore, MemoryStore
+from orchestrator.kv.durable import DurableStore, MemoryStore, RayKVStore, WriteBehind
 from orchestrator.kv.messages import (
     Claim,
     KeptBlocks,
@@ -110,9 +112,10 @@ class PrefillPool(Protocol):
 class KVServiceAPI(Protocol):
     """Everything the service answers, in-process (``KVService``) or through its Ray
     actor (``orchestrator.kv.actor`` derives the actor's methods and the client's from
-    this list: ``API_METHODS``). Callers: the router (``decide_turn``, ``pull_failed``,
-    ``turn_done``, ``turn_abandoned``), the ingress (sessions, ownership, replays,
-    stats) and the engine hosts (``heartbeat``, ``restore``)."""
+    this list: ``API_METHODS``). Callers: the ingress (``begin_turn``: a turn's one call before it
+    runs; sessions, ownership, replays, stats), the router (``pull_failed``,
+    ``turn_done``, ``turn_abandoned``; ``decide_turn`` for a turn not begun by the
+    ingress) and the engine hosts (``heartbeat``, ``restore``)."""
 
     async def session_prefix(
         self, session_id: str, principal: Principal | None = None
@@ -123,6 +126,14 @@ class KVServiceAPI(Protocol):
     async def claim_session(self, session_id: str, principal: Principal) -> Claim: ...
 
     async def decide_turn(self, session_id: str, prompt_token_ids: list[int]) -> KVDecision: ...
+
+    async def begin_turn(
+        self,
+        session_id: str,
+        principal: Principal,
+        prompt_token_ids: list[int],
+        prefix_digest: int | None = None,
+    ) -> Claim: ...
 
     async def pull_failed(self, session_id: str) -> None: ...
 
@@ -161,15 +172,6 @@ API_METHODS: tuple[str, ...] = tuple(
 """The service's methods, in one list: the actor and its client are built from it."""
 
 
-async def _read_to_end(stream: Any) -> GenerateChunk:
-    last: GenerateChunk | None = None
-    async for chunk in stream:
-        last = chunk
-    if last is None or not last.finished or last.finish_reason == "error":
-        raise RuntimeError("the prefill engine did not complete the read")
-    return last
-
-
 class KVService:
     """The service's state and logic. Single event loop; the clock is passed in."""
 
@@ -198,6 +200,10 @@ class KVService:
         self.clock = clock
         # Owners and replays outlive the service in ``store`` (orchestrator.kv.durable).
         self.store: DurableStore = store if store is not None else MemoryStore()
+        # A running turn's mark is written off the turn's path (see ``WriteBehind``).
+        self.marks: DurableStore | WriteBehind = (
+            WriteBehind(self.store) if isinstance(self.store, RayKVStore) else self.store
+        )
         self.replays = TurnReplayBook(
             clock=clock,
             store=self.store,
@@ -304,11 +310,11 @@ class KVService:
 
     def _set_running(self, session_id: str, now: float) -> None:
         self._running[session_id] = now
-        self.store.put(_RUNNING_PREFIX + session_id, repr(self.wall_clock()).encode())
+        self.marks.put(_RUNNING_PREFIX + session_id, repr(self.wall_clock()).encode())
 
     def _clear_running(self, session_id: str) -> None:
         if self._running.pop(session_id, None) is not None:
-            self.store.delete(_RUNNING_PREFIX + session_id)
+            self.marks.delete(_RUNNING_PREFIX + session_id)
 
     def _restore_running(self) -> None:
         """The running marks a previous instance left (its turns' ingresses may still
@@ -327,6 +333,31 @@ class KVService:
 
     async def decide_turn(self, session_id: str, prompt_token_ids: list[int]) -> KVDecision:
         return self.decider.decide_turn(session_id, prompt_token_ids, self.clock())
+
+    async def begin_turn(
+        self,
+        session_id: str,
+        principal: Principal,
+        prompt_token_ids: list[int],
+        prefix_digest: int | None = None,
+    ) -> Claim:
+        """A turn's one call before it runs: ``claim_session`` and ``decide_turn`` at once.
+
+        ``prefix_digest``: the ``session_tokens.prefix_digest`` of the last turn the
+        prompt was tokenized from (None: not tokenized here, e.g. sent as token ids). When
+        it is not the session's, nothing is claimed and the answer (``retokenize``) holds
+        the session's last turn, for the owner's key only."""
+        now = self.clock()
+        if prefix_digest is not None and prefix_digest != self.tokens.last_digest(session_id, now):
+            if not await self.session_owned(session_id, principal):
+                return Claim(outcome="not_found")
+            text, ids = self.tokens.last_turn(session_id, now)
+            return Claim(outcome="retokenize", prefix=SessionPrefix(text=text, token_ids=list(ids)))
+        claim = await self.claim_session(session_id, principal)
+        if claim.outcome != "claimed":
+            return claim
+        decision = self.decider.decide_turn(session_id, prompt_token_ids, now)
+        return msgspec.structs.replace(claim, decision=decision)
 
     async def pull_failed(self, session_id: str) -> None:
         self._apply(self.decider.pull_failed(session_id, self.clock()))
@@ -490,6 +521,7 @@ class KVService:
             "bytes_held": {e: lifecycle.bytes_held(e) for e in engines},
             "num_drains": self.counters["drains"],
             "num_drain_failures": self.counters["drain_failures"],
+            "num_drains_running": len(self._drains),
             "num_undrainable": self.counters["undrainable"],
             "num_turns_running": len(self._running),
             "replay_bytes": self.replays.num_bytes,
@@ -623,10 +655,11 @@ class KVService:
             request_id=f"drain-{uuid.uuid4().hex}",
             prompt_token_ids=token_ids,
             max_tokens=1,
-            kv_transfer_params=params.pull_back(),
+            # Nobody decodes after a drain: the prefill frees its copy at once.
+            kv_transfer_params=params.pull_back(keep=False),
         )
         try:
-            await asyncio.wait_for(_read_to_end(self.prefill.generate(req)), self.drain_timeout_s)
+            await asyncio.wait_for(final_chunk(self.prefill.generate(req)), self.drain_timeout_s)
             self.counters["drains"] += 1
         except Exception as exc:
             self.counters["drain_failures"] += 1

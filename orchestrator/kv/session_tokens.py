@@ -13,17 +13,33 @@ new suffix: the same text, the model's own tokens, and a prefix the KV policy ca
 If the client rewrote the history, the text does not match and the prompt is tokenized
 from scratch (and the KV policy then recomputes). Bounded: oldest sessions are dropped
 first; entries older than ``ttl_s`` are ignored. The clock is passed in.
+
+The service holds every session's last turn; each ingress replica keeps its own copy of
+the turns it finished, so that it tokenizes a session's next turn without asking for
+them. ``prefix_digest`` names a last turn in 8 bytes: the turn's claim carries the digest
+of the prefix it was tokenized from, and the service answers with its own last turn when
+that is another (the turn ran on another replica, or the copy is stale).
 """
 
 from __future__ import annotations
 
+import hashlib
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from orchestrator.kv.bounded import BoundedMap
 
-__all__ = ["SessionTokens", "continue_tokens"]
+__all__ = ["SessionTokens", "continue_tokens", "prefix_digest"]
+
+
+def prefix_digest(token_ids: Sequence[int]) -> int:
+    """An 8-byte digest of a last turn's token ids (``()``: no usable last turn)."""
+    data = token_ids.tobytes() if isinstance(token_ids, array) else array("I", token_ids).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+NO_PREFIX = prefix_digest(())
 
 
 def continue_tokens(
@@ -49,6 +65,10 @@ class _Turn:
     text: str | None  # None: the turn was sent as token ids (nothing to continue as text)
     token_ids: array[int]  # 4 bytes a token: sessions hold long histories
     stored_s: float
+    digest: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "digest", prefix_digest(self.token_ids))
 
 
 class SessionTokens:
@@ -56,12 +76,16 @@ class SessionTokens:
     remembered dropped first). An entry past ``ttl_s`` is ignored when read, not
     dropped: it still counts until a newer one pushes it out."""
 
-    def __init__(self, *, max_sessions: int = 50_000, ttl_s: float = 480.0) -> None:
+    def __init__(
+        self, *, max_sessions: int = 50_000, ttl_s: float = 480.0, max_bytes: int | None = None
+    ) -> None:
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
-        self._turns: BoundedMap[str, _Turn] = BoundedMap(max_entries=max_sessions)
+        self._turns: BoundedMap[str, _Turn] = BoundedMap(
+            max_entries=max_sessions, max_bytes=max_bytes
+        )
 
     def __len__(self) -> int:
         return len(self._turns)
@@ -89,15 +113,24 @@ class SessionTokens:
         prompt sent as token ids), and ids."""
         if session_id is None:
             return
-        self._turns.put(session_id, _Turn(text, array("I", token_ids), now_s))
+        ids = array("I", token_ids)
+        size = 4 * len(ids) + len(text or "")
+        self._turns.put(session_id, _Turn(text, ids, now_s), size=size)
 
     def last_turn(self, session_id: str, now_s: float) -> tuple[str | None, Sequence[int]]:
         """The text and ids the session's last turn covered (``(None, ())``: nothing
         usable), for a tokenizer elsewhere to continue with ``continue_from``."""
+        turn = self._live(session_id, now_s)
+        return (None, ()) if turn is None else (turn.text, turn.token_ids)
+
+    def last_digest(self, session_id: str, now_s: float) -> int:
+        """``prefix_digest`` of what ``last_turn`` answers now (kept with the turn)."""
+        turn = self._live(session_id, now_s)
+        return NO_PREFIX if turn is None else turn.digest
+
+    def _live(self, session_id: str, now_s: float) -> _Turn | None:
         turn = self._turns.get(session_id)
-        if turn is None or now_s - turn.stored_s > self.ttl_s:
-            return None, ()
-        return turn.text, turn.token_ids
+        return None if turn is None or now_s - turn.stored_s > self.ttl_s else turn
 
     def token_ids(self, session_id: str) -> Sequence[int] | None:
         """The exact token ids the session's last turn covered, if remembered."""

@@ -1,19 +1,20 @@
-"""kvtide's metrics: Ray's metrics API (Prometheus) behind one facade, with a local book.
+"""kvtide's metrics: a local book per process, served in Prometheus format by the
+ingress, and optionally Ray's metrics API.
 
 Every metric is declared once in ``METRICS`` (name, type, tag keys, buckets): Ray needs
 tag keys up front and rejects a record that misses one, and docs/observability.md lists
-the same table. Ray exports each one from its Prometheus endpoint with a ``ray_`` prefix
-(``kvtide_ttft_seconds`` is scraped as ``ray_kvtide_ttft_seconds``), labelled with the
-worker that recorded it: each ingress replica reports its own series.
+the same table.
 
 ``Metrics`` is what the ingress, router and KV service call. It always keeps a local
-book of counter and gauge values and histogram counts/sums, read with ``snapshot()`` (for
-``/kvtide/stats`` and tests, no Prometheus scrape needed), and it forwards every record
-to Ray only when it was made with Ray instruments: ``make_metrics`` does that when
-``observability.metrics`` is on and Ray is initialised in this process; otherwise (unit
-tests, pure code, metrics off) nothing reaches Ray and Ray is not imported. Either way
-the local book checks tags against the declared keys, so a missing tag fails in unit
-tests rather than in a replica.
+book of counter and gauge values and histogram buckets, counts and sums, read with
+``snapshot()``. Every ingress replica reports its book to the KV service each second;
+the service sums them with its own (``merge_counters``), and ``GET /metrics`` renders
+the sum (``render_prometheus``) and ``/kvtide/stats`` returns it. With
+``observability.ray_metrics`` on, ``make_metrics`` also forwards every record to Ray's
+metrics API, which exports it from each node's Prometheus endpoint with a ``ray_``
+prefix, one series per worker; otherwise (the default, unit tests, pure code) nothing
+reaches Ray and Ray is not imported here. Either way the local book checks tags against
+the declared keys, so a missing tag fails in unit tests rather than in a replica.
 
 The book is per process (Prometheus sums replicas) and takes a lock per record, so sync
 Serve methods running in threads may record too.
@@ -21,6 +22,7 @@ Serve methods running in threads may record too.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ __all__ = [
     "Metrics",
     "http_status",
     "make_metrics",
+    "render_prometheus",
     "series_key",
 ]
 
@@ -192,13 +195,20 @@ class Metrics:
             self._ray[name].set(value, tags=tags or None)
 
     def observe(self, name: str, value: float, **tags: str) -> None:
-        """Record one histogram sample (the book keeps its ``_count`` and ``_sum``)."""
+        """Record one histogram sample (the book keeps its cumulative ``_bucket``
+        counts, ``_count`` and ``_sum``, as Prometheus exposes a histogram)."""
         self._check(name, "histogram", tags)
         labels = series_key(name, tags)[len(name) :]  # '{pool="decode"}' or ''
         count, total = f"{name}_count{labels}", f"{name}_sum{labels}"
+        buckets = _bucket_keys(name, labels)
         with self._lock:
             self._values[count] = self._values.get(count, 0.0) + 1
             self._values[total] = self._values.get(total, 0.0) + value
+            for bound, key in buckets:
+                if value <= bound:
+                    self._values[key] = self._values.get(key, 0.0) + 1
+                else:  # keep every bucket present, so a scrape shows the whole histogram
+                    self._values.setdefault(key, 0.0)
         if self._ray is not None:
             self._ray[name].observe(value, tags=tags or None)
 
@@ -270,6 +280,54 @@ class Metrics:
             return dict(self._values)
 
 
+_BUCKET_KEYS: dict[tuple[str, str], tuple[tuple[float, str], ...]] = {}
+
+
+def _bucket_keys(name: str, labels: str) -> tuple[tuple[float, str], ...]:
+    """``(upper bound, book key)`` of each bucket of histogram ``name`` at ``labels``
+    (``'{pool="decode"}'`` or ``''``), ``+Inf`` last."""
+    cached = _BUCKET_KEYS.get((name, labels))
+    if cached is None:
+        inner = labels[1:-1] + "," if labels else ""
+        bounds = [*_SPECS[name].boundaries_s, math.inf]
+        cached = tuple(
+            (b, f'{name}_bucket{{{inner}le="{"+Inf" if b == math.inf else repr(float(b))}"}}')
+            for b in bounds
+        )
+        _BUCKET_KEYS[(name, labels)] = cached
+    return cached
+
+
+def render_prometheus(book: Mapping[str, float]) -> str:
+    """A book (``Metrics.snapshot()``, or several summed) in Prometheus's text format:
+    each declared metric's ``# HELP`` and ``# TYPE`` lines, then its series sorted."""
+    by_metric: dict[str, list[str]] = {spec.name: [] for spec in METRICS}
+    for key, value in book.items():
+        base = key.split("{", 1)[0]
+        if base not in _SPECS:
+            base = base.rsplit("_", 1)[0]  # a histogram's _bucket, _count, _sum
+        if base in by_metric:
+            by_metric[base].append(f"{key} {float(value)!r}")
+    lines: list[str] = []
+    for spec in METRICS:
+        lines.append(f"# HELP {spec.name} {spec.description}")
+        lines.append(f"# TYPE {spec.name} {spec.kind}")
+        lines.extend(sorted(by_metric[spec.name], key=_series_order))
+    return "\n".join(lines) + "\n"
+
+
+def _series_order(line: str) -> tuple[str, str, float]:
+    """Buckets by their bound (as numbers), then ``_count`` and ``_sum``."""
+    key = line.rsplit(" ", 1)[0]
+    name, _, labels = key.partition("{")
+    bound = math.inf
+    if 'le="' in labels:
+        text = labels.split('le="', 1)[1].split('"', 1)[0]
+        bound = math.inf if text == "+Inf" else float(text)
+        labels = labels.split('le="', 1)[0]
+    return (labels, name, bound)
+
+
 def http_status(status_code: int) -> str:
     """The ``kvtide_requests_total`` status of an HTTP status code."""
     if status_code >= 500:
@@ -278,12 +336,13 @@ def http_status(status_code: int) -> str:
 
 
 def make_metrics(config: ObservabilityConfig | None) -> Metrics:
-    """Ray-backed metrics when ``config.metrics`` is on and Ray is up here; else local-only.
+    """Metrics that also go to Ray when ``config.ray_metrics`` is on and Ray is up here;
+    else local-only (the book ``GET /metrics`` serves).
 
     Call it where Ray is initialised (a Serve replica's ``__init__``, an actor). Ray only
     exports metrics recorded in a process connected to a Ray cluster.
     """
-    if config is None or not config.metrics:
+    if config is None or not config.exports_to_ray:
         return Metrics()
     import ray  # only when metrics are on: pure code and unit tests never import Ray here
 

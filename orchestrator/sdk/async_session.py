@@ -13,14 +13,13 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from orchestrator.sdk._state import SessionState
+from orchestrator.sdk._stream import StreamCollector, next_resume, reconnect_request, reconnected
 from orchestrator.sdk._wire import (
     CHAT_PATH,
-    StreamCollector,
     TurnMeta,
     connection_error,
     json_body,
     new_idempotency_key,
-    next_resume,
     request_id_of,
     result_from_completion,
 )
@@ -246,8 +245,10 @@ class AsyncTurnStream:
         request: tuple[dict[str, Any], dict[str, str]] | None = None,
     ) -> None:
         self._session = session
-        # The turn's first request, for continuing it after a broken stream.
+        # The turn's first request, for continuing it after a broken stream, and the
+        # headers of the request being read (its idempotency key).
         self._request = request
+        self._headers = request[1] if request is not None else {}
         self._user_text = user_text
         self._response = response
         self._lines = response.aiter_lines()
@@ -281,6 +282,8 @@ class AsyncTurnStream:
                 delta = await self._next_delta()
             except httpx.TransportError as exc:
                 error = connection_error(exc, self._session._client.base_url, mid_stream=True)
+                if await self._reconnect(error):
+                    continue
                 await self._abort(error)
                 raise error from exc
             except KVTideAPIError as exc:
@@ -323,21 +326,45 @@ class AsyncTurnStream:
         nxt = next_resume(collector, self._request, self.text, error, client.retry.max_retries)
         if nxt is None:
             return False
+        response = await self._send_next(nxt[0], nxt[1], error)
+        if response is None:
+            return False
+        self._collector = collector.resumed(request_id_of(response.headers), nxt[2])
+        return True
+
+    async def _reconnect(self, error: KVTideAPIError) -> bool:
+        """Continue the turn after its connection broke (see
+        ``orchestrator.sdk._wire.reconnect_request``); False when it cannot go on."""
+        client, collector = self._session._client, self._collector
+        nxt = reconnect_request(
+            collector, self._request, self._headers, self.text, client.retry.max_retries
+        )
+        if nxt is None:
+            return False
+        response = await self._send_next(nxt[0], nxt[1], error)
+        if response is None:
+            return False
+        self._collector = reconnected(collector, response.headers)
+        return True
+
+    async def _send_next(
+        self, body: dict[str, Any], headers: dict[str, str], error: KVTideAPIError
+    ) -> httpx.Response | None:
+        """Send the request that continues the turn; None when it could not be sent."""
         await self._response.aclose()
         try:
-            response, attempts = await client._send(
-                "POST", CHAT_PATH, json=nxt[0], headers=nxt[1], stream=True
+            response, attempts = await self._session._client._send(
+                "POST", CHAT_PATH, json=body, headers=headers, stream=True
             )
         except KVTideAPIError:
             log.warning("could not continue turn %s after: %s", self._meta.turn, error)
-            return False
-        log.info("turn %s: stream broke (%s); continuing it", self._meta.turn, error.code)
-        self._response, self._lines = response, response.aiter_lines()
-        self._collector = collector.resumed(request_id_of(response.headers), nxt[2])
+            return None
+        log.info("turn %s: stream broke (%s); continuing it", self._meta.turn, error)
+        self._response, self._lines, self._headers = response, response.aiter_lines(), headers
         self._meta = dataclasses.replace(
             self._meta, num_attempts=self._meta.num_attempts + attempts
         )
-        return True
+        return response
 
     def _first(self, delta: str) -> str:
         if self._first_s is None:

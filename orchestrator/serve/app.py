@@ -54,12 +54,15 @@ def build_app(config: KVTideConfig, layout: PoolLayout | None = None) -> Applica
     layout = layout or layout_for(config)
     pools: dict[str, list[Application]] = {pool.name: [] for pool in config.pools()}
     weights: dict[str, list[int]] = {pool.name: [] for pool in config.pools()}
-    for dep in layout.deployments:
+    # Prefill first: each decode deployment is given the prefill deployments to warm its
+    # KV transfers with (``orchestrator.serve.warm_up``).
+    for dep in sorted(layout.deployments, key=lambda d: d.pool_name != "prefill"):
         options = engine_deployment_options(config, dep.pool_name, dep)
         if layout.by_domain:
             options.update(_stable_version(config, dep.name))
+        warm_with = list(pools["prefill"]) if dep.pool_name != "prefill" else []
         pools[dep.pool_name].append(
-            EngineHost.options(**options).bind(config, dep.pool_name, dep.domain_id)
+            EngineHost.options(**options).bind(config, dep.pool_name, dep.domain_id, warm_with)
         )
         weights[dep.pool_name].append(dep.num_replicas)
     ingress = Ingress

@@ -6,6 +6,10 @@ in its async constructor, and exposes the engine interface as deployment methods
 ``generate`` streams (call it with ``handle.options(stream=True)``), the rest are unary.
 Serve calls ``check_health`` periodically and replaces a replica whose engine died.
 
+A new vLLM decode replica first runs one throw-away turn, and its send-back, with each
+prefill deployment (``orchestrator.serve.warm_up``), so that NIXL's handshakes are made
+before users' turns need them.
+
 Each host also keeps its half of the KV ledger (``orchestrator.kv.ledger``: the blocks a
 decode engine kept, the kept blocks a prefill engine read) and sends it to the KV
 lifecycle service whenever the service (re)starts.
@@ -14,23 +18,27 @@ lifecycle service whenever the service (re)starts.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import msgspec
 import ray
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from engines.base import EngineInfo, EngineSpec, EngineStats, GenerateChunk, GenerateRequest
 from engines.registry import create_engine
 from orchestrator.cluster.placed_engine import ray_executor_spec, with_cluster_address
 from orchestrator.cluster.pool_layout import PoolDeployment, pool_deployment_name
+from orchestrator.cluster.prefix_router import prefill_router_config
 from orchestrator.config import KVTideConfig
 from orchestrator.kv.actor import EpochWatcher, lookup_service
 from orchestrator.kv.ledger import EngineLedger
+from orchestrator.serve.warm_up import WarmUp, warm_up_prompt_tokens, warm_up_transfers
 
 __all__ = ["EngineHost", "deployment_name", "engine_deployment_options", "free_port"]
 
@@ -67,6 +75,10 @@ def engine_deployment_options(
     else:
         placement = {}
         actor = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus}
+    routing: dict[str, Any] = {}
+    if pool.role == "prefill" and config.routing.prefix_aware:
+        # Each handle's router sends a prompt where its prefix was computed.
+        routing["request_router_config"] = prefill_router_config(config.routing.prefix_settings())
     return {
         "name": deployment.name if deployment is not None else deployment_name(pool_name),
         "num_replicas": deployment.num_replicas if deployment is not None else pool.num_engines,
@@ -76,6 +88,7 @@ def engine_deployment_options(
         "graceful_shutdown_timeout_s": 5,
         "ray_actor_options": actor,
         **placement,
+        **routing,
     }
 
 
@@ -120,7 +133,11 @@ class EngineHost:
     domain its deployment is pinned to (``None``: placed by Serve alone)."""
 
     async def __init__(
-        self, config: KVTideConfig, pool_name: str, domain_id: str | None = None
+        self,
+        config: KVTideConfig,
+        pool_name: str,
+        domain_id: str | None = None,
+        warm_with: Sequence[DeploymentHandle] = (),
     ) -> None:
         pool = config.pool(pool_name)
         role = pool.role
@@ -133,9 +150,15 @@ class EngineHost:
         port = free_port(node_ip)
         spec = host_engine_spec(config, pool_name, domain_id, engine_id, port, node_ip, gcs_address)
         self.domain_id = domain_id
+        self._warm_ups: dict[str, WarmUp] = {}
         self.engine = create_engine(spec)
         self._info: EngineInfo = await self.engine.start()
         log.info("engine %s ready: %s", engine_id, self._info)
+        if warm_with and role == "decode" and config.kv.warm_up and config.backend == "vllm":
+            tokens = warm_up_prompt_tokens(
+                self._info.block_size, config.kv.kv_recompute_threshold_tokens
+            )
+            await self._warm_up(engine_id, warm_with, tokens, config.kv.pull_timeout_s)
         self.ledger = EngineLedger(
             engine_id=engine_id,
             role=role,
@@ -155,8 +178,45 @@ class EngineHost:
         )
         self._watcher = asyncio.get_running_loop().create_task(watcher.run_forever())
 
+    async def _warm_up(
+        self,
+        engine_id: str,
+        prefill: Sequence[DeploymentHandle],
+        num_prompt_tokens: int,
+        step_timeout_s: float,
+    ) -> None:
+        """One turn and its send-back with each prefill deployment before this decode
+        engine takes traffic (``orchestrator.serve.warm_up``), all at once: a pool placed
+        over many domains has a prefill deployment per domain."""
+        streams = [handle.options(stream=True) for handle in prefill]
+        results = await asyncio.gather(
+            *(
+                warm_up_transfers(
+                    self.engine.generate,
+                    stream.generate.remote,
+                    name=f"{engine_id}-{index}",
+                    num_prompt_tokens=num_prompt_tokens,
+                    vocab_size=self._info.vocab_size,
+                    step_timeout_s=step_timeout_s,
+                )
+                for index, stream in enumerate(streams)
+            )
+        )
+        for handle, result in zip(prefill, results, strict=True):
+            self._warm_ups[handle.deployment_name] = result
+            (log.info if result.sent_back else log.warning)(
+                "engine %s warm-up with %s: %s", engine_id, handle.deployment_name, result
+            )
+
+    def warm_ups(self) -> dict[str, dict[str, Any]]:
+        """How this decode engine's warm-up went with each prefill deployment (empty
+        when it ran none: a prefill engine, ``kv.warm_up`` off, simulated engines)."""
+        return {name: dataclasses.asdict(result) for name, result in self._warm_ups.items()}
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         async for chunk in self.ledger.watch(request, self.engine.generate(request)):
+            if chunk.finished:  # which engine ran it, for the turn's report
+                chunk = msgspec.structs.replace(chunk, engine_id=self._info.engine_id)
             yield chunk
 
     async def abort(self, request_id: str) -> None:

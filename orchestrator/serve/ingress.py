@@ -20,26 +20,30 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from opentelemetry.trace import Span
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from engines.base import GenerateChunk
+from orchestrator.cluster import route_notes
 from orchestrator.cluster.handle_pool import HandlePool
 from orchestrator.config import KVTideConfig
 from orchestrator.errors import (
     ContextLengthExceeded,
     EngineUnavailable,
+    NotFound,
     RequestError,
     TurnInProgress,
 )
 from orchestrator.kv.actor import get_or_create_service, service_client
 from orchestrator.kv.decider import kv_lifecycle_config
+from orchestrator.kv.messages import KVDecision
 from orchestrator.kv.ownership import Principal, session_not_found
 from orchestrator.kv.service import engine_pool
+from orchestrator.kv.session_tokens import SessionTokens, prefix_digest
 from orchestrator.observability import tracing as tr
-from orchestrator.observability.metrics import http_status, make_metrics
+from orchestrator.observability.metrics import http_status, make_metrics, render_prometheus
 from orchestrator.router import Router, TurnReport
 from orchestrator.serve import openai_api as api
 from orchestrator.serve.auth import Authenticator, ConcurrencyGate, Ticket, check_request
@@ -64,6 +68,11 @@ __all__ = ["Ingress", "fastapi_app"]
 log = logging.getLogger("kvtide.ingress")
 
 REQUEST_ID_HEADER = "x-kvtide-request-id"
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Bounds of an ingress replica's copy of its sessions' last turns: past them the oldest
+# go (a session whose copy went costs one more service call on its next turn).
+SESSION_TOKENS_MAX = 10_000
+SESSION_TOKENS_MAX_BYTES = 256 * 2**20
 """The response header naming kvtide's request id (the completion's ``id``)."""
 
 fastapi_app = FastAPI(title="kvtide", docs_url=None, redoc_url=None)
@@ -142,8 +151,16 @@ class Ingress:
                 observability=config.observability,
                 replay_max_bytes=int(kv.replay_max_mib * 2**20),
                 running_grace_s=config.server.request_timeout_s,
+                timeout_s=kv.service_start_timeout_s,
             ),
             timeout_s=kv.service_timeout_s,
+        )
+        # This replica's copy of the last turn of each session it served (the service
+        # holds all of them): a session's next turn is tokenized without asking.
+        self.session_tokens = SessionTokens(
+            max_sessions=SESSION_TOKENS_MAX,
+            ttl_s=kv.decoder_kv_blocks_ttl_s,
+            max_bytes=SESSION_TOKENS_MAX_BYTES,
         )
         self.router = Router(
             prefill=prefill_pool,
@@ -157,6 +174,8 @@ class Ingress:
             block_size_tokens=info.block_size,
             kv_bytes_per_token=lifecycle.kv_bytes_per_token,
             request_timeout_s=config.server.request_timeout_s,
+            prefill_routes=route_notes.take if config.routing.prefix_aware else None,
+            session_tokens=self.session_tokens,
         )
         self.auth = Authenticator(config.server.api_keys)
         # Per ingress replica: a key's concurrent requests are counted where they run.
@@ -227,6 +246,19 @@ class Ingress:
                 }
             ],
         }
+
+    @fastapi_app.get("/metrics")
+    async def prometheus_metrics(self, request: Request) -> PlainTextResponse:
+        """kvtide's metrics in Prometheus's text format: every ingress replica's book and
+        the KV service's, summed (each replica reports its book every second). Behind
+        the API keys like every route; 404 with ``observability.metrics`` off."""
+        self._principal(request)
+        if not self.config.observability.metrics:
+            raise NotFound("metrics are off (observability.metrics: false)")
+        kv = await self.kv.stats()
+        return PlainTextResponse(
+            render_prometheus(kv.get("metrics", {})), media_type=PROMETHEUS_CONTENT_TYPE
+        )
 
     @fastapi_app.get("/kvtide/stats")
     async def stats(self, request: Request) -> dict[str, Any]:
@@ -392,18 +424,45 @@ class Ingress:
         return req.max_tokens
 
     async def _tokenize(
-        self, req: api.ApiRequest, session_id: str | None, text: str, principal: Principal
+        self, text: str, last_text: str | None = None, last_ids: Sequence[int] = ()
     ) -> list[int]:
         """``text``: a ``RenderedChat`` (its messages' contents stay text) or a
-        completion's raw prompt."""
-        last_text, last_ids = None, []
-        if session_id is not None:
-            prefix = await self.kv.session_prefix(session_id, principal)
-            if not prefix.owned:
-                raise session_not_found(session_id)
-            last_text, last_ids = prefix.text, prefix.token_ids
+        completion's raw prompt; continuing a session's last turn when given."""
         # Off the event loop: a long prompt takes seconds, and /v1/models must not wait.
-        return await asyncio.to_thread(self.prompts.encode, text, last_text, last_ids)
+        return await asyncio.to_thread(self.prompts.encode, text, last_text, list(last_ids))
+
+    async def _begin_turn(
+        self,
+        session_id: str,
+        principal: Principal,
+        text: str | None,
+        ids: list[int],
+        max_tokens: int,
+        digest: int | None,
+        limits: Callable[[list[int]], int],
+    ) -> tuple[list[int], int, KVDecision | None]:
+        """The turn's one service call before it runs (``begin_turn``: the session
+        claimed, the KV plan made), with the prompt tokenized from this replica's copy of
+        the session's last turn (``digest`` names it). When the service's last turn is
+        another one (the previous turn ran on another replica), tokenize again from it,
+        check ``limits`` again (the prompt's max_tokens), and ask again.
+
+        Returns the prompt's ids, its max_tokens and the plan."""
+        for attempt in range(3):
+            # A third try (another replica finished a turn between ours) skips the check:
+            # the plan then compares the ids with the kept record itself.
+            claim = await self.kv.begin_turn(
+                session_id, principal, ids, digest if attempt < 2 else None
+            )
+            if claim.outcome != "retokenize":
+                break
+            assert claim.prefix is not None and text is not None
+            prefix = claim.prefix
+            ids = await self._tokenize(text, prefix.text, prefix.token_ids)
+            digest = prefix_digest(prefix.token_ids)
+            max_tokens = limits(ids)
+        raise_unclaimed(claim, session_id)
+        return ids, max_tokens, claim.decision
 
     async def _serve(
         self,
@@ -414,23 +473,33 @@ class Ingress:
         principal: Principal,
         root: Span,
     ) -> Any:
-        """Checks in order, each refusal leaving nothing behind: the session's owner
-        (404), the key's limits and the context (429/400), the key's concurrency (429);
-        then the turn owns the session, runs once per Idempotency-Key, and releases its
+        """Checks in order, each refusal leaving nothing behind: the key's limits and the
+        context (429/400), the key's concurrency (429), an Idempotency-Key's earlier run
+        (replayed, or 409 while it runs); then one service call claims the session for
+        the key (404 for another key's, 409 while a turn runs, 429 at a session limit) and
+        plans the turn's KV. The turn runs once per Idempotency-Key and releases its
         concurrency ticket when the response (or stream) ends."""
         session_id = api.parse_session_id(http.headers.get("x-session-id"))
+        digest: int | None = None  # the last turn the prompt was tokenized from
         if ids is None:
             assert text is not None
-            ids = await self._tokenize(req, session_id, text, principal)
-        elif session_id is not None and not await self.kv.session_owned(session_id, principal):
-            raise session_not_found(session_id)
-        check_request(
-            principal,
-            num_prompt_tokens=len(ids),
-            max_tokens=req.max_tokens,
-            prompt_param="messages" if req.kind == "chat" else "prompt",
-        )
-        max_tokens = principal.cap_max_tokens(self._max_tokens(req, len(ids)))
+            last_text, last_ids = None, ()
+            if session_id is not None:  # this replica's copy; checked by begin_turn
+                now = self.router.clock()
+                last_text, last_ids = self.session_tokens.last_turn(session_id, now)
+                digest = self.session_tokens.last_digest(session_id, now)
+            ids = await self._tokenize(text, last_text, last_ids)
+
+        def limits(prompt_ids: list[int]) -> int:
+            check_request(
+                principal,
+                num_prompt_tokens=len(prompt_ids),
+                max_tokens=req.max_tokens,
+                prompt_param="messages" if req.kind == "chat" else "prompt",
+            )
+            return principal.cap_max_tokens(self._max_tokens(req, len(prompt_ids)))
+
+        max_tokens = limits(ids)
         replay_key = replay_key_of(http.headers.get("idempotency-key"), principal.name, session_id)
         ticket = self.gate.acquire(principal)
         streaming = False
@@ -447,10 +516,22 @@ class Ingress:
                     assert replay.body is not None
                     return self._replayed(req, replay.body)
             try:
+                decision = None
                 if session_id is not None:
-                    raise_unclaimed(await self.kv.claim_session(session_id, principal), session_id)
+                    ids, max_tokens, decision = await self._begin_turn(
+                        session_id, principal, text, ids, max_tokens, digest, limits
+                    )
                 response = await self._run(
-                    req, text, ids, max_tokens, session_id, replay_key, ticket, root, principal
+                    req,
+                    text,
+                    ids,
+                    max_tokens,
+                    session_id,
+                    replay_key,
+                    ticket,
+                    root,
+                    principal,
+                    decision,
                 )
             except BaseException:
                 if replay_key is not None:
@@ -473,6 +554,7 @@ class Ingress:
         ticket: Ticket,
         root: Span,
         principal: Principal,
+        decision: KVDecision | None,
     ) -> Any:
         tr.set_attrs(root, {tr.GEN_AI_REQUEST_MAX_TOKENS: max_tokens})
         rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -490,6 +572,7 @@ class Ingress:
             trace_parent=root,
             owner=None if principal.is_anonymous else principal.name,
             sampling_options=req.sampling_options(),
+            decision=decision,
         )
         # Wait for the first item so that prefill failures become a proper status code.
         try:
@@ -557,6 +640,11 @@ class Ingress:
                         first=is_first,
                         finish=chunk.finish_reason if chunk.finished else None,
                         ext=report.as_dict() if chunk.finished else None,
+                        use_so_far=(
+                            api.usage(len(ids), len(out.token_ids), report.num_cached_tokens)
+                            if req.continuous_usage
+                            else None
+                        ),
                     )
                     is_first = False
                 if chunk.finished:

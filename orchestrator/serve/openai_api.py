@@ -175,8 +175,10 @@ def stream_chunk(
     first: bool = False,
     use: dict[str, Any] | None = None,
     ext: dict[str, Any] | None = None,
+    use_so_far: dict[str, Any] | None = None,
 ) -> str:
-    """One SSE ``data:`` line. ``use`` alone makes the usage-only final chunk."""
+    """One SSE ``data:`` line. ``use`` alone makes the usage-only final chunk;
+    ``use_so_far`` is a content chunk's usage up to it (``continuous_usage_stats``)."""
     chunk: dict[str, Any] = {"id": rid, "created": int(time.time()), "model": model}
     if kind == "chat":
         chunk["object"] = "chat.completion.chunk"
@@ -195,6 +197,8 @@ def stream_chunk(
         )
     if use is not None:
         chunk["usage"] = use
+    elif use_so_far is not None:
+        chunk["usage"] = use_so_far
     if ext is not None:
         chunk["kvtide"] = ext
     return f"data: {json.dumps(chunk)}\n\n"

@@ -68,6 +68,8 @@ class ApiRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    # vLLM's extension: every streamed chunk carries the usage so far.
+    continuous_usage: bool = False
     ignore_eos: bool
     # vLLM's extension: return prompt and completion token ids in the response.
     return_token_ids: bool = False
@@ -225,6 +227,8 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool | None = None
+    # vLLM's extension: usage (tokens so far) in every chunk, as a resuming client needs.
+    continuous_usage_stats: bool | None = None
     # OpenAI's stream obfuscation padding: kvtide's chunks never carry it either way.
     include_obfuscation: bool | None = None
 
@@ -477,6 +481,7 @@ def _common(b: _Common, served_model: str, max_tokens: int | None) -> dict[str, 
         "stop": b.stop,
         "stream": bool(b.stream),
         "include_usage": bool(b.stream_options and b.stream_options.include_usage),
+        "continuous_usage": bool(b.stream_options and b.stream_options.continuous_usage_stats),
         "ignore_eos": bool(b.ignore_eos),
         "return_token_ids": bool(b.return_token_ids),
         "presence_penalty": b.presence_penalty or 0.0,

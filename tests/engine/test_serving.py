@@ -213,3 +213,44 @@ def test_bad_input_gets_openai_errors_and_the_app_keeps_serving(kvtide_app: Any)
     # Nothing above broke the app: the same request still gets the same answer.
     again = _post(kvtide_app, "/v1/completions", good)
     assert again.status_code == 200 and again.json()["choices"][0]["text"] == reference
+
+
+def test_metrics_are_served_on_the_api_port_and_ray_opens_no_metrics_endpoint(
+    kvtide_app: Any,
+) -> None:
+    import socket
+
+    import ray
+    from polling import wait_for
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _client(kvtide_app).completions.create(
+        model=kvtide_app.model, prompt="metrics", max_tokens=2, temperature=0
+    )
+
+    def scrape() -> dict[str, Any]:
+        resp = httpx.get(kvtide_app.base_url + "/metrics", timeout=30)
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+        return {f.name: f for f in text_string_to_metric_families(resp.text)}
+
+    # Each ingress replica reports its book every second; the scrape sums them.
+    wait_for(
+        lambda: any(
+            s.labels.get("status") == "ok" and s.value >= 1
+            for s in scrape()["kvtide_requests"].samples
+        ),
+        timeout_s=30,
+        what="kvtide_requests_total{status=ok} at GET /metrics",
+    )
+    ttft = scrape()["kvtide_ttft_seconds"]
+    assert any(s.name == "kvtide_ttft_seconds_bucket" and s.value >= 1 for s in ttft.samples)
+    # The local Ray kvtide started has no Prometheus endpoint (it would listen on every
+    # interface, without auth): Ray reports no metrics port (-1), or nothing answers there.
+    for node in ray.nodes():
+        port = int(node["MetricsExportPort"])
+        if port <= 0:
+            assert port == -1, node
+            continue
+        with socket.socket() as sock, pytest.raises(ConnectionRefusedError):
+            sock.settimeout(5)
+            sock.connect((node["NodeManagerAddress"], port))

@@ -71,9 +71,15 @@ def app(hosts: NetnsCluster, serve_on_head: int) -> Iterator[Deployed]:
             # One core each; the decode engine's two workers share theirs.
             "prefill": {"cpu_threads_bind": "0", "max_num_seqs": 4},
             "decode": {"tensor_parallel_size": 2, "cpu_threads_bind": "1", "max_num_seqs": 4},
-            # A pull waits out the loaded 2-core box (turn 2 took 56 s once) instead of
-            # falling back to the prefill engine's own prefix cache.
-            "kv": {"decoder_kv_blocks_ttl_s": 300, "safety_margin_s": 10, "pull_timeout_s": 180},
+            # The loaded 2-core box: a pull waits (turn 2 took 56 s once) instead of
+            # falling back to the prefill engine's prefix cache, and a prefill keeps its
+            # KV past vLLM's 30 s lease for a decode engine slow to begin reading.
+            "kv": {
+                "decoder_kv_blocks_ttl_s": 300,
+                "safety_margin_s": 10,
+                "pull_timeout_s": 180,
+                "prefill_lease_s": 120,
+            },
             "server": {"port": serve_on_head},
             "observability": {"metrics": False},
         }
@@ -97,6 +103,15 @@ def placement_of(deployment: str) -> dict[str, Any]:
     handle = serve.get_deployment_handle(deployment, app_name=runtime.APP_NAME)
     result: dict[str, Any] = handle.placement.remote().result(timeout_s=60)
     return result
+
+
+def warmed_with_prefill(deployment: str) -> bool:
+    """Whether the decode deployment's engine made its warm-up turn and read-back with
+    the prefill engine before taking traffic (both NIXL handshakes made)."""
+    handle = serve.get_deployment_handle(deployment, app_name=runtime.APP_NAME)
+    warm_ups: dict[str, Any] = handle.warm_ups.remote().result(timeout_s=60)
+    _say(f"{deployment} warm-up: {warm_ups}")
+    return set(warm_ups) == {PREFILL} and bool(warm_ups[PREFILL]["sent_back"])
 
 
 def workers_in_group(group_id: str) -> list[dict[str, str]]:
@@ -157,9 +172,7 @@ class Conversation:
         choice = reply.choices[0]
         self.messages.append({"role": "assistant", "content": choice.message.content or ""})
         extra = reply.model_extra or {}
-        _say(
-            f"{self.session}: {extra['kvtide']['kv_source']} in {time.monotonic() - started:.1f} s"
-        )
+        _say(f"{self.session}: {time.monotonic() - started:.1f} s, kvtide {extra['kvtide']}")
         return {
             "prompt_token_ids": extra["prompt_token_ids"],
             "token_ids": (choice.model_extra or {})["token_ids"],
@@ -199,14 +212,9 @@ def test_the_decode_host_and_both_tp_workers_are_in_one_domain(
     # ...created by vLLM's engine core, which joined Ray through the replica's own host
     # (on the one-IP cluster it joins through the head's raylet).
     assert {w["owner_node_id"] for w in workers} == {decode["node_id"]}
+    assert warmed_with_prefill(DECODE)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known regression, open in issue 14: since this session's merges turn 2 on the "
-    "TP=2 decode engine comes back 'prefix_cache' instead of 'sent_back' (turn 3 is sent "
-    "back; greedy output still equals TP=1)",
-)
 def test_three_turns_match_tp1_and_later_turns_are_sent_back(app: Deployed) -> None:
     chat = Conversation(app.config, "tp2-three-turns")
     turns = [chat.turn(), chat.turn("Which engine keeps it?"), chat.turn("And then?")]
@@ -249,6 +257,7 @@ def test_a_lost_tp_worker_host_moves_the_engine_and_the_session_recomputes(
     workers = workers_in_group(moved["group_id"])
     assert sorted(hosts.name(w["node_id"]) for w in workers) == ["b0", "b1"]
     assert {w["owner_node_id"] for w in workers} == {moved["node_id"]}
+    assert warmed_with_prefill(MOVED)
     assert DECODE not in serve.status().applications[runtime.APP_NAME].deployments
 
     # The conversation goes on: the next turn is planned as a recompute (its KV went

@@ -39,7 +39,10 @@ def test_a_fault_under_load_loses_no_turn_and_runs_none_twice(
     from orchestrator import runtime
 
     base_url, keys, config = app
-    args = argparse.Namespace(sessions=SESSIONS, turns=TURNS, max_tokens=128)
+    # The decode replica is picked busy from the engines' heartbeat counters (1 s old at
+    # most): its turns stream for several seconds, so it still has them when it is killed.
+    tokens = 512 if fault == "decode" else 128
+    args = argparse.Namespace(sessions=SESSIONS, turns=TURNS, max_tokens=tokens)
     before = duplicates(base_url, keys[0])
     outcome, owners = run_load(base_url, keys, args, fault, prefix=f"t-{fault}")
     assert outcome.failed == 0, outcome.errors

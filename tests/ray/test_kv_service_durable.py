@@ -1,7 +1,8 @@
 """The KV service actor killed and restarted by Ray keeps session owners and idempotent
 turns (in Ray's GCS table), and its client answers within its deadline.
 
-A one-node Ray cluster and the real actor (no engines: ``prefill=None`` means no drains).
+A Ray cluster of a head and one GPU host, and the real actor (no engines:
+``prefill=None`` means no drains).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import pytest
 import ray
 from fake_cluster import FakeCluster, fake_cluster
 from ray._common.test_utils import wait_for_condition
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.errors import ServiceUnavailable
-from orchestrator.kv.actor import get_or_create_service, service_client
+from orchestrator.kv.actor import get_or_create_service, lookup_service, service_client
 from orchestrator.kv.decider import kv_lifecycle_config
 from orchestrator.kv.ownership import Principal
 
@@ -28,7 +30,9 @@ MALLORY = Principal(name="mallory")
 
 @pytest.fixture(scope="module")
 def fake() -> Iterator[FakeCluster]:
-    with fake_cluster(("head", {"num_cpus": 2}), {}) as cluster:
+    with fake_cluster(
+        ("head", {"num_cpus": 2}), {"gpu0": {"num_cpus": 1, "num_gpus": 1}}
+    ) as cluster:
         yield cluster
 
 
@@ -121,3 +125,29 @@ def test_a_changed_config_replaces_the_service_and_keeps_its_owners(fake: FakeCl
     kv = service_client(new, timeout_s=30.0)
     assert asyncio.run(kv.claim_session("s1", MALLORY)).outcome == "not_found"
     ray.kill(new, no_restart=True)
+
+
+def test_the_service_runs_on_the_head_host_whoever_starts_it(fake: FakeCluster) -> None:
+    # An ingress replica on a GPU host starts it; losing that host must not take it.
+    gpu0 = fake.nodes["gpu0"].node_id
+    config = lifecycle()
+
+    # Defined here so that Ray ships it by value (the worker cannot import this module).
+    def start_from_this_host() -> tuple[str, str]:
+        from orchestrator.kv.actor import get_or_create_service
+
+        handle = get_or_create_service(
+            "head-test", config, None, drain_timeout_s=5.0, num_prefill_engines=1
+        )
+        ray.get(handle.epoch.remote())
+        return ray.get_runtime_context().get_node_id(), handle._actor_id.hex()
+
+    task = ray.remote(num_cpus=0)(start_from_this_host).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(gpu0, soft=False)
+    )
+    starter, actor_id = ray.get(task.remote(), timeout=120)
+    assert starter == gpu0
+    from ray._private.state import actors  # the GCS actor table
+
+    assert actors(actor_id)["Address"]["NodeID"] == fake.nodes["head"].node_id
+    ray.kill(lookup_service("head-test"), no_restart=True)

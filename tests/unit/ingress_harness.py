@@ -38,6 +38,7 @@ def bare_ingress(tokenizer: Any, **server: Any) -> Any:
     ingress.tokenizer = tokenizer
     ingress.prompts = PromptEncoder(tokenizer, max_model_len=config.model.max_model_len)
     ingress.router = router
+    ingress.session_tokens = router.session_tokens
     ingress.kv = router.kv
     ingress.metrics = router.metrics
     ingress.auth = Authenticator(config.server.api_keys)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import pytest
+from hf_configs import load
 
 from placement.capacity import (
     EngineMemoryConfig,
@@ -21,13 +20,6 @@ from placement.capacity import (
 )
 from placement.devices import DEVICES, device_by_name
 from placement.model_errors import InvalidEngineShape, UnknownDevice
-from placement.model_spec import ModelSpec
-
-CONFIGS = Path(__file__).parent.parent / "data" / "hf_configs"
-
-
-def load(name: str) -> ModelSpec:
-    return ModelSpec.from_hf_config(json.loads((CONFIGS / f"{name}.json").read_text()), name=name)
 
 
 def test_kv_bytes_per_token_match_the_published_cache_layouts() -> None:

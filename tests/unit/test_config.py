@@ -51,7 +51,8 @@ def test_yaml_file_round_trips_into_engine_specs(tmp_path: Path) -> None:
     path.write_text(
         "model: {path: /models/llama, name: llama, dtype: bfloat16, max_model_len: 32768}\n"
         "decode: {num_engines: 3, cpu_threads_bind: '2-3', kv_cache_space_gib: 4}\n"
-        "kv: {decoder_kv_blocks_ttl_s: 120, kv_recompute_threshold_tokens: 32}\n"
+        "kv: {decoder_kv_blocks_ttl_s: 120, kv_recompute_threshold_tokens: 32,\n"
+        "     prefill_lease_s: 90}\n"
     )
     cfg = load_config(path)
     spec = cfg.engine_spec(cfg.decode, "decode-0", side_channel_port=7001)
@@ -61,7 +62,9 @@ def test_yaml_file_round_trips_into_engine_specs(tmp_path: Path) -> None:
     assert args["model"] == "/models/llama" and args["served_model_name"] == ["llama"]
     assert args["dtype"] == "bfloat16" and args["max_model_len"] == 32768
     assert args["kv_transfer_config"] == {
+        # kvtide's subclass of vLLM's NixlConnector (engines/kv_connector.py), by default.
         "kv_connector": "NixlConnector",
+        "kv_connector_module_path": "engines.kv_connector",
         "kv_role": "kv_both",
         "engine_id": "decode-0",
         "kv_buffer_device": "cpu",
@@ -69,10 +72,16 @@ def test_yaml_file_round_trips_into_engine_specs(tmp_path: Path) -> None:
         "kv_connector_extra_config": {
             "bidirectional_kv_xfer": True,
             "decoder_kv_blocks_ttl": 120,
+            "kv_lease_duration": 90,
             "kv_recompute_threshold": 32,
         },
     }
     assert spec.kv_transfer is not None and spec.kv_transfer.side_channel_port == 7001
+    # Switched off: vLLM's own connector, with the same options.
+    stock = parse_config({"kv": {"per_request_keep": False}})
+    stock_args = engine_args_for(stock.engine_spec(stock.decode, "decode-0", side_channel_port=1))
+    assert stock_args["kv_transfer_config"]["kv_connector"] == "NixlConnector"
+    assert "kv_connector_module_path" not in stock_args["kv_transfer_config"]
 
 
 def test_one_directional_transfer_uses_producer_and_consumer_roles() -> None:
@@ -214,3 +223,29 @@ def test_files_that_cannot_be_read_as_yaml_text_are_config_errors(tmp_path: Path
     bool_port.write_text("server:\n  port: yes\n")
     with pytest.raises(ConfigError, match=r"server\.port"):
         load_config(bool_port)
+
+
+def test_prefix_aware_routing_sets_the_prefill_request_router_only() -> None:
+    from orchestrator.serve.engine_host import engine_deployment_options
+
+    config = parse_config({"routing": {"prefix_aware": True, "prefix_block_size_tokens": 128}})
+    router = engine_deployment_options(config, "prefill")["request_router_config"]
+    assert router.request_router_class == "orchestrator.cluster.prefix_router.PrefixAwareRouter"
+    assert router.request_router_kwargs == {
+        "block_size_tokens": 128,
+        "imbalance_threshold": 4,
+        "max_index_entries": 200_000,
+        "ttl_s": 600.0,
+    }
+    assert "request_router_config" not in engine_deployment_options(config, "decode")
+    # Off (the default): Serve's own router, options exactly as without the feature.
+    assert "request_router_config" not in engine_deployment_options(parse_config(None), "prefill")
+
+
+def test_prefix_routing_settings_are_checked_at_the_edge() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config({"routing": {"prefix_block_size_tokens": 0}})
+    assert err.value.field == "routing.prefix_block_size_tokens"
+    with pytest.raises(ConfigError) as err:
+        parse_config({"routing": {"prefix_aware": "yes"}})
+    assert err.value.field == "routing.prefix_aware"

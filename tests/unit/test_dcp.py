@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any
+from hf_configs import load, load_config
 
 from placement.capacity import EngineMemoryConfig, EngineShape
 from placement.dcp import ContextMix, choose_dcp, explain_dcp_degrees, valid_dcp_degrees
@@ -12,17 +10,6 @@ from placement.decode_model import SpeculativeConfig, decode_step
 from placement.devices import device_by_name
 from placement.model_spec import ModelSpec
 from placement.pools import Workload, plan_pools, plan_table
-
-CONFIGS = Path(__file__).parent.parent / "data" / "hf_configs"
-
-
-def config(name: str) -> dict[str, Any]:
-    loaded: dict[str, Any] = json.loads((CONFIGS / f"{name}.json").read_text())
-    return loaded
-
-
-def load(name: str) -> ModelSpec:
-    return ModelSpec.from_hf_config(config(name), name=name)
 
 
 def test_mla_allows_every_divisor_of_tp() -> None:
@@ -41,7 +28,7 @@ def test_gqa_allows_only_divisors_of_the_replication() -> None:
     assert valid_dcp_degrees(llama, 16) == (1, 2)
     assert valid_dcp_degrees(llama, 32) == (1, 2, 4)
     # vLLM's case study: Qwen3-235B-A22B has 4 KV heads; TP8 duplicates them twice, dcp=2.
-    qwen3_235b = config("llama3_8b") | {"num_key_value_heads": 4, "num_attention_heads": 64}
+    qwen3_235b = load_config("llama3_8b") | {"num_key_value_heads": 4, "num_attention_heads": 64}
     assert valid_dcp_degrees(ModelSpec.from_hf_config(qwen3_235b), 8) == (1, 2)
     assert valid_dcp_degrees(load("qwen3_next"), 4) == (1, 2)  # 2 KV heads
     assert "(tp // kv_heads) % dcp == 0" in explain_dcp_degrees(llama, 16)

@@ -92,7 +92,12 @@ VALID: dict[str, st.SearchStrategy[Any]] = {
     ),
     "stream": bools,
     "stream_options": st.fixed_dictionaries(
-        {}, optional={"include_usage": bools, "include_obfuscation": bools}
+        {},
+        optional={
+            "include_usage": bools,
+            "include_obfuscation": bools,
+            "continuous_usage_stats": bools,
+        },
     ),
     "presence_penalty": st.floats(-2, 2),
     "frequency_penalty": st.floats(-2, 2),

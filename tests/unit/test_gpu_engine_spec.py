@@ -127,6 +127,7 @@ def test_tp8_prefill_replica_bundles_and_serve_options() -> None:
 def _kv_config(engine_id: str) -> dict[str, Any]:
     return {
         "kv_connector": "NixlConnector",
+        "kv_connector_module_path": "engines.kv_connector",  # kvtide's subclass
         "kv_role": "kv_both",
         "engine_id": engine_id,
         "kv_buffer_device": "cuda",
@@ -134,6 +135,7 @@ def _kv_config(engine_id: str) -> dict[str, Any]:
         "kv_connector_extra_config": {
             "bidirectional_kv_xfer": True,
             "decoder_kv_blocks_ttl": 480,
+            "kv_lease_duration": 30,
             "kv_recompute_threshold": 64,
         },
     }

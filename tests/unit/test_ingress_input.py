@@ -175,3 +175,22 @@ def test_a_stream_cut_by_engine_failures_says_how_far_it_got_and_can_be_continue
     [resumed] = ingress.router.decode.requests
     prompt = tiny_tokenizer.decode(resumed.prompt_token_ids)
     assert prompt.endswith("<|im_start|>assistant\naaa")
+
+
+def test_continuous_usage_puts_the_tokens_so_far_in_every_chunk(tiny_tokenizer: Any) -> None:
+    # What a client continuing a stream cut by a broken connection reads (vLLM's option).
+    body = json.loads(_chat("q", stream=True, max_tokens=8))
+    body["stream_options"] = {"continuous_usage_stats": True}
+    ingress = bare_ingress(tiny_tokenizer)
+    status, text = asyncio.run(handle(ingress, CHAT, json.dumps(body).encode()))
+    events = [json.loads(line[6:]) for line in text.splitlines() if line[6:].startswith("{")]
+    content = [e for e in events if e["choices"] and e["choices"][0]["delta"].get("content")]
+    assert status == 200 and len(content) == 3
+    assert [e["usage"]["completion_tokens"] for e in content] == [1, 2, 3]
+    [prefill] = [
+        r for r in ingress.router.prefill.requests if not r.request_id.startswith("drain-")
+    ]
+    assert {e["usage"]["prompt_tokens"] for e in content} == {len(prefill.prompt_token_ids)}
+    # Without the option, chunks carry no usage.
+    status, text = asyncio.run(handle(ingress, CHAT, _chat("q", stream=True, max_tokens=8)))
+    assert '"usage"' not in text

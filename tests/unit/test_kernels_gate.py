@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from fresh_python import printed_by_fresh_python
 
 from kernels import gate, scope, vllm_plugin
 from kernels.gate import EngineShape, ValidatedScope, decide, decision_for
-
-REPO = Path(__file__).resolve().parents[2]
 
 KIMI_K3_GB300 = EngineShape(
     gpu_arch="sm_103a",
@@ -39,10 +35,7 @@ def test_scope_and_gate_import_without_torch() -> None:
         "import sys, kernels.scope, kernels.gate, kernels.vllm_plugin; "
         "print('torch' in sys.modules, 'cutlass' in sys.modules)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
-    )
-    assert out.stdout.split() == ["False", "False"]
+    assert printed_by_fresh_python(code) == ["False", "False"]
 
 
 def test_public_names_are_pinned() -> None:

@@ -1,9 +1,9 @@
 """Stories of the KV lifecycle policy, told with a moved clock (nothing sleeps).
 
-The config prices things in round numbers: 1 ms to prefill a token, 1 GB/s link
-(8 Gb/s), 100 ms to set a pull up, 1,000 KV bytes per token in 16-token blocks.
-So a record of N tokens holds ceil(N / 16) * 16,000 bytes, and with the default TTL
-(480 s) and margin (15 s) a record kept at t=0 is offered until t=465.
+The config (``kv_stories.CONFIG``) prices things in round numbers: 1 ms to prefill a
+token, 1 GB/s link (8 Gb/s), 100 ms to set a pull up, 1,000 KV bytes per token in
+16-token blocks. So a record of N tokens holds ceil(N / 16) * 16,000 bytes, and with the
+default TTL (480 s) and margin (15 s) a record kept at t=0 is offered until t=465.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 import pytest
+from kv_stories import BYTES_1100, CONFIG, recompute, tokens
 
 from policies.kv_lifecycle import (
     Effect,
@@ -19,29 +20,13 @@ from policies.kv_lifecycle import (
     EvictReason,
     Expire,
     KVLifecycle,
-    KVLifecycleConfig,
     KVRecord,
     RecomputeReason,
     Release,
     ReleaseReason,
     TurnAction,
-    TurnDecision,
     prefix_hash,
 )
-
-CONFIG = KVLifecycleConfig(
-    prefill_tokens_per_s=1_000.0,
-    link_bandwidth_gbps=8.0,
-    transfer_setup_s=0.1,
-    kv_bytes_per_token=1_000,
-    block_size_tokens=16,
-)
-BYTES_1100 = 69 * 16 * 1_000  # 1,100 tokens fill 69 blocks
-
-
-def tokens(num_tokens: int, first: int = 1) -> list[int]:
-    """A run of distinct token ids: tokens(3) == [1, 2, 3]."""
-    return list(range(first, first + num_tokens))
 
 
 def keep(
@@ -72,10 +57,6 @@ def current(kv: KVLifecycle, session_id: str) -> KVRecord:
     record = kv.record(session_id)
     assert record is not None
     return record
-
-
-def recompute(session_id: str, reason: RecomputeReason) -> TurnDecision:
-    return TurnDecision(session_id=session_id, action=TurnAction.RECOMPUTE, reason=reason)
 
 
 def test_second_turn_pulls_back_the_kv_that_decode_kept() -> None:

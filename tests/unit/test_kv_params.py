@@ -102,14 +102,36 @@ def test_the_shapes_kvtide_sends() -> None:
         "do_remote_decode": True,
         "do_remote_prefill": False,
     }
-    # The next turn's prefill (or a drain) reads decode's kept blocks back: the kept
-    # params, unknown keys included, with the flags of a prefill.
+    # The next turn's prefill reads decode's kept blocks back: the kept params, unknown
+    # keys included, with the flags of a prefill that keeps its copy for decode.
     kept = KVTransferParams.from_vllm(decode_output())
-    pull = kept.pull_back()
-    assert pull.to_vllm() == {**decode_output(), "do_remote_decode": True}
+    pull = kept.pull_back(keep=True)
+    assert pull.to_vllm() == {**decode_output(), "do_remote_decode": True, "kvtide_keep": True}
     assert pull.read_target() == ("decode-0", "t1-d")
+    # A drain reads them the same way, but nobody decodes after it: its copy is freed.
+    drain = kept.pull_back(keep=False)
+    assert drain.to_vllm() == {**decode_output(), "do_remote_decode": True, "kvtide_keep": False}
+    assert drain.read_target() == ("decode-0", "t1-d")
     # A prefill's own params read back: it pulls nothing.
     assert KVTransferParams.keep_for_decode().read_target() is None
+
+
+def test_a_decode_keeps_its_blocks_only_when_its_params_ask() -> None:
+    prefill = KVTransferParams.from_vllm(prefill_output())
+    # A session's turn: decode keeps its blocks for the next turn's prefill.
+    turn = prefill.for_decode(keep=True).to_vllm()
+    expected = {**prefill_output(), "remote_block_ids": [[0, 1, 2]], "kvtide_keep": True}
+    del expected["remote_blocks_expiry_time"]  # None: left out, as ever
+    assert turn == expected
+    assert not KVTransferParams.frees_at_once(turn)
+    # A sessionless request: decode frees its blocks when it finishes.
+    single = prefill.for_decode(keep=False).to_vllm()
+    assert single["kvtide_keep"] is False and KVTransferParams.frees_at_once(single)
+    # vLLM's own shapes (no kvtide key) and no params at all: vLLM's behaviour.
+    assert not KVTransferParams.frees_at_once(prefill_output())
+    assert not KVTransferParams.frees_at_once(None)
+    # The key survives vLLM's dict and comes back typed.
+    assert KVTransferParams.from_vllm(single).kvtide_keep is False
 
 
 def test_blocks_are_counted_per_group_and_flattened_in_group_order() -> None:
@@ -178,10 +200,15 @@ def test_the_vllm_adapter_converts_at_vllms_boundary() -> None:
     # Out to vLLM: SamplingParams.extra_args carries vLLM's own dict.
     kept = KVTransferParams.from_vllm(decode_output())
     request = GenerateRequest(
-        request_id="t2-p", prompt_token_ids=[1], max_tokens=1, kv_transfer_params=kept.pull_back()
+        request_id="t2-p",
+        prompt_token_ids=[1],
+        max_tokens=1,
+        kv_transfer_params=kept.pull_back(keep=True),
     )
     extra_args = sampling_args_for(request)["extra_args"]
-    assert extra_args == {"kv_transfer_params": {**decode_output(), "do_remote_decode": True}}
+    assert extra_args == {
+        "kv_transfer_params": {**decode_output(), "do_remote_decode": True, "kvtide_keep": True}
+    }
     # In from vLLM: decode's expiry, on the engine's perf_counter, becomes seconds left.
     soon = KVTransferParams.from_vllm(decode_output(expiry=time.perf_counter() + 100.0))
     assert _expires_in_s(soon) == pytest.approx(100.0, abs=1.0)

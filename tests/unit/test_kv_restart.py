@@ -1,7 +1,8 @@
 """Restarting the KV lifecycle service, and the policy's public surface.
 
-Same round-number config as the stories in test_kv_lifecycle.py: a record of 1,100
-tokens holds 69 blocks of 16 x 1,000 bytes, and is offered until 15 s before expiry.
+Same round-number config (``kv_stories.CONFIG``) as the stories in test_kv_lifecycle.py:
+a record of 1,100 tokens holds 69 blocks of 16 x 1,000 bytes, and is offered until 15 s
+before expiry.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import pytest
+from kv_stories import BYTES_1100, CONFIG, recompute, tokens
 
 import policies.kv_lifecycle as kv_lifecycle_module
 from policies.errors import InvalidPolicyConfig, InvalidTurn
@@ -23,23 +25,8 @@ from policies.kv_lifecycle import (
     RecomputeReason,
     Release,
     ReleaseReason,
-    TurnAction,
-    TurnDecision,
     prefix_hash,
 )
-
-CONFIG = KVLifecycleConfig(
-    prefill_tokens_per_s=1_000.0,
-    link_bandwidth_gbps=8.0,
-    transfer_setup_s=0.1,
-    kv_bytes_per_token=1_000,
-    block_size_tokens=16,
-)
-BYTES_1100 = 69 * 16 * 1_000
-
-
-def tokens(num_tokens: int, first: int = 1) -> list[int]:
-    return list(range(first, first + num_tokens))
 
 
 def finish(
@@ -58,10 +45,6 @@ def finish(
         expiry_s=None,
         now_s=0.0,
     )
-
-
-def recompute(session_id: str, reason: RecomputeReason) -> TurnDecision:
-    return TurnDecision(session_id=session_id, action=TurnAction.RECOMPUTE, reason=reason)
 
 
 def rebuilt_record(

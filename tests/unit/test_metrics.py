@@ -9,8 +9,6 @@ from __future__ import annotations
 import re
 import shutil
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -18,14 +16,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fresh_python import printed_by_fresh_python
 
 from orchestrator.config import parse_config
+from orchestrator.kv.service import merge_counters
 from orchestrator.observability.metrics import (
+    ITL_BUCKETS_S,
     METRICS,
     REQUEST_STATUSES,
+    TTFT_BUCKETS_S,
     Metrics,
     http_status,
     make_metrics,
+    render_prometheus,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,6 +60,15 @@ def test_a_few_turns_are_counted_exactly() -> None:
     m.request_finished("cancelled")
 
     snap = m.snapshot()
+    buckets = {k: snap.pop(k) for k in list(snap) if "_bucket{" in k}
+    # Cumulative, as Prometheus reads them: 0.05 <= 0.05 < 0.1 < 0.25 <= 0.25.
+    assert buckets['kvtide_ttft_seconds_bucket{pool="decode",le="0.025"}'] == 0
+    assert buckets['kvtide_ttft_seconds_bucket{pool="decode",le="0.05"}'] == 1
+    assert buckets['kvtide_ttft_seconds_bucket{pool="decode",le="0.1"}'] == 1
+    assert buckets['kvtide_ttft_seconds_bucket{pool="decode",le="0.25"}'] == 2
+    assert buckets['kvtide_ttft_seconds_bucket{pool="decode",le="+Inf"}'] == 2
+    assert buckets['kvtide_itl_seconds_bucket{pool="decode",le="0.02"}'] == 2
+    assert len(buckets) == len(TTFT_BUCKETS_S) + len(ITL_BUCKETS_S) + 2
     assert snap == {
         "kvtide_queue_depth": 0.0,
         "kvtide_sessions_live": 2.0,
@@ -76,6 +88,34 @@ def test_a_few_turns_are_counted_exactly() -> None:
     }
     snap["kvtide_queue_depth"] = 99  # a copy
     assert m.snapshot()["kvtide_queue_depth"] == 0
+
+
+def test_two_replicas_books_summed_render_as_prometheus_reads_them() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    books = []
+    for ttft_s, status in ((0.04, "ok"), (3.0, "client_error")):
+        m = Metrics()
+        m.observe_ttft("decode", ttft_s)
+        m.request_finished(status)
+        m.set_bytes_held("decode-0", 100)
+        books.append(m.snapshot())
+    text = render_prometheus(merge_counters(books))
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert {spec.name.removesuffix("_total") for spec in METRICS} <= set(families)
+    ttft = families["kvtide_ttft_seconds"]
+    assert ttft.type == "histogram"
+    samples = {(s.name, s.labels.get("le")): s.value for s in ttft.samples}
+    assert samples[("kvtide_ttft_seconds_bucket", "0.05")] == 1
+    assert samples[("kvtide_ttft_seconds_bucket", "5.0")] == 2
+    assert samples[("kvtide_ttft_seconds_count", None)] == 2
+    assert samples[("kvtide_ttft_seconds_sum", None)] == pytest.approx(3.04)
+    # Buckets in rising order, as Prometheus requires.
+    bounds = [float(s.labels["le"]) for s in ttft.samples if s.name.endswith("_bucket")]
+    assert bounds == sorted(bounds) and bounds[-1] == float("inf")
+    requests = {s.labels["status"]: s.value for s in families["kvtide_requests"].samples}
+    assert requests == {"ok": 1, "client_error": 1}
+    assert "# TYPE kvtide_requests_total counter" in text
 
 
 def test_records_ray_would_reject_fail_here_too() -> None:
@@ -130,13 +170,10 @@ def test_without_ray_or_with_metrics_off_the_facade_is_local_and_ray_stays_unimp
         "off = parse_config({'observability': {'metrics': False}}).observability\n"
         "assert not make_metrics(off).exports_to_ray and not make_metrics(None).exports_to_ray\n"
         "print('ray' in sys.modules)\n"
-        "on = parse_config(None).observability\n"
+        "on = parse_config({'observability': {'ray_metrics': True}}).observability\n"
         "print(make_metrics(on).exports_to_ray)\n"  # Ray imported, but not initialised
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
-    )
-    assert out.stdout.split() == ["False", "False"]
+    assert printed_by_fresh_python(code) == ["False", "False"]
 
 
 # ---- with Ray ---------------------------------------------------------------------------
@@ -194,7 +231,8 @@ def _scrape(port: int, want: list[str], timeout_s: float = 60.0) -> dict[str, st
 
 @pytest.mark.ray
 def test_ray_exports_kvtide_metrics_with_the_declared_tags(local_ray: int) -> None:
-    metrics = make_metrics(parse_config(None).observability)
+    assert not make_metrics(parse_config(None).observability).exports_to_ray  # the default
+    metrics = make_metrics(parse_config({"observability": {"ray_metrics": True}}).observability)
     assert metrics.exports_to_ray
     # Every metric exists in Ray with the tag keys (and buckets) declared in METRICS.
     for spec in METRICS:

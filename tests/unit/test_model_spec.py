@@ -2,26 +2,12 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any
-
 import pytest
+from hf_configs import load, load_config
 
 from placement.model_errors import UnsupportedModel
 from placement.model_spec import AttentionKind, LinearAttentionKind, ModelSpec
 from placement.quantization import QuantScheme, module_matches
-
-CONFIGS = Path(__file__).parent.parent / "data" / "hf_configs"
-
-
-def load_config(name: str) -> dict[str, Any]:
-    config: dict[str, Any] = json.loads((CONFIGS / f"{name}.json").read_text())
-    return config
-
-
-def load(name: str) -> ModelSpec:
-    return ModelSpec.from_hf_config(load_config(name), name=name)
 
 
 def close(value: float, expected: float, rel: float) -> bool:
@@ -218,3 +204,21 @@ def test_unreadable_configs_name_the_field() -> None:
     odd = load_config("llama3_8b") | {"quantization_config": {"quant_method": "hqq"}}
     with pytest.raises(UnsupportedModel, match="'hqq'"):
         ModelSpec.from_hf_config(odd)
+
+
+def test_every_error_of_placement_has_one_root() -> None:
+    import inspect
+
+    from placement import errors, model_errors
+
+    raised = [
+        cls
+        for module in (errors, model_errors)
+        for _, cls in inspect.getmembers(module, inspect.isclass)
+        if issubclass(cls, Exception) and cls.__module__ == module.__name__
+    ]
+    assert len(raised) >= 12
+    assert all(issubclass(cls, errors.PlacementError) for cls in raised), raised
+    # ...and the capacity model's are still the built-in kinds callers catch.
+    assert issubclass(model_errors.UnknownDevice, LookupError)
+    assert issubclass(model_errors.UnsupportedModel, ValueError)

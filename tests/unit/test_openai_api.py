@@ -237,8 +237,8 @@ def test_wrong_types_and_ranges_are_400s_naming_the_field(
         ({"temprature": 0.5}, "temprature"),
         ({"guided_json": {}}, "guided_json"),
         (
-            {"stream_options": {"continuous_usage_stats": True}},
-            "stream_options.continuous_usage_stats",
+            {"stream_options": {"chunk_size": 4}},
+            "stream_options.chunk_size",
         ),
         (
             {"messages": [{"role": "user", "content": "x", "cache_control": {}}]},

@@ -16,7 +16,9 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator
 
-from engines.base import EngineSpec, GenerateChunk, GenerateRequest, KVTransferSpec
+from simulated_specs import BLOCK_SIZE, llama_spec
+
+from engines.base import GenerateChunk, GenerateRequest, KVTransferSpec
 from engines.simulated import SimulatedEngine, VirtualClock
 from engines.simulated_kv import SimulatedFabric
 from orchestrator.kv.decider import kv_lifecycle_config
@@ -25,24 +27,13 @@ from orchestrator.router import Router, TurnReport
 
 NUM_PREFILL, NUM_DECODE, NUM_SESSIONS = 8, 64, 400
 KV_BYTES_PER_TOKEN = 131_072  # Llama-3-8B, bf16, TP1
-BLOCK = 16
+BLOCK = BLOCK_SIZE
 
 
 def engine(engine_id: str, role: str, fabric: SimulatedFabric) -> SimulatedEngine:
     clock = VirtualClock()
-    spec = EngineSpec(
-        engine_id=engine_id,
-        role=role,  # type: ignore[arg-type]
-        model_path="llama3-8b",
-        served_model_name="llama",
-        backend="simulated",
-        device="cuda",
-        dtype="bfloat16",
-        block_size=BLOCK,
-        max_model_len=8192,
-        kv_transfer=KVTransferSpec(decoder_kv_blocks_ttl_s=480, bidirectional_kv_xfer=True),
-        extra_engine_args=(("num_gpu_blocks_override", 4096),),
-    )
+    kv = KVTransferSpec(decoder_kv_blocks_ttl_s=480, bidirectional_kv_xfer=True)
+    spec = llama_spec(engine_id, role, blocks=4096, kv=kv)
     return SimulatedEngine(spec, sleep=clock.sleep, clock=clock.time, fabric=fabric)
 
 

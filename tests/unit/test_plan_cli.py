@@ -11,13 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from hf_configs import CONFIGS
 
 from orchestrator.cli.main import main
 from placement.devices import DEVICES
 from placement.model_catalog import BUILTIN_MODELS, builtin_model_spec
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "plan"
-CONFIGS = Path(__file__).resolve().parents[1] / "data" / "hf_configs"
 
 CASES = [
     ("kimi_k2_h200_tp8", "kimi-k2", "h200", "8"),
@@ -139,7 +139,7 @@ def test_plot_without_matplotlib_prints_the_table_and_names_the_install(
     code, out, err = _plan(capsys, "--model", "kimi-k2", "--device", "gb300", "--plot", str(png))
     assert code == 1
     assert "<- chosen" in out
-    assert "pip install matplotlib" in err
+    assert "`plot` extra" in err and ".[plot]" in err
     assert not png.exists()
 
 
@@ -173,3 +173,28 @@ def test_pools_print_the_config_the_router_routes_by(capsys: pytest.CaptureFixtu
     )
     assert router.decode_pool_for(threshold)[0] == "decode"
     assert router.decode_pool_for(threshold + 1)[0] == "decode_long"
+
+
+def test_weights_plan_the_checkpoint_stored_at_another_precision(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import dataclasses
+
+    from placement.quantization import stored_as
+
+    # A bf16 release planned as its group-quantized INT4 build: every linear weight at
+    # 4 bits plus a 2-byte scale per 64 inputs (4.25 bits); embeddings stay bf16.
+    spec = builtin_model_spec("llama3-8b")
+    int4 = dataclasses.replace(spec, quant=stored_as("int4", spec.quant))
+    assert stored_as("int4", spec.quant).matrix_bytes(4096, 4096) == 4096 * 4096 * 4.25 / 8
+    embeddings = 2 * 128_256 * 4_096  # input embeddings and the untied lm_head
+    others = spec.num_params - embeddings  # linear weights (and a few norm weights)
+    assert int4.weight_bytes() == pytest.approx(others * 4.25 / 8 + 2 * embeddings, rel=1e-3)
+    assert int4.weight_bytes() < 0.4 * spec.weight_bytes()
+
+    argv = ["--model", "llama3-8b", "--device", "h200", "--tp", "1", "--context", "8k"]
+    code, out, _ = _plan(capsys, *argv, "--weights", "int4")
+    assert code == 0
+    assert f"{int4.weight_bytes() / 1e9:,.1f} GB of weights (int4-g64)" in out
+    code, out, _ = _plan(capsys, *argv)
+    assert code == 0 and f"{spec.weight_bytes() / 1e9:,.1f} GB of weights (bf16)" in out

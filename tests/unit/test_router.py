@@ -6,15 +6,20 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 import pytest
 
 from engines.base import GenerateChunk, GenerateRequest
 from engines.kv_params import KVTransferParams
+from orchestrator.cluster.route_notes import RouteNotes
 from orchestrator.errors import DeadlineExceeded, EngineUnavailable
 from orchestrator.kv.decider import kv_lifecycle_config
+from orchestrator.kv.messages import TurnDone
 from orchestrator.kv.ownership import ANONYMOUS
 from orchestrator.kv.service import KVService
+from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.router import Router, TurnReport
+from policies.prefix_routing import RouteChoice
 
 Script = Callable[[GenerateRequest], list[GenerateChunk]]
 
@@ -94,11 +99,31 @@ def decode_script(req: GenerateRequest) -> list[GenerateChunk]:
     ]
 
 
+def keeping_decode_script(req: GenerateRequest) -> list[GenerateChunk]:
+    """A decode engine with kvtide's connector: it keeps its blocks (and says so in its
+    final params) only when the request's params ask (``kvtide_keep``)."""
+    chunks = decode_script(req)
+    params = req.kv_transfer_params
+    if params is None or params.kvtide_keep is not True:
+        chunks[-1] = msgspec.structs.replace(chunks[-1], kv_transfer_params=None)
+    return chunks
+
+
+class CountingService(KVService):
+    """The real service, counting the turns the router hands it."""
+
+    num_turns_done = 0
+
+    async def turn_done(self, done: TurnDone) -> None:
+        self.num_turns_done += 1
+        await super().turn_done(done)
+
+
 def make_router(prefill: FakePool, decode: FakePool, **kw: Any) -> Router:
     """A router and, as ``router.kv``, a KV service in the same process (the service
     drains through the same fake prefill pool)."""
     clock = FakeClock()
-    service = KVService(
+    service = CountingService(
         kv_lifecycle_config(
             ttl_s=480,
             safety_margin_s=15,
@@ -116,11 +141,13 @@ def make_router(prefill: FakePool, decode: FakePool, **kw: Any) -> Router:
         kv=service,
         pull_timeout_s=kw.get("pull_timeout_s", 5.0),
         clock=clock,
+        prefill_routes=kw.get("prefill_routes"),
+        session_tokens=SessionTokens(ttl_s=480),
     )
 
 
-def service_of(router: Router) -> KVService:
-    assert isinstance(router.kv, KVService)
+def service_of(router: Router) -> CountingService:
+    assert isinstance(router.kv, CountingService)
     return router.kv
 
 
@@ -229,9 +256,46 @@ def test_blocks_nobody_will_pull_are_drained_back_to_prefill() -> None:
     assert drain.kv_transfer_params is not None
     assert drain.kv_transfer_params.remote_block_ids == ((5, 6, 7),)
     assert drain.kv_transfer_params.do_remote_prefill is False
+    # Nobody decodes after a drain: the prefill engine frees its copy at once.
+    assert drain.kv_transfer_params.kvtide_keep is False
     # The drain reads exactly the tokens the blocks hold: prompt + output.
     assert drain.prompt_token_ids == [*range(100), 11, 12, 13]
     assert service_of(router).counters["drains"] == 1
+
+
+def test_a_sessionless_request_keeps_nothing_on_decode_and_costs_no_drain() -> None:
+    # Decode runs kvtide's connector: it keeps blocks only when asked.
+    prefill, decode = FakePool(prefill_script()), FakePool(keeping_decode_script)
+    router = make_router(prefill, decode)
+    service = service_of(router)
+
+    async def run() -> TurnReport:
+        report = await turn(router, list(range(100)), None)
+        await service.wait_drains()
+        return report
+
+    report = asyncio.run(run())
+    assert report.num_completion_tokens == 3
+    # The decode was asked to free its blocks, and did: no params came back.
+    [dec] = decode.requests
+    assert dec.kv_transfer_params is not None and dec.kv_transfer_params.kvtide_keep is False
+    # Two engine requests in all (prefill, decode): no read-back, nothing booked.
+    assert [r.request_id.startswith("drain-") for r in prefill.requests] == [False]
+    assert service.num_turns_done == 0 and service.counters["drains"] == 0
+
+
+def test_a_session_turn_asks_decode_to_keep_its_blocks_for_the_next_turn() -> None:
+    prefill, decode = FakePool(prefill_script(cached=101)), FakePool(keeping_decode_script)
+    router = make_router(prefill, decode)
+    first = list(range(100))
+    asyncio.run(turn(router, first, "s"))
+    assert decode.requests[0].kv_transfer_params is not None
+    assert decode.requests[0].kv_transfer_params.kvtide_keep is True
+    r2 = asyncio.run(turn(router, [*first, 11, 12, 13, 50], "s"))
+    assert (r2.kv_plan, r2.kv_source) == ("pull", "sent_back")
+    # The pulling prefill keeps its own copy for the decode that reads it.
+    pull = prefill.requests[1].kv_transfer_params
+    assert pull is not None and pull.kvtide_keep is True
 
 
 def test_closing_a_session_drains_its_record_only_with_matching_tokens() -> None:
@@ -453,3 +517,37 @@ def test_a_prefill_failing_on_every_engine_is_503_after_the_bounded_retries() ->
         assert (await service.claim_session("s", ANONYMOUS)).outcome == "claimed"
 
     asyncio.run(run())
+
+
+def test_the_report_names_the_prefill_engine_and_why_the_router_chose_it() -> None:
+    # The engine host names itself on the final chunk; the request router leaves its
+    # choice under the prefill request's id.
+    notes = RouteNotes()
+
+    def on_p1(req: GenerateRequest) -> list[GenerateChunk]:
+        notes.put(
+            req.request_id,
+            RouteChoice(replica="p1", reason="prefix_match", num_matched_tokens=96),
+        )
+        return [msgspec.structs.replace(c, engine_id="prefill-p1") for c in prefill_script()(req)]
+
+    router = make_router(FakePool(on_p1), FakePool(decode_script), prefill_routes=notes.take)
+    report = asyncio.run(turn(router, list(range(100)), None)).as_dict()
+    assert report["prefill_replica"] == "prefill-p1"
+    assert (report["prefill_route_reason"], report["prefill_matched_tokens"]) == (
+        "prefix_match",
+        96,
+    )
+
+    # Without prefix routing, Serve balanced by load.
+    def plain(req: GenerateRequest) -> list[GenerateChunk]:
+        return [msgspec.structs.replace(c, engine_id="prefill-p0") for c in prefill_script()(req)]
+
+    plain_report = asyncio.run(
+        turn(make_router(FakePool(plain), FakePool(decode_script)), list(range(100)), None)
+    ).as_dict()
+    assert plain_report["prefill_replica"] == "prefill-p0"
+    assert (plain_report["prefill_route_reason"], plain_report["prefill_matched_tokens"]) == (
+        "pow2",
+        0,
+    )

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
+from simulated_specs import llama_spec
 from test_router import FakePool, decode_script, make_router, prefill_script
 
-from engines.base import EngineSpec, GenerateRequest
+from engines.base import GenerateRequest
 from engines.simulated import SimulatedEngine, VirtualClock
 from engines.vllm_engine import sampling_args_for
 from orchestrator.serve import openai_api as api
@@ -66,17 +67,7 @@ def test_vllm_gets_every_sampling_field_and_min_tokens_within_max_tokens() -> No
 
 
 def test_the_simulated_engine_accepts_them() -> None:
-    spec = EngineSpec(
-        engine_id="s",
-        role="both",
-        model_path="llama3-8b",
-        served_model_name="llama",
-        backend="simulated",
-        device="cuda",
-        dtype="bfloat16",
-        block_size=16,
-        extra_engine_args=(("num_gpu_blocks_override", 64),),
-    )
+    spec = llama_spec("s")
     clock = VirtualClock()
 
     async def run() -> list[int]:

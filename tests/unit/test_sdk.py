@@ -327,7 +327,10 @@ def test_stream_yields_deltas_then_the_result(
 
     assert deltas == ["answer", " 2", " from", " kvtide"]
     request = server.chats()[-1]
-    assert body_of(request)["stream_options"] == {"include_usage": True}
+    assert body_of(request)["stream_options"] == {
+        "include_usage": True,
+        "continuous_usage_stats": True,
+    }
     assert request.headers["traceparent"].startswith("00-aaaa")
     assert "authorization" not in request.headers  # no key, no header
     result = stream.result
@@ -362,9 +365,19 @@ def test_error_inside_a_stream_raises_its_type_and_keeps_history(
     assert session.send("hello").text == "answer 1 from kvtide"
 
 
-def stream_of(words: list[str], clock: FakeClock, *, error_after: int | None = None) -> Script:
-    """A chat stream of ``words``; with ``error_after`` the server's engine fails after
-    that many words and the stream ends with kvtide's error event (tokens so far)."""
+def stream_of(
+    words: list[str],
+    clock: FakeClock,
+    *,
+    error_after: int | None = None,
+    drop_after: int | None = None,
+    replayed: bool = False,
+) -> Script:
+    """A chat stream of ``words``, one token each, every chunk with the usage so far
+    (``continuous_usage_stats``); with ``error_after`` the server's engine fails after
+    that many words and the stream ends with kvtide's error event (tokens so far); with
+    ``drop_after`` the connection breaks after that many events; ``replayed``: the
+    server's replay of a completed turn (its header)."""
 
     def answer(request: httpx.Request) -> httpx.Response:
         base = {"id": "chatcmpl-r", "object": "chat.completion.chunk", "model": MODEL}
@@ -374,7 +387,8 @@ def stream_of(words: list[str], clock: FakeClock, *, error_after: int | None = N
             choice = {"index": 0, "delta": {"content": word}, "finish_reason": None}
             if last:
                 choice["finish_reason"] = "length"
-            events.append((0.1, sse({**base, "choices": [choice]})))
+            so_far = {"prompt_tokens": 30, "completion_tokens": i + 1, "total_tokens": 31 + i}
+            events.append((0.1, sse({**base, "choices": [choice], "usage": so_far})))
         if error_after is not None:
             error = {"message": "no decode engine left", "type": "server_error"}
             error |= {"param": None, "code": "engine_unavailable"}
@@ -384,9 +398,25 @@ def stream_of(words: list[str], clock: FakeClock, *, error_after: int | None = N
             events.append((0.0, sse({**base, "choices": [], "usage": usage})))
         events.append((0.0, "data: [DONE]\n\n"))
         headers = {"content-type": "text/event-stream", "x-kvtide-request-id": "chatcmpl-r"}
-        return httpx.Response(200, headers=headers, stream=TimedStream(events, clock))
+        if replayed:
+            headers["x-kvtide-replayed"] = "true"
+        return httpx.Response(200, headers=headers, stream=TimedStream(events, clock, drop_after))
 
     return answer
+
+
+def stream_async(
+    server: FakeKVTide, sleeps: list[float], text: str
+) -> tuple[list[str], TurnResult]:
+    """One streamed turn of a new async session: its deltas and result."""
+
+    async def main() -> tuple[list[str], TurnResult]:
+        async with make_async_client(server, sleeps) as client:
+            session = client.session(model=MODEL, renew_every_s=None)
+            stream = await session.stream(text)
+            return [d async for d in stream], stream.result
+
+    return asyncio.run(main())
 
 
 def test_a_stream_broken_by_an_engine_failure_goes_on_where_it_stopped(
@@ -438,21 +468,83 @@ def test_async_stream_goes_on_after_an_engine_failure(
         stream_of([" time"], server.clock),
     ]
 
-    async def main() -> tuple[list[str], TurnResult]:
-        async with make_async_client(server, sleeps) as client:
-            session = client.session(model=MODEL, renew_every_s=None)
-            stream = await session.stream("tell me")
-            return [d async for d in stream], stream.result
-
-    deltas, result = asyncio.run(main())
+    deltas, result = stream_async(server, sleeps, "tell me")
     assert deltas == ["Once", " upon", " time"] and result.num_resumes == 1
     body = body_of(server.chats()[1])
     assert body["messages"][-1] == {"role": "assistant", "content": "Once upon"}
     assert "max_tokens" not in body  # none was set: the server's default applies
 
 
+def test_a_stream_cut_by_a_broken_connection_goes_on_under_the_same_key(
+    server: FakeKVTide, sleeps: list[float]
+) -> None:
+    session = make_client(server, sleeps).session(model=MODEL, renew_every_s=None)
+    # Two tokens arrived, then the connection broke; the server had dropped the turn
+    # (the key is free again), so the continuation runs.
+    server.script = [
+        stream_of(["Once", " upon", " a"], server.clock, drop_after=2),
+        stream_of([" a", " time"], server.clock),
+    ]
+    stream = session.stream("tell me", max_tokens=8)
+    assert list(stream) == ["Once", " upon", " a", " time"]
+    first, again = server.chats()
+    body = body_of(again)
+    assert body["messages"][-1] == {"role": "assistant", "content": "Once upon"}
+    assert body["continue_final_message"] is True and body["max_tokens"] == 6
+    # The same key as the broken request: had the turn finished, this is its replay.
+    assert again.headers["idempotency-key"] == first.headers["idempotency-key"]
+    result = stream.result
+    assert result.text == "Once upon a time" and result.num_resumes == 1
+    assert session.messages[-1] == {"role": "assistant", "content": "Once upon a time"}
+
+
+def test_a_turn_that_finished_behind_a_broken_connection_is_replayed_not_run_again(
+    server: FakeKVTide, sleeps: list[float]
+) -> None:
+    session = make_client(server, sleeps).session(model=MODEL, renew_every_s=None)
+    # The server finished the turn; the retry with its key gets the stored response,
+    # whose first two tokens the caller has seen: only the rest is new.
+    server.script = [
+        stream_of(["Once", " upon", " a", " time"], server.clock, drop_after=2),
+        stream_of(["Once", " upon", " a", " time"], server.clock, replayed=True),
+    ]
+    stream = session.stream("tell me", max_tokens=8)
+    assert list(stream) == ["Once", " upon", " a", " time"]
+    assert stream.result.text == "Once upon a time"
+    first, again = server.chats()
+    assert again.headers["idempotency-key"] == first.headers["idempotency-key"]
+
+
+def test_a_replay_that_differs_from_what_was_streamed_is_an_error(
+    server: FakeKVTide, sleeps: list[float]
+) -> None:
+    session = make_client(server, sleeps).session(model=MODEL, renew_every_s=None)
+    server.script = [
+        stream_of(["Once", " upon", " a"], server.clock, drop_after=2),
+        stream_of(["Long", " ago"], server.clock, replayed=True),
+    ]
+    with pytest.raises(KVTideAPIError, match="differs"):
+        list(session.stream("tell me"))
+    assert session.messages == []
+
+
+def test_async_stream_goes_on_after_a_broken_connection(
+    server: FakeKVTide, sleeps: list[float]
+) -> None:
+    server.script = [
+        stream_of(["Once", " upon", " a"], server.clock, drop_after=1),
+        stream_of([" upon", " a"], server.clock),
+    ]
+
+    deltas, result = stream_async(server, sleeps, "tell me")
+    assert deltas == ["Once", " upon", " a"] and result.num_resumes == 1
+    first, again = server.chats()
+    assert again.headers["idempotency-key"] == first.headers["idempotency-key"]
+
+
 def test_broken_stream_raises_connection_error(server: FakeKVTide, sleeps: list[float]) -> None:
     session = make_client(server, sleeps).session(model=MODEL, renew_every_s=None)
+    # A server whose chunks carry no usage so far: the tokens made are unknown.
     server.drop_stream_after = 2
     with pytest.raises(APIConnectionError, match=r"stream .* broke off .*ReadError"):
         list(session.stream("hello"))

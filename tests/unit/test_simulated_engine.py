@@ -13,6 +13,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 import pytest
+from simulated_specs import llama_spec
 
 from engines.base import EngineSpec, GenerateChunk, GenerateRequest, KVTransferSpec
 from engines.kv_params import KVTransferParams
@@ -32,30 +33,9 @@ def run(coro: Coroutine[Any, Any, Any]) -> Any:
     return asyncio.run(coro)
 
 
-def spec(
-    engine_id: str,
-    role: str = "both",
-    *,
-    blocks: int | None = 64,
-    kv: KVTransferSpec | None = None,
-    **extra: Any,
-) -> EngineSpec:
-    args: dict[str, Any] = {"prefill_tokens_per_s": PREFILL_TOKENS_PER_S, **extra}
-    if blocks is not None:
-        args["num_gpu_blocks_override"] = blocks
-    return EngineSpec(
-        engine_id=engine_id,
-        role=role,  # type: ignore[arg-type]
-        model_path="llama3-8b",
-        served_model_name="llama",
-        backend="simulated",
-        device="cuda",
-        dtype="bfloat16",
-        block_size=16,
-        max_model_len=8192,
-        kv_transfer=kv,
-        extra_engine_args=tuple(args.items()),
-    )
+def spec(engine_id: str, role: str = "both", **options: Any) -> EngineSpec:
+    """``llama_spec`` of an engine that prefills PREFILL_TOKENS_PER_S tokens a second."""
+    return llama_spec(engine_id, role, prefill_tokens_per_s=PREFILL_TOKENS_PER_S, **options)
 
 
 class Pair:
@@ -156,7 +136,7 @@ def test_decode_keeps_its_blocks_and_the_next_prefill_pulls_them_back() -> None:
 
             # Turn 2: history plus 40 new tokens; prefill reads the 207 tokens back.
             turn2 = PROMPT + tokens(out_d) + list(range(40))
-            params = back.pull_back()
+            params = back.pull_back(keep=True)
             out2 = await collect(p, req("t2-p", turn2, 1, params))
             assert out2[-1].num_cached_tokens == 207
             assert p.stats().num_kv_transfers == 1
@@ -169,6 +149,52 @@ def test_decode_keeps_its_blocks_and_the_next_prefill_pulls_them_back() -> None:
     run(story())
 
 
+def test_decode_keeps_blocks_only_when_asked_and_a_drain_frees_the_prefill_copy() -> None:
+    async def story() -> None:
+        async with Pair() as pair:
+            p, d = pair.prefill, pair.decode
+            # A sessionless request: its decode is asked not to keep. It frees its 13
+            # blocks when it finishes and offers nothing back.
+            pre = (await collect(p, req("a-p", PROMPT, 1, KEEP)))[-1].kv_transfer_params
+            assert pre is not None
+            out = await collect(d, req("a-d", PROMPT, 8, pre.for_decode(keep=False)))
+            assert out[-1].kv_transfer_params is None
+            assert d.stats().kv_cache_usage == 0 and p.stats().kv_cache_usage == 0
+
+            # A session's turn: its decode keeps them for the next turn's prefill.
+            pre = (await collect(p, req("b-p", PROMPT, 1, KEEP))).pop().kv_transfer_params
+            assert pre is not None
+            out = await collect(d, req("b-d", PROMPT, 8, pre.for_decode(keep=True)))
+            back = out[-1].kv_transfer_params
+            assert back is not None and back.kept_blocks() is not None
+            assert d.stats().kv_cache_usage == 13 / 64
+
+            # A drain reads them back and keeps no copy on prefill: both engines are
+            # empty once it finishes (no lease left to run out).
+            drain = PROMPT + tokens(out)[:7] + [1]
+            read = await collect(p, req("drain", drain, 1, back.pull_back(keep=False)))
+            assert read[-1].num_cached_tokens == 207
+            assert read[-1].kv_transfer_params is None
+            assert d.stats().kv_cache_usage == 0 and p.stats().kv_cache_usage == 0
+            # Requests each engine ran: two prefills and the drain; two decodes.
+            assert (p.stats().num_requests, d.stats().num_requests) == (3, 2)
+
+    run(story())
+
+
+def test_without_kvtide_connector_decode_keeps_every_finished_request() -> None:
+    async def story() -> None:
+        async with Pair(per_request_keep=False) as pair:  # vLLM's own NixlConnector
+            p, d = pair.prefill, pair.decode
+            pre = (await collect(p, req("a-p", PROMPT, 1, KEEP)))[-1].kv_transfer_params
+            assert pre is not None
+            out = await collect(d, req("a-d", PROMPT, 8, pre.for_decode(keep=False)))
+            assert out[-1].kv_transfer_params is not None  # the flag is not read
+            assert d.stats().kv_cache_usage == 13 / 64
+
+    run(story())
+
+
 def test_send_back_is_skipped_near_expiry_and_under_the_recompute_threshold() -> None:
     async def story() -> None:
         async with Pair() as pair:
@@ -176,11 +202,12 @@ def test_send_back_is_skipped_near_expiry_and_under_the_recompute_threshold() ->
             out = await collect(p, req("a-p", PROMPT, 1, KEEP))
             back = (await collect(d, req("a-d", PROMPT, 8, out[-1].kv_transfer_params)))[-1]
             assert back.kv_transfer_params is not None
-            params = back.kv_transfer_params.pull_back()
+            params = back.kv_transfer_params.pull_back(keep=True)
             # 476 s later the blocks expire in 4 s: prefill declines and recomputes.
             clock.advance(476)
             out2 = await collect(p, req("a-2", PROMPT + list(range(10)), 1, params))
-            assert out2[-1].num_cached_tokens == 0
+            # Nothing pulled: only turn 1's prompt, still in the prefix cache (12 blocks).
+            assert out2[-1].num_cached_tokens == 192 and p.stats().num_kv_transfers == 0
             assert p.stats().num_kv_expired_reads == 1
             assert d.stats().kv_cache_usage == 13 / 64  # still kept, until the TTL
             clock.advance(10)
@@ -192,9 +219,10 @@ def test_send_back_is_skipped_near_expiry_and_under_the_recompute_threshold() ->
             back = (await collect(d, req("b-d", short, 8, out[-1].kv_transfer_params)))[-1]
             assert back.kv_transfer_params is not None
             assert back.kv_transfer_params.remote_num_tokens == 40
-            params = back.kv_transfer_params.pull_back()
+            params = back.kv_transfer_params.pull_back(keep=True)
             out2 = await collect(p, req("b-2", short + list(range(50)), 1, params))
-            assert out2[-1].num_cached_tokens == 0
+            # Nothing pulled: the prefix cache holds the history's 2 full blocks.
+            assert out2[-1].num_cached_tokens == 32
             assert p.stats().num_kv_transfers == 0
             assert p.stats().num_kv_expired_reads == 1  # unchanged: not a decline
 
@@ -220,7 +248,8 @@ def test_a_pull_of_blocks_already_read_fails_or_recomputes_by_policy() -> None:
     assert "'p0' no longer holds the KV of 'p'" in str(failed)
     assert usage == 13 / 64  # d1's blocks, kept for send-back; d2 kept nothing
     recomputed, usage = run(story("recompute"))
-    assert isinstance(recomputed, list) and recomputed[-1].num_cached_tokens == 0
+    # Nothing pulled: d1's prompt (12 full blocks) is in decode's own prefix cache.
+    assert isinstance(recomputed, list) and recomputed[-1].num_cached_tokens == 192
     assert usage == 26 / 64  # d2 computed the prompt itself and keeps it too
 
 
@@ -378,3 +407,29 @@ def test_200_engines_start_and_serve_quickly() -> None:
     assert time.perf_counter() - started < 15.0  # ~3 s here; a regression is 10x
     assert [len(o) for o in outputs] == [32] * 200
     assert len({tuple(o) for o in outputs}) == 200  # different prompts, different tokens
+
+
+def test_a_prompt_computed_here_before_is_served_from_the_prefix_cache() -> None:
+    async def story() -> None:
+        clock = VirtualClock()
+        engine = SimulatedEngine(spec("e0"), sleep=clock.sleep, clock=clock.time)
+        await engine.start()
+        try:
+            turn1 = list(range(200))  # 12 full blocks of 16, 8 tokens over
+            first = await collect(engine, req("t1", turn1, 1, None))
+            assert first[-1].num_cached_tokens == 0
+            # Turn 2 extends turn 1: its 12 full blocks are cached, the rest computed.
+            t0 = clock.time()
+            second = await collect(engine, req("t2", [*turn1, *range(1000, 1100)], 1, None))
+            assert second[-1].num_cached_tokens == 192
+            assert clock.time() - t0 == pytest.approx(108 / PREFILL_TOKENS_PER_S)
+            # Another history shares nothing.
+            other = await collect(engine, req("o", list(range(5000, 5200)), 1, None))
+            assert other[-1].num_cached_tokens == 0
+            stats = engine.stats()
+            assert stats.num_prefix_cache_queries == 200 + 300 + 200
+            assert stats.num_prefix_cache_hits == 192
+        finally:
+            await engine.shutdown()
+
+    run(story())

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from fresh_python import printed_by_fresh_python
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -229,8 +229,6 @@ def test_off_records_nothing_and_never_touches_the_context() -> None:
 
 
 def test_off_does_not_even_import_the_sdk() -> None:
-    import subprocess
-
     code = (
         "import sys\n"
         "from orchestrator.observability import tracing as tr\n"
@@ -240,11 +238,7 @@ def test_off_does_not_even_import_the_sdk() -> None:
         "    tr.set_attrs(s, {tr.KV_PLAN: 'pull'})\n"
         "print('opentelemetry.sdk' in sys.modules)\n"
     )
-    repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo
-    )
-    assert out.stdout.split() == ["False"]
+    assert printed_by_fresh_python(code) == ["False"]
 
 
 def test_configure_is_idempotent_and_leaves_the_global_provider_alone() -> None:

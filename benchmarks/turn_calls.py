@@ -1,0 +1,145 @@
+"""What a session turn waits for from the KV lifecycle service, through its Ray actor.
+
+Before a session's turn runs, the ingress needs the session claimed and the turn's KV
+plan. Two call sequences on the same actor in the same run, each followed by the turn's
+``turn_done``:
+
+* three calls — ``session_prefix`` (the last turn, to tokenize from), ``claim_session``,
+  ``decide_turn``: the ingress's sequence before ``begin_turn``;
+* one call — ``begin_turn`` (claim and plan at once; the ingress tokenizes from its own
+  copy of the last turn, checked by digest).
+
+Each is reported as the time before the turn can run (the critical path), in ms and in
+units of a bare round trip to the same actor (a method that does nothing), measured in
+between.
+
+    python benchmarks/turn_calls.py [--sessions 2000] [--turns 400] [--prompt-tokens 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engines.kv_params import KVTransferParams
+from orchestrator.cli.table import format_table
+
+
+def _done(sid: str, prompt: list[int], turn: int) -> Any:
+    from orchestrator.kv.messages import TurnDone
+
+    params = KVTransferParams(
+        do_remote_decode=True,
+        remote_engine_id="decode-0",
+        remote_request_id=f"{sid}-{turn}",
+        remote_block_ids=((1, 2, 3),),
+        remote_num_tokens=len(prompt),
+    )
+    ids = [*prompt, 5]
+    return TurnDone(
+        session_id=sid,
+        token_ids=ids,
+        kv_transfer_params=params,
+        kv_expires_in_s=480.0,
+        next_text=None,
+        next_token_ids=ids,
+        owner="bench",
+    )
+
+
+async def _timed(step: Callable[[], Awaitable[Any]]) -> float:
+    t0 = time.perf_counter()
+    await step()
+    return time.perf_counter() - t0
+
+
+async def run(num_sessions: int, num_turns: int, prompt_tokens: int) -> list[str]:
+    from orchestrator.kv.actor import KVServiceActor, ServiceClient
+    from orchestrator.kv.ownership import Principal
+    from orchestrator.kv.session_tokens import prefix_digest
+    from policies.kv_lifecycle import KVLifecycleConfig
+
+    config = KVLifecycleConfig(kv_bytes_per_token=4096, block_size_tokens=128)
+    actor = KVServiceActor.remote(config, None, 5.0, 1)  # type: ignore[attr-defined]
+    kv = ServiceClient(actor, timeout_s=60)
+    who = Principal(name="bench")
+    history = {f"s{i}": [i, *range(100, 100 + prompt_tokens - 1)] for i in range(num_sessions)}
+    for start in range(0, num_sessions, 500):
+        batch = list(history.items())[start : start + 500]
+        await asyncio.gather(*(kv.claim_session(s, who) for s, _ in batch))
+        await asyncio.gather(*(kv.turn_done(_done(s, ids, 0)) for s, ids in batch))
+        for s, ids in batch:
+            history[s] = [*ids, 5]
+
+    async def three_calls(sid: str, prompt: list[int]) -> None:
+        await kv.session_prefix(sid, who)
+        await kv.claim_session(sid, who)
+        await kv.decide_turn(sid, prompt)
+
+    async def one_call(sid: str, prompt: list[int]) -> None:
+        claim = await kv.begin_turn(sid, who, prompt, prefix_digest(history[sid]))
+        assert claim.outcome == "claimed", claim
+
+    async def bare() -> None:
+        await actor.epoch.remote()
+
+    times: dict[str, list[float]] = {"three calls": [], "one call": [], "bare round trip": []}
+    for turn in range(num_turns):
+        sid = f"s{turn % num_sessions}"
+        # The three sequences interleaved, so a slow moment of the box hits all of them.
+        for name, begin in (("three calls", three_calls), ("one call", one_call)):
+            prompt = [*history[sid], 7, 8, 9]
+            times[name].append(await _timed(lambda: begin(sid, prompt)))  # noqa: B023
+            await kv.turn_done(_done(sid, prompt, turn))
+            history[sid] = [*prompt, 5]
+        times["bare round trip"].append(await _timed(bare))
+    rtt = statistics.median(times["bare round trip"])
+    rows = [
+        [
+            name,
+            f"{1e3 * statistics.median(xs):.2f}",
+            f"{1e3 * sorted(xs)[int(0.99 * (len(xs) - 1))]:.2f}",
+            f"{statistics.median(xs) / rtt:.2f}",
+        ]
+        for name, xs in times.items()
+    ]
+    ratio = statistics.median(times["one call"]) / statistics.median(times["three calls"])
+    return [
+        f"A session turn's KV-service calls before it runs, through the Ray actor "
+        f"({num_sessions:,} live sessions, {prompt_tokens}-token histories, {num_turns} turns "
+        "each way):",
+        format_table(
+            ["before the turn runs", "p50 ms", "p99 ms", "x bare round trip"],
+            rows,
+            align=["<", ">", ">", ">"],
+        ),
+        f"one call / three calls: {ratio:.2f}x the time on the critical path",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sessions", type=int, default=2000)
+    parser.add_argument("--turns", type=int, default=400)
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    args = parser.parse_args()
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        lines = asyncio.run(run(args.sessions, args.turns, args.prompt_tokens))
+    finally:
+        ray.shutdown()
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

