@@ -20,10 +20,12 @@ from engines.kv_params import KVTransferParams
 
 
 @contextmanager
-def embedded_app(kv: dict[str, Any] | None = None) -> Iterator[tuple[str, str, Any, Any]]:
-    """Start the embedded default (with ``kv`` as its ``kv`` section) on a free port;
-    yield (base URL, model name, prefill handle, decode handle) — the handles stream,
-    for driving the engines directly."""
+def embedded_app(
+    kv: dict[str, Any] | None = None, *, serve_in_loop: bool = False
+) -> Iterator[tuple[str, str, Any, Any]]:
+    """Start the embedded default (with ``kv`` as its ``kv`` section, and
+    ``ray.serve_in_loop``) on a free port; yield (base URL, model name, prefill handle,
+    decode handle) — the handles stream, for driving the engines directly."""
     from ray import serve
 
     from orchestrator import runtime
@@ -32,7 +34,14 @@ def embedded_app(kv: dict[str, Any] | None = None) -> Iterator[tuple[str, str, A
 
     tmp = Path(tempfile.mkdtemp(prefix="kvt-bench-"))
     config = parse_config(
-        {"server": {"port": free_port()}, "ray": {"temp_dir": str(tmp / "ray")}, "kv": kv or {}}
+        {
+            "server": {"port": free_port()},
+            "ray": {
+                "temp_dir": str(tmp / "ray"),
+                "serve_in_loop": serve_in_loop,
+            },
+            "kv": kv or {},
+        }
     )
     with runtime.running(config) as base_url:
         handles = [
@@ -60,6 +69,7 @@ class DirectTurn:
     """One request through vLLM's own P/D flow, timed at the caller."""
 
     ttft_s: float
+    prefill_s: float = 0.0  # the prefill request, from its call to its last chunk
     token_times: list[float] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     kept: KVTransferParams | None = None  # decode's final params: its kept blocks
@@ -85,7 +95,7 @@ async def direct_turn(
     ):
         pre = chunk
     assert pre is not None and pre.kv_transfer_params
-    turn = DirectTurn(ttft_s=0.0)
+    turn = DirectTurn(ttft_s=0.0, prefill_s=time.monotonic() - t0)
     async for chunk in decode.generate.remote(
         GenerateRequest(
             request_id=rid + "-d",

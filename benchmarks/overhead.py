@@ -16,7 +16,7 @@ sessionless requests should cost 0). ``--stock-connector`` runs the engines with
 own NixlConnector (``kv.per_request_keep: false``) for comparison.
 
     python benchmarks/overhead.py [--requests-per-level 16] [--levels 1,8,32]
-                                  [--stock-connector]
+                                  [--stock-connector] [--serve-in-loop]
 """
 
 from __future__ import annotations
@@ -206,11 +206,16 @@ def main() -> None:
         action="store_true",
         help="run the engines with vLLM's own NixlConnector (kv.per_request_keep: false)",
     )
+    parser.add_argument(
+        "--serve-in-loop",
+        action="store_true",
+        help="Serve's replicas run user code and the router on their own loop (ray.serve_in_loop)",
+    )
     args = parser.parse_args()
 
     levels = [int(x) for x in args.levels.split(",")]
     kv = {"per_request_keep": False} if args.stock_connector else {}
-    with embedded_app(kv) as (base_url, model, prefill, decode):
+    with embedded_app(kv, serve_in_loop=args.serve_in_loop) as (base_url, model, prefill, decode):
         rows = asyncio.run(_run(base_url, model, prefill, decode, levels, args.requests_per_level))
     print(format_rows(rows, "vLLM's" if args.stock_connector else "kvtide's"))
 

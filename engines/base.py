@@ -66,6 +66,9 @@ class KVTransferSpec:
     # kept for a peer only when its kv_transfer_params ask (``kvtide_keep``). False:
     # vLLM's own connector, which keeps every finished request's blocks.
     per_request_keep: bool = True
+    # How long NIXL's UCX progress thread waits for a wake-up in poll() (ms); 0 is NIXL's
+    # busy polling. Applied by kvtide's connector (engines/kv_connector.py).
+    progress_wait_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -38,7 +38,7 @@ from engines.base import (
     GenerateRequest,
 )
 from engines.decode_path import check_decode_backend, decode_path_settings
-from engines.kv_connector import CONNECTOR_MODULE
+from engines.kv_connector import CONNECTOR_MODULE, PROGRESS_WAIT_KEY
 from engines.kv_params import KVTransferParams
 
 __all__ = ["VLLMEngine", "engine_args_for", "sampling_args_for"]
@@ -87,6 +87,7 @@ def engine_args_for(spec: EngineSpec) -> dict[str, Any]:
                 "decoder_kv_blocks_ttl": kv.decoder_kv_blocks_ttl_s,
                 "kv_lease_duration": kv.prefill_lease_s,
                 "kv_recompute_threshold": kv.kv_recompute_threshold_tokens,
+                PROGRESS_WAIT_KEY: kv.progress_wait_ms,
             },
         }
         if kv.per_request_keep and kv.connector == "NixlConnector":

@@ -39,6 +39,32 @@ def _say(msg: str) -> None:
 RAY_WITHOUT_METRICS = {"enable_metrics_collection": False}
 """The system config of a local Ray without its metrics agent's Prometheus endpoint."""
 
+SERVE_IN_LOOP_ENV = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+    "RAY_SERVE_LOG_TO_STDERR": "0",
+}
+"""Ray Serve's throughput-optimized settings but direct ingress (``ray.serve_in_loop``):
+for the processes a local Ray starts, not the driver (whose handles are made outside
+an event loop)."""
+
+
+@contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in this process's environment while the block runs (inherited by the
+    processes it starts), the previous values after it."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
 
 def start_ray(config: KVTideConfig, *, say: Callable[[str], None] = _say) -> None:
     """Join ``config.ray.address`` or start a private local Ray (own temp dir)."""
@@ -54,16 +80,17 @@ def start_ray(config: KVTideConfig, *, say: Callable[[str], None] = _say) -> Non
         return
     temp_dir = config.ray.temp_dir or tempfile.mkdtemp(prefix="kvtide-ray-")
     say(f"starting a local Ray (temp dir {temp_dir})")
-    ray.init(
-        num_cpus=config.ray.num_cpus or 8,
-        _temp_dir=temp_dir,
-        include_dashboard=False,
-        logging_level="WARNING",
-        log_to_driver=bool(os.environ.get("KVTIDE_ENGINE_LOGS")),
-        # Ray's Prometheus endpoint listens on every interface without auth: only when
-        # kvtide's metrics are to be exported through it (GET /metrics needs none of it).
-        _system_config=None if config.observability.exports_to_ray else RAY_WITHOUT_METRICS,
-    )
+    with _env(SERVE_IN_LOOP_ENV if config.ray.serve_in_loop else {}):
+        ray.init(
+            num_cpus=config.ray.num_cpus or 8,
+            _temp_dir=temp_dir,
+            include_dashboard=False,
+            logging_level="WARNING",
+            log_to_driver=bool(os.environ.get("KVTIDE_ENGINE_LOGS")),
+            # Ray's Prometheus endpoint listens on every interface without auth: only when
+            # kvtide's metrics are to be exported through it (GET /metrics needs none).
+            _system_config=None if config.observability.exports_to_ray else RAY_WITHOUT_METRICS,
+        )
 
 
 def _progress(stop: threading.Event, say: Callable[[str], None], every_s: float) -> None:

@@ -27,6 +27,7 @@ from pydantic import (
 
 from engines.base import EngineRole, EngineSpec, KVTransferSpec
 from engines.decode_path import decode_path_settings
+from engines.kv_connector import CPU_PROGRESS_WAIT_MS
 from orchestrator.config.decode_paths import decode_path_for
 from orchestrator.config.file import read_yaml
 from orchestrator.config.sections import (
@@ -176,6 +177,9 @@ class KVTideConfig(ConfigFile):
                 decoder_kv_blocks_ttl_s=kv.decoder_kv_blocks_ttl_s,
                 prefill_lease_s=kv.prefill_lease_s,
                 per_request_keep=kv.per_request_keep,
+                progress_wait_ms=kv.nixl_progress_wait_ms
+                if kv.nixl_progress_wait_ms is not None
+                else (CPU_PROGRESS_WAIT_MS if self.device == "cpu" else 0.0),
                 kv_recompute_threshold_tokens=kv.kv_recompute_threshold_tokens,
                 kv_load_failure_policy=kv.kv_load_failure_policy,
             ),

@@ -123,6 +123,17 @@ class KVConfig(StrictSection):
         "has not started reading it (vLLM's kv_lease_duration; a reading decode renews it). "
         "Raise it where a cold decode engine may take longer to start its first read.",
     )
+    nixl_progress_wait_ms: float | None = Field(
+        None,
+        ge=0,
+        le=1000,
+        description="vLLM engines: how long NIXL's UCX progress thread waits in poll() for a "
+        "wake-up before it progresses its workers anyway. 0: NIXL's own busy polling (its "
+        "Python API's choice), which holds a core per engine process even when idle. "
+        "Unset: 10 ms on CPU (measured there: idle agents from a core each to ~1 %, a read "
+        "as fast; `benchmarks/nixl_progress.py`), NIXL's busy polling on GPUs (not measured "
+        "there). Needs kvtide's connector (kv.per_request_keep).",
+    )
     warm_up: bool = Field(
         True,
         description="Each vLLM decode engine runs one turn with the prefill pool, and sends "
@@ -185,6 +196,12 @@ class RayConfig(StrictSection):
         None, ge=1, le=65536, description="Logical CPUs of a locally started Ray (default: 8)."
     )
     temp_dir: str | None = Field(None, description="Ray temp dir of a locally started Ray.")
+    serve_in_loop: bool = Field(
+        False,
+        description="A locally started Ray runs Serve's replicas and proxy with user code "
+        "and the request router on the replica's own event loop (Ray Serve's "
+        "throughput-optimized settings, without direct ingress).",
+    )
 
 
 class ObservabilityConfig(StrictSection):

@@ -29,6 +29,7 @@ from orchestrator.cluster.ray_nodes import read_ray_nodes
 from orchestrator.config import ObservabilityConfig
 from orchestrator.errors import ServiceUnavailable
 from orchestrator.kv.durable import RayKVStore
+from orchestrator.kv.envelope import decode_result, dispatch, encode_call
 from orchestrator.kv.messages import LedgerReport
 from orchestrator.kv.service import API_METHODS, KVService, KVServiceAPI, merge_counters
 from orchestrator.observability.metrics import make_metrics
@@ -130,6 +131,11 @@ class _ServiceActor:
     async def epoch(self) -> str:
         return self._tick_started().epoch
 
+    async def invoke(self, message: bytes) -> bytes:
+        """Any ``API_METHODS`` call as one message (``orchestrator.kv.envelope``)."""
+        self._tick_started()
+        return await dispatch(self, message)
+
     async def config(self) -> tuple[KVLifecycleConfig, int]:
         """The lifecycle config this instance runs with, and its replay budget."""
         return self.service.decider.lifecycle.config, self.service.replays.max_bytes
@@ -220,7 +226,8 @@ class ServiceClient:
     """The service through its actor handle, every call bounded by ``timeout_s``.
 
     Its methods are the service's (``API_METHODS``; typed by ``KVServiceAPI``), made
-    from that list: each is one actor call. A call past its deadline, or to an actor that
+    from that list: each is one actor call, its arguments and answer each one msgpack
+    message (``orchestrator.kv.envelope``). A call past its deadline, or to an actor that
     cannot be reached, raises ``ServiceUnavailable`` (HTTP 503 with Retry-After); the
     details go to the log, not to the caller. Ray retries a call that was in flight
     when the actor died on the restarted instance (``max_task_retries=-1``), within the
@@ -231,13 +238,16 @@ class ServiceClient:
         self.handle = handle
         self.timeout_s = timeout_s
 
-    async def call(self, name: str, *args: Any) -> Any:
+    async def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        message = encode_call(name, args, kwargs)
         try:
-            return await asyncio.wait_for(getattr(self.handle, name).remote(*args), self.timeout_s)
+            answer = await asyncio.wait_for(self.handle.invoke.remote(message), self.timeout_s)
         except TimeoutError:
             log.warning("KV service call %s timed out after %.1f s", name, self.timeout_s)
         except RayError as exc:
             log.warning("KV service call %s failed: %s", name, exc)
+        else:
+            return decode_result(name, answer)
         raise ServiceUnavailable(
             "the KV lifecycle service did not answer in time; retry the request",
             retry_after_s=1.0,
@@ -247,8 +257,8 @@ class ServiceClient:
         if name not in API_METHODS:
             raise AttributeError(name)
 
-        async def method(*args: Any) -> Any:
-            return await self.call(name, *args)
+        async def method(*args: Any, **kwargs: Any) -> Any:
+            return await self.call(name, *args, **kwargs)
 
         return method
 

@@ -133,6 +133,7 @@ class KVServiceAPI(Protocol):
         principal: Principal,
         prompt_token_ids: list[int],
         prefix_digest: int | None = None,
+        prefix_len: int = 0,
     ) -> Claim: ...
 
     async def pull_failed(self, session_id: str) -> None: ...
@@ -340,19 +341,31 @@ class KVService:
         principal: Principal,
         prompt_token_ids: list[int],
         prefix_digest: int | None = None,
+        prefix_len: int = 0,
     ) -> Claim:
         """A turn's one call before it runs: ``claim_session`` and ``decide_turn`` at once.
 
         ``prefix_digest``: the ``session_tokens.prefix_digest`` of the last turn the
         prompt was tokenized from (None: not tokenized here, e.g. sent as token ids). When
         it is not the session's, nothing is claimed and the answer (``retokenize``) holds
-        the session's last turn, for the owner's key only."""
+        the session's last turn, for the owner's key only.
+
+        ``prefix_len``: the prompt starts with that last turn's ``prefix_len`` ids (all of
+        them), which are not sent again: ``prompt_token_ids`` holds only what the session
+        added since (a turn's call carries its new tokens, not its whole history)."""
         now = self.clock()
         if prefix_digest is not None and prefix_digest != self.tokens.last_digest(session_id, now):
             if not await self.session_owned(session_id, principal):
                 return Claim(outcome="not_found")
             text, ids = self.tokens.last_turn(session_id, now)
             return Claim(outcome="retokenize", prefix=SessionPrefix(text=text, token_ids=list(ids)))
+        if prefix_len:
+            last = self.tokens.last_turn(session_id, now)[1]
+            if prefix_digest is None or len(last) != prefix_len:
+                raise ValueError(
+                    f"prefix_len {prefix_len} needs the digest of a last turn of that length"
+                )
+            prompt_token_ids = [*last, *prompt_token_ids]
         claim = await self.claim_session(session_id, principal)
         if claim.outcome != "claimed":
             return claim

@@ -68,14 +68,20 @@ __all__ = ["Ingress", "fastapi_app"]
 log = logging.getLogger("kvtide.ingress")
 
 REQUEST_ID_HEADER = "x-kvtide-request-id"
+"""The response header naming kvtide's request id (the completion's ``id``)."""
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Bounds of an ingress replica's copy of its sessions' last turns: past them the oldest
 # go (a session whose copy went costs one more service call on its next turn).
 SESSION_TOKENS_MAX = 10_000
 SESSION_TOKENS_MAX_BYTES = 256 * 2**20
-"""The response header naming kvtide's request id (the completion's ``id``)."""
 
 fastapi_app = FastAPI(title="kvtide", docs_url=None, redoc_url=None)
+
+
+def _extends(ids: Sequence[int], prefix: Sequence[int]) -> bool:
+    """Whether ``ids`` start with ``prefix`` (a non-empty one)."""
+    n = len(prefix)
+    return 0 < n <= len(ids) and list(ids[:n]) == list(prefix)
 
 
 @fastapi_app.exception_handler(RequestError)
@@ -439,27 +445,29 @@ class Ingress:
         ids: list[int],
         max_tokens: int,
         digest: int | None,
+        last_ids: Sequence[int],
         limits: Callable[[list[int]], int],
     ) -> tuple[list[int], int, KVDecision | None]:
         """The turn's one service call before it runs (``begin_turn``: the session
         claimed, the KV plan made), with the prompt tokenized from this replica's copy of
-        the session's last turn (``digest`` names it). When the service's last turn is
-        another one (the previous turn ran on another replica), tokenize again from it,
-        check ``limits`` again (the prompt's max_tokens), and ask again.
+        the session's last turn (``digest`` names it, ``last_ids`` are its ids). The call
+        carries only the ids the prompt adds to that last turn. When the service's last
+        turn is another one (the previous turn ran on another replica), tokenize again
+        from it, check ``limits`` again (the prompt's max_tokens), and ask again.
 
         Returns the prompt's ids, its max_tokens and the plan."""
         for attempt in range(3):
             # A third try (another replica finished a turn between ours) skips the check:
             # the plan then compares the ids with the kept record itself.
-            claim = await self.kv.begin_turn(
-                session_id, principal, ids, digest if attempt < 2 else None
-            )
+            checked = digest if attempt < 2 else None
+            skip = len(last_ids) if checked is not None and _extends(ids, last_ids) else 0
+            claim = await self.kv.begin_turn(session_id, principal, ids[skip:], checked, skip)
             if claim.outcome != "retokenize":
                 break
             assert claim.prefix is not None and text is not None
             prefix = claim.prefix
             ids = await self._tokenize(text, prefix.text, prefix.token_ids)
-            digest = prefix_digest(prefix.token_ids)
+            digest, last_ids = prefix_digest(prefix.token_ids), prefix.token_ids
             max_tokens = limits(ids)
         raise_unclaimed(claim, session_id)
         return ids, max_tokens, claim.decision
@@ -481,9 +489,10 @@ class Ingress:
         concurrency ticket when the response (or stream) ends."""
         session_id = api.parse_session_id(http.headers.get("x-session-id"))
         digest: int | None = None  # the last turn the prompt was tokenized from
+        last_text: str | None = None
+        last_ids: Sequence[int] = ()
         if ids is None:
             assert text is not None
-            last_text, last_ids = None, ()
             if session_id is not None:  # this replica's copy; checked by begin_turn
                 now = self.router.clock()
                 last_text, last_ids = self.session_tokens.last_turn(session_id, now)
@@ -519,7 +528,7 @@ class Ingress:
                 decision = None
                 if session_id is not None:
                     ids, max_tokens, decision = await self._begin_turn(
-                        session_id, principal, text, ids, max_tokens, digest, limits
+                        session_id, principal, text, ids, max_tokens, digest, last_ids, limits
                     )
                 response = await self._run(
                     req,

@@ -74,6 +74,7 @@ def test_yaml_file_round_trips_into_engine_specs(tmp_path: Path) -> None:
             "decoder_kv_blocks_ttl": 120,
             "kv_lease_duration": 90,
             "kv_recompute_threshold": 32,
+            "kvtide_progress_wait_ms": 10.0,  # NIXL's progress thread waits on CPU
         },
     }
     assert spec.kv_transfer is not None and spec.kv_transfer.side_channel_port == 7001

@@ -137,6 +137,7 @@ def _kv_config(engine_id: str) -> dict[str, Any]:
             "decoder_kv_blocks_ttl": 480,
             "kv_lease_duration": 30,
             "kv_recompute_threshold": 64,
+            "kvtide_progress_wait_ms": 0.0,  # NIXL's own busy polling on GPUs
         },
     }
 

@@ -13,8 +13,12 @@ import asyncio
 import json
 from typing import Any
 
+import pytest
 from ingress_harness import MODEL, bare_ingress, handle
+from test_kv_service import Cluster
 
+from engines.kv_params import KVTransferParams
+from orchestrator.kv.messages import TurnDone
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.service import API_METHODS, KVService
 from orchestrator.kv.session_tokens import NO_PREFIX, prefix_digest
@@ -23,11 +27,13 @@ CHAT = "/v1/chat/completions"
 
 
 class CallLog:
-    """The service, recording the name of every call made to it."""
+    """The service, recording the name of every call made to it (and the arguments of
+    each ``begin_turn``)."""
 
     def __init__(self, service: KVService) -> None:
         self.service = service
         self.calls: list[str] = []
+        self.begun: list[tuple[Any, ...]] = []
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.service, name)
@@ -36,6 +42,8 @@ class CallLog:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             self.calls.append(name)
+            if name == "begin_turn":
+                self.begun.append((*args, *kwargs.values()))
             return attr(*args, **kwargs)
 
         return call
@@ -89,6 +97,11 @@ def test_a_session_turn_makes_one_service_call_before_it_runs_and_one_after(
     assert second_turn["kv_plan_reason"] == "cheaper_to_recompute"
     turn1, turn2 = decode_prompts(first)
     assert turn2[: len(turn1) + 3] == [*turn1, 11, 12, 13]  # the model's own tokens
+    # The call carried turn 2's new ids only, not the history the service holds.
+    _, _, sent, digest, prefix_len = log.begun[-1]
+    assert prefix_len == len(turn1) + 3  # turn 1 and its answer
+    assert sent == turn2[prefix_len:] and 0 < len(sent) < len(turn2) // 2
+    assert digest == prefix_digest(turn2[:prefix_len])
 
 
 def test_a_turn_on_another_replica_is_tokenized_again_from_the_services_last_turn(
@@ -104,6 +117,10 @@ def test_a_turn_on_another_replica_is_tokenized_again_from_the_services_last_tur
     # ids then extend turn 2's exactly.
     third = chat.turn(second, "And on another replica?")
     assert log.take() == ["begin_turn", "begin_turn", "turn_done"]
+    # From nothing, the whole prompt; told the last turn, only what the turn adds.
+    (*_, sent_first, _, skipped_first), (*_, sent_again, _, skipped_again) = log.begun[-2:]
+    assert skipped_first == 0 and skipped_again > 0
+    assert sent_first[skipped_again:] == sent_again
     assert third["kv_plan_reason"] == "cheaper_to_recompute"  # not prefix_mismatch
     turn2, turn3 = decode_prompts(first)[1:]
     assert turn3[: len(turn2) + 3] == [*turn2, 11, 12, 13]
@@ -140,5 +157,46 @@ def test_begin_turn_tells_the_last_turn_only_to_its_owner_and_claims_nothing_the
         # Token ids sent as ids (no digest) are not checked against the last turn.
         await service.turn_abandoned("s3")
         assert (await service.begin_turn("s3", alice, [7], None)).outcome == "claimed"
+
+    asyncio.run(story())
+
+
+def test_begin_turn_rebuilds_the_prompt_from_the_last_turn_and_the_ids_it_adds() -> None:
+    c = Cluster()
+    alice = Principal(name="alice")
+    svc = c.service
+    history = list(range(1, 41))
+
+    async def story() -> None:
+        assert (await svc.begin_turn("s", alice, history, NO_PREFIX)).outcome == "claimed"
+        kept = KVTransferParams(
+            do_remote_decode=True,
+            remote_engine_id="decode",
+            remote_request_id="t1",
+            remote_block_ids=((1, 2, 3),),
+            remote_num_tokens=len(history),
+        )
+        await svc.turn_done(
+            TurnDone(
+                session_id="s",
+                token_ids=history,
+                kv_transfer_params=kept,
+                kv_expires_in_s=100.0,
+                next_token_ids=history,
+            )
+        )
+        added = [41, 42]
+        # The new ids alone would not extend the kept record...
+        alone = svc.decider.decide_turn("s", added, c.clock())
+        assert alone.reason == "prefix_mismatch"
+        whole = svc.decider.decide_turn("s", [*history, *added], c.clock())
+        assert whole.reason != "prefix_mismatch"
+        # ...with the last turn they stand for, the decision is the whole prompt's.
+        claim = await svc.begin_turn("s", alice, added, prefix_digest(history), len(history))
+        assert claim.outcome == "claimed" and claim.decision == whole
+        await svc.turn_abandoned("s")
+        # A length that is not the last turn's is refused, not guessed at.
+        with pytest.raises(ValueError, match="prefix_len"):
+            await svc.begin_turn("s", alice, added, prefix_digest(history), len(history) - 1)
 
     asyncio.run(story())
