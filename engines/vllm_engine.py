@@ -40,6 +40,7 @@ from engines.base import (
 from engines.decode_path import check_decode_backend, decode_path_settings
 from engines.kv_connector import CONNECTOR_MODULE, PROGRESS_WAIT_KEY
 from engines.kv_params import KVTransferParams
+from engines.lifeline import ENV_VAR as LIFELINE_ENV
 
 __all__ = ["VLLMEngine", "engine_args_for", "sampling_args_for"]
 
@@ -215,6 +216,8 @@ class VLLMEngine(EngineAdapter):
         # vLLM reads these when its engine core starts; each engine has its own process.
         for key, value in spec.env:
             os.environ[key] = value
+        # The engine core ends when this process is gone (engines/lifeline.py).
+        os.environ[LIFELINE_ENV] = str(os.getpid())
         if spec.kv_transfer is not None:
             os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.kv_transfer.side_channel_host
             os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.kv_transfer.side_channel_port)
