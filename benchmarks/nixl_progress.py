@@ -61,12 +61,9 @@ def target_main(wait_ms: float, mib: float) -> None:
     agent = _agent("target", wait_ms)
     src = torch.ones(int(mib * 2**18))
     agent.register_memory(src)
-    print(MARK, agent.get_agent_metadata().hex(), json.dumps(_descs(agent, src)), flush=True)
+    region = [src.data_ptr(), src.numel() * src.element_size(), 0]  # address, bytes, device
+    print(MARK, agent.get_agent_metadata().hex(), json.dumps(region), flush=True)
     sys.stdin.read()
-
-
-def _descs(agent: Any, tensor: Any) -> list[int]:
-    return [tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0]
 
 
 def reader_main(wait_ms: float, mib: float, idle_s: float, reads: int) -> None:

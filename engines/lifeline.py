@@ -23,7 +23,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 
 __all__ = ["CHECK_INTERVAL_S", "ENV_VAR", "register", "watch_parent"]
 
@@ -48,26 +47,17 @@ def register() -> bool:
     return True
 
 
-def watch_parent(
-    parent_pid: int,
-    *,
-    interval_s: float = CHECK_INTERVAL_S,
-    on_gone: Callable[[], None] | None = None,
-) -> threading.Thread:
-    """Start the daemon thread that calls ``on_gone`` (default: end this process at
-    once, exit code ``EXIT_CODE``) when this process's parent is no longer
-    ``parent_pid``."""
+def watch_parent(parent_pid: int) -> threading.Thread:
+    """Start the daemon thread that ends this process at once (exit code
+    ``EXIT_CODE``) when its parent is no longer ``parent_pid``."""
     _watching.set()
-
-    def gone() -> None:
-        log.error("engine host (pid %d) is gone: ending this engine process", parent_pid)
-        logging.shutdown()
-        os._exit(EXIT_CODE)
 
     def run() -> None:
         while os.getppid() == parent_pid:
-            time.sleep(interval_s)
-        (on_gone or gone)()
+            time.sleep(CHECK_INTERVAL_S)
+        log.error("engine host (pid %d) is gone: ending this engine process", parent_pid)
+        logging.shutdown()
+        os._exit(EXIT_CODE)
 
     thread = threading.Thread(target=run, name="kvtide-lifeline", daemon=True)
     thread.start()

@@ -132,8 +132,8 @@ class _ServiceActor:
         return self._tick_started().epoch
 
     async def invoke(self, message: bytes) -> bytes:
-        """Any ``API_METHODS`` call as one message (``orchestrator.kv.envelope``)."""
-        self._tick_started()
+        """Any ``API_METHODS`` call as one message (``orchestrator.kv.envelope``), run by
+        this actor's own entry point for it (which starts the tick)."""
         return await dispatch(self, message)
 
     async def config(self) -> tuple[KVLifecycleConfig, int]:

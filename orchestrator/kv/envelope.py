@@ -29,7 +29,7 @@ _SEP = b"\0"
 def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, array):  # session token books keep ids as arrays
         return obj.tolist()
-    raise NotImplementedError(f"{type(obj).__name__} is not a KV service message type")
+    raise TypeError(f"{type(obj).__name__} is not a KV service message type")
 
 
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)

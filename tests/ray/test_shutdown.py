@@ -7,7 +7,6 @@ The driver runs in a subprocess of its own, as `kvtide up` does, with a private 
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from orchestrator.serve.engine_host import free_port
 
 pytestmark = pytest.mark.ray
 
@@ -65,16 +66,10 @@ DRIVER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_shutdown_prints_nothing_after_the_callers_output() -> None:
     with tempfile.TemporaryDirectory(prefix="kvt-") as tmp:
         done = subprocess.run(
-            [sys.executable, "-c", DRIVER, str(Path(tmp) / "ray"), str(_free_port())],
+            [sys.executable, "-c", DRIVER, str(Path(tmp) / "ray"), str(free_port())],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,  # one stream, in the order it was written

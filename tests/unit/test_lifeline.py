@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import alive
 
 from engines import lifeline
 
@@ -33,14 +34,6 @@ PARENT = textwrap.dedent(
     time.sleep(600)
     """
 )
-
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie waiting to be reaped."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def start_parent(named_pid: str) -> tuple[subprocess.Popen[str], int, str]:
