@@ -10,8 +10,9 @@
 3. stream decode with the prefill engine's returned ``kv_transfer_params`` (the decode
    engine pulls the prompt's KV over NIXL);
 4. hand the decode engine's final params (its kept blocks) and the tokens the session
-   continues from to the service in one ``TurnDone`` (the service drains what nobody
-   will reuse; see ``orchestrator.kv.service``).
+   continues from to the service in one ``TurnDone``, off the turn's path: the client's
+   last tokens do not wait for it (the service drains what nobody will reuse, and holds
+   the session's next ``begin_turn`` until it arrives; see ``orchestrator.kv.service``).
 
 Only a session's decode asks to keep its blocks (``KVTransferParams.for_decode``): with
 kvtide's connector (``engines/kv_connector.py``) a sessionless request's decode frees
@@ -230,6 +231,8 @@ class Router:
         # The caller's copy of each session's last turn (the ingress tokenizes the next
         # one from it): written once the service has booked the turn.
         self.session_tokens = session_tokens
+        # Finished turns on their way to the service (``_hand_over``).
+        self._handovers: set[asyncio.Task[None]] = set()
 
     def decode_pool_for(self, num_prompt_tokens: int) -> tuple[str, PoolClient]:
         """The decode pool of a prompt: the long-context pool (TP+DCP) above the pool
@@ -584,24 +587,53 @@ class Router:
                 # A sessionless turn whose decode kept nothing leaves nothing to book
                 # or drain: no call to the service.
                 if session_id is not None or (kept is not None and kept.kept_blocks()):
-                    await self._turn_done(route, report, chunk, prompt_token_ids, out, prompt_text)
+                    done = self._turn_done_message(
+                        report, chunk, prompt_token_ids, out, prompt_text
+                    )
+                    self._hand_over(route, report, done)
                 report.router_s += self.clock() - now
             yield chunk, report
 
-    async def _turn_done(
+    def _turn_done_message(
         self,
-        route: Span,
         report: TurnReport,
         chunk: GenerateChunk,
         prompt_token_ids: list[int],
         out: _Streamed,
         prompt_text: str | None,
-    ) -> None:
-        """Hand the decode's kept blocks and the session's next tokens to the service."""
+    ) -> TurnDone:
+        """The decode's kept blocks and the session's next tokens, for the service; this
+        replica's copy of the session's last turn is updated at once (a next turn here
+        tokenizes from it; ``begin_turn`` checks it against the service's)."""
         next_text, next_ids = self._continuation(
             prompt_text, list(prompt_token_ids), out.text, out.ids, chunk.finish_reason
         )
-        kept = chunk.kv_transfer_params
+        sid, tokens = report.session_id, self.session_tokens
+        if sid is not None and tokens is not None:
+            if next_ids is None:
+                tokens.forget(sid)
+            else:
+                tokens.remember(sid, next_text, next_ids, self.clock())
+        return TurnDone(
+            session_id=sid,
+            token_ids=[*prompt_token_ids, *out.ids],
+            kv_transfer_params=chunk.kv_transfer_params,
+            kv_expires_in_s=chunk.kv_expires_in_s,
+            next_text=next_text,
+            next_token_ids=next_ids,
+            owner=report.extra.get("owner"),
+        )
+
+    def _hand_over(self, route: Span, report: TurnReport, done: TurnDone) -> None:
+        """Give the finished turn to the service off the turn's path: the client gets its
+        last tokens without waiting for the booking. The session's next turn waits for it
+        in ``begin_turn`` (the service holds a turn's claim until its ``turn_done``)."""
+        task = asyncio.get_running_loop().create_task(self._turn_done(route, report, done))
+        self._handovers.add(task)
+        task.add_done_callback(self._handovers.discard)
+
+    async def _turn_done(self, route: Span, report: TurnReport, done: TurnDone) -> None:
+        kept = done.kv_transfer_params
         with tr.span(
             tr.SPAN_SEND_BACK,
             {
@@ -610,23 +642,28 @@ class Router:
             },
             parent=route,
         ):
-            await self.kv.turn_done(
-                TurnDone(
-                    session_id=report.session_id,
-                    token_ids=[*prompt_token_ids, *out.ids],
-                    kv_transfer_params=kept,
-                    kv_expires_in_s=chunk.kv_expires_in_s,
-                    next_text=next_text,
-                    next_token_ids=next_ids,
-                    owner=report.extra.get("owner"),
+            try:
+                await self.kv.turn_done(done)
+            except RequestError as exc:
+                # The service is unreachable (its client's deadline passed): end the
+                # claim if it can be reached now; otherwise its tick ends it. The kept
+                # blocks stay with their engine until its TTL.
+                self.metrics.inc("kvtide_turn_handover_failures_total")
+                log.warning(
+                    "turn %s: could not hand over to the service: %s", report.request_id, exc
                 )
-            )
-        sid, tokens = report.session_id, self.session_tokens
-        if sid is not None and tokens is not None:  # as the service now holds it
-            if next_ids is None:
-                tokens.forget(sid)
-            else:
-                tokens.remember(sid, next_text, next_ids, self.clock())
+                if done.session_id is not None:
+                    try:
+                        await self.kv.turn_abandoned(done.session_id)
+                    except RequestError:
+                        pass
+
+    async def settled(self) -> None:
+        """Wait until every turn that finished here before this call has been handed to
+        the service (a read of the books after a turn sees it; shutdown). Each hand-over
+        is bounded by the service client's deadline."""
+        if self._handovers:
+            await asyncio.gather(*list(self._handovers), return_exceptions=True)
 
     def _continuation(
         self,

@@ -189,6 +189,7 @@ class KVService:
         store: DurableStore | None = None,
         replay_max_bytes: int = 64 * 2**20,
         running_grace_s: float = 600.0,
+        handover_wait_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -224,6 +225,10 @@ class KVService:
         self.wall_clock = wall_clock
         self._running: dict[str, float] = {}
         self._restore_running()
+        # A turn hands itself over (``turn_done``) after its client has its last token:
+        # the session's next ``begin_turn`` waits this long for it before refusing.
+        self.handover_wait_s = handover_wait_s
+        self._ended: dict[str, asyncio.Event] = {}
         # The latest counters of every engine (from its heartbeat) and every ingress
         # replica (``report_metrics``): /kvtide/stats sums them.
         self._engine_stats: dict[str, dict[str, Any]] = {}
@@ -316,6 +321,20 @@ class KVService:
     def _clear_running(self, session_id: str) -> None:
         if self._running.pop(session_id, None) is not None:
             self.marks.delete(_RUNNING_PREFIX + session_id)
+        ended = self._ended.pop(session_id, None)
+        if ended is not None:
+            ended.set()
+
+    async def _after_running_turn(self, session_id: str) -> None:
+        """Wait (``handover_wait_s`` at most) for the session's running turn to end: its
+        client may send the next turn before the finished one's ``turn_done`` lands."""
+        if session_id not in self._running or self.handover_wait_s <= 0:
+            return
+        ended = self._ended.setdefault(session_id, asyncio.Event())
+        try:
+            await asyncio.wait_for(ended.wait(), self.handover_wait_s)
+        except TimeoutError:
+            pass  # still running: claim_session refuses the turn
 
     def _restore_running(self) -> None:
         """The running marks a previous instance left (its turns' ingresses may still
@@ -352,7 +371,11 @@ class KVService:
 
         ``prefix_len``: the prompt starts with that last turn's ``prefix_len`` ids (all of
         them), which are not sent again: ``prompt_token_ids`` holds only what the session
-        added since (a turn's call carries its new tokens, not its whole history)."""
+        added since (a turn's call carries its new tokens, not its whole history).
+
+        A turn of the session still running is waited for (``handover_wait_s``) before
+        anything is compared: a finished turn is handed over after its last token."""
+        await self._after_running_turn(session_id)
         now = self.clock()
         if prefix_digest is not None and prefix_digest != self.tokens.last_digest(session_id, now):
             if not await self.session_owned(session_id, principal):

@@ -133,6 +133,12 @@ METRICS: tuple[MetricSpec, ...] = (
         description="KV pulls that failed or timed out (the turn fell back to recompute).",
     ),
     MetricSpec(
+        name="kvtide_turn_handover_failures_total",
+        kind="counter",
+        description="Finished turns whose hand-over to the KV service failed (their kept "
+        "blocks are freed at the engine's TTL).",
+    ),
+    MetricSpec(
         name="kvtide_requests_total",
         kind="counter",
         description="Finished requests by status: ok, client_error, server_error, cancelled.",

@@ -200,6 +200,12 @@ class Ingress:
                 pass
             await asyncio.sleep(1.0)
 
+    async def __del__(self) -> None:
+        """Serve's replica shutdown: the turns that finished here reach the service
+        (each hand-over is bounded by the service client's deadline)."""
+        self._reporter.cancel()
+        await self.router.settled()
+
     # ---- routes ----------------------------------------------------------------------
 
     @fastapi_app.get("/health")
@@ -261,6 +267,7 @@ class Ingress:
         self._principal(request)
         if not self.config.observability.metrics:
             raise NotFound("metrics are off (observability.metrics: false)")
+        await self.router.settled()
         kv = await self.kv.stats()
         return PlainTextResponse(
             render_prometheus(kv.get("metrics", {})), media_type=PROMETHEUS_CONTENT_TYPE
@@ -273,6 +280,7 @@ class Ingress:
         (summed, with the service's). A pool none of whose engines has reported yet (just
         deployed) is asked directly, one replica, within the service deadline."""
         self._principal(request)
+        await self.router.settled()  # the turns finished here are in the books
         kv = await self.kv.stats()
         engines: dict[str, dict[str, Any]] = kv.pop("engines", {})
         kv.pop("ingress_metrics", None)
@@ -305,6 +313,7 @@ class Ingress:
         """Where kvtide holds the session's KV now (``record`` is null when nothing is
         offered: never recorded, expired, evicted or closed)."""
         sid, principal = await self._session_of(session_id, request)
+        await self.router.settled()
         info = await self.kv.session(sid)
         if not info.known and not principal.is_anonymous:
             raise session_not_found(sid)
@@ -314,6 +323,7 @@ class Ingress:
     async def renew_session(self, session_id: str, request: Request) -> dict[str, Any]:
         """Extend the session's KV lease (the SDK's heartbeat while a conversation idles)."""
         sid, principal = await self._session_of(session_id, request)
+        await self.router.settled()
         info = await self.kv.renew(sid, principal)
         if not info.known:
             raise session_not_found(sid)
@@ -323,6 +333,7 @@ class Ingress:
     async def close_session(self, session_id: str, request: Request) -> dict[str, Any]:
         """End a session: its kept KV is drained back to prefill (freed on decode now)."""
         sid, principal = await self._session_of(session_id, request)
+        await self.router.settled()
         if not await self.kv.close(sid) and not principal.is_anonymous:
             raise session_not_found(sid)
         return {"id": sid, "object": "session.deleted", "deleted": True}

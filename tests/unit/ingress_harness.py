@@ -100,8 +100,11 @@ async def handle(ingress: Any, path: str, body: bytes, **headers: str) -> tuple[
         response = await ingress._traced(request, operation, handler)
     except RequestError as exc:
         rendered = JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers())
+        await ingress.router.settled()
         return rendered.status_code, json.loads(rendered.body)
     if isinstance(response, StreamingResponse):
         text = "".join([part async for part in response.body_iterator])  # type: ignore[misc]
+        await ingress.router.settled()  # the finished turn handed to the service
         return response.status_code, text
+    await ingress.router.settled()
     return response.status_code, json.loads(response.body)

@@ -62,8 +62,9 @@ class Cluster:
         self.num_requests = 0
         self.service = self.new_service()
 
-    def new_service(self) -> KVService:
-        self.service = KVService(
+    def new_service(self, cls: type[KVService] = KVService, **kwargs: Any) -> KVService:
+        """A service (``cls``, with ``kwargs`` for its constructor) on these engines."""
+        self.service = cls(
             kv_lifecycle_config(
                 ttl_s=TTL_S,
                 safety_margin_s=15,
@@ -76,6 +77,7 @@ class Cluster:
             num_prefill_engines=1,
             restore_wait_s=10.0,
             clock=self.clock,
+            **kwargs,
         )
         return self.service
 
@@ -93,6 +95,7 @@ class Cluster:
                 request_id=f"r-{self.num_requests}",
             )
         ]
+        await router.settled()
         await self.service.wait_drains()
         return reports[-1]
 

@@ -76,6 +76,7 @@ def test_a_few_turns_are_counted_exactly() -> None:
         "kvtide_kv_recomputes_total": 1.0,
         "kvtide_kv_send_backs_total": 2.0,
         "kvtide_kv_transfer_failures_total": 0.0,
+        "kvtide_turn_handover_failures_total": 0.0,
         'kvtide_kv_transfer_bytes_total{direction="decode_to_prefill"}': 524_288.0,
         'kvtide_kv_transfer_bytes_total{direction="prefill_to_decode"}': 327_680.0,
         'kvtide_ttft_seconds_count{pool="decode"}': 2.0,

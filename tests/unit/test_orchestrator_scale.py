@@ -69,6 +69,7 @@ async def session(router: Router, sid: int) -> list[TurnReport]:
             output.extend(chunk.token_ids)
             last = report
         assert last is not None
+        await router.settled()
         reports.append(last)
         prompt = [*prompt, *output, *range(100 + turn, 140 + turn)]  # answer + a question
     return reports

@@ -156,6 +156,7 @@ async def turn(router: Router, prompt: list[int], session: str | None) -> TurnRe
         r
         async for _, r in router.run_turn(prompt_token_ids=prompt, max_tokens=3, session_id=session)
     ]
+    await router.settled()
     return reports[-1]
 
 
@@ -331,6 +332,7 @@ def test_the_next_turn_continues_from_the_tokens_the_model_generated() -> None:
             )
         ]
         assert reports[-1].finish_reason == "length"
+        await router.settled()
         prefix = await router.kv.session_prefix("s")
         assert (prefix.text, prefix.token_ids) == ("hiabc", [1, 2, 3, 11, 12, 13])
 

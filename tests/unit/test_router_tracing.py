@@ -40,6 +40,7 @@ async def traced_turn(router: Router, prompt: list[int], headers: dict[str, str]
         prompt_token_ids=prompt, max_tokens=3, session_id="s1", trace_parent=root
     ):
         pass
+    await router.settled()
     root.end()
 
 

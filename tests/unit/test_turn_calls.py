@@ -14,14 +14,16 @@ import json
 from typing import Any
 
 import pytest
-from ingress_harness import MODEL, bare_ingress, handle
-from test_kv_service import Cluster
+from ingress_harness import MODEL, bare_ingress, handle, http_request
+from test_kv_service import S1_T1, S1_T2, Cluster
 
 from engines.kv_params import KVTransferParams
+from orchestrator.errors import DeadlineExceeded
 from orchestrator.kv.messages import TurnDone
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.service import API_METHODS, KVService
 from orchestrator.kv.session_tokens import NO_PREFIX, prefix_digest
+from orchestrator.router import Router
 
 CHAT = "/v1/chat/completions"
 
@@ -200,3 +202,162 @@ def test_begin_turn_rebuilds_the_prompt_from_the_last_turn_and_the_ids_it_adds()
             await svc.begin_turn("s", alice, added, prefix_digest(history), len(history) - 1)
 
     asyncio.run(story())
+
+
+class HeldHandOver(KVService):
+    """The real service whose ``turn_done`` waits for the test to let it through."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.release = asyncio.Event()
+        self.handed: list[TurnDone] = []
+
+    async def turn_done(self, done: TurnDone) -> None:
+        await self.release.wait()
+        self.handed.append(done)
+        await super().turn_done(done)
+
+
+def held_cluster(handover_wait_s: float = 5.0) -> Cluster:
+    c = Cluster()
+    c.new_service(HeldHandOver, handover_wait_s=handover_wait_s)
+    return c
+
+
+def test_a_turns_last_token_does_not_wait_for_its_hand_over_to_the_service() -> None:
+    c = held_cluster()
+    service = c.service
+    assert isinstance(service, HeldHandOver)
+    router = Router(prefill=c.prefill, decode=c.decode, kv=service, pull_timeout_s=5.0)
+
+    async def story() -> None:
+        chunks = [
+            chunk
+            async for chunk, _ in router.run_turn(
+                prompt_token_ids=S1_T1, max_tokens=3, session_id="s1", request_id="r-1"
+            )
+        ]
+        # The client has every token, the finished one included, while the service
+        # has not yet been handed the turn...
+        assert chunks[-1].finished and service.handed == []
+        settled = asyncio.ensure_future(router.settled())
+        await asyncio.sleep(0)
+        assert not settled.done()
+        # ...which it books once it gets it: the next turn pulls what decode kept.
+        service.release.set()
+        await settled
+        assert [d.session_id for d in service.handed] == ["s1"]
+        second = [
+            r
+            async for _, r in router.run_turn(
+                prompt_token_ids=S1_T2, max_tokens=3, session_id="s1", request_id="r-2"
+            )
+        ]
+        assert second[-1].kv_source == "sent_back"
+        await router.settled()
+
+    asyncio.run(story())
+
+
+def test_the_next_turn_waits_for_the_last_turns_hand_over_then_claims() -> None:
+    alice = Principal(name="alice")
+
+    async def story(handover_wait_s: float) -> tuple[str, str]:
+        c = held_cluster(handover_wait_s)
+        service = c.service
+        assert isinstance(service, HeldHandOver)
+        router = Router(prefill=c.prefill, decode=c.decode, kv=service, pull_timeout_s=5.0)
+        assert (await service.begin_turn("s1", alice, S1_T1, None)).outcome == "claimed"
+        async for _ in router.run_turn(
+            prompt_token_ids=S1_T1, max_tokens=3, session_id="s1", request_id="r-1"
+        ):
+            pass
+        # The client's next turn arrives before the finished one is handed over.
+        nxt = asyncio.ensure_future(service.begin_turn("s1", alice, S1_T2, None))
+        await asyncio.sleep(0)
+        early = nxt.done()
+        service.release.set()
+        await router.settled()
+        claim = await nxt
+        return ("done early" if early else "waited"), claim.outcome
+
+    # It waits for the hand-over and is then claimed (with the booked record)...
+    assert asyncio.run(story(5.0)) == ("waited", "claimed")
+    # ...but not forever: with no wait, a turn still running is refused (409).
+    assert asyncio.run(story(0.0)) == ("done early", "turn_in_progress")
+
+
+def test_a_failed_hand_over_is_counted_and_ends_the_sessions_claim() -> None:
+    c = Cluster()
+    alice = Principal(name="alice")
+
+    class Unreachable(KVService):
+        async def turn_done(self, done: TurnDone) -> None:
+            raise DeadlineExceeded("the KV service did not answer turn_done in time")
+
+    service = c.new_service(Unreachable, handover_wait_s=0.0)
+    router = Router(prefill=c.prefill, decode=c.decode, kv=service, pull_timeout_s=5.0)
+
+    async def story() -> str:
+        assert (await service.begin_turn("s1", alice, S1_T1, None)).outcome == "claimed"
+        reports = [
+            r
+            async for _, r in router.run_turn(
+                prompt_token_ids=S1_T1, max_tokens=3, session_id="s1", request_id="r-1"
+            )
+        ]
+        assert reports[-1].finish_reason == "length"  # the client's turn completed
+        await router.settled()
+        # The claim was ended: the session's next turn is not refused as running.
+        return (await service.begin_turn("s1", alice, S1_T2, None)).outcome
+
+    assert asyncio.run(story()) == "claimed"
+    assert router.metrics.snapshot()["kvtide_turn_handover_failures_total"] == 1
+
+
+class HoldTurnDone:
+    """A service wrapper that holds each ``turn_done`` until ``release`` and logs the
+    order in which calls end."""
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+        self.release = asyncio.Event()
+        self.ended: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.service, name)
+        if name not in API_METHODS:
+            return attr
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            if name == "turn_done":
+                await self.release.wait()
+            result = await attr(*args, **kwargs)
+            self.ended.append(name)
+            return result
+
+        return call
+
+
+def test_reading_a_session_after_its_turn_sees_the_turn(tiny_tokenizer: Any) -> None:
+    ingress = bare_ingress(tiny_tokenizer)
+    held = HoldTurnDone(ingress.kv)
+    ingress.kv = ingress.router.kv = held
+
+    async def story() -> dict[str, Any]:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+        request, _ = http_request(CHAT, json.dumps(body).encode(), {"x-session-id": "s9"})
+        response = await ingress._traced(request, "chat", ingress._chat)
+        assert response.status_code == 200  # answered; its hand-over is still held
+        get, _ = http_request("/kvtide/sessions/s9", method="GET")
+        read = asyncio.ensure_future(ingress.get_session("s9", get))
+        for _ in range(100):  # let the read run as far as it can without the hand-over
+            await asyncio.sleep(0)
+        held.release.set()
+        info: dict[str, Any] = await read
+        return info
+
+    info = asyncio.run(story())
+    # The read waited for this replica's hand-over: it shows the turn's record.
+    assert held.ended[-2:] == ["turn_done", "session"]
+    assert info["record"] is not None
