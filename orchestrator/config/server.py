@@ -141,6 +141,21 @@ class ServerConfig(StrictSection):
         description="Largest request body the API reads, in bytes; a larger one gets 413 "
         "before it is read (from its Content-Length) or as soon as it passes the limit.",
     )
+    stream_chunk_tokens: int = Field(
+        16,
+        ge=1,
+        le=4096,
+        description="Most tokens an engine host sends the ingress in one chunk of a stream "
+        "(one Serve hop). 1: a hop per engine step. The first token and the last never "
+        "wait.",
+    )
+    stream_chunk_window_ms: float = Field(
+        2.0,
+        ge=0,
+        le=1000,
+        description="How long a token that waits for company may wait before it is sent "
+        "alone (ms). 0: only tokens that are already there go together (no token waits).",
+    )
 
     @property
     def requires_api_key(self) -> bool:

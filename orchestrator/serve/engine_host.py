@@ -38,6 +38,7 @@ from orchestrator.cluster.prefix_router import prefill_router_config
 from orchestrator.config import KVTideConfig
 from orchestrator.kv.actor import EpochWatcher, lookup_service
 from orchestrator.kv.ledger import EngineLedger
+from orchestrator.serve.coalesce import coalesce
 from orchestrator.serve.warm_up import WarmUp, warm_up_prompt_tokens, warm_up_transfers
 
 __all__ = ["EngineHost", "deployment_name", "engine_deployment_options", "free_port"]
@@ -150,6 +151,8 @@ class EngineHost:
         port = free_port(node_ip)
         spec = host_engine_spec(config, pool_name, domain_id, engine_id, port, node_ip, gcs_address)
         self.domain_id = domain_id
+        self._chunk_tokens = config.server.stream_chunk_tokens
+        self._chunk_window_s = config.server.stream_chunk_window_ms / 1000
         self._warm_ups: dict[str, WarmUp] = {}
         self.engine = create_engine(spec)
         self._info: EngineInfo = await self.engine.start()
@@ -214,10 +217,20 @@ class EngineHost:
         return {name: dataclasses.asdict(result) for name, result in self._warm_ups.items()}
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        async for chunk in self.ledger.watch(request, self.engine.generate(request)):
-            if chunk.finished:  # which engine ran it, for the turn's report
-                chunk = msgspec.structs.replace(chunk, engine_id=self._info.engine_id)
-            yield chunk
+        """The request's stream, in chunks of several tokens where they queue up
+        (``server.stream_chunk_tokens`` / ``stream_chunk_window_ms``)."""
+        stream = coalesce(
+            self.ledger.watch(request, self.engine.generate(request)),
+            max_tokens=self._chunk_tokens,
+            window_s=self._chunk_window_s,
+        )
+        try:
+            async for chunk in stream:
+                if chunk.finished:  # which engine ran it, for the turn's report
+                    chunk = msgspec.structs.replace(chunk, engine_id=self._info.engine_id)
+                yield chunk
+        finally:
+            await stream.aclose()  # a caller gone mid-stream: the engine's request ends
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

@@ -1,0 +1,111 @@
+"""Fewer hops per stream: an engine host sends a request's tokens to the ingress in
+chunks, not one object per token.
+
+``coalesce`` reads the engine's stream in a task of its own and merges what has arrived
+since the last chunk it gave out: up to ``max_tokens`` tokens, or what arrives within
+``window_s`` of the first one waiting (0: only what is already there, so nothing waits
+that would not have waited anyway). The first chunk and the finished chunk are never
+held: a stream's first token leaves as soon as the engine makes it, and its last
+carries every token still waiting. When the engine's host is busy (many streams, a slow
+consumer) tokens queue up and leave together: one Serve hop for many tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+
+import msgspec
+
+from engines.base import GenerateChunk
+
+__all__ = ["coalesce", "merge_chunks"]
+
+_END = object()
+
+
+class _Failed:
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def merge_chunks(first: GenerateChunk, then: GenerateChunk) -> GenerateChunk:
+    """``then`` with ``first``'s text and tokens in front (its other fields are the later
+    chunk's: a finished chunk keeps its accounting)."""
+    return msgspec.structs.replace(
+        then, text=first.text + then.text, token_ids=[*first.token_ids, *then.token_ids]
+    )
+
+
+async def coalesce(
+    source: AsyncIterator[GenerateChunk],
+    *,
+    max_tokens: int,
+    window_s: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> AsyncGenerator[GenerateChunk, None]:
+    """``source``'s chunks, merged (see the module). An exception from ``source`` ends
+    the stream after the tokens that arrived before it; closing the stream closes
+    ``source`` (a disconnected client aborts the engine's request)."""
+    if max_tokens <= 1:
+        async for chunk in source:
+            yield chunk
+        return
+    queue: asyncio.Queue[object] = asyncio.Queue()
+
+    async def read() -> None:
+        try:
+            async for chunk in source:
+                queue.put_nowait(chunk)
+        except Exception as exc:
+            queue.put_nowait(_Failed(exc))
+        else:
+            queue.put_nowait(_END)
+
+    reader = asyncio.get_running_loop().create_task(read())
+    pending: GenerateChunk | None = None
+    deadline = 0.0
+    first = True
+    try:
+        while True:
+            item: object
+            if pending is None:
+                item = await queue.get()
+            elif not queue.empty():
+                item = queue.get_nowait()
+            else:
+                left = deadline - clock()
+                try:
+                    if left <= 0:
+                        raise TimeoutError
+                    item = await asyncio.wait_for(queue.get(), left)
+                except TimeoutError:
+                    yield pending  # the window closed: what waited leaves
+                    pending = None
+                    continue
+            if item is _END:
+                if pending is not None:
+                    yield pending
+                return
+            if isinstance(item, _Failed):
+                if pending is not None:
+                    yield pending
+                raise item.exc
+            assert isinstance(item, GenerateChunk)
+            chunk = item if pending is None else merge_chunks(pending, item)
+            pending = None
+            if first or chunk.finished or len(chunk.token_ids) >= max_tokens:
+                first = False
+                yield chunk
+                continue
+            pending = chunk
+            deadline = clock() + window_s
+    finally:
+        reader.cancel()
+        await asyncio.wait([reader])  # its end, not its exception (it was cancelled)
+        aclose = getattr(source, "aclose", None)
+        if aclose is not None:
+            await aclose()
