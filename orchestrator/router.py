@@ -47,6 +47,7 @@ from opentelemetry.trace import Span, SpanKind
 from engines.base import GenerateChunk, GenerateRequest, RequestFailed, final_chunk
 from engines.kv_params import KVTransferParams
 from orchestrator.errors import DeadlineExceeded, EngineUnavailable, RequestError
+from orchestrator.kv.conversations import is_unnamed
 from orchestrator.kv.messages import KVDecision, TurnDone
 from orchestrator.kv.service import KVServiceAPI
 from orchestrator.kv.session_tokens import SessionTokens
@@ -102,12 +103,17 @@ class TurnReport:
     prefill_replica: str | None = None
     prefill_route_reason: str = "pow2"
     prefill_matched_tokens: int = 0
+    # A request without x-session-id: "started" (it carries history: an unnamed session
+    # keeps its KV), "continued" (it extends one), "unmatched" (that session was busy:
+    # served without one); None otherwise (``orchestrator.kv.conversations``).
+    conversation: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "request_id": self.request_id,
-            "session_id": self.session_id,
+            "session_id": None if is_unnamed(self.session_id) else self.session_id,
+            "conversation": self.conversation,
             "kv_source": self.kv_source,
             "kv_plan": self.kv_plan,
             "kv_plan_reason": self.kv_plan_reason,

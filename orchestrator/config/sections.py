@@ -254,6 +254,13 @@ class RoutingConfig(StrictSection):
         "that replica's queue is longer than the least loaded one's by more than "
         "prefix_imbalance_threshold; off: Serve's power-of-two choice by load alone.",
     )
+    reuse_without_session: bool = Field(
+        True,
+        description="Give a chat that carries its history (an assistant message) but no "
+        "x-session-id a session of its own, found again by its text: its decode keeps the "
+        "turn's KV and the next request that extends the conversation pulls it back, as a "
+        "named session's turn would. Off: such requests keep nothing on decode.",
+    )
     prefix_block_size_tokens: int = Field(
         16,
         ge=1,

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.kv.bounded import BoundedMap
+from orchestrator.kv.conversations import ConversationIndex, is_unnamed
 
 __all__ = ["SessionTokens", "continue_tokens", "prefix_digest"]
 
@@ -86,6 +87,8 @@ class SessionTokens:
         self._turns: BoundedMap[str, _Turn] = BoundedMap(
             max_entries=max_sessions, max_bytes=max_bytes
         )
+        # Unnamed sessions (conversations without x-session-id) by their last turn's text.
+        self.conversations = ConversationIndex(max_sessions=max_sessions)
 
     def __len__(self) -> int:
         return len(self._turns)
@@ -115,7 +118,21 @@ class SessionTokens:
             return
         ids = array("I", token_ids)
         size = 4 * len(ids) + len(text or "")
-        self._turns.put(session_id, _Turn(text, ids, now_s), size=size)
+        dropped = self._turns.put(session_id, _Turn(text, ids, now_s), size=size)
+        for old, _ in dropped:
+            self.conversations.forget(old)
+        if is_unnamed(session_id):
+            if text is None or session_id in dict(dropped):
+                self.conversations.forget(session_id)
+            else:
+                self.conversations.file(session_id, text)
+
+    def find_conversation(self, principal_name: str, text: str, now_s: float) -> str | None:
+        """The key's unnamed session whose last turn ``text`` extends (see
+        ``orchestrator.kv.conversations``), or None."""
+        return self.conversations.find(
+            principal_name, text, lambda session_id: self.last_turn(session_id, now_s)[0]
+        )
 
     def last_turn(self, session_id: str, now_s: float) -> tuple[str | None, Sequence[int]]:
         """The text and ids the session's last turn covered (``(None, ())``: nothing
@@ -139,3 +156,4 @@ class SessionTokens:
 
     def forget(self, session_id: str) -> None:
         self._turns.pop(session_id)
+        self.conversations.forget(session_id)

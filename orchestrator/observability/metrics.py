@@ -133,6 +133,13 @@ METRICS: tuple[MetricSpec, ...] = (
         description="KV pulls that failed or timed out (the turn fell back to recompute).",
     ),
     MetricSpec(
+        name="kvtide_conversation_turns_total",
+        kind="counter",
+        description="Requests without x-session-id served as turns of an unnamed session "
+        "(outcome: started, continued) or, that session busy, without one (unmatched).",
+        tag_keys=("outcome",),
+    ),
+    MetricSpec(
         name="kvtide_turn_handover_failures_total",
         kind="counter",
         description="Finished turns whose hand-over to the KV service failed (their kept "

@@ -32,6 +32,7 @@ from orchestrator.config import KVTideConfig
 from orchestrator.errors import (
     ContextLengthExceeded,
     EngineUnavailable,
+    LimitExceeded,
     NotFound,
     RequestError,
     TurnInProgress,
@@ -499,6 +500,17 @@ class Ingress:
         plans the turn's KV. The turn runs once per Idempotency-Key and releases its
         concurrency ticket when the response (or stream) ends."""
         session_id = api.parse_session_id(http.headers.get("x-session-id"))
+        # A conversation without the header: the unnamed session its text extends, or a
+        # new one when it carries history (``orchestrator.kv.conversations``).
+        conversation: str | None = None
+        if session_id is None and text is not None and self.config.routing.reuse_without_session:
+            now = self.router.clock()
+            session_id = self.session_tokens.find_conversation(principal.name, text, now)
+            if session_id is not None:
+                conversation = "continued"
+            elif any(role == "assistant" for role, _ in req.messages):
+                session_id = self.session_tokens.conversations.new_session_id(principal.name)
+                conversation = "started"
         digest: int | None = None  # the last turn the prompt was tokenized from
         last_text: str | None = None
         last_ids: Sequence[int] = ()
@@ -520,7 +532,11 @@ class Ingress:
             return principal.cap_max_tokens(self._max_tokens(req, len(prompt_ids)))
 
         max_tokens = limits(ids)
-        replay_key = replay_key_of(http.headers.get("idempotency-key"), principal.name, session_id)
+        replay_key = replay_key_of(
+            http.headers.get("idempotency-key"),
+            principal.name,
+            None if conversation is not None else session_id,
+        )
         ticket = self.gate.acquire(principal)
         streaming = False
         try:
@@ -538,9 +554,21 @@ class Ingress:
             try:
                 decision = None
                 if session_id is not None:
-                    ids, max_tokens, decision = await self._begin_turn(
-                        session_id, principal, text, ids, max_tokens, digest, last_ids, limits
-                    )
+                    try:
+                        ids, max_tokens, decision = await self._begin_turn(
+                            session_id, principal, text, ids, max_tokens, digest, last_ids, limits
+                        )
+                    except (TurnInProgress, LimitExceeded, NotFound):
+                        if conversation is None:
+                            raise
+                        # The conversation's session is busy (the same history sent
+                        # twice at once) or over a limit: served as a request without
+                        # one, which keeps nothing. Never a refusal the client did not
+                        # ask for.
+                        session_id, conversation = None, "unmatched"
+                        self.metrics.inc("kvtide_conversation_turns_total", outcome="unmatched")
+                if conversation in ("continued", "started"):
+                    self.metrics.inc("kvtide_conversation_turns_total", outcome=conversation)
                 response = await self._run(
                     req,
                     text,
@@ -552,6 +580,7 @@ class Ingress:
                     root,
                     principal,
                     decision,
+                    conversation,
                 )
             except BaseException:
                 if replay_key is not None:
@@ -575,6 +604,7 @@ class Ingress:
         root: Span,
         principal: Principal,
         decision: KVDecision | None,
+        conversation: str | None = None,
     ) -> Any:
         tr.set_attrs(root, {tr.GEN_AI_REQUEST_MAX_TOKENS: max_tokens})
         rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -600,8 +630,9 @@ class Ingress:
         except StopAsyncIteration:
             raise EngineUnavailable("the decode engine returned no output") from None
         # Serve sets its own x-request-id (its request id); kvtide's is the completion id.
+        first[1].conversation = conversation
         headers = {REQUEST_ID_HEADER: rid}
-        if session_id is not None:
+        if session_id is not None and conversation is None:  # an unnamed one stays unnamed
             headers["x-session-id"] = session_id
         if req.stream:
             return StreamingResponse(
