@@ -95,6 +95,9 @@ class TurnReport:
     ttft_s: float = 0.0
     total_s: float = 0.0
     router_s: float = 0.0
+    # The ingress's time before the router: parsing, the chat template, tokenizing and
+    # the KV service's begin_turn (set by the ingress).
+    ingress_s: float = 0.0
     finish_reason: str | None = None
     migrations: int = 0
     prefill_retries: int = 0
@@ -124,6 +127,7 @@ class TurnReport:
             "ttft_s": round(self.ttft_s, 6),
             "total_s": round(self.total_s, 6),
             "router_s": round(self.router_s, 6),
+            "ingress_s": round(self.ingress_s, 6),
             "migrations": self.migrations,
             "prefill_retries": self.prefill_retries,
             "prefill_replica": self.prefill_replica,

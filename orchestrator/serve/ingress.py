@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -359,7 +360,9 @@ class Ingress:
 
     async def _chat(self, request: Request, root: Span) -> Any:
         principal = self._principal(request)
-        req = api.parse_chat(await self._body(request), self.config.model.name)
+        body = await self._body(request)
+        t_in = time.monotonic()
+        req = api.parse_chat(body, self.config.model.name)
         self.prompts.check_length(req)
         # Off the event loop, as tokenizing is: a long history takes a while to render.
         text = await asyncio.to_thread(
@@ -367,18 +370,20 @@ class Ingress:
             req.messages,
             continue_final_message=req.continue_final_message,
         )
-        return await self._serve(req, text, None, request, principal, root)
+        return await self._serve(req, text, None, request, principal, root, t_in)
 
     async def _completion(self, request: Request, root: Span) -> Any:
         principal = self._principal(request)
-        req = api.parse_completion(await self._body(request), self.config.model.name)
+        body = await self._body(request)
+        t_in = time.monotonic()
+        req = api.parse_completion(body, self.config.model.name)
         if req.prompt_token_ids is not None:
             ids: list[int] | None = list(req.prompt_token_ids)
             self.prompts.check_token_ids(req.prompt_token_ids)
-            return await self._serve(req, None, ids, request, principal, root)
+            return await self._serve(req, None, ids, request, principal, root, t_in)
         assert req.prompt_text is not None
         self.prompts.check_length(req)
-        return await self._serve(req, req.prompt_text, None, request, principal, root)
+        return await self._serve(req, req.prompt_text, None, request, principal, root, t_in)
 
     async def _traced(
         self,
@@ -492,8 +497,12 @@ class Ingress:
         http: Request,
         principal: Principal,
         root: Span,
+        t_in: float,
     ) -> Any:
-        """Checks in order, each refusal leaving nothing behind: the key's limits and the
+        """``t_in``: when the body was read (the ingress's own time on the turn's path
+        starts there: ``TurnReport.ingress_s``).
+
+        Checks in order, each refusal leaving nothing behind: the key's limits and the
         context (429/400), the key's concurrency (429), an Idempotency-Key's earlier run
         (replayed, or 409 while it runs); then one service call claims the session for
         the key (404 for another key's, 409 while a turn runs, 429 at a session limit) and
@@ -581,6 +590,7 @@ class Ingress:
                     principal,
                     decision,
                     conversation,
+                    t_in,
                 )
             except BaseException:
                 if replay_key is not None:
@@ -604,7 +614,8 @@ class Ingress:
         root: Span,
         principal: Principal,
         decision: KVDecision | None,
-        conversation: str | None = None,
+        conversation: str | None,
+        t_in: float,
     ) -> Any:
         tr.set_attrs(root, {tr.GEN_AI_REQUEST_MAX_TOKENS: max_tokens})
         rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -625,12 +636,14 @@ class Ingress:
             decision=decision,
         )
         # Wait for the first item so that prefill failures become a proper status code.
+        t_router = time.monotonic()
         try:
             first = await turn.__anext__()
         except StopAsyncIteration:
             raise EngineUnavailable("the decode engine returned no output") from None
         # Serve sets its own x-request-id (its request id); kvtide's is the completion id.
         first[1].conversation = conversation
+        first[1].ingress_s = t_router - t_in
         headers = {REQUEST_ID_HEADER: rid}
         if session_id is not None and conversation is None:  # an unnamed one stays unnamed
             headers["x-session-id"] = session_id
