@@ -21,11 +21,16 @@ from engines.kv_params import KVTransferParams
 
 @contextmanager
 def embedded_app(
-    kv: dict[str, Any] | None = None, *, serve_in_loop: bool = False
+    kv: dict[str, Any] | None = None,
+    *,
+    serve_in_loop: bool = False,
+    num_prefill: int = 1,
+    routing: dict[str, Any] | None = None,
 ) -> Iterator[tuple[str, str, Any, Any]]:
-    """Start the embedded default (with ``kv`` as its ``kv`` section, and
-    ``ray.serve_in_loop``) on a free port; yield (base URL, model name, prefill handle,
-    decode handle) — the handles stream, for driving the engines directly."""
+    """Start the embedded default (with ``kv`` as its ``kv`` section, ``routing`` as its
+    ``routing`` section, ``num_prefill`` prefill engines and ``ray.serve_in_loop``) on a
+    free port; yield (base URL, model name, prefill handle, decode handle) — the handles
+    stream, for driving the engines directly."""
     from ray import serve
 
     from orchestrator import runtime
@@ -41,6 +46,8 @@ def embedded_app(
                 "serve_in_loop": serve_in_loop,
             },
             "kv": kv or {},
+            "routing": routing or {},
+            "prefill": {"num_engines": num_prefill, "cpu_threads_bind": "0"},
         }
     )
     with runtime.running(config) as base_url:
@@ -64,6 +71,36 @@ async def engine_requests(base_url: str, prefill: Any, decode: Any) -> int:
     return total
 
 
+async def pool_counters(base_url: str) -> dict[str, dict[str, float]]:
+    """Every pool's engine counters summed over its replicas (``/kvtide/stats``), once no
+    drain runs and two heartbeats in a row report the same request counts (each engine
+    host reports its counters with its heartbeat, once a second)."""
+    last: dict[str, Any] | None = None
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        while True:
+            body = (await client.get("/kvtide/stats")).json()
+            counts = {e: c.get("num_requests") for e, c in body["engine_replicas"].items()}
+            if not body["kv"]["num_drains_running"] and last is not None and counts == last:
+                return {
+                    pool: {k: v for k, v in c.items() if isinstance(v, int | float)}
+                    for pool, c in body["engines"].items()
+                }
+            last = counts
+            await asyncio.sleep(1.2)  # the benchmark's pause: one heartbeat
+
+
+def token_gaps(times: list[float], counts: list[int]) -> list[float]:
+    """Inter-token latencies from stream events: event ``i`` came at ``times[i]`` with
+    ``counts[i]`` tokens in all so far; an event with k new tokens gives k gaps of
+    (its time - the previous event's) / k."""
+    gaps: list[float] = []
+    for i in range(1, len(times)):
+        k = counts[i] - counts[i - 1]
+        if k > 0:
+            gaps.extend([(times[i] - times[i - 1]) / k] * k)
+    return gaps
+
+
 @dataclass
 class DirectTurn:
     """One request through vLLM's own P/D flow, timed at the caller."""
@@ -71,8 +108,10 @@ class DirectTurn:
     ttft_s: float
     prefill_s: float = 0.0  # the prefill request, from its call to its last chunk
     token_times: list[float] = field(default_factory=list)
+    token_counts: list[int] = field(default_factory=list)  # tokens so far at each time
     token_ids: list[int] = field(default_factory=list)
     kept: KVTransferParams | None = None  # decode's final params: its kept blocks
+    num_cached_tokens: int = 0  # the prefill's: prefix cache and pulled
 
 
 async def direct_turn(
@@ -95,7 +134,9 @@ async def direct_turn(
     ):
         pre = chunk
     assert pre is not None and pre.kv_transfer_params
-    turn = DirectTurn(ttft_s=0.0, prefill_s=time.monotonic() - t0)
+    turn = DirectTurn(
+        ttft_s=0.0, prefill_s=time.monotonic() - t0, num_cached_tokens=pre.num_cached_tokens
+    )
     async for chunk in decode.generate.remote(
         GenerateRequest(
             request_id=rid + "-d",
@@ -108,6 +149,7 @@ async def direct_turn(
         if chunk.token_ids:
             turn.token_times.append(time.monotonic())
             turn.token_ids.extend(chunk.token_ids)
+            turn.token_counts.append(len(turn.token_ids))
         turn.kept = chunk.kv_transfer_params or turn.kept
     assert turn.token_times, "the decode engine produced no tokens"
     turn.ttft_s = turn.token_times[0] - t0
@@ -120,7 +162,10 @@ class StreamedTurn:
 
     t_start: float
     token_times: list[float] = field(default_factory=list)
+    token_counts: list[int] = field(default_factory=list)  # completion tokens at each time
     report: dict[str, Any] = field(default_factory=dict)  # the response's `kvtide` object
+    usage: dict[str, Any] = field(default_factory=dict)
+    text: str = ""
 
     @property
     def ttft_s(self) -> float:
@@ -131,25 +176,52 @@ async def stream_completion(
     client: Any, model: str, prompt: list[int], max_tokens: int, session: str | None = None
 ) -> StreamedTurn:
     """POST a streamed greedy completion (``ignore_eos``) and time every text chunk."""
+    body = {"model": model, "prompt": prompt}
+    return await _stream(client, "/v1/completions", body, max_tokens, session)
+
+
+async def stream_chat(
+    client: Any,
+    model: str,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    session: str | None = None,
+) -> StreamedTurn:
+    """POST a streamed greedy chat turn (``ignore_eos``); ``text`` is the answer."""
+    body = {"model": model, "messages": messages}
+    return await _stream(client, "/v1/chat/completions", body, max_tokens, session)
+
+
+async def _stream(
+    client: Any, path: str, body: dict[str, Any], max_tokens: int, session: str | None
+) -> StreamedTurn:
+    """Each event's time and the completion tokens so far (vLLM's continuous usage)."""
     body = {
-        "model": model,
-        "prompt": prompt,
+        **body,
         "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     headers = {"x-session-id": session} if session else {}
     turn = StreamedTurn(t_start=time.monotonic())
-    async with client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
+    texts: list[str] = []
+    async with client.stream("POST", path, json=body, headers=headers) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
             if not line.startswith("data: {"):
                 continue
             event = json.loads(line[6:])
-            if any(c.get("text") for c in event.get("choices", [])):
-                turn.token_times.append(time.monotonic())
+            for choice in event.get("choices", []):
+                text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                if text:
+                    texts.append(text)
+                    turn.token_times.append(time.monotonic())
+                    usage = event.get("usage") or {}
+                    turn.token_counts.append(int(usage.get("completion_tokens", 0)))
             turn.report = event.get("kvtide") or turn.report
+            turn.usage = event.get("usage") or turn.usage
     assert turn.token_times, "the endpoint streamed no text"
+    turn.text = "".join(texts)
     return turn

@@ -50,7 +50,7 @@ from orchestrator.errors import DeadlineExceeded, EngineUnavailable, RequestErro
 from orchestrator.kv.conversations import is_unnamed
 from orchestrator.kv.messages import KVDecision, TurnDone
 from orchestrator.kv.service import KVServiceAPI
-from orchestrator.kv.session_tokens import SessionTokens
+from orchestrator.kv.session_tokens import SessionTokens, prefix_digest
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import Metrics
 from policies.prefix_routing import RouteChoice
@@ -611,38 +611,62 @@ class Router:
         prompt_token_ids: list[int],
         out: _Streamed,
         prompt_text: str | None,
-    ) -> TurnDone:
-        """The decode's kept blocks and the session's next tokens, for the service; this
-        replica's copy of the session's last turn is updated at once (a next turn here
-        tokenizes from it; ``begin_turn`` checks it against the service's)."""
+    ) -> tuple[TurnDone, TurnDone]:
+        """The decode's kept blocks and the session's next tokens, for the service: as
+        sent (what the turn added) and whole. This replica's copy of the session's last
+        turn is updated at once (a next turn here tokenizes from it; ``begin_turn``
+        checks it against the service's)."""
         next_text, next_ids = self._continuation(
             prompt_text, list(prompt_token_ids), out.text, out.ids, chunk.finish_reason
         )
         sid, tokens = report.session_id, self.session_tokens
+        ids = [*prompt_token_ids, *out.ids]
+        # Only what the turn added travels: the prompt starts with the session's last
+        # turn (this replica's copy, which begin_turn checked), the next turn's ids are
+        # this turn's, cut (``TurnDone``).
+        prefix_len, digest = 0, None
         if sid is not None and tokens is not None:
+            last, digest = tokens.token_ids(sid), tokens.digest(sid)
+            if last and len(last) <= len(prompt_token_ids):
+                if prefix_digest(prompt_token_ids[: len(last)]) == digest:
+                    prefix_len = len(last)
             if next_ids is None:
                 tokens.forget(sid)
             else:
                 tokens.remember(sid, next_text, next_ids, self.clock())
-        return TurnDone(
+        next_len = None
+        if next_ids is not None and len(next_ids) <= len(ids) and next_ids == ids[: len(next_ids)]:
+            next_len = len(next_ids)
+        whole = TurnDone(
             session_id=sid,
-            token_ids=[*prompt_token_ids, *out.ids],
+            token_ids=ids,
             kv_transfer_params=chunk.kv_transfer_params,
             kv_expires_in_s=chunk.kv_expires_in_s,
             next_text=next_text,
             next_token_ids=next_ids,
             owner=report.extra.get("owner"),
         )
+        sent = msgspec.structs.replace(
+            whole,
+            token_ids=ids[prefix_len:],
+            next_token_ids=None if next_len is not None else next_ids,
+            prefix_len=prefix_len,
+            prefix_digest=digest if prefix_len else None,
+            next_len=next_len,
+        )
+        return sent, whole
 
-    def _hand_over(self, route: Span, report: TurnReport, done: TurnDone) -> None:
+    def _hand_over(self, route: Span, report: TurnReport, done: tuple[TurnDone, TurnDone]) -> None:
         """Give the finished turn to the service off the turn's path: the client gets its
         last tokens without waiting for the booking. The session's next turn waits for it
         in ``begin_turn`` (the service holds a turn's claim until its ``turn_done``)."""
-        task = asyncio.get_running_loop().create_task(self._turn_done(route, report, done))
+        task = asyncio.get_running_loop().create_task(self._turn_done(route, report, *done))
         self._handovers.add(task)
         task.add_done_callback(self._handovers.discard)
 
-    async def _turn_done(self, route: Span, report: TurnReport, done: TurnDone) -> None:
+    async def _turn_done(
+        self, route: Span, report: TurnReport, done: TurnDone, whole: TurnDone
+    ) -> None:
         kept = done.kv_transfer_params
         with tr.span(
             tr.SPAN_SEND_BACK,
@@ -653,7 +677,10 @@ class Router:
             parent=route,
         ):
             try:
-                await self.kv.turn_done(done)
+                if not await self.kv.turn_done(done):
+                    # The service holds another last turn (it restarted meanwhile, or
+                    # this replica's copy was stale): the turn, whole.
+                    await self.kv.turn_done(whole)
             except RequestError as exc:
                 # The service is unreachable (its client's deadline passed): end the
                 # claim if it can be reached now; otherwise its tick ends it. The kept

@@ -27,6 +27,8 @@ from pydantic import (
 
 from engines.base import EngineRole, EngineSpec, KVTransferSpec
 from engines.decode_path import decode_path_settings
+from engines.idle_steps import CPU_WAIT_MS as IDLE_STEP_CPU_WAIT_MS
+from engines.idle_steps import ENV_VAR as IDLE_STEP_ENV
 from engines.kv_connector import CPU_PROGRESS_WAIT_MS
 from orchestrator.config.decode_paths import decode_path_for
 from orchestrator.config.file import read_yaml
@@ -151,6 +153,11 @@ class KVTideConfig(ConfigFile):
         decode_path = decode_path_for(self, pool)
         env += sorted(decode_path_settings(decode_path).env.items())
         kv = self.kv
+        idle_wait_ms = kv.idle_step_wait_ms
+        if idle_wait_ms is None:
+            idle_wait_ms = IDLE_STEP_CPU_WAIT_MS if self.device == "cpu" else 0.0
+        if idle_wait_ms > 0 and self.backend == "vllm":
+            env.append((IDLE_STEP_ENV, f"{idle_wait_ms:g}"))
         return EngineSpec(
             engine_id=engine_id,
             backend=self.backend,

@@ -134,6 +134,16 @@ class KVConfig(StrictSection):
         "as fast; `benchmarks/nixl_progress.py`), NIXL's busy polling on GPUs (not measured "
         "there). Needs kvtide's connector (kv.per_request_keep).",
     )
+    idle_step_wait_ms: float | None = Field(
+        None,
+        ge=0,
+        le=1000,
+        description="vLLM engines: when an engine only keeps finished requests' KV (nothing "
+        "to run), its core waits this long for a new request before its next empty step "
+        "(a new request wakes it at once). 0: vLLM's own loop, which steps back to back "
+        "while it keeps any KV. Unset: 20 ms on CPU (measured there), vLLM's loop on GPUs "
+        "(not measured there).",
+    )
     warm_up: bool = Field(
         True,
         description="Each vLLM decode engine runs one turn with the prefill pool, and sends "

@@ -69,6 +69,11 @@ class TurnDone(msgspec.Struct, frozen=True, kw_only=True):
     ``token_ids`` are the prompt's and the output's (the record covers the first
     ``remote_num_tokens`` of them). ``next_text``/``next_token_ids`` are what the next
     turn's tokenization continues from (None: forget, e.g. a stop string cut the text).
+
+    Sent as what the turn added: with ``prefix_len`` > 0, ``token_ids`` leave out the
+    session's last turn (the service's copy, ``prefix_len`` ids whose ``prefix_digest``
+    is given), and ``next_len`` says ``next_token_ids`` are the first ``next_len`` of
+    the whole turn's ids (not sent again). ``KVService.whole`` puts them back.
     """
 
     session_id: str | None
@@ -78,6 +83,9 @@ class TurnDone(msgspec.Struct, frozen=True, kw_only=True):
     next_text: str | None = None
     next_token_ids: list[int] | None = None
     owner: str | None = None  # the API key's name: its ownership is refreshed
+    prefix_len: int = 0
+    prefix_digest: int | None = None
+    next_len: int | None = None
 
 
 class KeptBlocks(msgspec.Struct, frozen=True, kw_only=True):

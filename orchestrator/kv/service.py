@@ -138,7 +138,7 @@ class KVServiceAPI(Protocol):
 
     async def pull_failed(self, session_id: str) -> None: ...
 
-    async def turn_done(self, done: TurnDone) -> None: ...
+    async def turn_done(self, done: TurnDone) -> bool: ...
 
     async def turn_abandoned(self, session_id: str | None) -> None: ...
 
@@ -398,15 +398,43 @@ class KVService:
     async def pull_failed(self, session_id: str) -> None:
         self._apply(self.decider.pull_failed(session_id, self.clock()))
 
-    async def turn_done(self, done: TurnDone) -> None:
+    def whole(self, done: TurnDone) -> TurnDone | None:
+        """``done`` with what its sender left out put back (``TurnDone``): the session's
+        last turn in front of its ids, its next ids cut from them. None when the last
+        turn here is not the one it names (by digest): the sender sends it whole."""
+        if done.prefix_len == 0 and done.next_len is None:
+            return done
+        ids = done.token_ids
+        if done.prefix_len:
+            sid = done.session_id
+            last = None if sid is None else self.tokens.token_ids(sid)
+            if (
+                sid is None
+                or last is None
+                or len(last) != done.prefix_len
+                or self.tokens.digest(sid) != done.prefix_digest
+            ):
+                return None
+            ids = [*last, *ids]
+        nxt = done.next_token_ids if done.next_len is None else ids[: done.next_len]
+        return msgspec.structs.replace(
+            done, token_ids=ids, next_token_ids=nxt, prefix_len=0, prefix_digest=None, next_len=None
+        )
+
+    async def turn_done(self, done: TurnDone) -> bool:
         """Book the kept blocks and the session's tokens together (one step: a record is
-        never booked without the tokens that drain it)."""
+        never booked without the tokens that drain it). False (nothing done) when the
+        turn names a last turn this service does not hold: send it whole."""
+        whole = self.whole(done)
+        if whole is None:
+            return False
+        done = whole
         now = self.clock()
         sid = done.session_id
         if sid is None:
             # Nobody will pull these blocks back: free them now, not at the TTL.
             self._drain(done.kv_transfer_params, done.token_ids)
-            return
+            return True
         self._clear_running(sid)
         if done.owner is not None:
             self.owners.touch(sid, Principal(name=done.owner), now)
@@ -424,6 +452,7 @@ class KVService:
             ),
             candidates=(previous, done.token_ids),
         )
+        return True
 
     async def turn_abandoned(self, session_id: str | None) -> None:
         if session_id is not None:

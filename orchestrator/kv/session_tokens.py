@@ -149,6 +149,11 @@ class SessionTokens:
         turn = self._turns.get(session_id)
         return None if turn is None or now_s - turn.stored_s > self.ttl_s else turn
 
+    def digest(self, session_id: str) -> int | None:
+        """``prefix_digest`` of the session's last turn as remembered (however old)."""
+        turn = self._turns.get(session_id)
+        return None if turn is None else turn.digest
+
     def token_ids(self, session_id: str) -> Sequence[int] | None:
         """The exact token ids the session's last turn covered, if remembered."""
         turn = self._turns.get(session_id)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import socket
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -256,6 +257,7 @@ class EngineHost:
                 bundles.append({"index": index, "node_id": node_id, "resources": resources})
         return {
             "engine_id": self._info.engine_id,
+            "pid": os.getpid(),  # the host's process (vLLM's engine core is its child)
             "domain_id": self.domain_id,
             "node_id": ray.get_runtime_context().get_node_id(),
             "group_id": None if group is None else group.id.hex(),

@@ -483,6 +483,11 @@ class Ingress:
                 break
             assert claim.prefix is not None and text is not None
             prefix = claim.prefix
+            # This replica's copy is now the service's (the turn's hand-over sends only
+            # what it adds to it).
+            self.session_tokens.remember(
+                session_id, prefix.text, prefix.token_ids, self.router.clock()
+            )
             ids = await self._tokenize(text, prefix.text, prefix.token_ids)
             digest, last_ids = prefix_digest(prefix.token_ids), prefix.token_ids
             max_tokens = limits(ids)

@@ -11,13 +11,17 @@ worker(s)".
 
 from __future__ import annotations
 
+import os
 import random
+import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from polling import wait_for
+from procs import descendants
 from ray import serve
 
 from engines.base import EngineStats, GenerateChunk, GenerateRequest
@@ -173,3 +177,33 @@ def test_the_decode_engine_warmed_its_kv_transfers_before_taking_traffic(kvtide_
     assert set(warm_ups) == {"prefill-pool"}, warm_ups
     assert warm_ups["prefill-pool"]["sent_back"], warm_ups
     assert _handle("prefill").warm_ups.remote().result(timeout_s=60) == {}
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of ``pids`` so far (``/proc/PID/stat``)."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (after the name)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_decode_engine_keeping_a_sessions_kv_idles_instead_of_stepping(
+    kvtide_app: Any,
+) -> None:
+    rng = random.Random(24)
+    session = f"idle-{uuid.uuid4().hex[:8]}"
+    _complete(kvtide_app, [rng.randrange(10, 1000) for _ in range(300)], session)
+    wait_for(lambda: _kv(kvtide_app)["num_drains_running"] == 0, 120, "drains in flight")
+    record = httpx.get(f"{kvtide_app.base_url}/kvtide/sessions/{session}", timeout=30).json()
+    assert record["record"] is not None  # the decode engine keeps the turn's KV
+    host = _handle("decode").placement.remote().result()["pid"]
+    cores = [p for p in descendants(host) if "EngineCor" in Path(f"/proc/{p}/comm").read_text()]
+    assert cores, "the decode engine's vLLM core process"
+    before, t0 = _cpu_seconds(cores), time.monotonic()
+    time.sleep(2.0)  # the interval the CPU time is measured over
+    used = (_cpu_seconds(cores) - before) / (time.monotonic() - t0)
+    # vLLM's own loop steps back to back while it keeps KV: about a core here.
+    assert used < 0.25, f"the idle decode engine's core used {used:.2f} of a CPU"
+    still = httpx.get(f"{kvtide_app.base_url}/kvtide/sessions/{session}", timeout=30).json()
+    assert still["record"] is not None  # measured while the KV was kept

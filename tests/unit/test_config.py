@@ -57,7 +57,11 @@ def test_yaml_file_round_trips_into_engine_specs(tmp_path: Path) -> None:
     cfg = load_config(path)
     spec = cfg.engine_spec(cfg.decode, "decode-0", side_channel_port=7001)
     assert spec.role == "decode" and spec.model_path == "/models/llama"
-    assert dict(spec.env) == {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "2-3"}
+    assert dict(spec.env) == {
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_CPU_OMP_THREADS_BIND": "2-3",
+        "KVTIDE_IDLE_STEP_WAIT_MS": "20",
+    }
     args = engine_args_for(spec)
     assert args["model"] == "/models/llama" and args["served_model_name"] == ["llama"]
     assert args["dtype"] == "bfloat16" and args["max_model_len"] == 32768

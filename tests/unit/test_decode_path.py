@@ -156,10 +156,13 @@ def test_without_gpu_arch_engine_specs_are_exactly_as_before(kimi_k3_checkpoint:
             )
             assert "additional_config" not in engine_args_for(s)
             assert not any(k.startswith("KVTIDE_KERNELS") for k, _ in s.env)
+            # The idle-step wait is measured on CPU only: GPU engines step as vLLM's.
+            assert ("KVTIDE_IDLE_STEP_WAIT_MS" in dict(s.env)) == (cfg.device == "cpu")
     cpu = parse_config(None)
     assert dict(cpu.engine_spec(cpu.decode, "d", 5600).env) == {
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "1",
+        "KVTIDE_IDLE_STEP_WAIT_MS": "20",
     }
 
 

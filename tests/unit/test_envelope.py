@@ -76,9 +76,10 @@ def test_arguments_and_answers_keep_their_types() -> None:
             assert type(args[1]) is Principal
             return Claim(outcome="claimed", decision=KVDecision(kind="recompute", reason="r"))
 
-        async def turn_done(self, got: TurnDone) -> None:
+        async def turn_done(self, got: TurnDone) -> bool:
             assert got.token_ids == [1, 2, 3]
             assert got.kv_transfer_params == done.kv_transfer_params
+            return True
 
     claim = decode_result("begin_turn", asyncio.run(dispatch(Echo(), message)))
     assert isinstance(claim, Claim) and isinstance(claim.decision, KVDecision)

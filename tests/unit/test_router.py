@@ -114,9 +114,9 @@ class CountingService(KVService):
 
     num_turns_done = 0
 
-    async def turn_done(self, done: TurnDone) -> None:
+    async def turn_done(self, done: TurnDone) -> bool:
         self.num_turns_done += 1
-        await super().turn_done(done)
+        return await super().turn_done(done)
 
 
 def make_router(prefill: FakePool, decode: FakePool, **kw: Any) -> Router:

@@ -13,6 +13,7 @@ import asyncio
 import json
 from typing import Any
 
+import msgspec
 import pytest
 from ingress_harness import MODEL, bare_ingress, handle, http_request
 from test_kv_service import S1_T1, S1_T2, Cluster
@@ -36,6 +37,7 @@ class CallLog:
         self.service = service
         self.calls: list[str] = []
         self.begun: list[tuple[Any, ...]] = []
+        self.handed: list[TurnDone] = []
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.service, name)
@@ -46,6 +48,8 @@ class CallLog:
             self.calls.append(name)
             if name == "begin_turn":
                 self.begun.append((*args, *kwargs.values()))
+            if name == "turn_done":
+                self.handed.append(args[0])
             return attr(*args, **kwargs)
 
         return call
@@ -212,10 +216,10 @@ class HeldHandOver(KVService):
         self.release = asyncio.Event()
         self.handed: list[TurnDone] = []
 
-    async def turn_done(self, done: TurnDone) -> None:
+    async def turn_done(self, done: TurnDone) -> bool:
         await self.release.wait()
         self.handed.append(done)
-        await super().turn_done(done)
+        return await super().turn_done(done)
 
 
 def held_cluster(handover_wait_s: float = 5.0) -> Cluster:
@@ -292,7 +296,7 @@ def test_a_failed_hand_over_is_counted_and_ends_the_sessions_claim() -> None:
     alice = Principal(name="alice")
 
     class Unreachable(KVService):
-        async def turn_done(self, done: TurnDone) -> None:
+        async def turn_done(self, done: TurnDone) -> bool:
             raise DeadlineExceeded("the KV service did not answer turn_done in time")
 
     service = c.new_service(Unreachable, handover_wait_s=0.0)
@@ -361,3 +365,41 @@ def test_reading_a_session_after_its_turn_sees_the_turn(tiny_tokenizer: Any) -> 
     # The read waited for this replica's hand-over: it shows the turn's record.
     assert held.ended[-2:] == ["turn_done", "session"]
     assert info["record"] is not None
+
+
+def test_a_turns_hand_over_carries_only_what_it_added(tiny_tokenizer: Any) -> None:
+    first, _, log = two_ingresses(tiny_tokenizer)
+    chat = Chat("s5")
+    chat.turn(first, "What is kept?")
+    chat.turn(first, "And after?")
+    sent = log.handed[-1]
+    turn2 = decode_prompts(first)[1]
+    # Turn 1's prompt and answer (the service's last turn) are not sent again, nor the
+    # next turn's ids (this turn's, whole)...
+    assert sent.prefix_len == len(decode_prompts(first)[0]) + 3
+    assert sent.token_ids == [*turn2[sent.prefix_len :], 11, 12, 13]
+    assert sent.next_token_ids is None and sent.next_len == len(turn2) + 3
+    # ...and the service booked the whole turn.
+    service: KVService = first.kv.service
+    assert list(service.tokens.token_ids("s5") or ()) == [*turn2, 11, 12, 13]
+
+
+def test_a_hand_over_naming_another_last_turn_is_refused_then_sent_whole() -> None:
+    c = Cluster()
+    svc = c.service
+    svc.tokens.remember("s", "t", [1, 2, 3], c.clock())
+    added = TurnDone(
+        session_id="s",
+        token_ids=[4, 5],
+        next_text="t45",
+        prefix_len=3,
+        prefix_digest=prefix_digest([1, 2, 3]),
+        next_len=5,
+    )
+    whole = svc.whole(added)
+    assert whole is not None and whole.token_ids == [1, 2, 3, 4, 5]
+    assert whole.next_token_ids == [1, 2, 3, 4, 5] and whole.prefix_len == 0
+    stale = msgspec.structs.replace(added, prefix_digest=prefix_digest([1, 2, 9]))
+    assert svc.whole(stale) is None
+    assert asyncio.run(svc.turn_done(stale)) is False  # nothing booked from a guess
+    assert list(svc.tokens.token_ids("s") or ()) == [1, 2, 3]

@@ -1,0 +1,90 @@
+"""A vLLM engine core that only keeps finished requests' KV waits instead of stepping.
+
+vLLM's engine core steps while its scheduler has requests, and a finished request whose
+blocks are kept for a peer (a decode's for the next turn, a prefill's under a lease) is
+one until the peer reads it or its TTL ends. With nothing to run, each step schedules
+nothing and executes an empty batch, then sleeps 1 ms: on the development box a decode
+engine holding one session's KV idle used about a core that way, for as long as it held
+it (the TTL: minutes), on a 2-core machine where the prefill engine needed it.
+
+With ``ENV_VAR`` set (ms, > 0) in the engine core's environment, ``register()`` (entry
+point group ``vllm.general_plugins``, called in every process vLLM starts) wraps
+``EngineCore._process_engine_step``: when the scheduler has no request to run, none just
+finished and no batch is in flight — only kept blocks — the core first waits up to that
+long for the next client message (a new request, an abort) and handles it at once. A
+read of the kept blocks needs no step on their side (NIXL reads them from the peer);
+the step after it frees them, at most the wait later. Everything else is vLLM's.
+
+``kv.idle_step_wait_ms`` sets it (20 ms on CPU, where it was measured; off on GPUs
+unless set). Patches a private method of vLLM's engine core (0.32/0.33): on a vLLM
+without it, ``register()`` logs and leaves the engine as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+from typing import Any
+
+__all__ = ["CPU_WAIT_MS", "ENV_VAR", "install", "only_kept_blocks", "register"]
+
+log = logging.getLogger("kvtide.engine")
+
+ENV_VAR = "KVTIDE_IDLE_STEP_WAIT_MS"
+CPU_WAIT_MS = 20.0
+"""The wait vLLM engines get on CPU (``benchmarks/sendback.py`` measures its effect)."""
+
+
+def only_kept_blocks(core: Any) -> bool:
+    """The core's scheduler holds requests, but only finished ones whose blocks wait for
+    a peer: nothing to run, nothing just finished, no batch in flight."""
+    scheduler = core.scheduler
+    return (
+        not getattr(core, "engines_running", False)
+        and not getattr(core, "batch_queue", None)
+        and not scheduler.has_unfinished_requests()
+        and not scheduler.finished_req_ids
+        and scheduler.has_requests()
+    )
+
+
+def install(core_class: type, wait_s: float) -> bool:
+    """Wrap ``core_class._process_engine_step`` (once); False when it has none."""
+    original = getattr(core_class, "_process_engine_step", None)
+    if original is None or getattr(core_class, "_kvtide_idle_wait_s", None) is not None:
+        return False
+
+    def _process_engine_step(self: Any) -> Any:
+        if only_kept_blocks(self):
+            try:
+                message = self.input_queue.get(timeout=wait_s)
+            except queue.Empty:
+                pass
+            else:
+                self._handle_client_request(*message)
+        return original(self)
+
+    core_class._process_engine_step = _process_engine_step  # type: ignore[attr-defined]
+    core_class._kvtide_idle_wait_s = wait_s  # type: ignore[attr-defined]
+    return True
+
+
+def register() -> None:
+    """vLLM's plugin hook: wrap the engine core's step where ``ENV_VAR`` asks for it."""
+    try:
+        wait_ms = float(os.environ.get(ENV_VAR) or 0)
+    except ValueError:
+        log.warning(
+            "%s=%r is not a number of ms: engine steps as vLLM's", ENV_VAR, os.environ[ENV_VAR]
+        )
+        return
+    if wait_ms <= 0:
+        return
+    try:
+        from vllm.v1.engine.core import EngineCore
+    except ImportError:
+        return
+    if not install(EngineCore, wait_ms / 1000):
+        if getattr(EngineCore, "_kvtide_idle_wait_s", None) is None:
+            log.warning("this vLLM's engine core has no _process_engine_step: idle steps as vLLM's")

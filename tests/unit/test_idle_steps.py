@@ -1,0 +1,98 @@
+"""An engine core that only keeps finished requests' KV waits for input instead of
+stepping (``engines.idle_steps``), against a stand-in for vLLM's ``EngineCore``."""
+
+from __future__ import annotations
+
+import queue
+from typing import Any
+
+import pytest
+
+from engines import idle_steps
+from orchestrator.config import parse_config
+
+
+class Scheduler:
+    def __init__(self, unfinished: int = 0, kept: int = 0, just_finished: int = 0) -> None:
+        self.unfinished, self.kept = unfinished, kept
+        self.finished_req_ids = {f"f{i}" for i in range(just_finished)}
+
+    def has_unfinished_requests(self) -> bool:
+        return self.unfinished > 0
+
+    def has_requests(self) -> bool:
+        return self.unfinished + self.kept > 0 or bool(self.finished_req_ids)
+
+
+def core_class() -> type:
+    class Core:
+        """What the wrapper uses of vLLM's engine core: a step, an input queue and the
+        handler of client messages."""
+
+        def __init__(self, scheduler: Scheduler) -> None:
+            self.scheduler = scheduler
+            self.input_queue: queue.Queue[tuple[str, Any]] = queue.Queue()
+            self.engines_running = False
+            self.batch_queue = None
+            self.steps = 0
+            self.handled: list[tuple[str, Any]] = []
+
+        def _handle_client_request(self, kind: str, request: Any) -> None:
+            self.handled.append((kind, request))
+
+        def _process_engine_step(self) -> bool:
+            self.steps += 1
+            return False
+
+    return Core
+
+
+def test_a_core_that_only_keeps_kv_handles_the_next_request_before_stepping() -> None:
+    Core = core_class()
+    assert idle_steps.install(Core, wait_s=60.0)
+    core = Core(Scheduler(kept=1))
+    core.input_queue.put(("ADD", "r1"))
+    # A message is waiting: taken and handled at once (no 60 s wait), then the step.
+    core._process_engine_step()
+    assert core.handled == [("ADD", "r1")] and core.steps == 1
+
+
+def test_with_nothing_arriving_it_steps_once_per_wait() -> None:
+    Core = core_class()
+    idle_steps.install(Core, wait_s=0.01)
+    core = Core(Scheduler(kept=1))
+    core._process_engine_step()  # waited 10 ms for input, none came: then the step
+    assert core.handled == [] and core.steps == 1
+
+
+@pytest.mark.parametrize(
+    "scheduler",
+    [
+        Scheduler(unfinished=1, kept=1),  # a request to run
+        Scheduler(kept=1, just_finished=1),  # a request just finished: its cleanup step
+        Scheduler(),  # nothing at all (vLLM does not step then anyway)
+    ],
+)
+def test_a_core_with_work_steps_without_waiting(scheduler: Scheduler) -> None:
+    Core = core_class()
+    idle_steps.install(Core, wait_s=60.0)
+    core = Core(scheduler)
+    core.input_queue.put(("ADD", "r1"))
+    core._process_engine_step()
+    assert core.steps == 1 and core.handled == []  # the message stays for vLLM's loop
+
+
+def test_it_wraps_once_and_only_a_core_with_the_step_it_knows() -> None:
+    Core = core_class()
+    assert idle_steps.install(Core, 0.02) and not idle_steps.install(Core, 0.02)
+    assert not idle_steps.install(type("Other", (), {}), 0.02)
+
+
+def test_the_config_turns_it_on_for_cpu_engines_only_unless_set() -> None:
+    def env(cfg: dict[str, Any]) -> dict[str, str]:
+        config = parse_config(cfg)
+        return dict(config.engine_spec(config.decode, "d", side_channel_port=5600).env)
+
+    assert env({})[idle_steps.ENV_VAR] == "20"
+    assert idle_steps.ENV_VAR not in env({"kv": {"idle_step_wait_ms": 0}})
+    assert env({"kv": {"idle_step_wait_ms": 5}})[idle_steps.ENV_VAR] == "5"
