@@ -43,4 +43,4 @@ def test_a_history_only_client_pulls_its_kv_back_from_its_third_turn(kvtide_app:
     # and 4 extend it: the KV the decode engine kept is pulled back.
     assert seen[0][:2] == (None, "recomputed"), seen
     assert seen[1][0] == "started", seen
-    assert seen[2:] == [("continued", "sent_back", None)] * 2, seen
+    assert seen[2:] == [("continued", "sent_back", "reuse")] * 2, seen

@@ -203,7 +203,8 @@ def test_a_decode_engine_keeping_a_sessions_kv_idles_instead_of_stepping(
     before, t0 = _cpu_seconds(cores), time.monotonic()
     time.sleep(2.0)  # the interval the CPU time is measured over
     used = (_cpu_seconds(cores) - before) / (time.monotonic() - t0)
-    # vLLM's own loop steps back to back while it keeps KV: about a core here.
-    assert used < 0.25, f"the idle decode engine's core used {used:.2f} of a CPU"
+    # vLLM's own loop steps back to back while it keeps KV: 0.31 of a core on the
+    # development box, 0.06 with the wait (benchmarks/idle_steps.py).
+    assert used < 0.15, f"the idle decode engine's core used {used:.2f} of a CPU"
     still = httpx.get(f"{kvtide_app.base_url}/kvtide/sessions/{session}", timeout=30).json()
     assert still["record"] is not None  # measured while the KV was kept

@@ -3,7 +3,10 @@ stepping (``engines.idle_steps``), against a stand-in for vLLM's ``EngineCore``.
 
 from __future__ import annotations
 
+import os
 import queue
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -96,3 +99,26 @@ def test_the_config_turns_it_on_for_cpu_engines_only_unless_set() -> None:
     assert env({})[idle_steps.ENV_VAR] == "20"
     assert idle_steps.ENV_VAR not in env({"kv": {"idle_step_wait_ms": 0}})
     assert env({"kv": {"idle_step_wait_ms": 5}})[idle_steps.ENV_VAR] == "5"
+
+
+def test_vllms_engine_core_process_is_wrapped_where_the_variable_asks() -> None:
+    """In a process of its own (the wrap is process-wide), as vLLM loads the plugin."""
+    code = (
+        "from engines import idle_steps; idle_steps.register(); "
+        "from vllm.v1.engine.core import EngineCoreProc as C; "
+        "print(getattr(C, '_kvtide_idle_wait_s', None))"
+    )
+
+    def run(env: dict[str, str]) -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
+        return done.stdout.strip().splitlines()[-1]
+
+    assert run({idle_steps.ENV_VAR: "20"}) == "0.02"
+    assert run({idle_steps.ENV_VAR: "0"}) == "None"

