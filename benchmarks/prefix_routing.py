@@ -67,7 +67,9 @@ def app_config(tmp: Path, *, prefix_aware: bool, port: int) -> Any:
             # Simulated engines in different processes cannot read each other's blocks
             # (their fabric is per process): the decode recomputes the prompt instead.
             "kv": {"kv_load_failure_policy": "recompute"},
-            "routing": {"prefix_aware": prefix_aware},
+            # Placement alone: no unnamed sessions pulling a conversation's KV back from
+            # decode (simulated engines could not read it; see above).
+            "routing": {"prefix_aware": prefix_aware, "reuse_without_session": False},
             "server": {"port": port, "request_timeout_s": 120},
             "ray": {"temp_dir": str(tmp / "ray"), "num_cpus": 16},
             "observability": {"metrics": False},

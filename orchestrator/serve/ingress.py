@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -76,6 +76,21 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # go (a session whose copy went costs one more service call on its next turn).
 SESSION_TOKENS_MAX = 10_000
 SESSION_TOKENS_MAX_BYTES = 256 * 2**20
+
+INLINE_MAX_CHARS = 8192
+"""Text up to this many characters is rendered or tokenized on the event loop: it takes
+well under a millisecond, less than the hop to a worker thread and back."""
+
+_T = TypeVar("_T")
+
+
+async def _maybe_in_thread(size: int, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``fn(*args, **kwargs)``: inline for ``size`` up to ``INLINE_MAX_CHARS``, else in a
+    worker thread (off the event loop)."""
+    if size <= INLINE_MAX_CHARS:
+        return fn(*args, **kwargs)
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
 
 fastapi_app = FastAPI(title="kvtide", docs_url=None, redoc_url=None)
 
@@ -364,8 +379,11 @@ class Ingress:
         t_in = time.monotonic()
         req = api.parse_chat(body, self.config.model.name)
         self.prompts.check_length(req)
-        # Off the event loop, as tokenizing is: a long history takes a while to render.
-        text = await asyncio.to_thread(
+        # A long history takes a while to render: off the event loop, as tokenizing is.
+        # A short one costs less than the thread hop.
+        size = sum(len(content) for _, content in req.messages)
+        text = await _maybe_in_thread(
+            size,
             self.prompts.render_chat,
             req.messages,
             continue_final_message=req.continue_final_message,
@@ -452,7 +470,10 @@ class Ingress:
         """``text``: a ``RenderedChat`` (its messages' contents stay text) or a
         completion's raw prompt; continuing a session's last turn when given."""
         # Off the event loop: a long prompt takes seconds, and /v1/models must not wait.
-        return await asyncio.to_thread(self.prompts.encode, text, last_text, list(last_ids))
+        # What is tokenized is the text after the last turn's where it continues one.
+        continues = last_text is not None and text.startswith(last_text)
+        size = len(text) - (len(last_text) if continues and last_text is not None else 0)
+        return await _maybe_in_thread(size, self.prompts.encode, text, last_text, list(last_ids))
 
     async def _begin_turn(
         self,
