@@ -15,6 +15,7 @@ import pytest
 from ingress_harness import MODEL, bare_ingress, handle, http_request
 
 from orchestrator.errors import PayloadTooLarge
+from orchestrator.serve import ingress as ingress_module
 from orchestrator.serve.prompts import PromptEncoder, RenderedChat
 
 CHAT = "/v1/chat/completions"
@@ -77,8 +78,10 @@ def test_the_prompt_length_is_checked_before_rendering_or_tokenizing(
 
 
 def test_tokenizing_runs_off_the_event_loop_and_models_answers_meanwhile(
-    tiny_tokenizer: Any,
+    tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Every prompt counts as long here (a long one is what takes seconds).
+    monkeypatch.setattr(ingress_module, "INLINE_MAX_CHARS", 0)
     ingress = bare_ingress(tiny_tokenizer)
     threads: dict[str, int] = {}
     encoding = threading.Event()
@@ -112,6 +115,31 @@ def test_tokenizing_runs_off_the_event_loop_and_models_answers_meanwhile(
         assert loop_thread not in (threads["render"], threads["encode"])
 
     asyncio.run(story())
+
+
+def test_a_short_prompt_is_tokenized_on_the_event_loop(tiny_tokenizer: Any) -> None:
+    ingress = bare_ingress(tiny_tokenizer)
+    threads: dict[str, int] = {}
+
+    class Where(PromptEncoder):
+        def render_chat(self, messages: Sequence[tuple[str, str]], **kw: bool) -> RenderedChat:
+            threads["render"] = threading.get_ident()
+            return super().render_chat(messages, **kw)
+
+        def encode(self, prompt: str, *args: Any) -> list[int]:
+            threads["encode"] = threading.get_ident()
+            return super().encode(prompt, *args)
+
+    ingress.prompts = Where(tiny_tokenizer, max_model_len=256)
+
+    async def story() -> int:
+        status, _ = await handle(ingress, CHAT, _chat())
+        assert status == 200
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(story())
+    # A thread hop costs more than rendering and tokenizing a short prompt.
+    assert threads == {"render": loop_thread, "encode": loop_thread}
 
 
 def test_special_tokens_typed_in_a_message_reach_the_engine_as_text(
