@@ -7,6 +7,7 @@ import os
 import queue
 import subprocess
 import sys
+import types
 from typing import Any
 
 import pytest
@@ -101,24 +102,35 @@ def test_the_config_turns_it_on_for_cpu_engines_only_unless_set() -> None:
     assert env({"kv": {"idle_step_wait_ms": 5}})[idle_steps.ENV_VAR] == "5"
 
 
-def test_vllms_engine_core_process_is_wrapped_where_the_variable_asks() -> None:
+def test_the_plugin_wraps_the_engine_core_process_only_where_the_variable_asks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    Core = core_class()
+    fake = types.ModuleType("vllm.v1.engine.core")
+    fake.EngineCoreProc = Core  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.v1.engine.core", fake)
+    for unset in ("0", "", "soon"):
+        monkeypatch.setenv(idle_steps.ENV_VAR, unset)
+        idle_steps.register()
+        assert getattr(Core, "_kvtide_idle_wait_s", None) is None
+    monkeypatch.setenv(idle_steps.ENV_VAR, "20")
+    idle_steps.register()
+    assert Core._kvtide_idle_wait_s == 0.02  # type: ignore[attr-defined]
+
+
+def test_vllms_own_engine_core_process_has_the_step_it_wraps() -> None:
     """In a process of its own (the wrap is process-wide), as vLLM loads the plugin."""
     code = (
         "from engines import idle_steps; idle_steps.register(); "
         "from vllm.v1.engine.core import EngineCoreProc as C; "
         "print(getattr(C, '_kvtide_idle_wait_s', None))"
     )
-
-    def run(env: dict[str, str]) -> str:
-        done = subprocess.run(
-            [sys.executable, "-c", code],
-            env={**os.environ, **env},
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=True,
-        )
-        return done.stdout.strip().splitlines()[-1]
-
-    assert run({idle_steps.ENV_VAR: "20"}) == "0.02"
-    assert run({idle_steps.ENV_VAR: "0"}) == "None"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, idle_steps.ENV_VAR: "20"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert done.stdout.strip().splitlines()[-1] == "0.02"
