@@ -98,6 +98,8 @@ class TurnReport:
     # The ingress's time before the router: parsing, the chat template, tokenizing and
     # the KV service's begin_turn (set by the ingress).
     ingress_s: float = 0.0
+    # Of ``ingress_s``: waiting for the KV service's begin_turn (a session turn).
+    service_s: float = 0.0
     finish_reason: str | None = None
     migrations: int = 0
     prefill_retries: int = 0
@@ -128,6 +130,7 @@ class TurnReport:
             "total_s": round(self.total_s, 6),
             "router_s": round(self.router_s, 6),
             "ingress_s": round(self.ingress_s, 6),
+            "service_s": round(self.service_s, 6),
             "migrations": self.migrations,
             "prefill_retries": self.prefill_retries,
             "prefill_replica": self.prefill_replica,

@@ -485,7 +485,7 @@ class Ingress:
         digest: int | None,
         last_ids: Sequence[int],
         limits: Callable[[list[int]], int],
-    ) -> tuple[list[int], int, KVDecision | None]:
+    ) -> tuple[list[int], int, KVDecision | None, float]:
         """The turn's one service call before it runs (``begin_turn``: the session
         claimed, the KV plan made), with the prompt tokenized from this replica's copy of
         the session's last turn (``digest`` names it, ``last_ids`` are its ids). The call
@@ -493,13 +493,17 @@ class Ingress:
         turn is another one (the previous turn ran on another replica), tokenize again
         from it, check ``limits`` again (the prompt's max_tokens), and ask again.
 
-        Returns the prompt's ids, its max_tokens and the plan."""
+        Returns the prompt's ids, its max_tokens, the plan and the seconds spent waiting
+        for the service."""
+        waited = 0.0
         for attempt in range(3):
             # A third try (another replica finished a turn between ours) skips the check:
             # the plan then compares the ids with the kept record itself.
             checked = digest if attempt < 2 else None
             skip = len(last_ids) if checked is not None and _extends(ids, last_ids) else 0
+            t0 = time.monotonic()
             claim = await self.kv.begin_turn(session_id, principal, ids[skip:], checked, skip)
+            waited += time.monotonic() - t0
             if claim.outcome != "retokenize":
                 break
             assert claim.prefix is not None and text is not None
@@ -513,7 +517,7 @@ class Ingress:
             digest, last_ids = prefix_digest(prefix.token_ids), prefix.token_ids
             max_tokens = limits(ids)
         raise_unclaimed(claim, session_id)
-        return ids, max_tokens, claim.decision
+        return ids, max_tokens, claim.decision, waited
 
     async def _serve(
         self,
@@ -587,10 +591,10 @@ class Ingress:
                     assert replay.body is not None
                     return self._replayed(req, replay.body)
             try:
-                decision = None
+                decision, service_s = None, 0.0
                 if session_id is not None:
                     try:
-                        ids, max_tokens, decision = await self._begin_turn(
+                        ids, max_tokens, decision, service_s = await self._begin_turn(
                             session_id, principal, text, ids, max_tokens, digest, last_ids, limits
                         )
                     except (TurnInProgress, LimitExceeded, NotFound):
@@ -617,6 +621,7 @@ class Ingress:
                     decision,
                     conversation,
                     t_in,
+                    service_s,
                 )
             except BaseException:
                 if replay_key is not None:
@@ -642,6 +647,7 @@ class Ingress:
         decision: KVDecision | None,
         conversation: str | None,
         t_in: float,
+        service_s: float = 0.0,
     ) -> Any:
         tr.set_attrs(root, {tr.GEN_AI_REQUEST_MAX_TOKENS: max_tokens})
         rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -670,6 +676,7 @@ class Ingress:
         # Serve sets its own x-request-id (its request id); kvtide's is the completion id.
         first[1].conversation = conversation
         first[1].ingress_s = t_router - t_in
+        first[1].service_s = service_s
         headers = {REQUEST_ID_HEADER: rid}
         if session_id is not None and conversation is None:  # an unnamed one stays unnamed
             headers["x-session-id"] = session_id
