@@ -26,11 +26,12 @@ def embedded_app(
     serve_in_loop: bool = False,
     num_prefill: int = 1,
     routing: dict[str, Any] | None = None,
+    server: dict[str, Any] | None = None,
 ) -> Iterator[tuple[str, str, Any, Any]]:
     """Start the embedded default (with ``kv`` as its ``kv`` section, ``routing`` as its
-    ``routing`` section, ``num_prefill`` prefill engines and ``ray.serve_in_loop``) on a
-    free port; yield (base URL, model name, prefill handle, decode handle) — the handles
-    stream, for driving the engines directly."""
+    ``routing`` section, ``server`` fields, ``num_prefill`` prefill engines and
+    ``ray.serve_in_loop``) on a free port; yield (base URL, model name, prefill handle,
+    decode handle) — the handles stream, for driving the engines directly."""
     from ray import serve
 
     from orchestrator import runtime
@@ -40,7 +41,7 @@ def embedded_app(
     tmp = Path(tempfile.mkdtemp(prefix="kvt-bench-"))
     config = parse_config(
         {
-            "server": {"port": free_port()},
+            "server": {"port": free_port(), **(server or {})},
             "ray": {
                 "temp_dir": str(tmp / "ray"),
                 "serve_in_loop": serve_in_loop,

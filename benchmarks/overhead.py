@@ -25,7 +25,8 @@ reuse what the prefill engine's prefix cache still holds.
     python benchmarks/overhead.py [--levels 1,8,32] [--requests-per-level 16]
                                   [--prefills 1,2,2:pow2]
                                   [--workloads single,session,history]
-                                  [--stock-connector] [--serve-in-loop]
+                                  [--chunk-window-ms 2] [--stock-connector]
+                                  [--serve-in-loop]
 """
 
 from __future__ import annotations
@@ -419,6 +420,12 @@ def main() -> None:
     )
     parser.add_argument("--workloads", default="single,session,history")
     parser.add_argument(
+        "--chunk-window-ms",
+        type=float,
+        default=None,
+        help="server.stream_chunk_window_ms for kvtide's streams (default: the config's)",
+    )
+    parser.add_argument(
         "--stock-connector",
         action="store_true",
         help="run the engines with vLLM's own NixlConnector (kv.per_request_keep: false)",
@@ -443,8 +450,15 @@ def main() -> None:
         # Serve's own choice is the placement baseline of the conversations without a
         # session header: only they run there.
         loads = ["history"] if router == "pow2" else workloads
+        server = (
+            {} if args.chunk_window_ms is None else {"stream_chunk_window_ms": args.chunk_window_ms}
+        )
         with embedded_app(
-            kv, serve_in_loop=args.serve_in_loop, num_prefill=num_prefill, routing=routing
+            kv,
+            serve_in_loop=args.serve_in_loop,
+            num_prefill=num_prefill,
+            routing=routing,
+            server=server,
         ) as (base_url, model, prefill, decode):
             rtts.append(actor_round_trip_s())
             rows += asyncio.run(

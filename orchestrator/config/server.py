@@ -150,11 +150,12 @@ class ServerConfig(StrictSection):
         "wait.",
     )
     stream_chunk_window_ms: float = Field(
-        2.0,
+        50.0,
         ge=0,
         le=1000,
         description="How long a token that waits for company may wait before it is sent "
-        "alone (ms). 0: only tokens that are already there go together (no token waits).",
+        "(ms): a stream's tokens after its first leave at most this often. 0: only tokens "
+        "that are already there go together (no token waits).",
     )
 
     @property
