@@ -23,14 +23,15 @@ from engines.kv_params import KVTransferParams
 def embedded_app(
     kv: dict[str, Any] | None = None,
     *,
-    serve_in_loop: bool = False,
+    serve_proxy: bool = False,
     num_prefill: int = 1,
     routing: dict[str, Any] | None = None,
     server: dict[str, Any] | None = None,
 ) -> Iterator[tuple[str, str, Any, Any]]:
     """Start the embedded default (with ``kv`` as its ``kv`` section, ``routing`` as its
     ``routing`` section, ``server`` fields, ``num_prefill`` prefill engines and
-    ``ray.serve_in_loop``) on a free port; yield (base URL, model name, prefill handle,
+    with ``serve_proxy``, Serve's Python HTTP proxy and thread-hop replicas instead of
+    direct ingress) on a free port; yield (base URL, model name, prefill handle,
     decode handle) — the handles stream, for driving the engines directly."""
     from ray import serve
 
@@ -44,7 +45,8 @@ def embedded_app(
             "server": {"port": free_port(), **(server or {})},
             "ray": {
                 "temp_dir": str(tmp / "ray"),
-                "serve_in_loop": serve_in_loop,
+                "serve_in_loop": not serve_proxy,
+                "direct_ingress": not serve_proxy,
             },
             "kv": kv or {},
             "routing": routing or {},

@@ -7,8 +7,9 @@ Both paths use the same engines in the same run:
   deployments' handles: prefill (max_tokens=1, do_remote_decode) then streamed decode
   with the returned kv_transfer_params (Serve's power-of-two choice picks the prefill
   replica: the baseline placement);
-* kvtide — the OpenAI endpoint over HTTP: Serve's proxy → ingress (validate, template,
-  tokenize, ``begin_turn``) → router (KV plan, prefix-aware prefill choice with 2
+* kvtide — the OpenAI endpoint over HTTP: Serve's HAProxy → ingress replica (direct
+  ingress; ``--serve-proxy``: Serve's Python proxy in between) → ingress (validate,
+  template, tokenize, ``begin_turn``) → router (KV plan, prefix-aware prefill choice with 2
   prefill replicas) → the same engines.
 
 Workloads, each at every concurrency level, with fresh prompts per row:
@@ -26,7 +27,7 @@ reuse what the prefill engine's prefix cache still holds.
                                   [--prefills 1,2,2:pow2]
                                   [--workloads single,session,history]
                                   [--chunk-window-ms 2] [--stock-connector]
-                                  [--serve-in-loop]
+                                  [--serve-proxy]
 """
 
 from __future__ import annotations
@@ -375,7 +376,7 @@ def format_rows(rows: list[Row], rtt_s: float, connector: str) -> str:
         "ceiling",
         "own ms",
         "own RTT",
-        "proxy ms",
+        "http ms",
         "extra req",
     ]
     out.append(format_table(header, table, align=[">"] * len(header)))
@@ -386,8 +387,9 @@ def format_rows(rows: list[Row], rtt_s: float, connector: str) -> str:
         "concurrency; reused = prompt tokens whose KV was reused (prefix cache or sent back) "
         "/ prompt tokens, ceiling = an earlier turn's prompt + answer in whole blocks / "
         "prompt tokens; own = kvtide's time on the turn's path (ingress_s + router_s, "
-        "p50), also in bare actor round trips; proxy = client TTFT - ingress_s - ttft_s "
-        "(Serve's HTTP proxy and handle hop); extra req = engine requests per turn beyond "
+        "p50), also in bare actor round trips; http = client TTFT - ingress_s - ttft_s "
+        "(the HTTP hop: Serve's HAProxy, or its Python proxy with --serve-proxy, and the "
+        "client's own parsing); extra req = engine requests per turn beyond "
         "its prefill and decode (a session's close drains its last turn's KV: one read-back "
         "per conversation; a history conversation's is drained at its lease's end, after "
         "the row)"
@@ -431,9 +433,10 @@ def main() -> None:
         help="run the engines with vLLM's own NixlConnector (kv.per_request_keep: false)",
     )
     parser.add_argument(
-        "--serve-in-loop",
+        "--serve-proxy",
         action="store_true",
-        help="Serve's replicas run user code and the router on their own loop (ray.serve_in_loop)",
+        help="Serve's Python HTTP proxy and replicas that run user code in a thread of their "
+        "own (ray.direct_ingress and ray.serve_in_loop false), for comparison",
     )
     args = parser.parse_args()
 
@@ -455,7 +458,7 @@ def main() -> None:
         )
         with embedded_app(
             kv,
-            serve_in_loop=args.serve_in_loop,
+            serve_proxy=args.serve_proxy,
             num_prefill=num_prefill,
             routing=routing,
             server=server,

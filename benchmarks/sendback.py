@@ -335,15 +335,16 @@ def main() -> None:
     parser.add_argument("--skip-engines", action="store_true")
     parser.add_argument("--skip-actor", action="store_true")
     parser.add_argument(
-        "--serve-in-loop",
+        "--serve-proxy",
         action="store_true",
-        help="Serve's replicas run user code and the router on their own loop (ray.serve_in_loop)",
+        help="Serve's Python HTTP proxy and replicas that run user code in a thread of their "
+        "own (ray.direct_ingress and ray.serve_in_loop false), for comparison",
     )
     args = parser.parse_args()
     lines: list[str] = []
     if not args.skip_engines:
         sizes = [int(x) for x in args.sizes.split(",")]
-        with embedded_app(serve_in_loop=args.serve_in_loop) as (base_url, model, prefill, decode):
+        with embedded_app(serve_proxy=args.serve_proxy) as (base_url, model, prefill, decode):
             lines += asyncio.run(_engines(base_url, model, prefill, decode, sizes, args.repeats))
         lines.append("")
     lines += policy_speed()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -49,6 +51,52 @@ SERVE_IN_LOOP_ENV = {
 for the processes a local Ray starts, not the driver (whose handles are made outside
 an event loop)."""
 
+DIRECT_INGRESS_ENV = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    # One HAProxy thread: it only forwards bytes, and the box's cores run the engines.
+    "RAY_SERVE_HAPROXY_NBTHREAD": "1",
+    # An ingress replica that stops stays open this long for HAProxy to deregister it
+    # (Ray's default, 30 s, is for load balancers outside the cluster; Serve's own
+    # HAProxy is told by the controller and retries refused connections).
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+}
+"""Ray Serve's direct ingress behind its HAProxy (``ray.direct_ingress``): the ingress
+replicas serve HTTP themselves, no Python proxy actor in between."""
+
+HAPROXY_FILES = {
+    "CONFIG_FILE_LOC": "haproxy.cfg",
+    "SOCKET_PATH": "admin.sock",
+    "SERVER_STATE_BASE": "",
+    "SERVER_STATE_FILE": "server-state",
+    "METRICS_SOCKET_PATH": "metrics.sock",
+}
+"""HAProxy's files, by the ``RAY_SERVE_HAPROXY_*`` variable that places each."""
+
+
+def local_ray_env(config: KVTideConfig) -> dict[str, str]:
+    """The ``RAY_SERVE_*`` environment of the processes a local Ray starts for ``config``.
+
+    HAProxy's files go to a private directory (Ray's default, ``/tmp/haproxy-serve``, is
+    shared by every Ray on the machine); it is short because HAProxy refuses socket paths
+    over 97 bytes and Serve adds a 56-character directory to each."""
+    env: dict[str, str] = {}
+    if config.ray.serve_in_loop:
+        env.update(SERVE_IN_LOOP_ENV)
+    if config.ray.direct_ingress:
+        env.update(DIRECT_INGRESS_ENV)
+        files = tempfile.mkdtemp(prefix="kvth-", dir="/tmp")
+        atexit.register(shutil.rmtree, files, ignore_errors=True)  # goes with this Ray
+        for name, file in HAPROXY_FILES.items():
+            env[f"RAY_SERVE_HAPROXY_{name}"] = os.path.join(files, file)
+        # HAProxy's stats page and Prometheus endpoint listen on every interface, at
+        # fixed ports by default (8404, 9101): a second Ray on the machine would fail
+        # to start its HAProxy. Free ports of this Ray's own.
+        from orchestrator.serve.engine_host import free_port
+
+        env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(free_port("0.0.0.0"))
+        env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(free_port("0.0.0.0"))
+    return env
+
 
 @contextmanager
 def _env(values: dict[str, str]) -> Iterator[None]:
@@ -80,7 +128,7 @@ def start_ray(config: KVTideConfig, *, say: Callable[[str], None] = _say) -> Non
         return
     temp_dir = config.ray.temp_dir or tempfile.mkdtemp(prefix="kvtide-ray-")
     say(f"starting a local Ray (temp dir {temp_dir})")
-    with _env(SERVE_IN_LOOP_ENV if config.ray.serve_in_loop else {}):
+    with _env(local_ray_env(config)):
         ray.init(
             num_cpus=config.ray.num_cpus or 8,
             _temp_dir=temp_dir,
@@ -132,7 +180,8 @@ def deploy(
     if layout.by_domain:
         say("engines placed by NVLink domain:\n" + layout.describe())
     app = build_app(config, layout)
-    # One HTTP proxy, on the head node: the endpoint kvtide prints and documents.
+    # One HTTP entry, on the head node: the endpoint kvtide prints and documents (Serve's
+    # HAProxy in front of the ingress replicas with ray.direct_ingress, else its proxy).
     serve.start(
         proxy_location="HeadOnly",
         http_options={"host": config.server.host, "port": config.server.port},

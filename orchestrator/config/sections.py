@@ -207,10 +207,16 @@ class RayConfig(StrictSection):
     )
     temp_dir: str | None = Field(None, description="Ray temp dir of a locally started Ray.")
     serve_in_loop: bool = Field(
-        False,
+        True,
         description="A locally started Ray runs Serve's replicas and proxy with user code "
         "and the request router on the replica's own event loop (Ray Serve's "
-        "throughput-optimized settings, without direct ingress).",
+        "throughput-optimized settings other than direct ingress).",
+    )
+    direct_ingress: bool = Field(
+        True,
+        description="A locally started Ray serves HTTP from the ingress replicas "
+        "themselves, behind Serve's HAProxy on server.host:server.port (Ray Serve's "
+        "direct ingress), instead of through Serve's Python HTTP proxy actor.",
     )
 
 
