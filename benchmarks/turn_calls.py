@@ -17,7 +17,8 @@ The three-call sequence goes through ``ServiceClient`` too.
 
 Each is reported as the time before the turn can run (the critical path), in ms and in
 units of a bare round trip to the same actor (a method that does nothing), measured in
-between.
+between; and, for scale, a plain actor's empty method waited for with ``ray.get`` (the
+round trip ``benchmarks/overhead.py`` states kvtide's own time in).
 
     python benchmarks/turn_calls.py [--sessions 2000] [--turns 400] [--prompt-tokens 1024]
 """
@@ -35,6 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.overhead import actor_round_trip_s
 from engines.kv_params import KVTransferParams
 from orchestrator.cli.table import format_table
 
@@ -118,6 +120,9 @@ async def run(num_sessions: int, num_turns: int, prompt_tokens: int) -> list[str
             history[sid] = [*prompt, 5]
         times["bare round trip"].append(await _timed(bare))
     rtt = statistics.median(times["bare round trip"])
+    # The unit benchmarks/overhead.py states kvtide's own time in: a method of a plain
+    # (not async) actor, waited for with ray.get.
+    sync_rtt = await asyncio.to_thread(actor_round_trip_s)
     rows = [
         [
             name,
@@ -140,6 +145,9 @@ async def run(num_sessions: int, num_turns: int, prompt_tokens: int) -> list[str
         ),
         f"one call (one message) / three calls: {ratio:.2f}x the time on the critical path; "
         f"one call = a bare round trip + {1e3 * (one - rtt):.2f} ms (target: + 1 ms)",
+        f"a plain actor's empty method with ray.get (overhead.py's round trip): "
+        f"{1e3 * sync_rtt:.2f} ms; the service's empty method awaited here: "
+        f"{1e3 * rtt:.2f} ms ({rtt / sync_rtt:.2f}x)",
     ]
 
 
