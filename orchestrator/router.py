@@ -34,10 +34,11 @@ service actor's client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -46,16 +47,22 @@ from opentelemetry.trace import Span, SpanKind
 
 from engines.base import GenerateChunk, GenerateRequest, RequestFailed, final_chunk
 from engines.kv_params import KVTransferParams
-from orchestrator.errors import DeadlineExceeded, EngineUnavailable, RequestError
+from orchestrator.errors import (
+    DeadlineExceeded,
+    EngineUnavailable,
+    RequestError,
+    ServiceUnavailable,
+)
 from orchestrator.kv.conversations import is_unnamed
 from orchestrator.kv.messages import KVDecision, TurnDone
 from orchestrator.kv.service import KVServiceAPI
 from orchestrator.kv.session_tokens import SessionTokens, prefix_digest
+from orchestrator.kv.turn_leases import HeldLeases
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import Metrics
 from policies.prefix_routing import RouteChoice
 
-__all__ = ["KV_SOURCES", "PoolClient", "Router", "TurnReport"]
+__all__ = ["KV_SOURCES", "LeaseRefused", "PoolClient", "Router", "TurnReport"]
 
 log = logging.getLogger("kvtide.router")
 
@@ -198,6 +205,11 @@ async def _last(stream: AsyncIterator[GenerateChunk]) -> GenerateChunk:
         raise EngineUnavailable(f"the prefill engine {exc}") from None
 
 
+class LeaseRefused(Exception):
+    """The service refused a turn's lease use: the turn ended before any output; run it
+    again through ``begin_turn``."""
+
+
 class Router:
     def __init__(
         self,
@@ -217,6 +229,7 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
         prefill_routes: Callable[[str], RouteChoice | None] | None = None,
         session_tokens: SessionTokens | None = None,
+        leases: HeldLeases | None = None,
     ) -> None:
         if (decode_long is None) != (long_context_threshold_tokens is None):
             raise ValueError(
@@ -244,8 +257,11 @@ class Router:
         # The caller's copy of each session's last turn (the ingress tokenizes the next
         # one from it): written once the service has booked the turn.
         self.session_tokens = session_tokens
-        # Finished turns on their way to the service (``_hand_over``).
+        # Finished turns on their way to the service (``_hand_over``), by session too.
         self._handovers: set[asyncio.Task[None]] = set()
+        self._handing: dict[str, asyncio.Task[None]] = {}
+        # This replica's turn leases (``orchestrator.kv.turn_leases``); None: none asked.
+        self.leases = leases
 
     def decode_pool_for(self, num_prompt_tokens: int) -> tuple[str, PoolClient]:
         """The decode pool of a prompt: the long-context pool (TP+DCP) above the pool
@@ -312,6 +328,8 @@ class Router:
         owner: str | None = None,
         sampling_options: Mapping[str, float | int] | None = None,
         decision: KVDecision | None = None,
+        lease_id: int | None = None,
+        lease_used: Awaitable[bool] | None = None,
     ) -> AsyncIterator[tuple[GenerateChunk, TurnReport]]:
         """Stream decode chunks; each comes with the (growing) turn report.
 
@@ -321,8 +339,11 @@ class Router:
         ``owner``: the API key's name; the finished turn refreshes its ownership.
         ``sampling_options``: further ``GenerateRequest`` sampling fields (penalties,
         ``top_k``, ``min_p``, ``min_tokens``), given to prefill and decode alike.
-        ``decision``: the KV plan the service gave when the turn began (``begin_turn``);
-        without it a session's turn asks the service (``decide_turn``).
+        ``decision``: the KV plan the service gave when the turn began (``begin_turn``),
+        or the caller made under a turn lease (``lease_id``; ``lease_used`` is the service's
+        answer to its use, awaited before the first item: when it refuses, the turn ends
+        with ``LeaseRefused`` before any output and reports nothing). Without it a
+        session's turn asks the service (``decide_turn``).
         """
         rid = request_id or uuid.uuid4().hex
         report = TurnReport(
@@ -337,6 +358,8 @@ class Router:
             **(sampling_options or {}),
         }
         report.extra["owner"] = owner
+        report.extra["lease_id"] = lease_id
+        report.extra["lease_used"] = lease_used
         report.extra["deadline_s"] = self.clock() + self.request_timeout_s
         with tr.span(
             tr.SPAN_ROUTE,
@@ -392,16 +415,43 @@ class Router:
             async for item in self._stream(
                 route, decision, params, base, rid, max_tokens, report, t0, t_engine, prompt_text
             ):
+                if report.extra["lease_used"] is not None:
+                    await self._lease_confirmed(report)
                 if item[0].finished:
                     done = True
                 yield item
         finally:
-            if not done and session_id is not None:
+            lease_id = report.extra.get("lease_id")
+            if lease_id is not None and not done:
+                assert session_id is not None
+                if self.leases is not None:
+                    self.leases.ended(session_id, lease_id)
+                if report.extra["lease_used"] is not None:  # ended before its first item
+                    with contextlib.suppress(LeaseRefused, RequestError):
+                        await asyncio.shield(self._lease_confirmed(report))
+            if not done and session_id is not None and not report.extra.get("lease_refused"):
                 # Failed, cancelled or the client went away: no record kept.
                 try:
                     await asyncio.shield(self.kv.turn_abandoned(session_id))
                 except RequestError:  # the service is unreachable: its tick ends the turn
                     log.warning("could not report turn %s of %s abandoned", rid, session_id)
+
+    async def _lease_confirmed(self, report: TurnReport) -> None:
+        """Wait for the service's answer to the turn's lease use; ``LeaseRefused`` when it
+        refused (the lease was given up: another turn may own the session now). An
+        unreachable service is not a refusal: the turn ends as any, reported abandoned."""
+        used: Awaitable[bool] = report.extra["lease_used"]
+        report.extra["lease_used"] = None
+        try:
+            ok = await used
+        except RequestError:
+            raise ServiceUnavailable(
+                "the KV lifecycle service did not answer in time; retry the request",
+                retry_after_s=1.0,
+            ) from None
+        if not ok:
+            report.extra["lease_refused"] = True
+            raise LeaseRefused(report.session_id or "")
 
     async def _stream(
         self,
@@ -648,6 +698,8 @@ class Router:
             next_text=next_text,
             next_token_ids=next_ids,
             owner=report.extra.get("owner"),
+            holder=None if sid is None or self.leases is None else self.leases.holder,
+            lease_id=report.extra.get("lease_id"),
         )
         sent = msgspec.structs.replace(
             whole,
@@ -666,6 +718,19 @@ class Router:
         task = asyncio.get_running_loop().create_task(self._turn_done(route, report, *done))
         self._handovers.add(task)
         task.add_done_callback(self._handovers.discard)
+        sid = report.session_id
+        if sid is not None:
+            self._handing[sid] = task
+            task.add_done_callback(
+                lambda t: self._handing.pop(sid, None) if self._handing.get(sid) is t else None
+            )
+
+    async def handed_over(self, session_id: str) -> None:
+        """Wait for the hand-over of the session's last turn here, if one is on its way
+        (its answer may hold the next turn's lease)."""
+        task = self._handing.get(session_id)
+        if task is not None:
+            await asyncio.shield(task)
 
     async def _turn_done(
         self, route: Span, report: TurnReport, done: TurnDone, whole: TurnDone
@@ -679,11 +744,18 @@ class Router:
             },
             parent=route,
         ):
+            sid, lease_id = done.session_id, done.lease_id
+            if sid is not None and lease_id is not None and self.leases is not None:
+                self.leases.ended(sid, lease_id)  # the service ends it with the turn
+            asked_s = self.clock()
             try:
-                if not await self.kv.turn_done(done):
+                answer = await self.kv.turn_done(done)
+                if not answer.accepted:
                     # The service holds another last turn (it restarted meanwhile, or
                     # this replica's copy was stale): the turn, whole.
-                    await self.kv.turn_done(whole)
+                    answer = await self.kv.turn_done(whole)
+                if answer.lease is not None and self.leases is not None:
+                    self.leases.add(answer.lease, asked_s)
             except RequestError as exc:
                 # The service is unreachable (its client's deadline passed): end the
                 # claim if it can be reached now; otherwise its tick ends it. The kept

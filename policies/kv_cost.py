@@ -27,7 +27,7 @@ from policies.kv_records import (
     prefix_hash,
 )
 
-__all__ = ["CostEstimate", "decide_turn", "estimate_cost", "kv_bytes"]
+__all__ = ["CostEstimate", "decide_turn", "estimate_cost", "kv_bytes", "worth_pulling"]
 
 
 def kv_bytes(num_tokens: int, config: KVLifecycleConfig) -> int:
@@ -82,10 +82,11 @@ def decide_turn(
         or prefix_hash(prompt_token_ids, num_tokens) != record.prefix_hash
     ):
         return _recompute(session_id, RecomputeReason.PREFIX_MISMATCH)
-    if num_tokens < config.recompute_threshold_tokens:
-        return _recompute(session_id, RecomputeReason.BELOW_THRESHOLD)
+    not_worth = worth_pulling(record, config)
+    if not_worth is RecomputeReason.BELOW_THRESHOLD:
+        return _recompute(session_id, not_worth)
     cost = estimate_cost(num_tokens=num_tokens, num_bytes=record.bytes_held, config=config)
-    pull = cost.pull_is_cheaper
+    pull = not_worth is None
     return TurnDecision(
         session_id=session_id,
         action=TurnAction.PULL_FROM_DECODE if pull else TurnAction.RECOMPUTE,
@@ -95,6 +96,15 @@ def decide_turn(
         estimated_recompute_s=cost.recompute_s,
         estimated_transfer_s=cost.transfer_s,
     )
+
+
+def worth_pulling(record: KVRecord, config: KVLifecycleConfig) -> RecomputeReason | None:
+    """Checks 3 and 4 of ``decide_turn``, which depend on the record alone: None when a
+    prompt that extends it should pull it, else why it should be recomputed."""
+    if record.num_tokens < config.recompute_threshold_tokens:
+        return RecomputeReason.BELOW_THRESHOLD
+    cost = estimate_cost(num_tokens=record.num_tokens, num_bytes=record.bytes_held, config=config)
+    return None if cost.pull_is_cheaper else RecomputeReason.CHEAPER_TO_RECOMPUTE
 
 
 def _recompute(session_id: str, reason: RecomputeReason) -> TurnDecision:

@@ -119,6 +119,53 @@ class KVLifecycle:
             self._recomputes[decision.reason] += 1
         return decision
 
+    # -- a turn held for an ingress (``orchestrator.kv.turn_leases``) ---------------------
+
+    def hold(self, session_id: str, now_s: float) -> KVRecord | None:
+        """Start the session's next turn before it arrives: an ingress decides it from
+        the returned record (with ``decide_turn``) and reports what it did with
+        ``use_held``, or gives it back with ``unhold``. While held the session counts as
+        having a turn in flight (never evicted; its record still offered and shown)."""
+        books = self._books
+        session = books.session(session_id, now_s)
+        books.begin_turn(session_id, session)
+        books.extend_lease(session_id, session, now_s)
+        return session.record
+
+    def use_held(
+        self,
+        session_id: str,
+        *,
+        record: KVRecord | None,
+        reason: RecomputeReason | None,
+        now_s: float,
+    ) -> bool:
+        """The held turn runs: it pulls ``record`` (``reason`` None) or recomputes for
+        ``reason``. False (nothing changed) when the pull's record is no longer the
+        session's (the turn must not read it)."""
+        session = self._books.sessions.get(session_id)
+        if session is None or not session.active:
+            return False
+        if reason is None:
+            current = session.record
+            if record is None or current is None or current.block_ids != record.block_ids:
+                return False
+            self._books.begin_pull(session_id, session)
+            self._num_pulls += 1
+        else:
+            self._recomputes[reason] += 1
+        return True
+
+    def unhold(self, session_id: str, now_s: float) -> list[Effect]:
+        """Give a held turn back unused: the session is idle again."""
+        session = self._books.sessions.get(session_id)
+        if session is None or not session.active:
+            return []
+        self._books.end_turn(session_id, session, now_s)
+        if session.record is None:
+            return []
+        return self._enforce_budget(session.record.engine_id)
+
     def on_pull_result(self, session_id: str, *, ok: bool, now_s: float) -> list[Effect]:
         """Resolve the pull a PULL decision started; unknown or resolved pulls are ignored.
 

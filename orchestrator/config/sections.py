@@ -180,6 +180,16 @@ class KVConfig(StrictSection):
         "start (or to answer, when it runs already) before its start fails and Serve tries "
         "again. The first start runs a new Ray worker process on the head host.",
     )
+    turn_lease_s: float = Field(
+        30.0,
+        ge=0,
+        le=3600,
+        description="How long a session's next turn stays held for the ingress replica "
+        "that ran its last one (a turn lease): a turn there within this time is claimed and "
+        "planned without a call to the KV lifecycle service on its path. A turn elsewhere "
+        "revokes the lease first (one more round trip); while held, the session's kept KV "
+        "is not evicted under idle_budget_mib_per_engine. 0: every turn asks the service.",
+    )
     replay_max_mib: float = Field(
         64.0,
         gt=0,

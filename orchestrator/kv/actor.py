@@ -72,6 +72,7 @@ class _ServiceActor:
         app_name: str = "",
         replay_max_bytes: int = 64 * 2**20,
         running_grace_s: float = 600.0,
+        turn_lease_s: float = 0.0,
     ) -> None:
         self.metrics = make_metrics(observability)
         self._num_expiries = 0
@@ -84,6 +85,7 @@ class _ServiceActor:
             store=RayKVStore(f"{SERVICE_NAMESPACE}-{service_name(app_name)}"),
             replay_max_bytes=replay_max_bytes,
             running_grace_s=running_grace_s,
+            turn_lease_s=turn_lease_s,
         )
         self._ticker: asyncio.Task[None] | None = None
 
@@ -136,9 +138,11 @@ class _ServiceActor:
         this actor's own entry point for it (which starts the tick)."""
         return await dispatch(self, message)
 
-    async def config(self) -> tuple[KVLifecycleConfig, int]:
-        """The lifecycle config this instance runs with, and its replay budget."""
-        return self.service.decider.lifecycle.config, self.service.replays.max_bytes
+    async def config(self) -> tuple[KVLifecycleConfig, int, float]:
+        """The lifecycle config this instance runs with, its replay budget and how long
+        its turn leases last."""
+        service = self.service
+        return service.decider.lifecycle.config, service.replays.max_bytes, service.leases.lasts_s
 
     async def wait_drains(self) -> None:
         await self.service.wait_drains()
@@ -180,6 +184,7 @@ def get_or_create_service(
     replay_max_bytes: int = 64 * 2**20,
     running_grace_s: float = 600.0,
     timeout_s: float = 120.0,
+    turn_lease_s: float = 0.0,
 ) -> ActorHandle:
     """The application's service actor; the first caller creates it, and waits for it
     to answer at most ``timeout_s`` (a new actor starts a Ray worker process: on a host
@@ -198,6 +203,7 @@ def get_or_create_service(
         app_name,
         replay_max_bytes,
         running_grace_s,
+        turn_lease_s,
     )
     options = {
         "name": service_name(app_name),
@@ -210,7 +216,7 @@ def get_or_create_service(
     }
     handle = KVServiceActor.options(**options).remote(*args)  # type: ignore[attr-defined]
     running = ray.get(handle.config.remote(), timeout=timeout_s)
-    if tuple(running) != (config, replay_max_bytes):
+    if tuple(running) != (config, replay_max_bytes, turn_lease_s):
         log.warning("KV service %s runs another config: replacing it", service_name(app_name))
         ray.kill(handle, no_restart=True)
         deadline = time.monotonic() + timeout_s

@@ -15,12 +15,16 @@ from engines.kv_params import KVTransferParams
 
 __all__ = [
     "Claim",
+    "Handover",
     "KVDecision",
     "KeptBlocks",
+    "LeaseWatch",
+    "LeasedRecord",
     "LedgerReport",
     "SessionInfo",
     "SessionPrefix",
     "TurnDone",
+    "TurnLease",
 ]
 
 
@@ -86,6 +90,53 @@ class TurnDone(msgspec.Struct, frozen=True, kw_only=True):
     prefix_len: int = 0
     prefix_digest: int | None = None
     next_len: int | None = None
+    holder: str | None = None  # the ingress replica that asks to hold the next turn
+    lease_id: int | None = None  # the turn ran under this lease (TurnLease)
+
+
+class LeasedRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A held session's kept KV, as the lessee needs it to plan the next turn itself
+    (``policies.kv_cost.decide_turn``'s checks): pull it when the prompt starts with its
+    ``num_tokens`` tokens (``prefix_hash``), the offer is still open and ``not_worth``
+    is None (else the recompute reason the record alone gives)."""
+
+    kv_transfer_params: KVTransferParams
+    num_tokens: int
+    prefix_hash: str
+    offer_in_s: float  # from the grant: the offer's end, less the lease's margin
+    not_worth: str | None = None
+
+
+class TurnLease(msgspec.Struct, frozen=True, kw_only=True):
+    """The session's next turn, held for the ingress replica that ran its last one
+    (``orchestrator.kv.turn_leases``): claimed for ``owner`` and planned from
+    ``record`` there, without a service call on the turn's path. Usable for
+    ``lasts_s`` from before the grant, while the replica's copy of the last turn has
+    ``digest``; ``epoch`` is the granting service instance's."""
+
+    session_id: str
+    lease_id: int
+    epoch: str
+    lasts_s: float
+    owner: str | None
+    digest: int
+    record: LeasedRecord | None = None
+
+
+class Handover(msgspec.Struct, frozen=True, kw_only=True):
+    """The answer to ``turn_done``: ``accepted`` False when the turn names a last turn
+    the service does not hold (send it whole); with ``lease`` the next turn is held."""
+
+    accepted: bool
+    lease: TurnLease | None = None
+
+
+class LeaseWatch(msgspec.Struct, frozen=True, kw_only=True):
+    """The answer to a lessee's ``lease_watch``: the leases to give back (unused ones
+    are released with the next watch; a used one ends with its turn)."""
+
+    epoch: str
+    revoked: list[int] = []
 
 
 class KeptBlocks(msgspec.Struct, frozen=True, kw_only=True):

@@ -44,17 +44,23 @@ from orchestrator.kv.decider import KVDecider, params_of
 from orchestrator.kv.durable import DurableStore, MemoryStore, RayKVStore, WriteBehind
 from orchestrator.kv.messages import (
     Claim,
+    Handover,
     KeptBlocks,
     KVDecision,
+    LeasedRecord,
+    LeaseWatch,
     LedgerReport,
     SessionInfo,
     SessionPrefix,
     TurnDone,
+    TurnLease,
 )
 from orchestrator.kv.ownership import Principal, SessionOwners
 from orchestrator.kv.replay import Replay, TurnReplayBook
 from orchestrator.kv.session_tokens import SessionTokens
-from policies.kv_lifecycle import Effect, KVLifecycleConfig, prefix_hash
+from orchestrator.kv.turn_leases import Grant, LeaseBook
+from policies.kv_cost import worth_pulling
+from policies.kv_lifecycle import Effect, KVLifecycleConfig, RecomputeReason, prefix_hash
 
 __all__ = [
     "API_METHODS",
@@ -138,7 +144,11 @@ class KVServiceAPI(Protocol):
 
     async def pull_failed(self, session_id: str) -> None: ...
 
-    async def turn_done(self, done: TurnDone) -> bool: ...
+    async def turn_done(self, done: TurnDone) -> Handover: ...
+
+    async def lease_used(self, session_id: str, lease_id: int, reason: str | None) -> bool: ...
+
+    async def lease_watch(self, holder: str, released: list[int], wait_s: float) -> LeaseWatch: ...
 
     async def turn_abandoned(self, session_id: str | None) -> None: ...
 
@@ -190,6 +200,7 @@ class KVService:
         replay_max_bytes: int = 64 * 2**20,
         running_grace_s: float = 600.0,
         handover_wait_s: float = 5.0,
+        turn_lease_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -224,7 +235,13 @@ class KVService:
         self.running_grace_s = running_grace_s
         self.wall_clock = wall_clock
         self._running: dict[str, float] = {}
+        # Running marks a previous instance left for its turn leases: lease id -> session
+        # (their lessee gives them back, or uses them, as the new instance's).
+        self._restored_leases: dict[int, str] = {}
         self._restore_running()
+        # Turns held for the ingress replica that ran a session's last turn
+        # (``orchestrator.kv.turn_leases``); the lease's margin is the handover wait.
+        self.leases = LeaseBook(lasts_s=turn_lease_s, grace_s=handover_wait_s, clock=clock)
         # A turn hands itself over (``turn_done``) after its client has its last token:
         # the session's next ``begin_turn`` waits this long for it before refusing.
         self.handover_wait_s = handover_wait_s
@@ -314,9 +331,10 @@ class KVService:
         self._set_running(session_id, now)
         return Claim(outcome="claimed")
 
-    def _set_running(self, session_id: str, now: float) -> None:
+    def _set_running(self, session_id: str, now: float, lease_id: int | None = None) -> None:
         self._running[session_id] = now
-        self.marks.put(_RUNNING_PREFIX + session_id, repr(self.wall_clock()).encode())
+        mark = repr(self.wall_clock()) + ("" if lease_id is None else f" {lease_id}")
+        self.marks.put(_RUNNING_PREFIX + session_id, mark.encode())
 
     def _clear_running(self, session_id: str) -> None:
         if self._running.pop(session_id, None) is not None:
@@ -341,13 +359,17 @@ class KVService:
         finish them), each at its age; marks past ``running_grace_s`` are dropped."""
         now, wall = self.clock(), self.wall_clock()
         for key in self.store.keys(_RUNNING_PREFIX):
-            raw = self.store.get(key)
+            raw = (self.store.get(key) or b"").split()
             try:
-                age = wall - float(raw or b"")
-            except ValueError:
-                age = self.running_grace_s
+                age = wall - float(raw[0])
+                lease_id = int(raw[1]) if len(raw) > 1 else None
+            except (ValueError, IndexError):
+                age, lease_id = self.running_grace_s, None
             if 0 <= age < self.running_grace_s:
-                self._running[key.removeprefix(_RUNNING_PREFIX)] = now - age
+                sid = key.removeprefix(_RUNNING_PREFIX)
+                self._running[sid] = now - age
+                if lease_id is not None:
+                    self._restored_leases[lease_id] = sid
             else:
                 self.store.delete(key)
 
@@ -374,7 +396,14 @@ class KVService:
         added since (a turn's call carries its new tokens, not its whole history).
 
         A turn of the session still running is waited for (``handover_wait_s``) before
-        anything is compared: a finished turn is handed over after its last token."""
+        anything is compared: a finished turn is handed over after its last token. So is a
+        turn held for an ingress replica (a turn lease), which is revoked first."""
+        grant = self.leases.grants.get(session_id)
+        if grant is not None and not grant.used:
+            # Another key learns nothing and revokes nothing.
+            if not await self.session_owned(session_id, principal):
+                return Claim(outcome="not_found")
+            self.leases.revoke(grant)
         await self._after_running_turn(session_id)
         now = self.clock()
         if prefix_digest is not None and prefix_digest != self.tokens.last_digest(session_id, now):
@@ -421,20 +450,23 @@ class KVService:
             done, token_ids=ids, next_token_ids=nxt, prefix_len=0, prefix_digest=None, next_len=None
         )
 
-    async def turn_done(self, done: TurnDone) -> bool:
+    async def turn_done(self, done: TurnDone) -> Handover:
         """Book the kept blocks and the session's tokens together (one step: a record is
-        never booked without the tokens that drain it). False (nothing done) when the
-        turn names a last turn this service does not hold: send it whole."""
+        never booked without the tokens that drain it). Not accepted (nothing done) when
+        the turn names a last turn this service does not hold: send it whole. With
+        ``done.holder``, the session's next turn is held for that ingress replica (the
+        answer's lease) when its lease watch runs."""
         whole = self.whole(done)
         if whole is None:
-            return False
+            return Handover(accepted=False)
         done = whole
         now = self.clock()
         sid = done.session_id
         if sid is None:
             # Nobody will pull these blocks back: free them now, not at the TTL.
             self._drain(done.kv_transfer_params, done.token_ids)
-            return True
+            return Handover(accepted=True)
+        self.leases.grants.pop(sid, None)  # a turn under a lease ends the lease
         self._clear_running(sid)
         if done.owner is not None:
             self.owners.touch(sid, Principal(name=done.owner), now)
@@ -452,10 +484,105 @@ class KVService:
             ),
             candidates=(previous, done.token_ids),
         )
+        return Handover(accepted=True, lease=self._grant(sid, done.holder, now))
+
+    # ---- turn leases (orchestrator.kv.turn_leases) -----------------------------------
+
+    def _grant(self, session_id: str, holder: str | None, now: float) -> TurnLease | None:
+        """Hold the session's next turn for ``holder``: claimed (a running mark) and
+        held in the books until it runs there, is given back, or lapses."""
+        leases = self.leases
+        if holder is None or leases.lasts_s <= 0 or not leases.watching(holder, now):
+            return None
+        digest = self.tokens.last_digest(session_id, now)
+        if digest is None or session_id in self._running:
+            return None  # nothing to check a next turn's tokens against
+        lifecycle = self.decider.lifecycle
+        record = lifecycle.hold(session_id, now)
+        grant = leases.grant(session_id, holder, record, now)
+        self._set_running(session_id, now, grant.lease_id)
+        leased = None
+        if record is not None:
+            margin = lifecycle.config.safety_margin_s + leases.grace_s
+            not_worth = worth_pulling(record, lifecycle.config)
+            leased = LeasedRecord(
+                kv_transfer_params=params_of(record),
+                num_tokens=record.num_tokens,
+                prefix_hash=record.prefix_hash,
+                offer_in_s=record.expiry_s - margin - now,
+                not_worth=None if not_worth is None else not_worth.value,
+            )
+        return TurnLease(
+            session_id=session_id,
+            lease_id=grant.lease_id,
+            epoch=self.epoch,
+            lasts_s=leases.lasts_s,
+            owner=self.owners.owner(session_id, now),
+            digest=digest,
+            record=leased,
+        )
+
+    def _end_grant(self, grant: Grant) -> None:
+        """Give a lease's turn back unused: the session is idle and free again."""
+        if self.leases.grants.get(grant.session_id) is grant:
+            del self.leases.grants[grant.session_id]
+            self._apply(self.decider.lifecycle.unhold(grant.session_id, self.clock()))
+            self._clear_running(grant.session_id)
+
+    async def lease_used(self, session_id: str, lease_id: int, reason: str | None) -> bool:
+        """The lessee runs the held turn: it pulls the leased record (``reason`` None) or
+        recomputes for ``reason``. False when the lease is no longer held (revoked and
+        given back, lapsed, or granted by an instance before a restart): the lessee ends
+        the turn before its client sees it and asks again with ``begin_turn``."""
+        now = self.clock()
+        grant = self.leases.find(session_id, lease_id)
+        if grant is None or grant.used:
+            restored = self._restored_leases.pop(lease_id, None)
+            if restored is not None:  # the previous instance's: free its running mark
+                self._clear_running(restored)
+            return False
+        why = None if reason is None else RecomputeReason(reason)
+        if not self.decider.lifecycle.use_held(
+            session_id, record=grant.record, reason=why, now_s=now
+        ):
+            self._end_grant(grant)
+            return False
+        grant.used = True
+        self._running[session_id] = now  # the turn's grace counts from now
+        owner = self.owners.owner(session_id, now)
+        if owner is not None:
+            self.owners.touch(session_id, Principal(name=owner), now)
         return True
+
+    async def lease_watch(self, holder: str, released: list[int], wait_s: float) -> LeaseWatch:
+        """A lessee's standing call: take back the unused leases it gives back
+        (``released``), then wait up to ``wait_s`` for leases to revoke from it."""
+        for lease_id in released:
+            restored = self._restored_leases.pop(lease_id, None)
+            if restored is not None:
+                self._clear_running(restored)
+        wanted = set(released)
+        for grant in [g for g in self.leases.grants.values() if g.lease_id in wanted]:
+            if grant.holder == holder and not grant.used:
+                self._end_grant(grant)
+        revoked = await self.leases.watch(holder, wait_s)
+        return LeaseWatch(epoch=self.epoch, revoked=revoked)
+
+    async def _give_back(self, session_id: str) -> None:
+        """Revoke an unused lease on the session and wait (``handover_wait_s``) for its
+        lessee to give it back; one still unused then lapses now."""
+        grant = self.leases.grants.get(session_id)
+        if grant is None or grant.used:
+            return
+        self.leases.revoke(grant)
+        await self._after_running_turn(session_id)
+        grant = self.leases.grants.get(session_id)
+        if grant is not None and not grant.used:
+            self._end_grant(grant)
 
     async def turn_abandoned(self, session_id: str | None) -> None:
         if session_id is not None:
+            self.leases.grants.pop(session_id, None)
             self._clear_running(session_id)
             self._apply(self.decider.abandon(session_id, self.clock()))
 
@@ -499,7 +626,9 @@ class KVService:
         return await self.session(session_id)
 
     async def close(self, session_id: str) -> bool:
-        """End a session: its kept KV is drained back to prefill (freed on decode now)."""
+        """End a session: its kept KV is drained back to prefill (freed on decode now).
+        A turn held for an ingress replica is given back first."""
+        await self._give_back(session_id)
         known = self.decider.lifecycle.lease_expiry(session_id) is not None
         self._apply(self.decider.close(session_id, self.clock()))
         self.tokens.forget(session_id)
@@ -512,7 +641,11 @@ class KVService:
         now = self.clock()
         stale = [s for s, t in self._running.items() if now - t >= self.running_grace_s]
         for sid in stale:
+            self.leases.grants.pop(sid, None)
             self._clear_running(sid)
+        for grant in self.leases.lapsed(now):  # their lessee went silent
+            self._end_grant(grant)
+        self.leases.forget_silent(now)
         for sid in self.owners.expire(now, keep=self._running):
             self.store.delete(_OWNER_PREFIX + sid)
             await self.close(sid)

@@ -146,6 +146,14 @@ METRICS: tuple[MetricSpec, ...] = (
         "blocks are freed at the engine's TTL).",
     ),
     MetricSpec(
+        name="kvtide_turn_leases_total",
+        kind="counter",
+        description="Session turns by how they were claimed and planned: under this "
+        "replica's turn lease (used), or the lease refused and the turn run again through "
+        "the service (refused).",
+        tag_keys=("outcome",),
+    ),
+    MetricSpec(
         name="kvtide_requests_total",
         kind="counter",
         description="Finished requests by status: ok, client_error, server_error, cancelled.",

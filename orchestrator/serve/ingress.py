@@ -12,6 +12,7 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import time
@@ -44,9 +45,10 @@ from orchestrator.kv.messages import KVDecision
 from orchestrator.kv.ownership import Principal, session_not_found
 from orchestrator.kv.service import engine_pool
 from orchestrator.kv.session_tokens import SessionTokens, prefix_digest
+from orchestrator.kv.turn_leases import WATCH_WAIT_S, HeldLeases
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import http_status, make_metrics, render_prometheus
-from orchestrator.router import Router, TurnReport
+from orchestrator.router import LeaseRefused, Router, TurnReport
 from orchestrator.serve import openai_api as api
 from orchestrator.serve.auth import Authenticator, ConcurrencyGate, Ticket, check_request
 from orchestrator.serve.model_info import kv_bytes_per_token_of
@@ -175,6 +177,7 @@ class Ingress:
                 replay_max_bytes=int(kv.replay_max_mib * 2**20),
                 running_grace_s=config.server.request_timeout_s,
                 timeout_s=kv.service_start_timeout_s,
+                turn_lease_s=kv.turn_lease_s,
             ),
             timeout_s=kv.service_timeout_s,
         )
@@ -199,12 +202,18 @@ class Ingress:
             request_timeout_s=config.server.request_timeout_s,
             prefill_routes=route_notes.take if config.routing.prefix_aware else None,
             session_tokens=self.session_tokens,
+            leases=HeldLeases(self.replica_id) if kv.turn_lease_s > 0 else None,
         )
         self.auth = Authenticator(config.server.api_keys)
         # Per ingress replica: a key's concurrent requests are counted where they run.
         self.gate = ConcurrencyGate(retry_after_s=1.0)
         # Every replica's metric book goes to the service, which sums them for stats.
         self._reporter = asyncio.get_running_loop().create_task(self._report_metrics_forever())
+        self._lease_watch: asyncio.Task[None] | None = None
+        if self.router.leases is not None:
+            self._lease_watch = asyncio.get_running_loop().create_task(
+                self._watch_leases_forever(self.router.leases)
+            )
         # Keep the collector from rescanning start-up objects on every pass.
         gc.collect()
         gc.freeze()
@@ -217,11 +226,35 @@ class Ingress:
                 pass
             await asyncio.sleep(1.0)
 
+    async def _watch_leases_forever(self, leases: HeldLeases) -> None:
+        """This replica's standing call to the service for its turn leases
+        (``orchestrator.kv.turn_leases``): gives back the unused ones it is asked for or
+        that ran out, and learns of a restarted service (whose leases are gone)."""
+        wait_s = min(WATCH_WAIT_S, self.config.kv.service_timeout_s / 2)
+        while True:
+            leases.expire()
+            released = leases.take_released()
+            try:
+                answer = await self.kv.lease_watch(leases.holder, released, wait_s)
+            except RequestError:  # the service is restarting: again in a second
+                leases.requeue(released)
+                await asyncio.sleep(1.0)
+                continue
+            leases.new_epoch(answer.epoch)
+            leases.revoke(answer.revoked)
+
     async def __del__(self) -> None:
         """Serve's replica shutdown: the turns that finished here reach the service
-        (each hand-over is bounded by the service client's deadline)."""
+        (each hand-over is bounded by the service client's deadline), and its unused
+        turn leases go back to it."""
         self._reporter.cancel()
         await self.router.settled()
+        leases = self.router.leases
+        if self._lease_watch is not None and leases is not None:
+            self._lease_watch.cancel()
+            leases.revoke([lease.lease_id for lease in leases.unused()])
+            with contextlib.suppress(RequestError):
+                await self.kv.lease_watch(leases.holder, leases.take_released(), 0.0)
 
     # ---- routes ----------------------------------------------------------------------
 
@@ -592,7 +625,21 @@ class Ingress:
                     return self._replayed(req, replay.body)
             try:
                 decision, service_s = None, 0.0
-                if session_id is not None:
+                lease, lease_used = None, None
+                if session_id is not None and self.router.leases is not None:
+                    # Held for this replica since its last turn here: claimed and planned
+                    # without a service call on the path (``orchestrator.kv.turn_leases``).
+                    await self.router.handed_over(session_id)
+                    lease = self.router.leases.take(session_id, principal, digest)
+                if lease is not None:
+                    assert session_id is not None
+                    decision = self.router.leases.decide(lease, ids)
+                    reason = None if decision.kind == "pull" else decision.reason
+                    self.metrics.inc("kvtide_turn_leases_total", outcome="used")
+                    lease_used = asyncio.get_running_loop().create_task(
+                        self.kv.lease_used(session_id, lease.lease_id, reason)
+                    )
+                elif session_id is not None:
                     try:
                         ids, max_tokens, decision, service_s = await self._begin_turn(
                             session_id, principal, text, ids, max_tokens, digest, last_ids, limits
@@ -608,21 +655,29 @@ class Ingress:
                         self.metrics.inc("kvtide_conversation_turns_total", outcome="unmatched")
                 if conversation in ("continued", "started"):
                     self.metrics.inc("kvtide_conversation_turns_total", outcome=conversation)
-                response = await self._run(
-                    req,
-                    text,
-                    ids,
-                    max_tokens,
-                    session_id,
-                    replay_key,
-                    ticket,
-                    root,
-                    principal,
-                    decision,
-                    conversation,
-                    t_in,
-                    service_s,
-                )
+                run = (req, text, ids, max_tokens, session_id, replay_key, ticket, root, principal)
+                try:
+                    response = await self._run(
+                        *run,
+                        decision,
+                        conversation,
+                        t_in,
+                        service_s,
+                        None if lease is None else lease.lease_id,
+                        lease_used,
+                    )
+                except LeaseRefused:
+                    # The service gave the lease up (revoked meanwhile, or it restarted):
+                    # the turn ended unseen; ask the service as any turn does.
+                    assert session_id is not None
+                    self.metrics.inc("kvtide_turn_leases_total", outcome="refused")
+                    ids, max_tokens, decision, service_s = await self._begin_turn(
+                        session_id, principal, text, ids, max_tokens, digest, last_ids, limits
+                    )
+                    run = (req, text, ids, max_tokens, *run[4:])
+                    response = await self._run(
+                        *run, decision, conversation, t_in, service_s, None, None
+                    )
             except BaseException:
                 if replay_key is not None:
                     await asyncio.shield(self.kv.replay_fail(replay_key))
@@ -648,6 +703,8 @@ class Ingress:
         conversation: str | None,
         t_in: float,
         service_s: float = 0.0,
+        lease_id: int | None = None,
+        lease_used: Awaitable[bool] | None = None,
     ) -> Any:
         tr.set_attrs(root, {tr.GEN_AI_REQUEST_MAX_TOKENS: max_tokens})
         rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -666,6 +723,8 @@ class Ingress:
             owner=None if principal.is_anonymous else principal.name,
             sampling_options=req.sampling_options(),
             decision=decision,
+            lease_id=lease_id,
+            lease_used=lease_used,
         )
         # Wait for the first item so that prefill failures become a proper status code.
         t_router = time.monotonic()

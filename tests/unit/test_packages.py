@@ -70,6 +70,7 @@ def test_public_names_are_pinned() -> None:
     )
     assert sorted(orchestrator.router.__all__) == [
         "KV_SOURCES",
+        "LeaseRefused",
         "PoolClient",
         "Router",
         "TurnReport",

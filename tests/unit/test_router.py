@@ -14,7 +14,7 @@ from engines.kv_params import KVTransferParams
 from orchestrator.cluster.route_notes import RouteNotes
 from orchestrator.errors import DeadlineExceeded, EngineUnavailable
 from orchestrator.kv.decider import kv_lifecycle_config
-from orchestrator.kv.messages import TurnDone
+from orchestrator.kv.messages import Handover, TurnDone
 from orchestrator.kv.ownership import ANONYMOUS
 from orchestrator.kv.service import KVService
 from orchestrator.kv.session_tokens import SessionTokens
@@ -114,7 +114,7 @@ class CountingService(KVService):
 
     num_turns_done = 0
 
-    async def turn_done(self, done: TurnDone) -> bool:
+    async def turn_done(self, done: TurnDone) -> Handover:
         self.num_turns_done += 1
         return await super().turn_done(done)
 

@@ -20,7 +20,7 @@ from test_kv_service import S1_T1, S1_T2, Cluster
 
 from engines.kv_params import KVTransferParams
 from orchestrator.errors import DeadlineExceeded
-from orchestrator.kv.messages import TurnDone
+from orchestrator.kv.messages import Handover, TurnDone
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.service import API_METHODS, KVService
 from orchestrator.kv.session_tokens import NO_PREFIX, prefix_digest
@@ -216,7 +216,7 @@ class HeldHandOver(KVService):
         self.release = asyncio.Event()
         self.handed: list[TurnDone] = []
 
-    async def turn_done(self, done: TurnDone) -> bool:
+    async def turn_done(self, done: TurnDone) -> Handover:
         await self.release.wait()
         self.handed.append(done)
         return await super().turn_done(done)
@@ -296,7 +296,7 @@ def test_a_failed_hand_over_is_counted_and_ends_the_sessions_claim() -> None:
     alice = Principal(name="alice")
 
     class Unreachable(KVService):
-        async def turn_done(self, done: TurnDone) -> bool:
+        async def turn_done(self, done: TurnDone) -> Handover:
             raise DeadlineExceeded("the KV service did not answer turn_done in time")
 
     service = c.new_service(Unreachable, handover_wait_s=0.0)
@@ -401,5 +401,5 @@ def test_a_hand_over_naming_another_last_turn_is_refused_then_sent_whole() -> No
     assert whole.next_token_ids == [1, 2, 3, 4, 5] and whole.prefix_len == 0
     stale = msgspec.structs.replace(added, prefix_digest=prefix_digest([1, 2, 9]))
     assert svc.whole(stale) is None
-    assert asyncio.run(svc.turn_done(stale)) is False  # nothing booked from a guess
+    assert not asyncio.run(svc.turn_done(stale)).accepted  # nothing booked from a guess
     assert list(svc.tokens.token_ids("s") or ()) == [1, 2, 3]

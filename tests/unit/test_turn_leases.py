@@ -1,0 +1,322 @@
+"""Turn leases: a session's next turn is held for the ingress replica that ran its last
+one, so that it runs there without a service call on its path, while every guarantee of
+``begin_turn`` holds: one turn of a session at a time, only its owner's key, a turn on
+another replica or a close gets the session back, and a restarted service still knows
+the claim. Two ingresses (no Ray) share one in-process service and scripted engines,
+each with its lease watch running as in a replica."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from ingress_harness import MODEL, handle
+from test_kv_service import S1_T1, S1_T2, Cluster
+from test_turn_calls import CallLog, two_ingresses
+
+from orchestrator.kv.durable import MemoryStore
+from orchestrator.kv.ownership import Principal
+from orchestrator.kv.session_tokens import prefix_digest
+from orchestrator.kv.turn_leases import HeldLeases
+from orchestrator.router import Router
+
+CHAT = "/v1/chat/completions"
+ANYONE = Principal(name="anonymous", is_anonymous=True)
+
+
+class Chat:
+    def __init__(self, session: str) -> None:
+        self.session = session
+        self.messages: list[dict[str, str]] = []
+
+    async def turn(self, ingress: Any, question: str, expect: int = 200) -> dict[str, Any]:
+        self.messages.append({"role": "user", "content": question})
+        body = json.dumps({"model": MODEL, "messages": self.messages, "max_tokens": 3})
+        status, reply = await handle(ingress, CHAT, body.encode(), x_session_id=self.session)
+        assert status == expect, reply
+        if status != 200:
+            self.messages.pop()
+            return dict(reply)
+        self.messages.append(reply["choices"][0]["message"])
+        return dict(reply["kvtide"])
+
+
+def turn_calls(log: CallLog) -> list[str]:
+    """The calls a turn made, without the lease watches' standing calls."""
+    return [c for c in log.take() if c != "lease_watch"]
+
+
+@asynccontextmanager
+async def leasing(*ingresses: Any) -> AsyncIterator[None]:
+    """Turn leases on for these ingresses (as ``kv.turn_lease_s`` does), their watches
+    running; the watch is in place before the first turn."""
+    service = ingresses[0].kv.service
+    service.leases.lasts_s = 30.0
+    tasks = []
+    for n, ingress in enumerate(ingresses):
+        leases = HeldLeases(f"replica-{n}", clock=ingress.router.clock)
+        ingress.router.leases = leases
+        tasks.append(asyncio.ensure_future(ingress._watch_leases_forever(leases)))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def test_a_turn_on_the_replica_that_ran_the_last_one_asks_the_service_nothing_first(
+    tiny_tokenizer: Any,
+) -> None:
+    first, second, log = two_ingresses(tiny_tokenizer)
+
+    async def story() -> None:
+        async with leasing(first, second):
+            chat = Chat("s1")
+            await chat.turn(first, "What is kept?")
+            assert turn_calls(log) == ["begin_turn", "turn_done"]
+            # Turn 2 on the same replica: claimed and planned there; the service hears
+            # of it off the path (lease_used) and with its hand-over.
+            reply = await chat.turn(first, "And after?")
+            assert turn_calls(log) == ["lease_used", "turn_done"]
+            assert reply["service_s"] == 0.0
+            # The plan is the one the service would make (not a prefix mismatch).
+            assert reply["kv_plan_reason"] == "cheaper_to_recompute"
+            turn1, turn2 = [list(r.prompt_token_ids) for r in first.router.decode.requests]
+            assert turn2[: len(turn1) + 3] == [*turn1, 11, 12, 13]
+            await chat.turn(first, "And again?")
+            assert turn_calls(log) == ["lease_used", "turn_done"]
+            assert first.metrics.snapshot()['kvtide_turn_leases_total{outcome="used"}'] == 2
+
+    asyncio.run(story())
+
+
+def test_a_turn_on_another_replica_gets_the_session_back_from_the_lease(
+    tiny_tokenizer: Any,
+) -> None:
+    first, second, log = two_ingresses(tiny_tokenizer)
+    service = first.kv.service
+    service.handover_wait_s = 5.0
+
+    async def story() -> None:
+        async with leasing(first, second):
+            chat = Chat("s2")
+            await chat.turn(first, "What is kept?")
+            await chat.turn(first, "And after?")
+            log.take()
+            # The other replica asks the service, which revokes the first's unused
+            # lease; the first gives it back and the turn runs, long before the wait
+            # for a running turn would end.
+            t0 = asyncio.get_running_loop().time()
+            reply = await chat.turn(second, "And on another replica?")
+            assert asyncio.get_running_loop().time() - t0 < 1.0
+            assert turn_calls(log)[-1] == "turn_done"
+            assert reply["kv_plan_reason"] == "cheaper_to_recompute"
+            # The lease now is the second's: the first asks (and gets it back) again.
+            assert len(first.router.leases) == 0 and len(second.router.leases) == 1
+            await chat.turn(first, "Back here?")
+            assert "begin_turn" in turn_calls(log)
+            assert len(first.router.leases) == 1 and len(second.router.leases) == 0
+
+    asyncio.run(story())
+
+
+def test_a_leased_session_still_runs_one_turn_at_a_time(tiny_tokenizer: Any) -> None:
+    first, second, _log = two_ingresses(tiny_tokenizer)
+    service = first.kv.service
+    service.handover_wait_s = 0.2
+    gate = asyncio.Event()
+    script = first.router.decode.script
+
+    async def story() -> None:
+        async with leasing(first, second):
+            chat = Chat("s3")
+            await chat.turn(first, "What is kept?")
+            # Turn 2 runs under the lease and hangs in decode...
+            slow = asyncio.ensure_future(hanging_turn(first, chat, gate, script))
+            for _ in range(50):
+                await asyncio.sleep(0)
+            # ...so a turn of the session elsewhere is refused, and so is one on the
+            # same replica (its lease is in use): 409, as without leases.
+            other = Chat("s3")
+            other.messages = list(chat.messages[:-1])
+            reply = await other.turn(second, "Meanwhile?", expect=409)
+            assert reply["error"]["code"] == "turn_in_progress"
+            reply = await other.turn(first, "Meanwhile here?", expect=409)
+            assert reply["error"]["code"] == "turn_in_progress"
+            gate.set()
+            await slow
+
+    asyncio.run(story())
+
+
+async def hanging_turn(ingress: Any, chat: Chat, gate: asyncio.Event, script: Any) -> None:
+    """Chat turn whose decode waits for ``gate`` before answering."""
+    pool = ingress.router.decode
+
+    async def stream(request: Any) -> Any:
+        await gate.wait()
+        for chunk in script(request):
+            yield chunk
+
+    pool.generate = stream
+    try:
+        await chat.turn(ingress, "And after?")
+    finally:
+        del pool.generate
+
+
+async def first_turn_leased(svc: Any, router: Router, session: str, owner: Principal) -> None:
+    """The session's first turn through ``router`` (lessee ``replica-a``, its watch
+    seen), which leaves the next turn leased to it."""
+    await svc.lease_watch("replica-a", [], 0.0)
+    assert (await svc.begin_turn(session, owner, S1_T1)).outcome == "claimed"
+    async for _ in router.run_turn(
+        prompt_token_ids=S1_T1, max_tokens=3, session_id=session, owner=owner.name, request_id="r-1"
+    ):
+        pass
+    await router.settled()
+
+
+def leasing_router(c: Cluster) -> tuple[Router, HeldLeases]:
+    leases = HeldLeases("replica-a", clock=c.clock)
+    router = Router(
+        prefill=c.prefill, decode=c.decode, kv=c.service, pull_timeout_s=5.0, leases=leases
+    )
+    router.session_tokens = None
+    return router, leases
+
+
+def test_a_lease_serves_its_owner_key_only() -> None:
+    c = Cluster()
+    svc = c.service
+    svc.leases.lasts_s = 30.0
+    alice, mallory = Principal(name="alice"), Principal(name="mallory")
+    router, leases = leasing_router(c)
+
+    async def story() -> None:
+        await first_turn_leased(svc, router, "s4", alice)
+        digest = svc.tokens.last_digest("s4", c.clock())
+        # Another key neither uses the lease here nor learns or revokes anything there.
+        assert leases.take("s4", mallory, digest) is None
+        assert (await svc.begin_turn("s4", mallory, [1])).outcome == "not_found"
+        assert await svc.leases.watch("replica-a", 0.0) == []
+        # The owner's key, from the last turn the lease names, runs under it: the
+        # kept KV pulled back, the pull booked once.
+        lease = leases.take("s4", alice, digest)
+        assert lease is not None and lease.owner == "alice"
+        decision = leases.decide(lease, S1_T2)
+        assert decision.kind == "pull" and decision.num_reusable_tokens > 0
+        pulls = svc.decider.lifecycle.stats().num_pulls
+        used = asyncio.ensure_future(svc.lease_used("s4", lease.lease_id, None))
+        reports = [
+            r
+            async for _, r in router.run_turn(
+                prompt_token_ids=S1_T2,
+                max_tokens=3,
+                session_id="s4",
+                owner="alice",
+                request_id="r-2",
+                decision=decision,
+                lease_id=lease.lease_id,
+                lease_used=used,
+            )
+        ]
+        await router.settled()
+        assert reports[-1].kv_source == "sent_back"
+        assert svc.decider.lifecycle.stats().num_pulls == pulls + 1
+        # Used once: a second use of the same lease is refused.
+        assert await svc.lease_used("s4", lease.lease_id, None) is False
+
+    asyncio.run(story())
+
+
+def test_a_refused_lease_runs_the_turn_again_through_the_service(tiny_tokenizer: Any) -> None:
+    first, second, log = two_ingresses(tiny_tokenizer)
+    service = first.kv.service
+
+    async def story() -> None:
+        async with leasing(first, second):
+            chat = Chat("s5")
+            await chat.turn(first, "What is kept?")
+            log.take()
+            # The service gave the lease up without the lessee hearing of it (as a
+            # restarted instance would): the turn's use is refused, it ends unseen and
+            # runs again through begin_turn; the client gets one answer.
+            [grant] = service.leases.grants.values()
+            service._end_grant(grant)
+            n = len(first.router.decode.requests)
+            reply = await chat.turn(first, "And after?")
+            assert turn_calls(log) == ["lease_used", "begin_turn", "turn_done"]
+            assert reply["kv_plan_reason"] == "cheaper_to_recompute"
+            assert len(first.router.decode.requests) - n <= 2
+            snapshot = first.metrics.snapshot()
+            assert snapshot['kvtide_turn_leases_total{outcome="refused"}'] == 1
+            # The turn's hand-over leases the next turn to the replica again.
+            assert service.leases.grants["s5"].holder == "replica-0"
+
+    asyncio.run(story())
+
+
+def test_a_restarted_service_keeps_a_leases_claim_until_its_lessee_gives_it_back() -> None:
+    c = Cluster()
+    store = MemoryStore()
+    svc = c.new_service(store=store, turn_lease_s=30.0)
+    alice = Principal(name="alice")
+    router, leases = leasing_router(c)
+
+    async def story() -> None:
+        await first_turn_leased(svc, router, "s6", alice)
+        assert len(leases) == 1
+        # The service restarts: its lease is gone, its claim is not (a turn the lessee
+        # starts meanwhile must not run beside one elsewhere).
+        restarted = c.new_service(store=store, turn_lease_s=30.0, handover_wait_s=0.05)
+        assert "s6" in restarted._running
+        blocked = await restarted.begin_turn("s6", alice, S1_T2)
+        assert blocked.outcome == "turn_in_progress"
+        # The lessee learns of the new epoch and gives its unused lease back: the
+        # session is free at once.
+        leases.new_epoch(restarted.epoch)
+        answer = await restarted.lease_watch("replica-a", leases.take_released(), 0.0)
+        assert answer.epoch == restarted.epoch and "s6" not in restarted._running
+        claim = await restarted.begin_turn("s6", alice, S1_T2)
+        assert claim.outcome == "claimed"
+
+    asyncio.run(story())
+
+
+def test_closing_a_leased_session_gets_the_lease_back_and_frees_its_kv(
+    tiny_tokenizer: Any,
+) -> None:
+    first, second, _log = two_ingresses(tiny_tokenizer)
+    service = first.kv.service
+
+    async def story() -> None:
+        async with leasing(first, second):
+            chat = Chat("s7")
+            await chat.turn(first, "What is kept?")
+            assert len(first.router.leases) == 1
+            assert await service.close("s7") is True
+            assert len(first.router.leases) == 0 and service.leases.grants == {}
+            assert "s7" not in service._running
+            assert service.decider.lifecycle.record("s7") is None
+
+    asyncio.run(story())
+
+
+def test_digest_of_the_leased_last_turn_matches_the_replicas_copy(tiny_tokenizer: Any) -> None:
+    first, second, _ = two_ingresses(tiny_tokenizer)
+
+    async def story() -> None:
+        async with leasing(first, second):
+            chat = Chat("s8")
+            await chat.turn(first, "What is kept?")
+            [lease] = first.router.leases.unused()
+            ids = first.session_tokens.token_ids("s8")
+            assert ids is not None and lease.digest == prefix_digest(ids)
+
+    asyncio.run(story())
