@@ -6,8 +6,10 @@ each of them:
 
 - ``held_bytes[e]`` = sum of ``bytes_held`` over the records on engine ``e`` (current
   records and records handed to a pull that has not resolved);
-- ``idle_bytes[e]`` = the same over current records of sessions with no turn in flight,
-  and ``idle_by_engine[e]`` holds exactly those sessions, by engine expiry;
+- ``idle_bytes[e]`` = the same over current records of sessions with no turn running (a
+  turn held for an ingress has not started: its record counts here, so the idle budget
+  covers it), and ``idle_by_engine[e]`` holds exactly those sessions that are not held
+  (the evictable ones), by engine expiry;
 - every current record has an offer deadline, every unresolved pull a pull deadline,
   and every idle session a lease deadline; nothing else does.
 """
@@ -35,6 +37,9 @@ class SessionState:
     """A record handed to a prefill: still on its engine until the read resolves."""
     lost_reason: RecomputeReason | None = None
     """Why the last record went away without a successor (the next turn's reason)."""
+    held: bool = False
+    """One of the turns in flight is held for an ingress and has not started: the
+    record stays idle for the budget but is not evicted (``KVBooks.hold``)."""
 
     @property
     def active(self) -> bool:
@@ -90,7 +95,9 @@ class KVBooks:
         _add(self.held_bytes, record.engine_id, record.bytes_held)
         self.sessions_by_engine.setdefault(record.engine_id, set()).add(session_id)
         self.offer_deadlines.set(session_id, record.offer_deadline_s(self._safety_margin_s))
-        if not session.active:
+        if session.held:
+            _add(self.idle_bytes, record.engine_id, record.bytes_held)
+        elif not session.active:
             self._mark_idle(session_id, record)
 
     def detach(self, session_id: str, session: SessionState) -> KVRecord:
@@ -103,7 +110,9 @@ class KVBooks:
         if not engine_sessions:
             del self.sessions_by_engine[record.engine_id]
         self.offer_deadlines.discard(session_id)
-        if not session.active:
+        if session.held:
+            _add(self.idle_bytes, record.engine_id, -record.bytes_held)
+        elif not session.active:
             self._unmark_idle(session_id, record)
         return record
 
@@ -149,9 +158,28 @@ class KVBooks:
                 self._unmark_idle(session_id, session.record)
         session.num_turns_in_flight += 1
 
+    def hold(self, session_id: str, session: SessionState) -> None:
+        """Start a turn held for an ingress: in flight (no lease deadline), but its
+        record stays in ``idle_bytes`` and leaves only the eviction order."""
+        was_active = session.active
+        self.begin_turn(session_id, session)
+        if was_active:
+            return  # a turn runs already: nothing to hold (``use_held`` will refuse)
+        session.held = True
+        if session.record is not None:
+            _add(self.idle_bytes, session.record.engine_id, session.record.bytes_held)
+
+    def run_held(self, session: SessionState) -> None:
+        """The held turn starts running (its record, if any, is no longer idle)."""
+        if session.held:
+            session.held = False
+            if session.record is not None:
+                _add(self.idle_bytes, session.record.engine_id, -session.record.bytes_held)
+
     def end_turn(self, session_id: str, session: SessionState, now_s: float) -> None:
         # A report without a matching start (after a close or a restart) ends nothing:
         # the session is idle already and its record, if any, is booked as idle.
+        self.run_held(session)  # a held turn ends unused (given back or abandoned)
         was_active = session.active
         if was_active:
             session.num_turns_in_flight -= 1

@@ -22,8 +22,10 @@ so), ``on_engine_lost``. Every started turn must end with ``on_turn_finished`` o
 Books kept (invariants checked by the tests after every call):
 - ``bytes_held(e)`` = sum of ``bytes_held`` over records booked on engine ``e``,
   including records handed to a pull that has not resolved yet;
-- ``idle_bytes(e)`` = the same over sessions with no turn in flight, and never above
-  ``idle_budget_bytes_per_engine`` after a call returns.
+- ``idle_bytes(e)`` = the same over sessions with no turn running (a turn ``hold`` keeps
+  for an ingress has not started), and never above ``idle_budget_bytes_per_engine``
+  after a call returns: a held record is never evicted, so a newer idle record goes
+  first when only held ones are left.
 """
 
 from __future__ import annotations
@@ -125,11 +127,13 @@ class KVLifecycle:
         """Start the session's next turn before it arrives: an ingress decides it from
         the returned record (with ``decide_turn``) and reports what it did with
         ``use_held``, or gives it back with ``unhold``. While held the session counts as
-        having a turn in flight (never evicted; its record still offered and shown)."""
+        having a turn in flight and its record is not evicted, but the record still counts
+        toward the idle budget (so newer idle records go first when only held ones are
+        left) and is still offered and shown. The session must be idle."""
         books = self._books
         session = books.session(session_id, now_s)
-        books.begin_turn(session_id, session)
         books.extend_lease(session_id, session, now_s)
+        books.hold(session_id, session)
         return session.record
 
     def use_held(
@@ -144,15 +148,17 @@ class KVLifecycle:
         ``reason``. False (nothing changed) when the pull's record is no longer the
         session's (the turn must not read it)."""
         session = self._books.sessions.get(session_id)
-        if session is None or not session.active:
+        if session is None or not session.held:
             return False
         if reason is None:
             current = session.record
             if record is None or current is None or current.block_ids != record.block_ids:
                 return False
+            self._books.run_held(session)
             self._books.begin_pull(session_id, session)
             self._num_pulls += 1
         else:
+            self._books.run_held(session)
             self._recomputes[reason] += 1
         return True
 
@@ -504,6 +510,7 @@ class KVLifecycle:
         books = self._books
         while books.idle_bytes.get(engine_id, 0) > budget:
             session_id = books.idle_nearest_expiry(engine_id)
-            assert session_id is not None
+            if session_id is None:
+                break  # only held records left: evicted when given back (``unhold``)
             effects.append(self._evict(session_id, books.sessions[session_id], EvictReason.BUDGET))
         return effects

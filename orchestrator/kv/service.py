@@ -721,7 +721,9 @@ class KVService:
             "num_drain_failures": self.counters["drain_failures"],
             "num_drains_running": len(self._drains),
             "num_undrainable": self.counters["undrainable"],
-            "num_turns_running": len(self._running),
+            # A turn held for an ingress replica is not running until it is used.
+            "num_turns_running": len(self._running) - self.leases.num_unused(),
+            "num_turns_leased": self.leases.num_unused(),
             "replay_bytes": self.replays.num_bytes,
             "num_replay_duplicates": self.replays.num_duplicates,
             "engines": dict(sorted(self._engine_stats.items())),

@@ -96,6 +96,9 @@ class LeaseBook:
         grant = self.grants.get(session_id)
         return grant if grant is not None and grant.lease_id == lease_id else None
 
+    def num_unused(self) -> int:
+        return sum(not g.used for g in self.grants.values())
+
     def revoke(self, grant: Grant) -> None:
         """Ask the lessee to give ``grant`` back."""
         holder = self._holders.get(grant.holder)

@@ -359,6 +359,35 @@ def test_two_hundred_idle_sessions_never_exceed_the_budget() -> None:
     assert kv.stats().num_evictions == 180
 
 
+def test_held_turns_count_toward_the_budget_and_are_evicted_once_given_back() -> None:
+    budget = 2 * BYTES_1100
+    kv = KVLifecycle(replace(CONFIG, idle_budget_bytes_per_engine=budget))
+    # a and b finish and their next turns are held for an ingress (turn leases).
+    for i, sid in enumerate("ab"):
+        kv.on_turn_start(sid, tokens(1_100), float(i))
+        keep(kv, sid, tokens(1_100), now_s=float(i) + 0.5)
+        assert kv.hold(sid, float(i) + 0.5) == current(kv, sid)
+    assert kv.idle_bytes("decode-0") == budget  # held records are counted...
+    # ...and never evicted: a newer idle record goes instead, so the budget holds.
+    c_effects = keep(kv, "c", tokens(1_100), now_s=10.0)
+    assert [e.session_id for e in c_effects if isinstance(e, Evict)] == ["c"]
+    assert kv.idle_bytes("decode-0") == budget
+    assert kv.bytes_held("decode-0") == budget
+    # b's held turn runs and pulls: its record leaves the idle bytes with it.
+    record_b = current(kv, "b")
+    assert kv.use_held("b", record=record_b, reason=None, now_s=11.0)
+    assert kv.idle_bytes("decode-0") == BYTES_1100
+    # A turn used or given back is no longer held: a second use is refused.
+    assert not kv.use_held("b", record=record_b, reason=None, now_s=11.5)
+    # a is given back unused and is an ordinary idle record, evicted in its turn.
+    assert kv.unhold("a", 12.0) == []
+    assert kv.idle_bytes("decode-0") == BYTES_1100
+    assert keep(kv, "b", tokens(1_100), now_s=13.0, block_ids=(4, 5)) == []
+    d_effects = keep(kv, "d", tokens(1_100), now_s=14.0, block_ids=(6,))
+    assert [e.session_id for e in d_effects if isinstance(e, Evict)] == ["a"]
+    assert kv.idle_bytes("decode-0") <= budget
+
+
 def test_hybrid_models_book_the_linear_state_of_each_sequence() -> None:
     kv = KVLifecycle(replace(CONFIG, linear_state_bytes_per_sequence=2_000_000))
     keep(kv, "s1", tokens(1_100), now_s=0.0)

@@ -174,9 +174,15 @@ async def first_turn_leased(svc: Any, router: Router, session: str, owner: Princ
     """The session's first turn through ``router`` (lessee ``replica-a``, its watch
     seen), which leaves the next turn leased to it."""
     await svc.lease_watch("replica-a", [], 0.0)
-    assert (await svc.begin_turn(session, owner, S1_T1)).outcome == "claimed"
+    claim = await svc.begin_turn(session, owner, S1_T1)
+    assert claim.outcome == "claimed"
     async for _ in router.run_turn(
-        prompt_token_ids=S1_T1, max_tokens=3, session_id=session, owner=owner.name, request_id="r-1"
+        prompt_token_ids=S1_T1,
+        max_tokens=3,
+        session_id=session,
+        owner=owner.name,
+        request_id="r-1",
+        decision=claim.decision,
     ):
         pass
     await router.settled()
