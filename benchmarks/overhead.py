@@ -9,8 +9,8 @@ Both paths use the same engines in the same run:
   replica: the baseline placement);
 * kvtide — the OpenAI endpoint over HTTP: Serve's HAProxy → ingress replica (direct
   ingress; ``--serve-proxy``: Serve's Python proxy in between) → ingress (validate,
-  template, tokenize, ``begin_turn``) → router (KV plan, prefix-aware prefill choice with 2
-  prefill replicas) → the same engines.
+  template, tokenize, ``begin_turn`` or a turn lease) → router (KV plan, prefix-aware
+  prefill choice with 2 prefill replicas) → the same engines.
 
 Workloads, each at every concurrency level, with fresh prompts per row:
 

@@ -820,8 +820,12 @@ class KVService:
         """Drain records nobody will reuse, with the tokens they hold: the first of
         ``candidates`` (then the session's current tokens) that starts with the record's
         covered tokens. A record no known tokens match stays until its TTL (counted as
-        undrainable)."""
+        undrainable). A record gone from under an unused turn lease revokes the lease:
+        its next turn asks ``begin_turn`` instead of reading KV that is no longer there."""
         for effect in effects:
+            grant = self.leases.grants.get(effect.record.session_id)
+            if grant is not None and not grant.used and grant.record == effect.record:
+                self.leases.revoke(grant)
             if not effect.drainable:
                 continue  # expiring anyway: the engine frees the blocks at its TTL
             record = effect.record

@@ -268,6 +268,35 @@ def test_a_refused_lease_runs_the_turn_again_through_the_service(tiny_tokenizer:
     asyncio.run(story())
 
 
+def test_a_lease_whose_kv_is_lost_is_revoked_and_the_turn_asks_the_service() -> None:
+    c = Cluster()
+    svc = c.service
+    svc.leases.lasts_s = 30.0
+    alice = Principal(name="alice")
+    router, leases = leasing_router(c)
+
+    async def story() -> None:
+        await first_turn_leased(svc, router, "s9", alice)
+        [grant] = svc.leases.grants.values()
+        assert grant.record is not None
+        # The decode engine holding the leased KV dies: the lessee is told at once (its
+        # watch answers) and gives the lease back, so the session's next turn is decided
+        # by the service (a recompute), not by the lessee from KV that is gone.
+        assert await svc.engines_lost([grant.record.engine_id]) == 1
+        revoked = await svc.leases.watch("replica-a", 0.0)
+        assert revoked == [grant.lease_id]
+        leases.revoke(revoked)
+        await svc.lease_watch("replica-a", leases.take_released(), 0.0)
+        assert svc.leases.grants == {} and "s9" not in svc._running
+        digest = svc.tokens.last_digest("s9", c.clock())
+        assert leases.take("s9", alice, digest) is None
+        claim = await svc.begin_turn("s9", alice, S1_T2)
+        assert claim.outcome == "claimed" and claim.decision is not None
+        assert claim.decision.kind == "recompute"
+
+    asyncio.run(story())
+
+
 def test_a_restarted_service_keeps_a_leases_claim_until_its_lessee_gives_it_back() -> None:
     c = Cluster()
     store = MemoryStore()
