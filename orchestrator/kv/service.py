@@ -403,7 +403,7 @@ class KVService:
             # Another key learns nothing and revokes nothing.
             if not await self.session_owned(session_id, principal):
                 return Claim(outcome="not_found")
-            self.leases.revoke(grant)
+            await self._give_back(session_id)  # a silent lessee's lease lapses now
         await self._after_running_turn(session_id)
         now = self.clock()
         if prefix_digest is not None and prefix_digest != self.tokens.last_digest(session_id, now):

@@ -268,6 +268,25 @@ def test_a_refused_lease_runs_the_turn_again_through_the_service(tiny_tokenizer:
     asyncio.run(story())
 
 
+def test_a_lessee_that_never_answers_holds_the_session_no_longer_than_the_wait() -> None:
+    c = Cluster()
+    svc = c.service
+    svc.leases.lasts_s = 30.0
+    alice = Principal(name="alice")
+    router, _ = leasing_router(c)
+
+    async def story() -> None:
+        await first_turn_leased(svc, router, "s10", alice)
+        # The lessee's replica is gone (its watch never calls again): a turn of the
+        # session elsewhere revokes the lease, waits out the hand-over wait and runs.
+        svc.handover_wait_s = 0.05
+        claim = await svc.begin_turn("s10", alice, S1_T2)
+        assert claim.outcome == "claimed"
+        assert svc.leases.grants == {}
+
+    asyncio.run(story())
+
+
 def test_a_lease_whose_kv_is_lost_is_revoked_and_the_turn_asks_the_service() -> None:
     c = Cluster()
     svc = c.service
