@@ -197,12 +197,18 @@ def leasing_router(c: Cluster) -> tuple[Router, HeldLeases]:
     return router, leases
 
 
-def test_a_lease_serves_its_owner_key_only() -> None:
+def leased_cluster() -> tuple[Cluster, Router, HeldLeases]:
+    """A cluster whose service grants 30 s turn leases, and a router leasing from it."""
     c = Cluster()
-    svc = c.service
-    svc.leases.lasts_s = 30.0
-    alice, mallory = Principal(name="alice"), Principal(name="mallory")
+    c.service.leases.lasts_s = 30.0
     router, leases = leasing_router(c)
+    return c, router, leases
+
+
+def test_a_lease_serves_its_owner_key_only() -> None:
+    c, router, leases = leased_cluster()
+    svc = c.service
+    alice, mallory = Principal(name="alice"), Principal(name="mallory")
 
     async def story() -> None:
         await first_turn_leased(svc, router, "s4", alice)
@@ -269,11 +275,8 @@ def test_a_refused_lease_runs_the_turn_again_through_the_service(tiny_tokenizer:
 
 
 def test_a_lessee_that_never_answers_holds_the_session_no_longer_than_the_wait() -> None:
-    c = Cluster()
-    svc = c.service
-    svc.leases.lasts_s = 30.0
-    alice = Principal(name="alice")
-    router, _ = leasing_router(c)
+    c, router, _ = leased_cluster()
+    svc, alice = c.service, Principal(name="alice")
 
     async def story() -> None:
         await first_turn_leased(svc, router, "s10", alice)
@@ -288,11 +291,8 @@ def test_a_lessee_that_never_answers_holds_the_session_no_longer_than_the_wait()
 
 
 def test_a_lease_whose_kv_is_lost_is_revoked_and_the_turn_asks_the_service() -> None:
-    c = Cluster()
-    svc = c.service
-    svc.leases.lasts_s = 30.0
-    alice = Principal(name="alice")
-    router, leases = leasing_router(c)
+    c, router, leases = leased_cluster()
+    svc, alice = c.service, Principal(name="alice")
 
     async def story() -> None:
         await first_turn_leased(svc, router, "s9", alice)
