@@ -73,6 +73,7 @@ class Sample:
     cached_tokens: int = 0
     reusable_tokens: int = 0  # an earlier turn's prompt + answer, in whole blocks
     own_s: float = 0.0  # kvtide: ingress_s + router_s
+    service_s: float = 0.0  # kvtide: of own_s, waiting for the KV service
     proxy_s: float = 0.0  # kvtide: client TTFT - ingress_s - ttft_s
     kv_source: str = ""
 
@@ -143,6 +144,7 @@ def _kvtide_sample(turn: Any, reusable: int = 0) -> Sample:
         cached_tokens=int(report.get("num_cached_tokens", 0)),
         reusable_tokens=reusable,
         own_s=ingress_s + float(report.get("router_s", 0.0)),
+        service_s=float(report.get("service_s", 0.0)),
         proxy_s=turn.ttft_s - ingress_s - float(report.get("ttft_s", 0.0)),
         kv_source=str(report.get("kv_source", "")),
     )
@@ -339,6 +341,7 @@ def format_rows(rows: list[Row], rtt_s: float, connector: str) -> str:
         own = [s.own_s for s in r.samples] if r.path != "direct" else []
         proxy = [s.proxy_s for s in r.samples] if r.path != "direct" else []
         own_ms = statistics.median(own) * 1e3 if own else None
+        svc = [s.service_s for s in r.samples] if r.path != "direct" else []
         table.append(
             [
                 r.num_prefill,
@@ -356,6 +359,7 @@ def format_rows(rows: list[Row], rtt_s: float, connector: str) -> str:
                 f"{r.ceiling():.1%}" if r.workload != "single" else "-",
                 f"{own_ms:.2f}" if own_ms is not None else "-",
                 f"{own_ms / (rtt_s * 1e3):.2f}" if own_ms is not None else "-",
+                f"{statistics.median(svc) * 1e3:.2f}" if svc else "-",
                 f"{statistics.median(proxy) * 1e3:.1f}" if proxy else "-",
                 f"{r.extra_requests():.2f}",
             ]
@@ -376,6 +380,7 @@ def format_rows(rows: list[Row], rtt_s: float, connector: str) -> str:
         "ceiling",
         "own ms",
         "own RTT",
+        "svc ms",
         "http ms",
         "extra req",
     ]
@@ -387,7 +392,9 @@ def format_rows(rows: list[Row], rtt_s: float, connector: str) -> str:
         "concurrency; reused = prompt tokens whose KV was reused (prefix cache or sent back) "
         "/ prompt tokens, ceiling = an earlier turn's prompt + answer in whole blocks / "
         "prompt tokens; own = kvtide's time on the turn's path (ingress_s + router_s, "
-        "p50), also in bare actor round trips; http = client TTFT - ingress_s - ttft_s "
+        "p50), also in bare actor round trips; svc = of it, waiting for the KV service "
+        "(begin_turn, or under a turn lease the previous turn's hand-over; p50); "
+        "http = client TTFT - ingress_s - ttft_s "
         "(the HTTP hop: Serve's HAProxy, or its Python proxy with --serve-proxy, and the "
         "client's own parsing); extra req = engine requests per turn beyond "
         "its prefill and decode (a session's close drains its last turn's KV: one read-back "

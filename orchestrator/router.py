@@ -105,7 +105,8 @@ class TurnReport:
     # The ingress's time before the router: parsing, the chat template, tokenizing and
     # the KV service's begin_turn (set by the ingress).
     ingress_s: float = 0.0
-    # Of ``ingress_s``: waiting for the KV service's begin_turn (a session turn).
+    # Of ``ingress_s``: waiting for the KV service: its begin_turn (a session turn), or
+    # under a turn lease the hand-over of the session's last turn here, when it is on its way.
     service_s: float = 0.0
     finish_reason: str | None = None
     migrations: int = 0
@@ -725,12 +726,15 @@ class Router:
                 lambda t: self._handing.pop(sid, None) if self._handing.get(sid) is t else None
             )
 
-    async def handed_over(self, session_id: str) -> None:
+    async def handed_over(self, session_id: str) -> float:
         """Wait for the hand-over of the session's last turn here, if one is on its way
-        (its answer may hold the next turn's lease)."""
+        (its answer may hold the next turn's lease); the seconds waited."""
         task = self._handing.get(session_id)
-        if task is not None:
-            await asyncio.shield(task)
+        if task is None:
+            return 0.0
+        t0 = self.clock()
+        await asyncio.shield(task)
+        return self.clock() - t0
 
     async def _turn_done(
         self, route: Span, report: TurnReport, done: TurnDone, whole: TurnDone

@@ -539,16 +539,17 @@ class Ingress:
             waited += time.monotonic() - t0
             if claim.outcome != "retokenize":
                 break
-            assert claim.prefix is not None and text is not None
+            assert claim.prefix is not None
             prefix = claim.prefix
             # This replica's copy is now the service's (the turn's hand-over sends only
             # what it adds to it).
             self.session_tokens.remember(
                 session_id, prefix.text, prefix.token_ids, self.router.clock()
             )
-            ids = await self._tokenize(text, prefix.text, prefix.token_ids)
             digest, last_ids = prefix_digest(prefix.token_ids), prefix.token_ids
-            max_tokens = limits(ids)
+            if text is not None:  # a prompt sent as token ids is as it is
+                ids = await self._tokenize(text, prefix.text, prefix.token_ids)
+                max_tokens = limits(ids)
         raise_unclaimed(claim, session_id)
         return ids, max_tokens, claim.decision, waited
 
@@ -586,12 +587,12 @@ class Ingress:
         digest: int | None = None  # the last turn the prompt was tokenized from
         last_text: str | None = None
         last_ids: Sequence[int] = ()
+        if session_id is not None:  # this replica's copy; checked by begin_turn
+            now = self.router.clock()
+            last_text, last_ids = self.session_tokens.last_turn(session_id, now)
+            digest = self.session_tokens.last_digest(session_id, now)
         if ids is None:
             assert text is not None
-            if session_id is not None:  # this replica's copy; checked by begin_turn
-                now = self.router.clock()
-                last_text, last_ids = self.session_tokens.last_turn(session_id, now)
-                digest = self.session_tokens.last_digest(session_id, now)
             ids = await self._tokenize(text, last_text, last_ids)
 
         def limits(prompt_ids: list[int]) -> int:
@@ -629,7 +630,7 @@ class Ingress:
                 if session_id is not None and self.router.leases is not None:
                     # Held for this replica since its last turn here: claimed and planned
                     # without a service call on the path (``orchestrator.kv.turn_leases``).
-                    await self.router.handed_over(session_id)
+                    service_s = await self.router.handed_over(session_id)
                     lease = self.router.leases.take(session_id, principal, digest)
                 if lease is not None:
                     assert session_id is not None
@@ -641,9 +642,10 @@ class Ingress:
                     )
                 elif session_id is not None:
                     try:
-                        ids, max_tokens, decision, service_s = await self._begin_turn(
+                        ids, max_tokens, decision, begun_s = await self._begin_turn(
                             session_id, principal, text, ids, max_tokens, digest, last_ids, limits
                         )
+                        service_s += begun_s
                     except (TurnInProgress, LimitExceeded, NotFound):
                         if conversation is None:
                             raise

@@ -95,6 +95,49 @@ def test_a_turn_on_the_replica_that_ran_the_last_one_asks_the_service_nothing_fi
     asyncio.run(story())
 
 
+def test_a_prompt_sent_as_token_ids_runs_under_the_lease_too(tiny_tokenizer: Any) -> None:
+    first, second, log = two_ingresses(tiny_tokenizer)
+    service = first.kv.service
+
+    async def complete(prompt: list[int]) -> dict[str, Any]:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "return_token_ids": True}
+        status, reply = await handle(
+            first, "/v1/completions", json.dumps(body).encode(), x_session_id="s11"
+        )
+        assert status == 200, reply
+        return dict(reply)
+
+    async def story() -> None:
+        async with leasing(first, second):
+            prompt = list(range(100, 140))
+            reply = await complete(prompt)
+            assert turn_calls(log) == ["begin_turn", "turn_done"]
+            # The next turn extends the last one (prompt + answer + new ids), as an agent
+            # loop that keeps token ids sends it: no service call before it runs.
+            prompt = [*prompt, *reply["choices"][0]["token_ids"], 7, 8, 9]
+            reply = await complete(prompt)
+            assert turn_calls(log) == ["lease_used", "turn_done"]
+            assert first.metrics.snapshot()['kvtide_turn_leases_total{outcome="used"}'] == 1
+            # On the other replica: begin_turn, carrying only the ids the turn adds to
+            # the session's last turn (its copy came from the service's answer).
+            prompt = [*prompt, *reply["choices"][0]["token_ids"], 5, 6]
+            status, _ = await handle(
+                second,
+                "/v1/completions",
+                json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 3}).encode(),
+                x_session_id="s11",
+            )
+            assert status == 200
+            # Its copy is empty: the service answers with its last turn, and the turn
+            # asks again with what it adds to it.
+            assert turn_calls(log) == ["begin_turn", "begin_turn", "turn_done"]
+            _, _, added, _, prefix_len = log.begun[-1]
+            assert added == [5, 6] and prefix_len == len(prompt) - 2
+            assert service.leases.grants["s11"].holder == "replica-1"
+
+    asyncio.run(story())
+
+
 def test_a_turn_on_another_replica_gets_the_session_back_from_the_lease(
     tiny_tokenizer: Any,
 ) -> None:
