@@ -74,6 +74,7 @@ class Sample:
     reusable_tokens: int = 0  # an earlier turn's prompt + answer, in whole blocks
     own_s: float = 0.0  # kvtide: ingress_s + router_s
     service_s: float = 0.0  # kvtide: of own_s, waiting for the KV service
+    tokenize_s: float = 0.0  # kvtide: of own_s, the chat template and tokenizing
     proxy_s: float = 0.0  # kvtide: client TTFT - ingress_s - ttft_s
     kv_source: str = ""
 
@@ -145,6 +146,7 @@ def _kvtide_sample(turn: Any, reusable: int = 0) -> Sample:
         reusable_tokens=reusable,
         own_s=ingress_s + float(report.get("router_s", 0.0)),
         service_s=float(report.get("service_s", 0.0)),
+        tokenize_s=float(report.get("tokenize_s", 0.0)),
         proxy_s=turn.ttft_s - ingress_s - float(report.get("ttft_s", 0.0)),
         kv_source=str(report.get("kv_source", "")),
     )
@@ -342,6 +344,8 @@ def format_rows(rows: list[Row], rtt_s: float, connector: str) -> str:
         proxy = [s.proxy_s for s in r.samples] if r.path != "direct" else []
         own_ms = statistics.median(own) * 1e3 if own else None
         svc = [s.service_s for s in r.samples] if r.path != "direct" else []
+        tok = [s.tokenize_s for s in r.samples] if r.path != "direct" else []
+        rest = [s.own_s - s.tokenize_s for s in r.samples] if r.path != "direct" else []
         table.append(
             [
                 r.num_prefill,
@@ -360,6 +364,8 @@ def format_rows(rows: list[Row], rtt_s: float, connector: str) -> str:
                 f"{own_ms:.2f}" if own_ms is not None else "-",
                 f"{own_ms / (rtt_s * 1e3):.2f}" if own_ms is not None else "-",
                 f"{statistics.median(svc) * 1e3:.2f}" if svc else "-",
+                f"{statistics.median(tok) * 1e3:.2f}" if tok else "-",
+                f"{statistics.median(rest) * 1e3:.2f}" if rest else "-",
                 f"{statistics.median(proxy) * 1e3:.1f}" if proxy else "-",
                 f"{r.extra_requests():.2f}",
             ]
@@ -381,6 +387,8 @@ def format_rows(rows: list[Row], rtt_s: float, connector: str) -> str:
         "own ms",
         "own RTT",
         "svc ms",
+        "tok ms",
+        "own-tok ms",
         "http ms",
         "extra req",
     ]
@@ -393,7 +401,9 @@ def format_rows(rows: list[Row], rtt_s: float, connector: str) -> str:
         "/ prompt tokens, ceiling = an earlier turn's prompt + answer in whole blocks / "
         "prompt tokens; own = kvtide's time on the turn's path (ingress_s + router_s, "
         "p50), also in bare actor round trips; svc = of it, waiting for the KV service "
-        "(begin_turn, or under a turn lease the previous turn's hand-over; p50); "
+        "(begin_turn, or under a turn lease the previous turn's hand-over; p50); tok = "
+        "of it, the chat template and tokenizing (work any OpenAI server does; p50), "
+        "own-tok = own time without them (p50); "
         "http = client TTFT - ingress_s - ttft_s "
         "(the HTTP hop: Serve's HAProxy, or its Python proxy with --serve-proxy, and the "
         "client's own parsing); extra req = engine requests per turn beyond "

@@ -108,6 +108,9 @@ class TurnReport:
     # Of ``ingress_s``: waiting for the KV service: its begin_turn (a session turn), or
     # under a turn lease the hand-over of the session's last turn here, when it is on its way.
     service_s: float = 0.0
+    # Of ``ingress_s``: rendering the chat template and tokenizing the prompt (work any
+    # OpenAI server does; a prompt sent as token ids has none).
+    tokenize_s: float = 0.0
     finish_reason: str | None = None
     migrations: int = 0
     prefill_retries: int = 0
@@ -139,6 +142,7 @@ class TurnReport:
             "router_s": round(self.router_s, 6),
             "ingress_s": round(self.ingress_s, 6),
             "service_s": round(self.service_s, 6),
+            "tokenize_s": round(self.tokenize_s, 6),
             "migrations": self.migrations,
             "prefill_retries": self.prefill_retries,
             "prefill_replica": self.prefill_replica,

@@ -415,13 +415,15 @@ class Ingress:
         # A long history takes a while to render: off the event loop, as tokenizing is.
         # A short one costs less than the thread hop.
         size = sum(len(content) for _, content in req.messages)
+        t_render = time.monotonic()
         text = await _maybe_in_thread(
             size,
             self.prompts.render_chat,
             req.messages,
             continue_final_message=req.continue_final_message,
         )
-        return await self._serve(req, text, None, request, principal, root, t_in)
+        render_s = time.monotonic() - t_render
+        return await self._serve(req, text, None, request, principal, root, t_in, render_s)
 
     async def _completion(self, request: Request, root: Span) -> Any:
         principal = self._principal(request)
@@ -518,7 +520,7 @@ class Ingress:
         digest: int | None,
         last_ids: Sequence[int],
         limits: Callable[[list[int]], int],
-    ) -> tuple[list[int], int, KVDecision | None, float]:
+    ) -> tuple[list[int], int, KVDecision | None, float, float]:
         """The turn's one service call before it runs (``begin_turn``: the session
         claimed, the KV plan made), with the prompt tokenized from this replica's copy of
         the session's last turn (``digest`` names it, ``last_ids`` are its ids). The call
@@ -526,9 +528,9 @@ class Ingress:
         turn is another one (the previous turn ran on another replica), tokenize again
         from it, check ``limits`` again (the prompt's max_tokens), and ask again.
 
-        Returns the prompt's ids, its max_tokens, the plan and the seconds spent waiting
-        for the service."""
-        waited = 0.0
+        Returns the prompt's ids, its max_tokens, the plan, the seconds spent waiting
+        for the service and those spent tokenizing again."""
+        waited = tokenized = 0.0
         for attempt in range(3):
             # A third try (another replica finished a turn between ours) skips the check:
             # the plan then compares the ids with the kept record itself.
@@ -548,10 +550,12 @@ class Ingress:
             )
             digest, last_ids = prefix_digest(prefix.token_ids), prefix.token_ids
             if text is not None:  # a prompt sent as token ids is as it is
+                t0 = time.monotonic()
                 ids = await self._tokenize(text, prefix.text, prefix.token_ids)
+                tokenized += time.monotonic() - t0
                 max_tokens = limits(ids)
         raise_unclaimed(claim, session_id)
-        return ids, max_tokens, claim.decision, waited
+        return ids, max_tokens, claim.decision, waited, tokenized
 
     async def _serve(
         self,
@@ -562,9 +566,11 @@ class Ingress:
         principal: Principal,
         root: Span,
         t_in: float,
+        render_s: float = 0.0,
     ) -> Any:
         """``t_in``: when the body was read (the ingress's own time on the turn's path
-        starts there: ``TurnReport.ingress_s``).
+        starts there: ``TurnReport.ingress_s``); ``render_s``: the time the chat template
+        took (``TurnReport.tokenize_s`` adds tokenizing).
 
         Checks in order, each refusal leaving nothing behind: the key's limits and the
         context (429/400), the key's concurrency (429), an Idempotency-Key's earlier run
@@ -591,9 +597,12 @@ class Ingress:
             now = self.router.clock()
             last_text, last_ids = self.session_tokens.last_turn(session_id, now)
             digest = self.session_tokens.last_digest(session_id, now)
+        tokenize_s = render_s
         if ids is None:
             assert text is not None
+            t_tokenize = time.monotonic()
             ids = await self._tokenize(text, last_text, last_ids)
+            tokenize_s += time.monotonic() - t_tokenize
 
         def limits(prompt_ids: list[int]) -> int:
             check_request(
@@ -642,10 +651,11 @@ class Ingress:
                     )
                 elif session_id is not None:
                     try:
-                        ids, max_tokens, decision, begun_s = await self._begin_turn(
+                        ids, max_tokens, decision, begun_s, again_s = await self._begin_turn(
                             session_id, principal, text, ids, max_tokens, digest, last_ids, limits
                         )
                         service_s += begun_s
+                        tokenize_s += again_s
                     except (TurnInProgress, LimitExceeded, NotFound):
                         if conversation is None:
                             raise
@@ -658,13 +668,13 @@ class Ingress:
                 if conversation in ("continued", "started"):
                     self.metrics.inc("kvtide_conversation_turns_total", outcome=conversation)
                 run = (req, text, ids, max_tokens, session_id, replay_key, ticket, root, principal)
+                timing = (t_in, service_s, tokenize_s)
                 try:
                     response = await self._run(
                         *run,
                         decision,
                         conversation,
-                        t_in,
-                        service_s,
+                        timing,
                         None if lease is None else lease.lease_id,
                         lease_used,
                     )
@@ -673,13 +683,12 @@ class Ingress:
                     # the turn ended unseen; ask the service as any turn does.
                     assert session_id is not None
                     self.metrics.inc("kvtide_turn_leases_total", outcome="refused")
-                    ids, max_tokens, decision, service_s = await self._begin_turn(
+                    ids, max_tokens, decision, service_s, again_s = await self._begin_turn(
                         session_id, principal, text, ids, max_tokens, digest, last_ids, limits
                     )
                     run = (req, text, ids, max_tokens, *run[4:])
-                    response = await self._run(
-                        *run, decision, conversation, t_in, service_s, None, None
-                    )
+                    timing = (t_in, service_s, tokenize_s + again_s)
+                    response = await self._run(*run, decision, conversation, timing, None, None)
             except BaseException:
                 if replay_key is not None:
                     await asyncio.shield(self.kv.replay_fail(replay_key))
@@ -703,11 +712,13 @@ class Ingress:
         principal: Principal,
         decision: KVDecision | None,
         conversation: str | None,
-        t_in: float,
-        service_s: float = 0.0,
+        timing: tuple[float, float, float],
         lease_id: int | None = None,
         lease_used: Awaitable[bool] | None = None,
     ) -> Any:
+        """``timing``: when the body was read, the seconds waited for the KV service and
+        those the chat template and tokenizing took (``TurnReport``)."""
+        t_in, service_s, tokenize_s = timing
         tr.set_attrs(root, {tr.GEN_AI_REQUEST_MAX_TOKENS: max_tokens})
         rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         turn = self.router.run_turn(
@@ -738,6 +749,7 @@ class Ingress:
         first[1].conversation = conversation
         first[1].ingress_s = t_router - t_in
         first[1].service_s = service_s
+        first[1].tokenize_s = tokenize_s
         headers = {REQUEST_ID_HEADER: rid}
         if session_id is not None and conversation is None:  # an unnamed one stays unnamed
             headers["x-session-id"] = session_id

@@ -222,3 +222,32 @@ def test_continuous_usage_puts_the_tokens_so_far_in_every_chunk(tiny_tokenizer: 
     # Without the option, chunks carry no usage.
     status, text = asyncio.run(handle(ingress, CHAT, _chat("q", stream=True, max_tokens=8)))
     assert '"usage"' not in text
+
+
+def test_the_report_says_how_long_the_template_and_tokenizing_took(tiny_tokenizer: Any) -> None:
+    # An operator reading a slow turn's kvtide object tells tokenizing from kvtide's own
+    # work: tokenize_s is the template plus tokenizing, a part of ingress_s.
+    ingress = bare_ingress(tiny_tokenizer)
+
+    class Slow(PromptEncoder):
+        def render_chat(self, messages: Sequence[tuple[str, str]], **kw: bool) -> RenderedChat:
+            time.sleep(0.05)
+            return super().render_chat(messages, **kw)
+
+        def encode(self, prompt: str, *args: Any) -> list[int]:
+            time.sleep(0.05)
+            return super().encode(prompt, *args)
+
+    ingress.prompts = Slow(tiny_tokenizer, max_model_len=256)
+
+    async def story() -> tuple[dict[str, Any], dict[str, Any]]:
+        status, chat = await handle(ingress, CHAT, _chat(max_tokens=2))
+        assert status == 200, chat
+        ids = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2}).encode()
+        status, completion = await handle(ingress, "/v1/completions", ids)
+        assert status == 200, completion
+        return chat["kvtide"], completion["kvtide"]
+
+    chat, completion = asyncio.run(story())
+    assert 0.1 <= chat["tokenize_s"] <= chat["ingress_s"]
+    assert completion["tokenize_s"] == 0.0  # token ids: nothing to tokenize
