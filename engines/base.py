@@ -79,7 +79,9 @@ class EngineSpec:
     ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND``; with a specialised decode
     path, the ``kernels.vllm_plugin`` variables of ``decode_path``). ``decode_path`` is
     the gate's decision for this engine (``engines.decode_path``); the default is the
-    stock path, which changes nothing in the engine args.
+    stock path, which changes nothing in the engine args. ``kv_events_port``: the port
+    the engine publishes its KV cache events on (``engines.kv_events``; None: it does
+    not publish them).
     """
 
     engine_id: str
@@ -101,6 +103,7 @@ class EngineSpec:
     env: tuple[tuple[str, str], ...] = ()
     extra_engine_args: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
     decode_path: DecodePath = field(default_factory=DecodePath)
+    kv_events_port: int | None = None
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):

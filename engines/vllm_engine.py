@@ -39,6 +39,7 @@ from engines.base import (
 )
 from engines.decode_path import check_decode_backend, decode_path_settings
 from engines.kv_connector import CONNECTOR_MODULE, PROGRESS_WAIT_KEY
+from engines.kv_events import kv_events_config
 from engines.kv_params import KVTransferParams
 from engines.lifeline import ENV_VAR as LIFELINE_ENV
 
@@ -94,6 +95,8 @@ def engine_args_for(spec: EngineSpec) -> dict[str, Any]:
         if kv.per_request_keep and kv.connector == "NixlConnector":
             # kvtide's subclass, under vLLM's name (see engines/kv_connector.py).
             args["kv_transfer_config"]["kv_connector_module_path"] = CONNECTOR_MODULE
+    if spec.kv_events_port is not None and spec.enable_prefix_caching:
+        args["kv_events_config"] = kv_events_config(spec.kv_events_port)
     args.update(dict(spec.extra_engine_args))
     path_config = decode_path_settings(spec.decode_path).additional_config
     if path_config:
@@ -225,6 +228,10 @@ class VLLMEngine(EngineAdapter):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        if isinstance(engine_args.get("kv_events_config"), dict):
+            from vllm.config import KVEventsConfig
+
+            engine_args["kv_events_config"] = KVEventsConfig(**engine_args["kv_events_config"])
         args = AsyncEngineArgs(**engine_args)
         self._llm = AsyncLLM.from_engine_args(
             args, stat_loggers=[_make_stat_logger(self._counters)]

@@ -15,10 +15,14 @@ longest prefix it holds, balanced against load:
   than the least loaded replica's by more than ``imbalance_threshold`` requests (then
   the least loaded); with no match, the least loaded, ties to the replica holding the
   fewest blocks (new conversations spread over the pool);
-* ``PrefixRouter``: the index and the choice together, as a request router uses them.
+* ``PrefixRouter``: the index and the choice together, as a request router uses them;
+* ``EngineBlocks``: one engine's own reports of the blocks it cached and evicted (vLLM's
+  KV cache events), in this module's hashes: blocks that reached the engine another way
+  (a read-back, another ingress's prompts) count, and evicted ones stop counting.
 
-It is a guess, not a ledger: an engine may have evicted blocks the index still lists,
-and a match only saves time when the engine still holds them. Pure: time comes in as
+Without the engines' reports it is a guess, not a ledger: an engine may have evicted
+blocks the index still lists, and a match only saves time when the engine still holds
+them. Pure: time comes in as
 ``now_s``; nothing here knows Ray or the engines.
 """
 
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
+    "EngineBlocks",
     "PrefixIndex",
     "PrefixRouter",
     "PrefixRoutingSettings",
@@ -51,8 +56,12 @@ def block_hashes(token_ids: Sequence[int], block_size_tokens: int) -> list[int]:
     tuples of ints hash the same in every Python process of one version."""
     if block_size_tokens < 1:
         raise ValueError(f"block_size_tokens must be at least 1, got {block_size_tokens}")
+    return _chain(_ROOT, token_ids, block_size_tokens)
+
+
+def _chain(parent: int, token_ids: Sequence[int], block_size_tokens: int) -> list[int]:
+    """``block_hashes`` continued from ``parent`` (the hash of the tokens before)."""
     out: list[int] = []
-    parent = _ROOT
     for end in range(block_size_tokens, len(token_ids) + 1, block_size_tokens):
         parent = hash((parent, tuple(token_ids[end - block_size_tokens : end])))
         out.append(parent)
@@ -154,6 +163,12 @@ class PrefixIndex:
                 matched[r] = i + 1
         return matched
 
+    def forget(self, hashes: Iterable[int], replica: str) -> None:
+        """``replica`` no longer holds these blocks (it evicted them)."""
+        for h in hashes:
+            if (h, replica) in self._seen:
+                self._forget((h, replica))
+
     def remove_replica(self, replica: str) -> None:
         """Forget everything ``replica`` held (it left the pool). O(entries)."""
         for key in [k for k in self._seen if k[1] == replica]:
@@ -235,3 +250,75 @@ class PrefixRouter:
 
     def remove_replica(self, replica: str) -> None:
         self.index.remove_replica(replica)
+
+
+class EngineBlocks:
+    """One engine's cached blocks as its KV cache events report them, translated into
+    ``block_hashes``' hashes.
+
+    An engine names its blocks by hashes of its own (a block of ``engine_block_size``
+    tokens, chained to its parent block's); a stored-blocks report carries the tokens, so
+    each engine block maps to the hashes of its ``block_size_tokens``-token sub-blocks
+    (the engine's block size must be a multiple of it). A report whose parent block is
+    unknown here (reports were missed, or came before this subscription) cannot be
+    chained and is skipped (``None``). Bounded: past ``max_blocks`` engine blocks the
+    oldest mapping goes (its blocks then stay in the index until its TTL)."""
+
+    __slots__ = ("_blocks", "block_size_tokens", "max_blocks")
+
+    def __init__(self, block_size_tokens: int, *, max_blocks: int = 200_000) -> None:
+        self.block_size_tokens = block_size_tokens
+        self.max_blocks = max_blocks
+        # engine block hash -> this module's hashes of its sub-blocks (the last one is
+        # the chain's state after the block)
+        self._blocks: OrderedDict[object, tuple[int, ...]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def stored(
+        self,
+        engine_hashes: Sequence[object],
+        parent: object | None,
+        token_ids: Sequence[int],
+        engine_block_size: int,
+    ) -> list[int] | None:
+        """The hashes of blocks the engine cached (``token_ids``: theirs, in order, after
+        the block ``parent``; None: the first blocks of a prompt). None when they cannot
+        be translated (unknown parent, a block size that is not a multiple)."""
+        size = self.block_size_tokens
+        if engine_block_size < size or engine_block_size % size:
+            return None
+        if parent is None:
+            state = _ROOT
+        else:
+            known = self._blocks.get(parent)
+            if not known:
+                return None
+            state = known[-1]
+        out: list[int] = []
+        for i, engine_hash in enumerate(engine_hashes):
+            tokens = token_ids[i * engine_block_size : (i + 1) * engine_block_size]
+            if len(tokens) < engine_block_size:
+                break
+            ours = _chain(state, tokens, size)
+            state = ours[-1]
+            self._blocks[engine_hash] = tuple(ours)
+            self._blocks.move_to_end(engine_hash)
+            out += ours
+        while len(self._blocks) > self.max_blocks:
+            self._blocks.popitem(last=False)
+        return out
+
+    def removed(self, engine_hashes: Iterable[object]) -> list[int]:
+        """The hashes of blocks the engine evicted (those it reported storing)."""
+        out: list[int] = []
+        for engine_hash in engine_hashes:
+            ours = self._blocks.pop(engine_hash, None)
+            if ours is not None:
+                out += ours
+        return out
+
+    def cleared(self) -> None:
+        """The engine dropped its whole cache."""
+        self._blocks.clear()

@@ -17,10 +17,17 @@ conversation's turns reach the same prefill replica only when they reach the sam
 ingress replica. A request that is not a ``GenerateRequest`` (or a handle without
 Serve's rejection protocol, which never calls ``on_request_routed``) is routed by
 Serve's power-of-two choice and leaves no note.
+
+With ``routing.prefix_kv_events`` the index also hears from the engines themselves
+(``orchestrator.cluster.kv_events``): the blocks each prefill engine reports caching
+count as held there (``policies.prefix_routing.EngineBlocks`` maps the engine's block
+hashes to the index's), and those it reports evicting stop counting. The events arrive
+on a thread of their own; a lock keeps the index whole.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -37,9 +44,16 @@ from ray.serve.request_router import (
 )
 
 from engines.base import GenerateRequest
+from engines.kv_events import EventBatch
 from orchestrator.cluster import route_notes
+from orchestrator.cluster.kv_events import KVEventsSubscriber, apply_kv_events, lookup_endpoint
 from orchestrator.kv.bounded import BoundedMap
-from policies.prefix_routing import PrefixRouter, PrefixRoutingSettings, RouteChoice
+from policies.prefix_routing import (
+    EngineBlocks,
+    PrefixRouter,
+    PrefixRoutingSettings,
+    RouteChoice,
+)
 
 __all__ = ["PrefixAwareRouter", "prefill_router_config"]
 
@@ -50,10 +64,15 @@ __all__ = ["PrefixAwareRouter", "prefill_router_config"]
 
 # Routed-but-not-yet-sent requests remembered (one per request being routed).
 _MAX_PENDING = 4096
+# How often a replica whose events endpoint was not registered yet is looked up again.
+_LOOKUP_EVERY_S = 1.0
 
 
-def prefill_router_config(settings: PrefixRoutingSettings) -> RequestRouterConfig:
-    """The prefill deployment's ``request_router_config`` for prefix-aware routing."""
+def prefill_router_config(
+    settings: PrefixRoutingSettings, *, kv_events: bool = False
+) -> RequestRouterConfig:
+    """The prefill deployment's ``request_router_config`` for prefix-aware routing
+    (``kv_events``: also from the engines' KV cache events)."""
     return RequestRouterConfig(
         request_router_class=f"{__name__}.PrefixAwareRouter",
         request_router_kwargs={
@@ -61,6 +80,7 @@ def prefill_router_config(settings: PrefixRoutingSettings) -> RequestRouterConfi
             "imbalance_threshold": settings.imbalance_threshold,
             "max_index_entries": settings.max_index_entries,
             "ttl_s": settings.ttl_s,
+            "kv_events": kv_events,
         },
     )
 
@@ -77,8 +97,13 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     Replicas are named by ``ReplicaID.unique_id``, the suffix of their engine ids."""
 
     def initialize_state(self, **kwargs: Any) -> None:
+        kv_events = bool(kwargs.pop("kv_events", False))
         self._prefix = PrefixRouter(PrefixRoutingSettings(**kwargs))
         self._clock = time.monotonic
+        self._lock = threading.Lock()  # the index, against the events thread
+        self._engines: dict[str, EngineBlocks] = {}
+        self._looked_up: dict[str, float] = {}
+        self._events = KVEventsSubscriber(self._apply_events) if kv_events else None
         # internal request id -> (the prompt's block hashes, the choice offered to Serve)
         self._routing: BoundedMap[str, tuple[list[int], RouteChoice]] = BoundedMap(
             max_entries=_MAX_PENDING
@@ -98,8 +123,10 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         loads = await self._queue_lengths(candidate_replicas)
         if not loads:  # no replica answered: let Serve probe them all
             return [candidate_replicas]
+        self._find_publishers(candidate_replicas)
         hashes = self._prefix.hashes(request.prompt_token_ids)
-        choice = self._prefix.choose(hashes, loads, self._clock())
+        with self._lock:
+            choice = self._prefix.choose(hashes, loads, self._clock())
         key = pending_request.metadata.internal_request_id
         self._routing.put(key, (hashes, choice))
         first = [r for r in candidate_replicas if r.replica_id.unique_id == choice.replica]
@@ -146,7 +173,8 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if replica != choice.replica:
             # The chosen replica's queue was full: Serve sent it to a less loaded one.
             choice = RouteChoice(replica=replica, reason="load_imbalance")
-        self._prefix.record(hashes, replica, self._clock())
+        with self._lock:
+            self._prefix.record(hashes, replica, self._clock())
         route_notes.put(request.request_id, choice)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -155,8 +183,46 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         }
         super().update_replicas(replicas)
         for replica in gone:
-            self._prefix.remove_replica(replica)
+            self._remove(replica)
+        self._find_publishers(replicas)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._prefix.remove_replica(replica_id.unique_id)
+        self._remove(replica_id.unique_id)
+
+    def _remove(self, replica: str) -> None:
+        if self._events is not None:
+            self._events.unsubscribe(replica)
+        self._looked_up.pop(replica, None)
+        with self._lock:
+            self._engines.pop(replica, None)
+            self._prefix.remove_replica(replica)
+
+    # ---- the engines' KV cache events ------------------------------------------------
+
+    def _find_publishers(self, replicas: list[RunningReplica]) -> None:
+        """Subscribe to the events of replicas not subscribed yet whose engines registered
+        an endpoint (looked up at most every ``_LOOKUP_EVERY_S`` per replica)."""
+        events = self._events
+        if events is None:
+            return
+        now = self._clock()
+        for r in replicas:
+            replica = r.replica_id.unique_id
+            if events.subscribed(replica) or now - self._looked_up.get(replica, -1e9) < (
+                _LOOKUP_EVERY_S
+            ):
+                continue
+            self._looked_up[replica] = now
+            try:
+                endpoint = lookup_endpoint(replica)
+            except Exception:  # the GCS is unreachable: routed by kvtide's record alone
+                continue
+            if endpoint is not None:
+                events.subscribe(replica, endpoint)
+
+    def _apply_events(self, replica: str, batch: EventBatch) -> None:
+        """One batch of ``replica``'s engine's events, into the index (events thread)."""
+        with self._lock:
+            counts = apply_kv_events(self._prefix, self._engines, replica, batch, self._clock())
+        route_notes.count_events(**counts)

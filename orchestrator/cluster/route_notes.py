@@ -8,6 +8,9 @@ answered (Serve calls the router's ``on_request_routed`` before the request's fi
 result comes back). Bounded: notes nobody takes (a request that failed before it was
 routed) fall out, oldest first. Thread-safe; no Ray.
 
+The routers also count the engine blocks their KV cache events reported
+(``count_events``; the ingress reads ``event_counts`` into its metrics).
+
 Callers use the module functions ``put`` and ``take``, never the book itself: Serve
 ships both callers *by value* (cloudpickle copies the router class, and the ingress
 class that ``@serve.ingress`` wraps), and a by-value function carries a copy of every
@@ -22,7 +25,7 @@ import threading
 from orchestrator.kv.bounded import BoundedMap
 from policies.prefix_routing import RouteChoice
 
-__all__ = ["RouteNotes", "put", "take"]
+__all__ = ["RouteNotes", "count_events", "event_counts", "put", "take"]
 
 
 class RouteNotes:
@@ -53,3 +56,23 @@ def put(request_id: str, choice: RouteChoice) -> None:
 def take(request_id: str) -> RouteChoice | None:
     """The note of ``request_id`` from this process's book, removed; None when none."""
     return _NOTES.take(request_id)
+
+
+_EVENTS_LOCK = threading.Lock()
+_EVENTS: dict[str, int] = {"stored": 0, "removed": 0, "unchained": 0}
+
+
+def count_events(*, stored: int = 0, removed: int = 0, unchained: int = 0) -> None:
+    """Engine blocks the prefix routers of this process heard reported as cached
+    (``stored``), evicted (``removed``), or cached after a block they never heard of
+    (``unchained``: not matched)."""
+    with _EVENTS_LOCK:
+        _EVENTS["stored"] += stored
+        _EVENTS["removed"] += removed
+        _EVENTS["unchained"] += unchained
+
+
+def event_counts() -> dict[str, int]:
+    """This process's totals of ``count_events``."""
+    with _EVENTS_LOCK:
+        return dict(_EVENTS)

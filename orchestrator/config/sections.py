@@ -280,6 +280,14 @@ class RoutingConfig(StrictSection):
         "that replica's queue is longer than the least loaded one's by more than "
         "prefix_imbalance_threshold; off: Serve's power-of-two choice by load alone.",
     )
+    prefix_kv_events: bool = Field(
+        True,
+        description="With prefix_aware: the prefill engines (vLLM) publish their KV cache "
+        "events (blocks cached and evicted, vLLM's kv_events_config on a free port of "
+        "their host) and each ingress's prefix router subscribes, so its index holds what "
+        "the engines report besides the prompts it sent, and forgets what they evicted. "
+        "Off: the index holds only the prompts the ingress sent.",
+    )
     reuse_without_session: bool = Field(
         True,
         description="Give a chat that carries its history (an assistant message) but no "

@@ -140,6 +140,14 @@ METRICS: tuple[MetricSpec, ...] = (
         tag_keys=("outcome",),
     ),
     MetricSpec(
+        name="kvtide_prefix_kv_events_total",
+        kind="counter",
+        description="Prefill engine blocks the prefix router heard of through the engines' "
+        "KV cache events (event: stored, removed, unchained: cached after a block it never "
+        "heard of, so not matched).",
+        tag_keys=("event",),
+    ),
+    MetricSpec(
         name="kvtide_turn_handover_failures_total",
         kind="counter",
         description="Finished turns whose hand-over to the KV service failed (their kept "

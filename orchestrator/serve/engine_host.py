@@ -18,6 +18,7 @@ lifecycle service whenever the service (re)starts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -33,6 +34,7 @@ from ray.serve.handle import DeploymentHandle
 
 from engines.base import EngineInfo, EngineSpec, EngineStats, GenerateChunk, GenerateRequest
 from engines.registry import create_engine
+from orchestrator.cluster.kv_events import forget_endpoint, register_endpoint
 from orchestrator.cluster.placed_engine import ray_executor_spec, with_cluster_address
 from orchestrator.cluster.pool_layout import PoolDeployment, pool_deployment_name
 from orchestrator.cluster.prefix_router import prefill_router_config
@@ -80,7 +82,9 @@ def engine_deployment_options(
     routing: dict[str, Any] = {}
     if pool.role == "prefill" and config.routing.prefix_aware:
         # Each handle's router sends a prompt where its prefix was computed.
-        routing["request_router_config"] = prefill_router_config(config.routing.prefix_settings())
+        routing["request_router_config"] = prefill_router_config(
+            config.routing.prefix_settings(), kv_events=publishes_kv_events(config, pool_name)
+        )
     return {
         "name": deployment.name if deployment is not None else deployment_name(pool_name),
         "num_replicas": deployment.num_replicas if deployment is not None else pool.num_engines,
@@ -101,6 +105,19 @@ def uses_ray_executor(config: KVTideConfig, pool_name: str, domain_id: str | Non
     return domain_id is not None and pool.tensor_parallel_size > 1 and config.backend == "vllm"
 
 
+def publishes_kv_events(config: KVTideConfig, pool_name: str) -> bool:
+    """Whether the pool's engines publish their KV cache events for the prefix router:
+    vLLM prefill engines with prefix-aware routing and ``routing.prefix_kv_events``."""
+    pool = config.pool(pool_name)
+    routing = config.routing
+    return (
+        pool.role == "prefill"
+        and config.backend == "vllm"
+        and routing.prefix_aware
+        and routing.prefix_kv_events
+    )
+
+
 def host_engine_spec(
     config: KVTideConfig,
     pool_name: str,
@@ -109,12 +126,16 @@ def host_engine_spec(
     port: int,
     host: str = "127.0.0.1",
     gcs_address: str | None = None,
+    kv_events_port: int | None = None,
 ) -> EngineSpec:
     """The spec of the engine a replica of the pool's deployment hosts (pure): its NIXL
     side channel on ``host:port``; with TP workers as Ray actors, the cluster at
-    ``gcs_address`` for vLLM's engine core to join."""
+    ``gcs_address`` for vLLM's engine core to join; its KV cache events published on
+    ``kv_events_port`` when given."""
     pool = config.pool(pool_name)
     spec = config.engine_spec(pool, engine_id, side_channel_port=port, side_channel_host=host)
+    if kv_events_port is not None:
+        spec = dataclasses.replace(spec, kv_events_port=kv_events_port)
     if uses_ray_executor(config, pool_name, domain_id):
         # vLLM takes this replica's placement group and puts a worker in each GPU bundle.
         spec = ray_executor_spec(spec, spec.tensor_parallel_size)
@@ -150,7 +171,17 @@ class EngineHost:
         node_ip = ray.util.get_node_ip_address()
         gcs_address = ray.get_runtime_context().gcs_address
         port = free_port(node_ip)
-        spec = host_engine_spec(config, pool_name, domain_id, engine_id, port, node_ip, gcs_address)
+        events_port = None
+        while publishes_kv_events(config, pool_name) and events_port in (None, port):
+            events_port = free_port(node_ip)
+        self._events_replica = None if events_port is None else ctx.replica_id.unique_id
+        spec = host_engine_spec(
+            config, pool_name, domain_id, engine_id, port, node_ip, gcs_address, events_port
+        )
+        if events_port is not None:
+            # The prefix routers find the engine's events here (a SUB socket may connect
+            # before the engine binds: ZMQ retries).
+            register_endpoint(ctx.replica_id.unique_id, f"tcp://{node_ip}:{events_port}")
         self.domain_id = domain_id
         self._chunk_tokens = config.server.stream_chunk_tokens
         self._chunk_window_s = config.server.stream_chunk_window_ms / 1000
@@ -270,4 +301,7 @@ class EngineHost:
             raise RuntimeError(f"engine {health.engine_id} unhealthy: {health.detail}")
 
     async def __del__(self) -> None:
+        if self._events_replica is not None:
+            with contextlib.suppress(Exception):  # the cluster may be going down too
+                forget_endpoint(self._events_replica)
         await self.engine.shutdown()

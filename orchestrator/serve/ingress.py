@@ -164,6 +164,7 @@ class Ingress:
         )
         tr.configure_tracing(config.observability)
         self.metrics = make_metrics(config.observability)
+        self._kv_events_seen: dict[str, int] = {}
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.kv = service_client(
@@ -218,8 +219,20 @@ class Ingress:
         gc.collect()
         gc.freeze()
 
+    def _count_kv_events(self) -> None:
+        """The prefix routers' counts of engine KV events, into this replica's metrics."""
+        seen = self._kv_events_seen
+        now = route_notes.event_counts()
+        for event, total in now.items():
+            if total > seen.get(event, 0):
+                self.metrics.inc(
+                    "kvtide_prefix_kv_events_total", total - seen.get(event, 0), event=event
+                )
+        self._kv_events_seen = now
+
     async def _report_metrics_forever(self) -> None:
         while True:
+            self._count_kv_events()
             try:
                 await self.kv.report_metrics(self.replica_id, self.metrics.snapshot())
             except RequestError:  # the service is restarting: next second

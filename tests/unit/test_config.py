@@ -241,6 +241,7 @@ def test_prefix_aware_routing_sets_the_prefill_request_router_only() -> None:
         "imbalance_threshold": 4,
         "max_index_entries": 200_000,
         "ttl_s": 600.0,
+        "kv_events": True,  # the vLLM prefill engines publish their KV cache events
     }
     assert "request_router_config" not in engine_deployment_options(config, "decode")
     # Off (the default): Serve's own router, options exactly as without the feature.
