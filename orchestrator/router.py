@@ -236,6 +236,11 @@ class Router:
         session_tokens: SessionTokens | None = None,
         leases: HeldLeases | None = None,
     ) -> None:
+        if leases is not None and leases.clock is not clock:
+            raise ValueError(
+                "the turn leases and the router read different clocks: give HeldLeases the "
+                "router's clock (one clock on a turn's path)"
+            )
         if (decode_long is None) != (long_context_threshold_tokens is None):
             raise ValueError(
                 "a long-context decode pool needs long_context_threshold_tokens, and the "

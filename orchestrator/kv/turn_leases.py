@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -143,7 +142,9 @@ class _Held:
 class HeldLeases:
     """An ingress replica's leases (the lessee's side; see the module doc)."""
 
-    def __init__(self, holder: str, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, holder: str, clock: Callable[[], float]) -> None:
+        # The clock of the router these leases serve (``Router`` checks it is its own):
+        # a lease's ``until_s`` and the turn that takes it must be read on one clock.
         self.holder = holder
         self.clock = clock
         self._held: dict[str, _Held] = {}

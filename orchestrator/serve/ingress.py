@@ -203,7 +203,8 @@ class Ingress:
             request_timeout_s=config.server.request_timeout_s,
             prefill_routes=route_notes.take if config.routing.prefix_aware else None,
             session_tokens=self.session_tokens,
-            leases=HeldLeases(self.replica_id) if kv.turn_lease_s > 0 else None,
+            clock=time.monotonic,
+            leases=HeldLeases(self.replica_id, time.monotonic) if kv.turn_lease_s > 0 else None,
         )
         self.auth = Authenticator(config.server.api_keys)
         # Per ingress replica: a key's concurrent requests are counted where they run.

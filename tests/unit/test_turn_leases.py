@@ -234,7 +234,12 @@ async def first_turn_leased(svc: Any, router: Router, session: str, owner: Princ
 def leasing_router(c: Cluster) -> tuple[Router, HeldLeases]:
     leases = HeldLeases("replica-a", clock=c.clock)
     router = Router(
-        prefill=c.prefill, decode=c.decode, kv=c.service, pull_timeout_s=5.0, leases=leases
+        prefill=c.prefill,
+        decode=c.decode,
+        kv=c.service,
+        pull_timeout_s=5.0,
+        clock=c.clock,
+        leases=leases,
     )
     router.session_tokens = None
     return router, leases
