@@ -40,6 +40,7 @@ __all__ = [
     "GenerateRequest",
     "KVTransferSpec",
     "RequestFailed",
+    "TokenLogprob",
     "final_chunk",
 ]
 
@@ -130,6 +131,22 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     # The conversation this request serves (None: none). Engines ignore it; the engine
     # host keeps it in its ledger of kept KV so the KV service can be rebuilt.
     session_id: str | None = None
+    # The engine's own sampling parameters, whole (vLLM's ``SamplingParams``, made by
+    # vLLM's OpenAI serving layer: structured outputs, logprobs, logit bias, bad words,
+    # ...). When given, the engine samples by them and the fields above only bound the
+    # request (``max_tokens``, the KV transfer); one choice per request (kvtide runs
+    # ``n`` choices as requests of their own). Engines that sample nothing ignore it.
+    sampling_params: Any = None
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One candidate token at one position: its log probability, its rank in the
+    vocabulary (1 = most likely) and its text as the engine decoded it."""
+
+    token_id: int
+    logprob: float
+    rank: int | None = None
+    decoded: str | None = None
 
 
 class GenerateChunk(msgspec.Struct, frozen=True, kw_only=True):
@@ -151,6 +168,12 @@ class GenerateChunk(msgspec.Struct, frozen=True, kw_only=True):
     # The engine that ran the request, on the finished chunk (set by the engine's host;
     # None where nothing set it).
     engine_id: str | None = None
+    # With ``logprobs`` asked for in the request's sampling parameters: one list per
+    # token of ``token_ids`` (the sampled token first, then the top candidates).
+    logprobs: list[list[TokenLogprob]] | None = None
+    cumulative_logprob: float | None = None
+    # The stop string or token id that ended the request (finish_reason "stop").
+    stop_reason: int | str | None = None
 
 
 class RequestFailed(RuntimeError):

@@ -1,7 +1,8 @@
 """A tiny Llama-architecture checkpoint generated locally, for the embedded default and tests.
 
 No model hub is needed: the weights are random (fixed seed), the tokenizer is a byte-level
-BPE trained here on a fixed word corpus, and the chat template is ChatML-like. The result is
+BPE trained here on a fixed word corpus, and the chat template is ChatML-like (with
+Hermes-style tools and tool calls). The result is
 a normal Hugging Face directory (``config.json``, ``model.safetensors``,
 ``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``) that vLLM loads
 offline like any real checkpoint. Its text is gibberish; its shapes, tokenizer, chat
@@ -28,8 +29,30 @@ __all__ = [
 ]
 
 CHAT_TEMPLATE = (
+    # With tools: a system turn listing them (and the system message, if first), and
+    # Hermes-style calls (<tool_call>{"name": ..., "arguments": ...}</tool_call>), the
+    # format vLLM's ``hermes`` tool parser reads. Without tools, each message renders
+    # as <|im_start|>role\ncontent<|im_end|>\n.
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou may call functions. Their signatures are within <tools></tools>:\n"
+    "<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\n"
+    "For each call, return a JSON object with the function's name and arguments within "
+    '<tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, '
+    '"arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% endif %}"
     "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "<|im_start|>assistant\n{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    '<tool_call>\n{"name": "{{ f[\'name\'] }}", "arguments": '
+    "{{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}}"
+    "\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -101,7 +124,8 @@ def is_tiny_model_dir(path: str | Path, shape: TinyModelShape = DEFAULT_SHAPE) -
 
 
 def _shape_dict(shape: TinyModelShape) -> dict[str, object]:
-    return {_MARKER: 1, **{f: getattr(shape, f) for f in shape.__dataclass_fields__}}
+    # 2: the chat template renders tools and tool calls.
+    return {_MARKER: 2, **{f: getattr(shape, f) for f in shape.__dataclass_fields__}}
 
 
 def _corpus(seed: int, num_sentences: int = 4000) -> list[str]:

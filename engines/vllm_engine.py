@@ -42,6 +42,11 @@ from engines.kv_connector import CONNECTOR_MODULE, PROGRESS_WAIT_KEY
 from engines.kv_events import kv_events_config
 from engines.kv_params import KVTransferParams
 from engines.lifeline import ENV_VAR as LIFELINE_ENV
+from engines.vllm_sampling import (
+    logprobs_of,
+    sampling_args_for,
+    sampling_params_for,
+)
 
 __all__ = ["VLLMEngine", "engine_args_for", "sampling_args_for"]
 
@@ -103,30 +108,6 @@ def engine_args_for(spec: EngineSpec) -> dict[str, Any]:
         args["additional_config"] = {**dict(args.get("additional_config") or {}), **path_config}
     check_decode_backend(args.get("additional_config"), spec.decode_path)
     return args
-
-
-def sampling_args_for(request: GenerateRequest) -> dict[str, Any]:
-    """The keyword arguments of vLLM's ``SamplingParams`` for ``request`` (pure; tested)."""
-    return {
-        "max_tokens": request.max_tokens,
-        "temperature": request.temperature,
-        "top_p": request.top_p,
-        "seed": request.seed,
-        "stop": list(request.stop) or None,
-        "ignore_eos": request.ignore_eos,
-        "presence_penalty": request.presence_penalty,
-        "frequency_penalty": request.frequency_penalty,
-        "repetition_penalty": request.repetition_penalty,
-        "top_k": request.top_k,
-        "min_p": request.min_p,
-        # vLLM refuses min_tokens > max_tokens; a turn's prefill asks for one token.
-        "min_tokens": min(request.min_tokens, request.max_tokens),
-        "extra_args": (
-            {"kv_transfer_params": request.kv_transfer_params.to_vllm()}
-            if request.kv_transfer_params is not None
-            else None
-        ),
-    }
 
 
 class _Counters:
@@ -297,10 +278,9 @@ class VLLMEngine(EngineAdapter):
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         if self._llm is None:
             raise RuntimeError(f"engine {self.spec.engine_id} is not started; call start()")
-        from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(**sampling_args_for(request), output_kind=RequestOutputKind.DELTA)
+        params = sampling_params_for(request, RequestOutputKind.DELTA)
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
         async for out in self._llm.generate(prompt, params, request.request_id):
             completion = out.outputs[0] if out.outputs else None
@@ -315,6 +295,9 @@ class VLLMEngine(EngineAdapter):
                 num_cached_tokens=int(out.num_cached_tokens or 0),
                 kv_transfer_params=kv_params,
                 kv_expires_in_s=_expires_in_s(kv_params),
+                logprobs=logprobs_of(completion.logprobs) if completion else None,
+                cumulative_logprob=completion.cumulative_logprob if completion else None,
+                stop_reason=completion.stop_reason if completion else None,
             )
 
     async def abort(self, request_id: str) -> None:

@@ -340,6 +340,7 @@ class Router:
         decision: KVDecision | None = None,
         lease_id: int | None = None,
         lease_used: Awaitable[bool] | None = None,
+        sampling_params: Any = None,
     ) -> AsyncIterator[tuple[GenerateChunk, TurnReport]]:
         """Stream decode chunks; each comes with the (growing) turn report.
 
@@ -349,6 +350,9 @@ class Router:
         ``owner``: the API key's name; the finished turn refreshes its ownership.
         ``sampling_options``: further ``GenerateRequest`` sampling fields (penalties,
         ``top_k``, ``min_p``, ``min_tokens``), given to prefill and decode alike.
+        ``sampling_params``: the engine's own (vLLM's, from its OpenAI serving layer),
+        given to the decode, which samples every token the client gets; the prefill's
+        one token is not used.
         ``decision``: the KV plan the service gave when the turn began (``begin_turn``),
         or the caller made under a turn lease (``lease_id``; ``lease_used`` is the service's
         answer to its use, awaited before the first item: when it refuses, the turn ends
@@ -371,6 +375,7 @@ class Router:
         report.extra["lease_id"] = lease_id
         report.extra["lease_used"] = lease_used
         report.extra["deadline_s"] = self.clock() + self.request_timeout_s
+        report.extra["sampling_params"] = sampling_params
         with tr.span(
             tr.SPAN_ROUTE,
             {tr.GEN_AI_RESPONSE_ID: rid, tr.GEN_AI_CONVERSATION_ID: session_id},
@@ -503,6 +508,7 @@ class Router:
                 request_id=f"{rid}-d" if not report.migrations else f"{rid}-d{report.migrations}",
                 max_tokens=max_tokens - len(out.ids),
                 kv_transfer_params=pre.kv_transfer_params.for_decode(keep=keep),
+                sampling_params=report.extra["sampling_params"],
                 **{**base, "prompt_token_ids": [*prompt_token_ids, *out.ids]},
             )
             try:

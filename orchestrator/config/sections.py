@@ -43,6 +43,43 @@ class ModelConfig(StrictSection):
         "float32", description="Weight and KV dtype. float32 keeps greedy output exact on CPU."
     )
     max_model_len: int = Field(8192, ge=16, le=2**24, description="Context length in tokens.")
+    # The OpenAI API's model-specific options, as vLLM's server takes them.
+    tool_call_parser: str | None = Field(
+        None,
+        pattern=r"^[a-z0-9_]{1,64}$",
+        description="vLLM's tool-call parser for the model's tool calls in text "
+        "(vllm serve --tool-call-parser, e.g. hermes, llama3_json, kimi_k2). Empty: "
+        "'hermes' for the tiny model, none otherwise (tool_choice 'auto' refused).",
+    )
+    enable_auto_tool_choice: bool | None = Field(
+        None,
+        description="Let the model choose to call tools (tool_choice 'auto'; needs a "
+        "tool_call_parser). Empty: on when a tool_call_parser is set.",
+    )
+    reasoning_parser: str | None = Field(
+        None,
+        pattern=r"^[a-z0-9_]{1,64}$",
+        description="vLLM's reasoning parser (vllm serve --reasoning-parser, e.g. "
+        "deepseek_r1, qwen3): the model's reasoning in its own field.",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="A chat template (a file path or the template itself) in place of "
+        "the tokenizer's (vllm serve --chat-template).",
+    )
+
+    @property
+    def tool_parser(self) -> str | None:
+        """The tool-call parser in force (the tiny model's chat template is Hermes's)."""
+        if self.tool_call_parser is None and self.is_generated:
+            return "hermes"
+        return self.tool_call_parser
+
+    @property
+    def auto_tool_choice(self) -> bool:
+        if self.enable_auto_tool_choice is None:
+            return self.tool_parser is not None
+        return self.enable_auto_tool_choice
 
     @property
     def is_generated(self) -> bool:

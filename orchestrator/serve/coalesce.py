@@ -33,10 +33,16 @@ class _Failed:
 
 
 def merge_chunks(first: GenerateChunk, then: GenerateChunk) -> GenerateChunk:
-    """``then`` with ``first``'s text and tokens in front (its other fields are the later
-    chunk's: a finished chunk keeps its accounting)."""
+    """``then`` with ``first``'s text, tokens and their log probabilities in front (its
+    other fields are the later chunk's: a finished chunk keeps its accounting)."""
+    logprobs = first.logprobs
+    if then.logprobs is not None:
+        logprobs = [*(logprobs or ()), *then.logprobs]
     return msgspec.structs.replace(
-        then, text=first.text + then.text, token_ids=[*first.token_ids, *then.token_ids]
+        then,
+        text=first.text + then.text,
+        token_ids=[*first.token_ids, *then.token_ids],
+        logprobs=logprobs,
     )
 
 

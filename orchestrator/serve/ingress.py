@@ -66,6 +66,7 @@ from orchestrator.serve.responses import (
     stream_error,
     usage_of,
 )
+from orchestrator.serve.turns import OpenedTurn, OpenTurn
 
 __all__ = ["Ingress", "fastapi_app"]
 
@@ -586,37 +587,13 @@ class Ingress:
         starts there: ``TurnReport.ingress_s``); ``render_s``: the time the chat template
         took (``TurnReport.tokenize_s`` adds tokenizing).
 
-        Checks in order, each refusal leaving nothing behind: the key's limits and the
-        context (429/400), the key's concurrency (429), an Idempotency-Key's earlier run
-        (replayed, or 409 while it runs); then one service call claims the session for
-        the key (404 for another key's, 409 while a turn runs, 429 at a session limit) and
-        plans the turn's KV. The turn runs once per Idempotency-Key and releases its
-        concurrency ticket when the response (or stream) ends."""
-        session_id = api.parse_session_id(http.headers.get("x-session-id"))
-        # A conversation without the header: the unnamed session its text extends, or a
-        # new one when it carries history (``orchestrator.kv.conversations``).
-        conversation: str | None = None
-        if session_id is None and text is not None and self.config.routing.reuse_without_session:
-            now = self.router.clock()
-            session_id = self.session_tokens.find_conversation(principal.name, text, now)
-            if session_id is not None:
-                conversation = "continued"
-            elif any(role == "assistant" for role, _ in req.messages):
-                session_id = self.session_tokens.conversations.new_session_id(principal.name)
-                conversation = "started"
-        digest: int | None = None  # the last turn the prompt was tokenized from
-        last_text: str | None = None
-        last_ids: Sequence[int] = ()
-        if session_id is not None:  # this replica's copy; checked by begin_turn
-            now = self.router.clock()
-            last_text, last_ids = self.session_tokens.last_turn(session_id, now)
-            digest = self.session_tokens.last_digest(session_id, now)
-        tokenize_s = render_s
-        if ids is None:
-            assert text is not None
-            t_tokenize = time.monotonic()
-            ids = await self._tokenize(text, last_text, last_ids)
-            tokenize_s += time.monotonic() - t_tokenize
+        Checks in order, each refusal leaving nothing behind: the key's concurrency
+        (429), an Idempotency-Key's earlier run (replayed, or 409 while it runs), the
+        key's limits and the context (429/400); then one service call claims the
+        session for the key (404 for another key's, 409 while a turn runs, 429 at a
+        session limit) and plans the turn's KV (``_open_turn``). The turn runs once per
+        Idempotency-Key and releases its concurrency ticket when the response (or
+        stream) ends."""
 
         def limits(prompt_ids: list[int]) -> int:
             check_request(
@@ -627,11 +604,49 @@ class Ingress:
             )
             return principal.cap_max_tokens(self._max_tokens(req, len(prompt_ids)))
 
-        max_tokens = limits(ids)
+        async def run(ticket: Ticket, replay_key: str | None) -> Any:
+            rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+            opened = await self._open_turn(
+                OpenTurn(
+                    principal=principal,
+                    session_header=api.parse_session_id(http.headers.get("x-session-id")),
+                    has_history=any(role == "assistant" for role, _ in req.messages),
+                    text=text,
+                    ids=ids,
+                    limits=limits,
+                    t_in=t_in,
+                    render_s=render_s,
+                    root=root,
+                    request_id=rid,
+                    run_args={
+                        "temperature": req.temperature,
+                        "top_p": req.top_p,
+                        "seed": req.seed,
+                        "stop": req.stop,
+                        "ignore_eos": req.ignore_eos,
+                        "sampling_options": req.sampling_options(),
+                    },
+                )
+            )
+            return await self._respond(req, opened, replay_key, ticket)
+
+        return await self._guarded(http, principal, run, lambda body: self._replayed(req, body))
+
+    async def _guarded(
+        self,
+        http: Request,
+        principal: Principal,
+        run: Callable[[Ticket, str | None], Awaitable[Any]],
+        replayed: Callable[[dict[str, Any]], Any],
+    ) -> Any:
+        """``run(ticket, replay_key)`` under the key's concurrency ticket, once per
+        Idempotency-Key: an earlier run's stored response is ``replayed``, a running
+        one is 409, a failed one runs again. The ticket is released when the response
+        ends (a stream's own end releases it)."""
         replay_key = replay_key_of(
             http.headers.get("idempotency-key"),
             principal.name,
-            None if conversation is not None else session_id,
+            api.parse_session_id(http.headers.get("x-session-id")),
         )
         ticket = self.gate.acquire(principal)
         streaming = False
@@ -646,63 +661,9 @@ class Ingress:
                     )
                 if replay.action == "replay":
                     assert replay.body is not None
-                    return self._replayed(req, replay.body)
+                    return replayed(replay.body)
             try:
-                decision, service_s = None, 0.0
-                lease, lease_used = None, None
-                if session_id is not None and self.router.leases is not None:
-                    # Held for this replica since its last turn here: claimed and planned
-                    # without a service call on the path (``orchestrator.kv.turn_leases``).
-                    service_s = await self.router.handed_over(session_id)
-                    lease = self.router.leases.take(session_id, principal, digest)
-                if lease is not None:
-                    assert session_id is not None
-                    decision = self.router.leases.decide(lease, ids)
-                    reason = None if decision.kind == "pull" else decision.reason
-                    self.metrics.inc("kvtide_turn_leases_total", outcome="used")
-                    lease_used = asyncio.get_running_loop().create_task(
-                        self.kv.lease_used(session_id, lease.lease_id, reason)
-                    )
-                elif session_id is not None:
-                    try:
-                        ids, max_tokens, decision, begun_s, again_s = await self._begin_turn(
-                            session_id, principal, text, ids, max_tokens, digest, last_ids, limits
-                        )
-                        service_s += begun_s
-                        tokenize_s += again_s
-                    except (TurnInProgress, LimitExceeded, NotFound):
-                        if conversation is None:
-                            raise
-                        # The conversation's session is busy (the same history sent
-                        # twice at once) or over a limit: served as a request without
-                        # one, which keeps nothing. Never a refusal the client did not
-                        # ask for.
-                        session_id, conversation = None, "unmatched"
-                        self.metrics.inc("kvtide_conversation_turns_total", outcome="unmatched")
-                if conversation in ("continued", "started"):
-                    self.metrics.inc("kvtide_conversation_turns_total", outcome=conversation)
-                run = (req, text, ids, max_tokens, session_id, replay_key, ticket, root, principal)
-                timing = (t_in, service_s, tokenize_s)
-                try:
-                    response = await self._run(
-                        *run,
-                        decision,
-                        conversation,
-                        timing,
-                        None if lease is None else lease.lease_id,
-                        lease_used,
-                    )
-                except LeaseRefused:
-                    # The service gave the lease up (revoked meanwhile, or it restarted):
-                    # the turn ended unseen; ask the service as any turn does.
-                    assert session_id is not None
-                    self.metrics.inc("kvtide_turn_leases_total", outcome="refused")
-                    ids, max_tokens, decision, service_s, again_s = await self._begin_turn(
-                        session_id, principal, text, ids, max_tokens, digest, last_ids, limits
-                    )
-                    run = (req, text, ids, max_tokens, *run[4:])
-                    timing = (t_in, service_s, tokenize_s + again_s)
-                    response = await self._run(*run, decision, conversation, timing, None, None)
+                response = await run(ticket, replay_key)
             except BaseException:
                 if replay_key is not None:
                     await asyncio.shield(self.kv.replay_fail(replay_key))
@@ -713,65 +674,138 @@ class Ingress:
             if not streaming:  # a stream releases its ticket when it ends
                 self.gate.release(ticket)
 
-    async def _run(
-        self,
-        req: api.ApiRequest,
-        text: str | None,
-        ids: list[int],
-        max_tokens: int,
-        session_id: str | None,
-        replay_key: str | None,
-        ticket: Ticket,
-        root: Span,
-        principal: Principal,
-        decision: KVDecision | None,
-        conversation: str | None,
-        timing: tuple[float, float, float],
-        lease_id: int | None = None,
-        lease_used: Awaitable[bool] | None = None,
-    ) -> Any:
-        """``timing``: when the body was read, the seconds waited for the KV service and
-        those the chat template and tokenizing took (``TurnReport``)."""
-        t_in, service_s, tokenize_s = timing
-        tr.set_attrs(root, {tr.GEN_AI_REQUEST_MAX_TOKENS: max_tokens})
-        rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        turn = self.router.run_turn(
-            prompt_token_ids=ids,
-            max_tokens=max_tokens,
-            session_id=session_id,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            seed=req.seed,
-            stop=req.stop,
-            ignore_eos=req.ignore_eos,
-            request_id=rid,
-            prompt_text=text,
-            trace_parent=root,
-            owner=None if principal.is_anonymous else principal.name,
-            sampling_options=req.sampling_options(),
-            decision=decision,
-            lease_id=lease_id,
-            lease_used=lease_used,
-        )
+    async def _open_turn(self, turn: OpenTurn) -> OpenedTurn:
+        """The turn started: its session found (by header, or the unnamed one its text
+        continues), its prompt tokenized from this replica's copy of the session's last
+        turn, checked against ``turn.limits``, claimed and planned (under the session's
+        turn lease here, or by the KV service's ``begin_turn``), and run to its first
+        item, so that a failure before the first token is the response's status."""
+        principal, text = turn.principal, turn.text
+        session_id = turn.session_header
+        # A conversation without the header: the unnamed session its text extends, or a
+        # new one when it carries history (``orchestrator.kv.conversations``).
+        conversation: str | None = None
+        if session_id is None and text is not None and self.config.routing.reuse_without_session:
+            now = self.router.clock()
+            session_id = self.session_tokens.find_conversation(principal.name, text, now)
+            if session_id is not None:
+                conversation = "continued"
+            elif turn.has_history:
+                session_id = self.session_tokens.conversations.new_session_id(principal.name)
+                conversation = "started"
+        digest: int | None = None  # the last turn the prompt was tokenized from
+        last_text: str | None = None
+        last_ids: Sequence[int] = ()
+        if session_id is not None:  # this replica's copy; checked by begin_turn
+            now = self.router.clock()
+            last_text, last_ids = self.session_tokens.last_turn(session_id, now)
+            digest = self.session_tokens.last_digest(session_id, now)
+        tokenize_s = turn.render_s
+        ids = turn.ids
+        if ids is None or (turn.retokenize and last_text is not None):
+            assert text is not None
+            t_tokenize = time.monotonic()
+            ids = await self._tokenize(text, last_text, last_ids)
+            tokenize_s += time.monotonic() - t_tokenize
+        max_tokens = turn.limits(ids)
+        decision, service_s = None, 0.0
+        lease, lease_used = None, None
+        if session_id is not None and self.router.leases is not None:
+            # Held for this replica since its last turn here: claimed and planned
+            # without a service call on the path (``orchestrator.kv.turn_leases``).
+            service_s = await self.router.handed_over(session_id)
+            lease = self.router.leases.take(session_id, principal, digest)
+        if lease is not None:
+            assert session_id is not None
+            decision = self.router.leases.decide(lease, ids)
+            reason = None if decision.kind == "pull" else decision.reason
+            self.metrics.inc("kvtide_turn_leases_total", outcome="used")
+            lease_used = asyncio.get_running_loop().create_task(
+                self.kv.lease_used(session_id, lease.lease_id, reason)
+            )
+        elif session_id is not None:
+            try:
+                ids, max_tokens, decision, begun_s, again_s = await self._begin_turn(
+                    session_id, principal, text, ids, max_tokens, digest, last_ids, turn.limits
+                )
+                service_s += begun_s
+                tokenize_s += again_s
+            except (TurnInProgress, LimitExceeded, NotFound):
+                if conversation is None:
+                    raise
+                # The conversation's session is busy (the same history sent twice at
+                # once) or over a limit: served as a request without one, which keeps
+                # nothing. Never a refusal the client did not ask for.
+                session_id, conversation = None, "unmatched"
+                self.metrics.inc("kvtide_conversation_turns_total", outcome="unmatched")
+        if conversation in ("continued", "started"):
+            self.metrics.inc("kvtide_conversation_turns_total", outcome=conversation)
+        tr.set_attrs(turn.root, {tr.GEN_AI_REQUEST_MAX_TOKENS: max_tokens})
+
+        def start(
+            ids: list[int], max_tokens: int, decision: KVDecision | None, lease_id: int | None
+        ) -> AsyncGenerator[tuple[GenerateChunk, TurnReport], None]:
+            return self.router.run_turn(
+                prompt_token_ids=ids,
+                max_tokens=max_tokens,
+                session_id=session_id,
+                request_id=turn.request_id,
+                prompt_text=text,
+                trace_parent=turn.root,
+                owner=None if principal.is_anonymous else principal.name,
+                decision=decision,
+                lease_id=lease_id,
+                lease_used=lease_used if lease_id is not None else None,
+                **turn.run_args,
+            )
+
         # Wait for the first item so that prefill failures become a proper status code.
         t_router = time.monotonic()
+        running = start(ids, max_tokens, decision, None if lease is None else lease.lease_id)
         try:
-            first = await turn.__anext__()
+            first = await running.__anext__()
         except StopAsyncIteration:
             raise EngineUnavailable("the decode engine returned no output") from None
+        except LeaseRefused:
+            # The service gave the lease up (revoked meanwhile, or it restarted): the
+            # turn ended unseen; ask the service as any turn does.
+            assert session_id is not None
+            self.metrics.inc("kvtide_turn_leases_total", outcome="refused")
+            ids, max_tokens, decision, service_s, again_s = await self._begin_turn(
+                session_id, principal, text, ids, max_tokens, digest, last_ids, turn.limits
+            )
+            tokenize_s += again_s
+            t_router = time.monotonic()
+            running = start(ids, max_tokens, decision, None)
+            try:
+                first = await running.__anext__()
+            except StopAsyncIteration:
+                raise EngineUnavailable("the decode engine returned no output") from None
+        report = first[1]
+        report.conversation = conversation
+        report.ingress_s = t_router - turn.t_in
+        report.service_s = service_s
+        report.tokenize_s = tokenize_s
         # Serve sets its own x-request-id (its request id); kvtide's is the completion id.
-        first[1].conversation = conversation
-        first[1].ingress_s = t_router - t_in
-        first[1].service_s = service_s
-        first[1].tokenize_s = tokenize_s
-        headers = {REQUEST_ID_HEADER: rid}
+        headers = {REQUEST_ID_HEADER: turn.request_id}
         if session_id is not None and conversation is None:  # an unnamed one stays unnamed
             headers["x-session-id"] = session_id
+        return OpenedTurn(ids=ids, first=first, turn=running, headers=headers)
+
+    async def _respond(
+        self,
+        req: api.ApiRequest,
+        opened: OpenedTurn,
+        replay_key: str | None,
+        ticket: Ticket,
+    ) -> Any:
+        """kvtide's own OpenAI layer's response to a turn opened by ``_open_turn``."""
+        rid, ids, first, turn = opened.request_id, opened.ids, opened.first, opened.turn
         if req.stream:
             return StreamingResponse(
                 self._sse(req, rid, ids, first, turn, replay_key, ticket),
                 media_type="text/event-stream",
-                headers=headers,
+                headers=opened.headers,
             )
         out = Output()
         out.add(first[0])
@@ -784,7 +818,7 @@ class Ingress:
         body = final_body(req, rid, ids, out, report)
         if replay_key is not None:
             await self.kv.replay_complete(replay_key, body)
-        return JSONResponse(body, headers=headers)
+        return JSONResponse(body, headers=opened.headers)
 
     def _replayed(self, req: api.ApiRequest, body: dict[str, Any]) -> Any:
         """A completed turn's stored response, in the shape this request asked for."""

@@ -1,0 +1,293 @@
+"""vLLM's ``EngineClient`` over kvtide's turn: vLLM's OpenAI serving layer drives it.
+
+vLLM's serving classes (``OpenAIServingChat``, ``OpenAIServingCompletion``) validate the
+request, render the chat template (with tools), build vLLM's ``SamplingParams`` (tool
+choice and structured outputs, logprobs, logit bias, stop, ...) and call
+``engine_client.generate(prompt, sampling_params, request_id)``; they turn what it
+yields (``RequestOutput``s) into the response: tool-call and reasoning parsing,
+logprobs, usage. This client is that engine: each ``generate`` is one kvtide turn (the
+session claimed, the KV plan, prefill → NIXL → decode through the ``Router``), its
+decode chunks rebuilt as ``RequestOutput``s.
+
+The HTTP request the turn belongs to (its key, session header, span) reaches
+``generate`` as a ``TurnContext`` set by the ingress in a context variable before it
+calls the serving class (``generate`` is called in the request's own task). The turn
+itself is run by the ingress's ``TurnRunner``: this module only adapts shapes.
+
+``n`` > 1: choice 0 is the turn (it carries the session and its KV); choices 1..n-1
+are sessionless requests of the same prompt ids, started once choice 0's prefill is
+done, so the prefill engine's prefix cache holds the prompt (computed once), each with
+vLLM's per-choice seed (``seed + index``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.base import GenerateChunk, TokenLogprob
+
+__all__ = ["CURRENT_TURN", "TurnContext", "TurnRunner", "make_turn_client"]
+
+
+@dataclass(slots=True, kw_only=True)
+class TurnContext:
+    """One HTTP request's facts for its turn, and what the turn left for the response.
+
+    Set by the ingress before it calls vLLM's serving class; ``generate`` reads it.
+    ``report`` (choice 0's ``TurnReport``), ``session_id``, ``conversation`` and
+    ``error`` (a failure before the first token, raised by the ingress as its status
+    instead of an error event in a stream) are written by the turn."""
+
+    principal: Any
+    session_header: str | None
+    has_history: bool
+    requested_max_tokens: int | None
+    prompt_param: str
+    root: Any
+    t_in: float
+    render_s: float = 0.0
+    report: Any = None
+    session_id: str | None = None
+    conversation: str | None = None
+    error: BaseException | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+CURRENT_TURN: contextvars.ContextVar[TurnContext] = contextvars.ContextVar("kvtide_turn")
+
+TurnStream = AsyncIterator[tuple[GenerateChunk, Any]]
+TurnRunner = Callable[[TurnContext, list[int], str | None, Any, str, bool], TurnStream]
+"""``(context, prompt ids, prompt text, sampling params, request id, is_turn)``: the
+turn's stream (``is_turn`` False: a sessionless extra choice of the same prompt)."""
+
+
+def _logprobs(positions: Iterable[list[TokenLogprob]]) -> list[dict[int, Any]]:
+    from vllm.logprobs import Logprob
+
+    return [
+        {c.token_id: Logprob(logprob=c.logprob, rank=c.rank, decoded_token=c.decoded) for c in p}
+        for p in positions
+    ]
+
+
+class _Choice:
+    """One choice's output so far (cumulative, for vLLM's FINAL_ONLY requests)."""
+
+    __slots__ = ("cumulative", "finish", "ids", "logprobs", "stop", "text")
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.ids: list[int] = []
+        self.logprobs: list[list[TokenLogprob]] | None = None
+        self.cumulative: float | None = None
+        self.finish: str | None = None
+        self.stop: int | str | None = None
+
+    def add(self, chunk: GenerateChunk) -> None:
+        self.text.append(chunk.text)
+        self.ids.extend(chunk.token_ids)
+        if chunk.logprobs is not None:
+            self.logprobs = [*(self.logprobs or ()), *chunk.logprobs]
+        self.cumulative = chunk.cumulative_logprob
+        if chunk.finished:
+            self.finish, self.stop = chunk.finish_reason, chunk.stop_reason
+
+
+def _completion(index: int, chunk: GenerateChunk | _Choice, want_logprobs: bool) -> Any:
+    from vllm.outputs import CompletionOutput
+
+    if isinstance(chunk, _Choice):
+        text, ids, lps = "".join(chunk.text), chunk.ids, chunk.logprobs
+        cumulative, finish, stop = chunk.cumulative, chunk.finish, chunk.stop
+    else:
+        text, ids, lps = chunk.text, chunk.token_ids, chunk.logprobs
+        cumulative = chunk.cumulative_logprob
+        finish = chunk.finish_reason if chunk.finished else None
+        stop = chunk.stop_reason if chunk.finished else None
+    logprobs = None
+    if want_logprobs:
+        logprobs = _logprobs(lps or ())
+    return CompletionOutput(
+        index=index,
+        text=text,
+        token_ids=list(ids),
+        cumulative_logprob=cumulative,
+        logprobs=logprobs,
+        finish_reason=finish,
+        stop_reason=stop,
+    )
+
+
+async def _merged(
+    streams: Mapping[int, TurnStream],
+) -> AsyncGenerator[tuple[int, GenerateChunk], None]:
+    """The choices' chunks as they come, each with its choice's index."""
+    queue: asyncio.Queue[tuple[int, GenerateChunk] | tuple[int, BaseException] | None] = (
+        asyncio.Queue()
+    )
+
+    async def pump(index: int, stream: TurnStream) -> None:
+        try:
+            async for chunk, _ in stream:
+                queue.put_nowait((index, chunk))
+        except BaseException as exc:
+            queue.put_nowait((index, exc))
+            raise
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in streams.items()]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+                continue
+            index, got = item
+            if isinstance(got, BaseException):
+                raise got
+            yield index, got
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+
+def make_turn_client(vllm_config: Any, run: TurnRunner) -> Any:
+    """A ``TurnClient`` (vLLM's ``EngineClient``) on ``vllm_config``'s model, whose
+    turns ``run`` runs. vLLM is imported here, in the ingress replica only."""
+    from vllm.engine.protocol import EngineClient
+    from vllm.renderers import renderer_from_config
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    class TurnClient(EngineClient):  # type: ignore[misc]
+        __doc__ = __doc__
+
+        def __init__(self) -> None:
+            self.vllm_config = vllm_config
+            self.model_config = vllm_config.model_config
+            self.renderer = renderer_from_config(vllm_config)
+            self.input_processor = InputProcessor(vllm_config, self.renderer)
+
+        # ---- the data plane ----------------------------------------------------
+
+        def generate(
+            self,
+            prompt: Any,
+            sampling_params: Any,
+            request_id: str,
+            **_: Any,
+        ) -> AsyncGenerator[Any, None]:
+            # Called in the HTTP request's task: its context is the turn's.
+            return self._generate(CURRENT_TURN.get(), prompt, sampling_params, request_id)
+
+        async def _generate(
+            self, ctx: TurnContext, prompt: Any, params: Any, request_id: str
+        ) -> AsyncGenerator[Any, None]:
+            from vllm.outputs import RequestOutput
+            from vllm.sampling_params import RequestOutputKind
+
+            ids = list(prompt["prompt_token_ids"])
+            text = prompt.get("prompt")
+            want_logprobs = params.logprobs is not None
+            num_choices = max(1, params.n)
+            try:
+                turn = run(ctx, ids, text, params, request_id, True)
+                first_chunk, report = await turn.__anext__()
+            except BaseException as exc:
+                ctx.error = exc
+                raise
+            ctx.report = report
+            ids = ctx.extra.get("prompt_token_ids", ids)  # as the turn tokenized them
+
+            async def choice_zero() -> TurnStream:
+                yield first_chunk, report
+                async for item in turn:
+                    yield item
+
+            streams: dict[int, TurnStream] = {0: choice_zero()}
+            for index in range(1, num_choices):
+                child = params.clone()
+                if child.seed is not None:
+                    child.seed += index
+                streams[index] = run(ctx, ids, text, child, f"{request_id}-c{index}", False)
+            delta = params.output_kind == RequestOutputKind.DELTA
+            choices = {i: _Choice() for i in streams}
+            num_finished = 0
+            async for index, chunk in _merged(streams):
+                num_finished += chunk.finished
+                finished = num_finished == num_choices
+                if delta:
+                    outputs = [_completion(index, chunk, want_logprobs)]
+                else:
+                    choices[index].add(chunk)
+                    if not finished:
+                        continue
+                    outputs = [_completion(i, c, want_logprobs) for i, c in choices.items()]
+                yield RequestOutput(
+                    request_id=request_id,
+                    prompt=text,
+                    prompt_token_ids=ids,
+                    prompt_logprobs=None,
+                    outputs=outputs,
+                    finished=finished,
+                    num_cached_tokens=report.num_cached_tokens,
+                )
+
+        async def abort(self, request_id: Any) -> None:
+            """A turn ends when its stream is closed (the serving layer's generator)."""
+
+        # ---- the control plane: what vLLM's serving classes ask of an engine ----
+
+        @property
+        def is_running(self) -> bool:
+            return True
+
+        @property
+        def is_stopped(self) -> bool:
+            return False
+
+        @property
+        def errored(self) -> bool:
+            return False
+
+        @property
+        def dead_error(self) -> BaseException:
+            return RuntimeError("kvtide's turn client does not fail as a whole")
+
+        async def get_supported_tasks(self) -> tuple[str, ...]:
+            return ("generate",)
+
+        async def is_tracing_enabled(self) -> bool:
+            return False
+
+        async def check_health(self) -> None:
+            return None
+
+        async def do_log_stats(self) -> None:
+            return None
+
+        def encode(self, *args: Any, **kwargs: Any) -> Any:
+            raise ValueError("kvtide serves generation only (no pooling models)")
+
+        async def notify_kv_transfer_request_rejected(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+        def _unsupported(self, *args: Any, **kwargs: Any) -> Any:
+            raise ValueError("not an operation kvtide's OpenAI endpoint offers")
+
+        start_profile = stop_profile = reset_mm_cache = reset_encoder_cache = _unsupported
+        reset_prefix_cache = sleep = release_kv_cache_memory = _unsupported
+
+        def shutdown(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+    return TurnClient()
