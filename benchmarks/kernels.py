@@ -8,13 +8,12 @@ Part 1 (anywhere nvidia-cutlass-dsl installs, no GPU needed): compiles every ker
 variant for every arch in scope and prints compile seconds, registers, spills, shared
 memory, 128-bit loads in the PTX and the PTX target.
 
-Part 2 (CUDA GPU only; says so and stops elsewhere): median µs per call of each kernel,
-launched from cubins, against the stock path (the torch reference on the same GPU, what
-an engine runs without the kernel), at decode shapes:
-
-- DCP LSE combine, DeepSeek/Kimi MLA (D=512, 16 heads per rank after the gather) and a
-  GQA model (D=128, 32 heads), batch 1/64/256, 2-16 ranks;
-- fused add + RMSNorm, hidden 4096/7168/8192, 1/64/1024 tokens, bf16 and FP8 out.
+Part 2 (CUDA GPU only; says so and stops elsewhere): µs per call of the kernel, launched
+from cubins, against each baseline an engine runs without it (``kernels.baselines``:
+vLLM's op where its GPU build is installed, ``torch.compile`` of the reference, the
+eager reference), all under CUDA graphs (``kernels.timing.time_cuda``: median, and the
+spread p90-p10 over the median), at decode shapes: fused add + RMSNorm, hidden
+4096/7168/8192, 1/64/1024 tokens, bf16 and FP8 out.
 """
 
 from __future__ import annotations
@@ -46,9 +45,9 @@ def compile_table(archs: list[str] | None) -> Path | None:
 def timing_table(cubin_dir: Path | None, repeats: int) -> None:
     import torch
 
-    from kernels import reference
+    from kernels.baselines import rmsnorm_baselines
     from kernels.ops import CubinSet, Kernels
-    from kernels.validate import time_us
+    from kernels.timing import time_cuda
 
     if not torch.cuda.is_available():
         print("\nµs per call: no CUDA GPU here; run this on a GPU host for kernel vs stock timings")
@@ -57,24 +56,9 @@ def timing_table(cubin_dir: Path | None, repeats: int) -> None:
 
     device = torch.device("cuda", 0)
     kernels = Kernels(CubinSet.open(cubin_dir or SHIPPED_DIR), device)
-    print(f"\nµs per call on {torch.cuda.get_device_name(device)} ({kernels.arch}), median")
+    baselines = rmsnorm_baselines(device)
+    print(f"\nµs per call on {torch.cuda.get_device_name(device)} ({kernels.arch}), CUDA graphs")
     rows: list[list[str]] = []
-
-    def row(name: str, kernel_fn: object, stock_fn: object) -> None:
-        k = time_us(kernel_fn, repeats=repeats)  # type: ignore[arg-type]
-        s = time_us(stock_fn, repeats=repeats)  # type: ignore[arg-type]
-        rows.append([name, f"{k:.1f}", f"{s:.1f}", f"{s / k:.2f}x"])
-
-    for d, heads in ((512, 16), (128, 32)):
-        for batch in (1, 64, 256):
-            for ranks in (2, 8, 16):
-                parts = torch.randn(ranks, batch, heads, d, device=device, dtype=torch.bfloat16)
-                lses = torch.randn(ranks, batch, heads, device=device)
-                row(
-                    f"combine d{d} h{heads} b{batch} n{ranks}",
-                    lambda p=parts, lse=lses: kernels.lse_combine(p, lse),
-                    lambda p=parts, lse=lses: reference.lse_combine(p, lse),
-                )
     scale = torch.tensor([0.05], device=device)
     for hidden in (4096, 7168, 8192):
         for tokens in (1, 64, 1024):
@@ -82,13 +66,26 @@ def timing_table(cubin_dir: Path | None, repeats: int) -> None:
             res = torch.randn_like(x)
             w = torch.randn(hidden, device=device, dtype=torch.bfloat16)
             for sc in (None, scale):
-                out = "bf16" if sc is None else "fp8"
-                row(
-                    f"add+rmsnorm h{hidden} t{tokens} {out}",
+                k = time_cuda(
                     lambda x=x, r=res, w=w, sc=sc: kernels.fused_add_rmsnorm(x, r, w, 1e-6, sc),
-                    lambda x=x, r=res, w=w, sc=sc: reference.fused_add_rmsnorm(x, r, w, 1e-6, sc),
+                    repeats=repeats,
                 )
-    print(format_table(["case", "kernel", "stock", "speed-up"], rows))
+                row = [
+                    f"add+rmsnorm h{hidden} t{tokens} {'bf16' if sc is None else 'fp8'}",
+                    f"{k.median_us:.2f} ±{k.spread:.0%}",
+                ]
+                for name in ("vllm", "torch_compile", "torch"):
+                    call = baselines.get(name)
+                    if call is None:
+                        row.append("-")
+                        continue
+                    xc, rc = x.clone(), res.clone()
+                    t = time_cuda(
+                        lambda c=call, a=xc, r=rc, w=w, sc=sc: c(a, r, w, 1e-6, sc), repeats=repeats
+                    )
+                    row.append(f"{t.median_us:.2f} ({t.median_us / k.median_us:.2f}x)")
+                rows.append(row)
+    print(format_table(["case", "kernel", "vllm", "torch.compile", "torch"], rows))
 
 
 def main() -> None:

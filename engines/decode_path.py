@@ -5,9 +5,10 @@ and the spec carries the result (``DecodePath``) to the engine:
 
 * ``DecodePath.engine`` is the shape the gate decided on (``None``: the gate was not
   asked: a CPU engine, a simulated one, or no ``gpu_arch`` in the config);
-* ``DecodePath.paths`` are the specialised paths the engine runs, each one the gate
-  allowed AND that vLLM can take today (``kernels.vllm_plugin.INTEGRATED_PATHS``: vLLM's
-  own Kimi K3 path; kvtide's kernels have no vLLM integration yet);
+* ``DecodePath.paths`` are the specialised paths the engine runs, each one the config
+  opted in to, the gate allowed on checked-in evidence, AND that vLLM can take today
+  (``kernels.vllm_plugin.INTEGRATED_PATHS``: vLLM's own Kimi K3 path; kvtide's kernels
+  have no vLLM integration yet);
   empty: the stock path;
 * ``DecodePath.reason`` is the gate's reason, kept for ``kvtide inspect`` and the logs.
 
@@ -19,7 +20,7 @@ refuses vLLM's Kimi K3 backend in engine args the decision did not ask for.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,10 +71,13 @@ class DecodePath:
 
 
 def choose_decode_path(
-    engine: EngineShape, validated: tuple[ValidatedScope, ...] = VALIDATED
+    engine: EngineShape,
+    validated: tuple[ValidatedScope, ...] = VALIDATED,
+    opted_in: Collection[str] = (),
 ) -> DecodePath:
-    """The gate's decision for ``engine`` as a ``DecodePath`` (pure)."""
-    decisions = decide(engine, validated)
+    """The gate's decision for ``engine`` as a ``DecodePath``; ``opted_in`` are the paths
+    the config's ``specialised_paths`` names."""
+    decisions = decide(engine, validated, opted_in)
     on = [d for d in decisions if d.enabled and d.path in INTEGRATED_PATHS]
     if on:
         reason = "; ".join(f"{d.path}: {d.reason}" for d in on)

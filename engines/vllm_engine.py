@@ -47,18 +47,22 @@ from engines.vllm_sampling import (
     sampling_args_for,
     sampling_params_for,
 )
+from kernels.gate import VALIDATED, ValidatedScope
 
 __all__ = ["VLLMEngine", "engine_args_for", "sampling_args_for"]
 
 log = logging.getLogger("kvtide.engine")
 
 
-def engine_args_for(spec: EngineSpec) -> dict[str, Any]:
+def engine_args_for(
+    spec: EngineSpec, validated: tuple[ValidatedScope, ...] = VALIDATED
+) -> dict[str, Any]:
     """The keyword arguments of vLLM's ``AsyncEngineArgs`` for ``spec`` (pure; tested).
 
     A specialised decode path adds its ``additional_config`` keys (the stock path adds
-    nothing). Raises ``KernelGateRefused`` when the gate no longer allows the spec's path,
-    or when the engine args ask for vLLM's Kimi K3 backend that the path does not run.
+    nothing). Raises ``KernelGateRefused`` when the gate, on ``validated`` (the
+    checked-in evidence), no longer allows the spec's path, or when the engine args ask
+    for vLLM's Kimi K3 backend that the path does not run.
     """
     args: dict[str, Any] = {
         "model": spec.model_path,
@@ -103,10 +107,10 @@ def engine_args_for(spec: EngineSpec) -> dict[str, Any]:
     if spec.kv_events_port is not None and spec.enable_prefix_caching:
         args["kv_events_config"] = kv_events_config(spec.kv_events_port)
     args.update(dict(spec.extra_engine_args))
-    path_config = decode_path_settings(spec.decode_path).additional_config
+    path_config = decode_path_settings(spec.decode_path, validated).additional_config
     if path_config:
         args["additional_config"] = {**dict(args.get("additional_config") or {}), **path_config}
-    check_decode_backend(args.get("additional_config"), spec.decode_path)
+    check_decode_backend(args.get("additional_config"), spec.decode_path, validated)
     return args
 
 

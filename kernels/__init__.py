@@ -1,17 +1,20 @@
-"""Specialised decode kernels, each enabled only inside a scope its evidence covers.
+"""Specialised decode paths, each enabled only inside a scope that current evidence covers.
 
-Two kernels, each with a pure torch reference that runs on CPU:
-
-- ``dcp_lse_combine``: merges the partial attention outputs and log-sum-exps of the decode
-  context parallel (DCP) ranks into one output and its LSE.
-- ``fused_add_rmsnorm``: residual add + RMSNorm, optionally quantising to FP8 e4m3.
+- ``fused_add_rmsnorm``: kvtide's CuTe kernel, residual add + RMSNorm, optionally
+  quantising to FP8 e4m3; evidence from ``kvtide kernels validate``.
+- ``kimi_k3_latency_specialized``: vLLM's own Kimi K3 path; evidence from an engine-level
+  A/B (``kvtide kernels ab``).
 
 Where things live:
 
-- ``kernels.scope``      what each kernel claims to handle and the cases a validation run
-                         covers (pure: no torch, cheap for the orchestrator to read)
-- ``kernels.gate``       pure decision, per specialised path, whether an engine may use it
-- ``kernels.reference``  torch references (also DCP-sharded attention, to test the combine)
+- ``kernels.scope``      what each path claims to handle and the cases that check it (pure)
+- ``kernels.gate``       pure decision, per path, whether an engine may use it
+- ``kernels.sources``    the source digest and file hashes evidence is bound to
+- ``kernels.coverage``   whether an evidence file is current and covers a validated scope
+- ``kernels.reference``  the torch reference; ``kernels.emulate`` the kernel's order on CPU
+- ``kernels.tolerance``  errors in steps of the output format, bounded by torch's own
+- ``kernels.timing``     CUDA-graph timing and its statistics; ``kernels.baselines`` what
+                         the engine runs instead
 - ``kernels.cute``       CuTe DSL sources; ``cutlass`` is imported only inside functions there
 - ``kernels.compile``    compiles every kernel for every arch in scope, no GPU needed
 - ``kernels.resources``  registers, spills, PTX target and instruction mix, read on a CPU
@@ -19,7 +22,8 @@ Where things live:
 - ``kernels.ops``        torch-facing calls of the kernels through ``kernels.launch``
 - ``kernels.validate``   correctness and timing on a GPU against the references
 - ``kernels.evidence``   evidence files (JSON + Markdown), ``show`` and ``diff``
-- ``kernels.cli``        ``kvtide kernels {validate,show,diff,compile}``
+- ``kernels.ab``         the engine-level A/B (pure); ``kernels.ab_run`` runs its engines
+- ``kernels.cli``        ``kvtide kernels {validate,show,diff,compile,ab}``
 - ``kernels.vllm_plugin`` the ``vllm.general_plugins`` hook; inert unless asked for
 
 See docs/kernels.md. Importing this package imports nothing heavy.

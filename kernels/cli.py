@@ -1,4 +1,4 @@
-"""``kvtide kernels {validate,show,diff,compile}``.
+"""``kvtide kernels {validate,show,diff,compile,ab}``.
 
 The orchestrator's CLI mounts this with ``kernels.cli.add_parser(subparsers)``; each
 subcommand sets ``func`` to a handler that takes the parsed ``argparse.Namespace`` and
@@ -9,6 +9,7 @@ returns the exit code. ``main(argv)`` runs the same commands standalone
     show      list scopes and which cases have evidence under kernels/evidence/
     diff      compare two evidence files
     compile   compile every kernel for every arch in scope (no GPU needed) and report
+    ab        engine-level A/B of vLLM's Kimi K3 path against the stock path (kernels.ab)
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--dry-run",
         action="store_true",
-        help="run the harness with the torch references on CPU (minutes at the largest "
-        "batches; combine with --max-batch); write nothing unless --out",
+        help="run the harness on CPU with the kernels' emulation (kernels.emulate) in "
+        "place of the kernels (a minute at the largest batches; combine with "
+        "--max-batch); write nothing unless --out",
     )
     p.add_argument("--max-batch", type=int, help="only cases with at most this batch")
     p.set_defaults(func=_validate)
@@ -64,6 +66,23 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--sass", action="store_true", help="also count spills in the SASS")
     p.set_defaults(func=_compile)
+
+    p = sub.add_parser("ab", help="A/B a specialised vLLM path against the stock path (GPU)")
+    p.add_argument("--model", required=True, help="local checkpoint directory")
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--dcp", type=int, default=1)
+    p.add_argument("--batch", type=int, action="append", help="batch sizes (default: scope's)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--out", type=Path, help="evidence path stem (default: kernels/evidence/..)")
+    p.add_argument(
+        "--self-check",
+        action="store_true",
+        help="both sides on the stock path: checks the A/B machinery, evidence for nothing",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="print both sides' engine args; start nothing"
+    )
+    p.set_defaults(func=_ab)
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:
@@ -134,9 +153,11 @@ def _validate(args: argparse.Namespace) -> int:
         and (args.max_batch is None or c.batch <= args.max_batch)
     ]
     if args.dry_run:
-        results = validate.run_cases(cases, validate.ReferenceImpl(), torch.device("cpu"))
+        from kernels.emulate import Emulated
+
+        results = validate.run_cases(cases, Emulated(), torch.device("cpu"))
         if args.out:
-            evidence.write(args.out, "cpu", results, {"source": "torch reference (dry run)"})
+            evidence.write(args.out, "cpu", results, {"source": "CPU emulation (dry run)"})
         failed = [r for r in results if not r.passed]
         print(f"dry run: {len(results) - len(failed)} passed, {len(failed)} failed")
         return 1 if failed else 0
@@ -154,15 +175,15 @@ def _validate(args: argparse.Namespace) -> int:
     impl = Kernels(cubins, device)
 
     def progress(r: validate.CaseResult) -> None:
-        timing = f"{r.kernel_us:.1f} vs {r.stock_us:.1f} µs" if r.kernel_us and r.stock_us else ""
+        timing = f"{r.kernel_us:.2f} vs {r.stock_us:.2f} µs" if r.kernel_us and r.stock_us else ""
         print(f"{'pass' if r.passed else 'FAIL'} {r.case_id} {timing} {r.detail}", flush=True)
 
     results = validate.run_cases(cases, impl, device, progress=progress)
     loaded = next(iter(impl.launched), None)
+    binding = {"source_sha256": cubins.source_sha256, "files_sha256": cubins.hashes(arch)}
     meta = {
         "dir": str(cubin_dir),
         "chosen": how,
-        "source_sha256": cubins.source_sha256,
         "nvidia_cutlass_dsl": cubins.nvidia_cutlass_dsl,
         "backend": None if loaded is None else loaded.backend,
         "image_kind": None if loaded is None else loaded.image_kind,
@@ -170,12 +191,66 @@ def _validate(args: argparse.Namespace) -> int:
     gpu = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     stem = args.out or evidence.EVIDENCE_DIR / f"{arch}-{gpu}-{stamp}"
-    json_path, md_path = evidence.write(stem, arch, results, meta)
+    json_path, md_path = evidence.write(stem, arch, results, meta, binding=binding)
     num_failed = sum(1 for r in results if not r.passed)
     print(
         f"{len(results) - num_failed} passed, {num_failed} failed; evidence: {json_path}, {md_path}"
     )
     return 1 if num_failed else 0
+
+
+def ab_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], list[int]]:
+    """(stock side's engine args, the other side's, batch sizes) of ``kvtide kernels ab``."""
+    from kernels import ab
+    from kernels.scope import KIMI_K3
+
+    batches = sorted(set(args.batch or [c.batch for c in KIMI_K3.cases()]))
+    common = {"tp": args.tp, "dcp": args.dcp, "max_batch": max(batches)}
+    stock = ab.engine_args(args.model, scope=None, **common)
+    other = ab.engine_args(args.model, scope=None if args.self_check else KIMI_K3, **common)
+    return stock, other, batches
+
+
+def _ab(args: argparse.Namespace) -> int:
+    import json
+
+    stock_args, path_args, batches = ab_plan(args)
+    if args.dry_run:
+        print(json.dumps({"stock": stock_args, "path": path_args, "batches": batches}, indent=1))
+        return 0
+    import torch
+
+    from kernels import ab, evidence
+    from kernels.ab_run import run_side
+    from kernels.scope import arch_from_capability
+    from kernels.vllm_plugin import installed_vllm_version
+
+    if not torch.cuda.is_available():
+        print("no CUDA GPU here: kernels ab needs one (try --dry-run)", file=sys.stderr)
+        return 2
+    arch = arch_from_capability(*torch.cuda.get_device_capability(0))
+    texts = ab.prompts(max(batches))
+    stock = run_side(stock_args, texts, batches, args.max_tokens)
+    path = run_side(path_args, texts, batches, args.max_tokens)
+    results = [ab.compare(b, stock[b], path[b]) for b in batches]
+    for r in results:
+        print(f"{'pass' if r.passed else 'FAIL'} batch {r.batch}: {r.divergence or 'tokens equal'}")
+    model_type = json.loads((Path(args.model) / "config.json").read_text()).get("model_type")
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    kind = "ab-self-check" if args.self_check else "ab"
+    stem = args.out or evidence.EVIDENCE_DIR / f"{kind}-{arch}-tp{args.tp}-dcp{args.dcp}-{stamp}"
+    engine = {"model_type": model_type, "tp": args.tp, "dcp": args.dcp, "model": args.model}
+    json_path, _ = ab.write(
+        stem,
+        arch=arch,
+        engine=engine,
+        vllm_version=installed_vllm_version(),
+        fingerprint=evidence.fingerprint(),
+        results=results,
+        self_check=args.self_check,
+    )
+    print(f"A/B evidence: {json_path}")
+    return 0 if all(r.passed for r in results) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

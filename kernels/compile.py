@@ -7,14 +7,13 @@
     OUT/<arch>/<kernel>-<variant>.cubin
     OUT/<arch>/<kernel>-<variant>.ptx
 
-The manifest records the nvidia-cutlass-dsl version and a digest of the kernel sources,
-so a stale cubin is detectable (``tests/unit/test_kernels_compile.py`` checks the ones
-shipped in ``kernels/cubins/``).
+The manifest records the nvidia-cutlass-dsl version, a digest of the kernel sources and
+the sha256 of every cubin and PTX file, so a stale or altered cubin is detectable
+(``tests/unit/test_kernels_compile.py`` checks the ones shipped in ``kernels/cubins/``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import shutil
@@ -26,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from kernels.cute import dsl_version, load_dsl
-from kernels.cute.lse_combine import Geometry
+from kernels.cute.add_rmsnorm import Geometry
 from kernels.resources import CubinUsage, cubin_usage, ptx_summary
 from kernels.scope import SCOPES, KernelScope, Variant
+from kernels.sources import file_sha256, source_digest
 
 __all__ = [
     "SHIPPED_ARCHS",
@@ -48,7 +48,6 @@ SHIPPED_DIR = Path(__file__).resolve().parent / "cubins"
 SHIPPED_ARCHS: tuple[str, ...] = ("sm_90a",)
 
 _MODULES = {
-    "dcp_lse_combine": "kernels.cute.lse_combine",
     "fused_add_rmsnorm": "kernels.cute.add_rmsnorm",
 }
 
@@ -60,18 +59,6 @@ def _module(kernel: str) -> Any:
 def geometry(variant: Variant) -> Geometry:
     """Launch geometry of a variant; pure, cutlass not needed."""
     return _module(variant.kernel).geometry(variant)  # type: ignore[no-any-return]
-
-
-def source_digest(scopes: Iterable[KernelScope] = SCOPES) -> str:
-    """sha256 over the CuTe sources and the variants they are compiled for."""
-    h = hashlib.sha256()
-    for path in sorted((Path(__file__).resolve().parent / "cute").glob("*.py")):
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
-    for scope in scopes:
-        for variant in scope.variants():
-            h.update(repr(variant).encode())
-    return h.hexdigest()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,6 +84,8 @@ class CompiledKernel:
             "arch": self.arch,
             "cubin": self.cubin.relative_to(root).as_posix(),
             "ptx": self.ptx.relative_to(root).as_posix(),
+            "cubin_sha256": file_sha256(self.cubin),
+            "ptx_sha256": file_sha256(self.ptx),
             "entry": self.entry,
             "entry_params": list(self.params),
             "threads": self.geometry.threads,

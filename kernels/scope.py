@@ -12,7 +12,7 @@ Each kernel scope lists:
 - ``archs``: the PTX targets it is compiled for (H100/H200 ``sm_90a``, B200/GB200
   ``sm_100a``, GB300 ``sm_103a``);
 - the dtypes and model dimensions it handles;
-- the batch range (decode requests per step for the combine, tokens for the norm);
+- the batch range (tokens per decode step);
 - ``variants()``: the compile units (one cubin per variant and arch);
 - ``cases()``: what one validation run checks, named by stable ``case_id`` strings that
   evidence files record.
@@ -21,33 +21,30 @@ Each kernel scope lists:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 __all__ = [
     "ALL_ARCHS",
-    "COMBINE",
+    "KIMI_K3",
+    "ODD_BATCHES",
     "RMSNORM",
     "SCOPES",
+    "AbCase",
     "AddRmsNormScope",
-    "CombineCase",
     "KernelScope",
-    "LseCombineScope",
     "RmsNormCase",
     "ValidationCase",
     "Variant",
+    "VllmPathScope",
     "arch_from_capability",
     "scope_named",
+    "version_matches",
 ]
 
 ALL_ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a", "sm_103a")
 
-# Empty-shard layouts a combine case can exercise:
-#   full       every rank saw tokens
-#   empty_rank rank 0 saw none (its LSE is -inf, its partial output is garbage)
-#   short_seq  seq_len < ranks, so the ranks past seq_len saw none
-#   all_empty  no rank saw a token (seq_len 0): output 0, LSE -inf
-ShardLayout = Literal["full", "empty_rank", "short_seq", "all_empty"]
-SHARD_LAYOUTS: tuple[ShardLayout, ...] = ("full", "empty_rank", "short_seq", "all_empty")
+# Token counts that are not a multiple of anything a kernel tiles by, between the
+# smallest and the largest batch every scope checks.
+ODD_BATCHES: tuple[int, ...] = (3, 77)
 
 # Offsets inside the kernels are 32-bit: a case or an engine must keep every tensor a
 # kernel touches under this many elements.
@@ -79,26 +76,6 @@ class Variant:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class CombineCase:
-    """Merge ``num_ranks`` partials of ``batch`` x ``num_heads`` rows of ``head_dim``."""
-
-    num_ranks: int
-    batch: int
-    num_heads: int
-    head_dim: int
-    dtype: str
-    shards: ShardLayout = "full"
-    kernel: str = "dcp_lse_combine"
-
-    @property
-    def case_id(self) -> str:
-        return (
-            f"{self.kernel}/n{self.num_ranks}-b{self.batch}-h{self.num_heads}"
-            f"-d{self.head_dim}-{self.dtype}-{self.shards}"
-        )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class RmsNormCase:
     """Residual add + RMSNorm of ``batch`` tokens of ``hidden_size``, output ``out_dtype``."""
 
@@ -113,79 +90,7 @@ class RmsNormCase:
         return f"{self.kernel}/b{self.batch}-h{self.hidden_size}-{self.dtype}-{self.out_dtype}"
 
 
-ValidationCase = CombineCase | RmsNormCase
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LseCombineScope:
-    """DCP LSE combine: ``[N, B, H, D]`` partials and ``[N, B, H]`` LSEs → ``[B, H, D]``.
-
-    LSEs are natural-log, fp32. An LSE of -inf, +inf or NaN marks a rank that saw no token
-    (FlashAttention 2 reports +inf there, FlashAttention 3 -inf); its partial is ignored.
-    """
-
-    name: str = "dcp_lse_combine"
-    archs: tuple[str, ...] = ALL_ARCHS
-    dtypes: tuple[str, ...] = ("bf16", "fp16")
-    head_dims: tuple[int, ...] = (128, 512)
-    num_ranks: tuple[int, ...] = (2, 4, 8, 16)
-    max_heads: int = 128
-    min_batch: int = 1
-    max_batch: int = 256
-
-    def variants(self) -> tuple[Variant, ...]:
-        # The rank count is a runtime argument: one cubin serves every N in scope.
-        return tuple(
-            Variant(
-                kernel=self.name,
-                name=f"d{d}-{dt}",
-                params=(("head_dim", d), ("dtype", dt), ("max_ranks", max(self.num_ranks))),
-            )
-            for d in self.head_dims
-            for dt in self.dtypes
-        )
-
-    def cases(self) -> tuple[CombineCase, ...]:
-        out: list[CombineCase] = []
-        for n in self.num_ranks:
-            for d in self.head_dims:
-                for dt in self.dtypes:
-                    for b in (self.min_batch, 64, self.max_batch):
-                        out.append(
-                            CombineCase(num_ranks=n, batch=b, num_heads=16, head_dim=d, dtype=dt)
-                        )
-                for shards in SHARD_LAYOUTS[1:]:
-                    out.append(
-                        CombineCase(
-                            num_ranks=n,
-                            batch=8,
-                            num_heads=16,
-                            head_dim=d,
-                            dtype=self.dtypes[0],
-                            shards=shards,
-                        )
-                    )
-        return tuple(out)
-
-    def refuse(
-        self, *, arch: str, dtype: str, head_dim: int, num_ranks: int, num_heads: int, batch: int
-    ) -> str | None:
-        """Why these inputs are outside the scope, or None when they are inside."""
-        if arch not in self.archs:
-            return f"arch {arch} not in {list(self.archs)}"
-        if dtype not in self.dtypes:
-            return f"dtype {dtype} not in {list(self.dtypes)}"
-        if head_dim not in self.head_dims:
-            return f"head dim {head_dim} not in {list(self.head_dims)}"
-        if num_ranks not in self.num_ranks:
-            return f"{num_ranks} DCP ranks not in {list(self.num_ranks)}"
-        if not 1 <= num_heads <= self.max_heads:
-            return f"{num_heads} heads per rank outside 1..{self.max_heads}"
-        if not self.min_batch <= batch <= self.max_batch:
-            return f"batch {batch} outside {self.min_batch}..{self.max_batch}"
-        if num_ranks * batch * num_heads * head_dim > MAX_ELEMENTS:
-            return "partials exceed 2**31 elements (32-bit offsets)"
-        return None
+ValidationCase = RmsNormCase
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -221,7 +126,7 @@ class AddRmsNormScope:
             for h in self.hidden_sizes
             for dt in self.dtypes
             for out in self.out_dtypes
-            for b in (self.min_batch, 64, self.max_batch)
+            for b in (self.min_batch, *ODD_BATCHES, 64, self.max_batch)
         )
 
     def refuse(self, *, arch: str, dtype: str, hidden_size: int, batch: int) -> str | None:
@@ -237,11 +142,93 @@ class AddRmsNormScope:
         return None
 
 
-KernelScope = LseCombineScope | AddRmsNormScope
+KernelScope = AddRmsNormScope
 
-COMBINE = LseCombineScope()
+
+def version_matches(version: str, allowed: tuple[str, ...]) -> bool:
+    """``version`` is one of ``allowed`` or inside one of them ("0.33" covers "0.33.1")."""
+    return any(version == v or version.startswith(v + ".") for v in allowed)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AbCase:
+    """One engine-level A/B measurement: ``batch`` concurrent greedy requests."""
+
+    path: str
+    batch: int
+
+    @property
+    def case_id(self) -> str:
+        return f"{self.path}/b{self.batch}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VllmPathScope:
+    """A decode path inside vLLM itself, switched on by ``additional_config``.
+
+    kvtide cannot check such a path kernel by kernel: its evidence is an engine-level A/B
+    (``kvtide kernels ab``: the same prompts through vLLM's stock path and this one). The
+    declared scope is vLLM's own limits; a validated scope is what an A/B covered:
+    ``archs``, ``(tp, dcp)`` pairs, the batch range and the vLLM versions it ran on.
+    """
+
+    name: str
+    additional_config: tuple[tuple[str, str], ...]
+    model_types: tuple[str, ...]
+    archs: tuple[str, ...]
+    parallel: tuple[tuple[int, int], ...]  # (TP, DCP) pairs
+    vllm_versions: tuple[str, ...]
+    min_batch: int = 1
+    max_batch: int = 1024
+
+    def cases(self) -> tuple[AbCase, ...]:
+        """Batch sizes an A/B measures: both ends of the range and powers of 4 between."""
+        sizes = {self.min_batch, self.max_batch}
+        sizes |= {4**i for i in range(1, 6) if self.min_batch < 4**i < self.max_batch}
+        return tuple(AbCase(path=self.name, batch=b) for b in sorted(sizes))
+
+    def refuse(
+        self,
+        *,
+        model_type: str,
+        arch: str,
+        tp: int,
+        dcp: int,
+        pp: int,
+        ep: int,
+        batch: int,
+        vllm_version: str | None,
+    ) -> str | None:
+        """Why this engine is outside the scope, or None when it is inside."""
+        if model_type not in self.model_types:
+            return f"model type {model_type!r} not in {list(self.model_types)}"
+        if arch not in self.archs:
+            return f"arch {arch} not in {list(self.archs)}"
+        if (tp, dcp) not in self.parallel:
+            return f"TP {tp} / DCP {dcp} not in (TP, DCP) {list(self.parallel)}"
+        if pp != 1 or ep != 1:
+            return f"PP {pp} / EP {ep}: the path runs without pipeline or expert parallelism"
+        if not self.min_batch <= batch <= self.max_batch:
+            return f"batch {batch} outside {self.min_batch}..{self.max_batch}"
+        if vllm_version is None:
+            return "vLLM version unknown"
+        if not version_matches(vllm_version, self.vllm_versions):
+            return f"vLLM {vllm_version} not in {list(self.vllm_versions)}"
+        return None
+
+
+KIMI_K3 = VllmPathScope(
+    name="kimi_k3_latency_specialized",
+    additional_config=(("decode_backend", "latency_specialized"),),
+    model_types=("kimi_k3",),
+    # vLLM's own limits (vllm/models/kimi_k3/nvidia/specialized_decode/, from 0.33).
+    archs=("sm_100a", "sm_103a"),
+    parallel=((8, 1), (8, 8), (16, 1), (16, 16)),
+    vllm_versions=("0.33",),
+)
+
 RMSNORM = AddRmsNormScope()
-SCOPES: tuple[KernelScope, ...] = (COMBINE, RMSNORM)
+SCOPES: tuple[KernelScope, ...] = (RMSNORM,)
 
 
 def scope_named(name: str) -> KernelScope:

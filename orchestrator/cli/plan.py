@@ -205,8 +205,11 @@ GPU_ARCH["gb300"] = "sm_103a"
 
 def _kernel_lines(spec: ModelSpec, device: DeviceSpec, tp: int, dcp: int) -> list[str]:
     """Which specialised decode path this engine would run, and why (``kernels.gate``):
-    each is enabled only inside a scope its GPU evidence covers."""
+    each is enabled only inside a scope its GPU evidence covers, and only where the
+    config's ``specialised_paths`` opts in (a plan has no config: "not opted in" then
+    means the evidence would allow it)."""
     from kernels.gate import decide
+    from kernels.vllm_plugin import installed_vllm_version
     from orchestrator.config.decode_paths import model_engine_shape
 
     arch = GPU_ARCH.get(device.name)
@@ -219,6 +222,7 @@ def _kernel_lines(spec: ModelSpec, device: DeviceSpec, tp: int, dcp: int) -> lis
         tp=tp,
         dcp=max(1, dcp),
         max_batch=DEFAULT_MEMORY.max_num_seqs,
+        vllm_version=installed_vllm_version(),
     )
     return [f"  specialised decode paths ({arch}, dcp={engine.dcp}):"] + [
         f"    {d.path}: {'on' if d.enabled else 'off'} ({d.reason})" for d in decide(engine)

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import (
     Field,
     ValidationError,
+    field_validator,
 )
 
 from engines.base import EngineRole, EngineSpec, KVTransferSpec
@@ -89,6 +90,23 @@ class ConfigFile(StrictSection):
         "engine checks the arch of its GPUs at start. Empty: every engine runs the stock "
         "path.",
     )
+    specialised_paths: tuple[Literal["fused_add_rmsnorm", "kimi_k3_latency_specialized"], ...] = (
+        Field(
+            (),
+            description="Specialised decode paths kvtide may turn on (opt-in): each runs "
+            "only where checked-in GPU evidence covers the engine (arch, TP/DCP, batch "
+            "range, vLLM version; docs/kernels.md), elsewhere the engine runs vLLM's stock "
+            "path and kvtide plan / inspect stats / the metrics say why. Empty: stock "
+            "everywhere.",
+        )
+    )
+
+    @field_validator("specialised_paths", mode="before")
+    @classmethod
+    def _paths_list_to_tuple(cls, paths: Any) -> Any:
+        # YAML gives a list; the frozen config holds a tuple (hashable).
+        return tuple(paths) if isinstance(paths, list) else paths
+
     model: ModelConfig = ModelConfig()
     prefill: PoolSection = PoolSection(cpu_threads_bind="0")
     decode: PoolSection = PoolSection(cpu_threads_bind="1")

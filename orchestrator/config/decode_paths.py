@@ -4,7 +4,9 @@
 (``KVTideConfig.engine_spec``). The gate is asked only for vLLM engines on CUDA whose
 config names ``gpu_arch``; everything else runs the stock path, with the reason said.
 The model's dimensions come from the checkpoint's ``config.json``; one that cannot be
-read also gives the stock path (the engine reports why), never an error here.
+read also gives the stock path (the engine reports why), never an error here. The vLLM
+version is the one installed where the config is read (the plugin checks the engine's);
+only paths the config's ``specialised_paths`` names can be turned on.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from engines.decode_path import DecodePath, choose_decode_path
 from kernels.gate import EngineShape
+from kernels.vllm_plugin import installed_vllm_version
 from placement.model_catalog import load_model_spec
 from placement.model_errors import UnsupportedModel
 from placement.model_spec import ModelSpec
@@ -46,11 +49,19 @@ def engine_shape_for(config: KVTideConfig, pool: PoolConfig) -> EngineShape | st
         tp=pool.tensor_parallel_size,
         dcp=pool.decode_context_parallel_size,
         max_batch=pool.max_num_seqs,
+        vllm_version=installed_vllm_version(),
     )
 
 
 def model_engine_shape(
-    model: ModelSpec, *, gpu_arch: str, dtype: str, tp: int, dcp: int, max_batch: int
+    model: ModelSpec,
+    *,
+    gpu_arch: str,
+    dtype: str,
+    tp: int,
+    dcp: int,
+    max_batch: int,
+    vllm_version: str | None = None,
 ) -> EngineShape:
     """The gate's view of an engine of ``model`` (also what ``kvtide plan`` asks about)."""
     return EngineShape(
@@ -64,6 +75,7 @@ def model_engine_shape(
         tp=tp,
         dcp=dcp,
         max_batch=max_batch,
+        vllm_version=vllm_version,
     )
 
 
@@ -73,4 +85,4 @@ def decode_path_for(config: KVTideConfig, pool: PoolConfig) -> DecodePath:
     shape = engine_shape_for(config, pool)
     if isinstance(shape, str):
         return DecodePath(reason=shape)
-    return choose_decode_path(shape)
+    return choose_decode_path(shape, opted_in=config.specialised_paths)

@@ -22,9 +22,10 @@ from engines.base import EngineSpec
 from engines.decode_path import DecodePath, choose_decode_path
 from engines.vllm_engine import VLLMEngine, engine_args_for
 from kernels import vllm_plugin
-from kernels.gate import KIMI_K3_PATH
+from kernels.gate import KIMI_K3_PATH, ValidatedScope
+from kernels.scope import KIMI_K3
 from orchestrator.cli.inspect import format_stats
-from orchestrator.config import KVTideConfig, parse_config
+from orchestrator.config import KVTideConfig, decode_paths, parse_config
 from orchestrator.errors import ConfigError
 from orchestrator.kv.decider import kv_lifecycle_config
 from orchestrator.kv.service import KVService
@@ -37,6 +38,16 @@ REPO = Path(__file__).resolve().parents[2]
 # A Kimi-K3-like engine on B200/GB200 at TP 8, DCP 1: inside vLLM's declared limits.
 KIMI_K3_B200_TP8 = dataclasses.replace(KIMI_K3_GB300, gpu_arch="sm_100a", dcp=1, max_batch=256)
 KIMI_K3_ON = {"decode_backend": "latency_specialized"}
+# Hand-made evidence covering that engine (none is checked in).
+B200_EVIDENCE = (
+    ValidatedScope(
+        scope=dataclasses.replace(
+            KIMI_K3, archs=("sm_100a",), parallel=((8, 1),), max_batch=256, vllm_versions=("0.33",)
+        ),
+        evidence="ab-sm_100a-tp8-dcp1-x.json",
+    ),
+)
+OPTED_IN = (KIMI_K3_PATH,)
 
 
 def spec(**overrides: Any) -> EngineSpec:
@@ -77,34 +88,45 @@ def gpu_config(model_path: Path, **extra: Any) -> KVTideConfig:
 # ---- the decision ---------------------------------------------------------------------
 
 
-def test_an_in_scope_kimi_k3_engine_runs_vllms_path_and_records_why() -> None:
-    path = choose_decode_path(KIMI_K3_B200_TP8)
+def test_without_evidence_vllms_kimi_k3_path_is_off_even_when_opted_in() -> None:
+    path = choose_decode_path(KIMI_K3_B200_TP8, opted_in=OPTED_IN)
+    assert path.paths == () and path.name == "stock"
+    assert "kimi_k3_latency_specialized: no evidence" in path.reason
+    assert "additional_config" not in engine_args_for(spec(decode_path=path))
+
+
+def test_a_covered_opted_in_kimi_k3_engine_runs_vllms_path_and_records_why() -> None:
+    path = choose_decode_path(KIMI_K3_B200_TP8, B200_EVIDENCE, OPTED_IN)
     assert path.paths == (KIMI_K3_PATH,) and path.name == KIMI_K3_PATH
     assert path.reason == (
-        "kimi_k3_latency_specialized: inside vLLM's limits "
-        "(SM100/SM103, TP 8/16, DCP 1 or TP, no PP/EP)"
+        "kimi_k3_latency_specialized: opted in, inside a scope validated by "
+        "ab-sm_100a-tp8-dcp1-x.json"
     )
-    args = engine_args_for(spec(decode_path=path))
+    # Not opted in: stock, and the reason says the evidence would allow it.
+    assert "not opted in" in choose_decode_path(KIMI_K3_B200_TP8, B200_EVIDENCE).reason
+    args = engine_args_for(spec(decode_path=path), B200_EVIDENCE)
     assert args["additional_config"] == KIMI_K3_ON
     # Keys the user set in additional_config are kept beside the path's.
     mine = spec(decode_path=path, extra_engine_args=(("additional_config", {"x": 1}),))
-    assert engine_args_for(mine)["additional_config"] == {"x": 1, **KIMI_K3_ON}
+    assert engine_args_for(mine, B200_EVIDENCE)["additional_config"] == {"x": 1, **KIMI_K3_ON}
 
 
 @pytest.mark.parametrize(
     ("change", "why"),
     [
-        ({"gpu_arch": "sm_90a"}, "runs only on SM100/SM103"),
-        ({"tp": 4}, "TP 4: vLLM's Kimi K3 path needs TP 8 or 16"),
-        ({"dcp": 2}, "DCP 2"),
-        ({"ep": 8}, "refuses expert parallelism"),
-        ({"model_type": "deepseek_v3"}, "is not Kimi K3"),
+        ({"gpu_arch": "sm_90a"}, "arch sm_90a not in ['sm_100a', 'sm_103a']"),
+        ({"tp": 4}, "TP 4 / DCP 1 not in (TP, DCP)"),
+        ({"dcp": 2}, "TP 8 / DCP 2 not in"),
+        ({"ep": 8}, "without pipeline or expert parallelism"),
+        ({"model_type": "deepseek_v3"}, "model type 'deepseek_v3' not in"),
+        ({"max_batch": 512}, "ab-sm_100a-tp8-dcp1-x.json: batch 512 outside 1..256"),
     ],
 )
 def test_out_of_scope_engines_run_the_stock_path_with_unchanged_args(
     change: dict[str, Any], why: str
 ) -> None:
-    path = choose_decode_path(dataclasses.replace(KIMI_K3_B200_TP8, **change))
+    engine = dataclasses.replace(KIMI_K3_B200_TP8, **change)
+    path = choose_decode_path(engine, B200_EVIDENCE, OPTED_IN)
     assert path.paths == () and path.name == "stock"
     assert why in path.reason
     # kvtide's kernels are refused too, for lack of evidence (or of DCP).
@@ -114,11 +136,14 @@ def test_out_of_scope_engines_run_the_stock_path_with_unchanged_args(
 
 
 def test_a_kernel_that_passed_the_gate_without_a_vllm_integration_stays_off() -> None:
-    from kernels.gate import ValidatedScope
     from kernels.scope import RMSNORM
+    from kernels.sources import source_digest
 
-    validated = (ValidatedScope(scope=RMSNORM, evidence="sm_100a-b200.json"),)
-    path = choose_decode_path(dataclasses.replace(KIMI_K3_B200_TP8, tp=4), validated)
+    validated = (
+        ValidatedScope(scope=RMSNORM, evidence="sm_100a-b200.json", source_sha256=source_digest()),
+    )
+    engine = dataclasses.replace(KIMI_K3_B200_TP8, tp=4)
+    path = choose_decode_path(engine, validated, ("fused_add_rmsnorm",))
     assert path.name == "stock"
     assert "fused_add_rmsnorm: passed the gate but has no vLLM integration yet" in path.reason
 
@@ -126,24 +151,31 @@ def test_a_kernel_that_passed_the_gate_without_a_vllm_integration_stays_off() ->
 # ---- from the config ------------------------------------------------------------------
 
 
-def test_the_config_turns_vllms_kimi_k3_path_on_only_where_the_gate_allows(
-    kimi_k3_checkpoint: Path,
+def test_a_config_opting_in_gets_the_stock_path_without_evidence_and_says_why(
+    kimi_k3_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cfg = gpu_config(kimi_k3_checkpoint, gpu_arch="sm_100a")
+    monkeypatch.setattr(decode_paths, "installed_vllm_version", lambda: "0.33.0")
+    cfg = gpu_config(kimi_k3_checkpoint, gpu_arch="sm_100a", specialised_paths=[KIMI_K3_PATH])
+    assert cfg.specialised_paths == (KIMI_K3_PATH,)
     decode = cfg.engine_spec(cfg.decode, "decode-0", side_channel_port=5600)
-    assert decode.decode_path.name == KIMI_K3_PATH
+    assert decode.decode_path.name == "stock"
     assert decode.decode_path.engine == dataclasses.replace(
         KIMI_K3_B200_TP8, num_attention_heads=64, max_batch=64
     )
-    assert engine_args_for(decode)["additional_config"] == KIMI_K3_ON
-    env = dict(decode.env)
-    assert env["KVTIDE_KERNELS"] == KIMI_K3_PATH
-    assert json.loads(env["KVTIDE_KERNELS_ENGINE"])["gpu_arch"] == "sm_100a"
-    # The prefill pool (TP 1) is outside vLLM's limits: stock, nothing added.
+    assert "kimi_k3_latency_specialized: no evidence" in decode.decode_path.reason
+    assert "additional_config" not in engine_args_for(decode)
+    assert not any(k.startswith("KVTIDE_KERNELS") for k, _ in decode.env)
+    # The same engine with evidence: on only where the config opts in.
+    assert choose_decode_path(decode.decode_path.engine, B200_EVIDENCE, cfg.specialised_paths).paths
+    # The prefill pool (TP 1) is outside vLLM's limits whatever the evidence.
     prefill = cfg.engine_spec(cfg.prefill, "prefill-0", side_channel_port=5601)
-    assert prefill.decode_path.name == "stock"
-    assert "TP 1: vLLM's Kimi K3 path needs TP 8 or 16" in prefill.decode_path.reason
-    assert "additional_config" not in engine_args_for(prefill) and prefill.env == ()
+    assert "TP 1 / DCP 1 not in (TP, DCP)" in prefill.decode_path.reason
+    # The vLLM installed here is not one the path exists in: said so.
+    monkeypatch.setattr(decode_paths, "installed_vllm_version", lambda: "0.32.0")
+    reason = cfg.engine_spec(cfg.decode, "decode-0", 5600).decode_path.reason
+    assert "outside vLLM's limits: vLLM 0.32.0 not in ['0.33']" in reason
+    with pytest.raises(ConfigError, match="specialised_paths"):
+        gpu_config(kimi_k3_checkpoint, specialised_paths=["fast_decode"])
 
 
 def test_without_gpu_arch_engine_specs_are_exactly_as_before(kimi_k3_checkpoint: Path) -> None:
@@ -195,8 +227,12 @@ def test_engine_args_asking_for_the_kimi_backend_outside_the_decision_are_refuse
     # A decision claiming the path for a shape outside vLLM's limits (Hopper).
     hopper = dataclasses.replace(KIMI_K3_B200_TP8, gpu_arch="sm_90a")
     claimed = DecodePath(paths=(KIMI_K3_PATH,), reason="claimed", engine=hopper)
-    with pytest.raises(vllm_plugin.KernelGateRefused, match="runs only on SM100/SM103"):
-        engine_args_for(spec(decode_path=claimed))
+    with pytest.raises(vllm_plugin.KernelGateRefused, match="arch sm_90a not in"):
+        engine_args_for(spec(decode_path=claimed), B200_EVIDENCE)
+    # A decision for a covered engine, but no evidence checked in: refused at start.
+    covered = DecodePath(paths=(KIMI_K3_PATH,), reason="claimed", engine=KIMI_K3_B200_TP8)
+    with pytest.raises(vllm_plugin.KernelGateRefused, match="no evidence"):
+        engine_args_for(spec(decode_path=covered))
 
 
 def test_an_engine_refuses_to_start_on_a_decision_that_does_not_hold(
@@ -210,20 +246,10 @@ def test_an_engine_refuses_to_start_on_a_decision_that_does_not_hold(
             env=(("KVTIDE_KERNELS", KIMI_K3_PATH),),
         )
     )
-    with pytest.raises(vllm_plugin.KernelGateRefused, match="needs TP 8 or 16"):
+    with pytest.raises(vllm_plugin.KernelGateRefused, match="TP 4 / DCP 1 not in"):
         asyncio.run(engine.start())
     # Refused before anything else: the engine's environment was not applied.
     assert "KVTIDE_KERNELS" not in os.environ
-
-
-def test_the_plugin_checks_the_specs_decision_against_the_local_gpu(
-    kimi_k3_checkpoint: Path,
-) -> None:
-    cfg = gpu_config(kimi_k3_checkpoint, gpu_arch="sm_100a")
-    env = dict(cfg.engine_spec(cfg.decode, "decode-0", side_channel_port=5600).env)
-    vllm_plugin.register(env, local_arch=lambda: "sm_100a")  # the declared GPU: fine
-    with pytest.raises(vllm_plugin.KernelGateRefused, match=r"declares sm_100a but .* is sm_90a"):
-        vllm_plugin.register(env, local_arch=lambda: "sm_90a")
 
 
 # ---- what the engine reports, inspect, the metric -------------------------------------
@@ -236,8 +262,8 @@ def _book(engine_id: str, path: DecodePath) -> dict[str, Any]:
 
 
 def test_each_engine_reports_its_decode_path_and_the_pool_counts_them() -> None:
-    kimi = choose_decode_path(KIMI_K3_B200_TP8)
-    stock = choose_decode_path(dataclasses.replace(KIMI_K3_B200_TP8, tp=4))
+    kimi = choose_decode_path(KIMI_K3_B200_TP8, B200_EVIDENCE, OPTED_IN)
+    stock = choose_decode_path(dataclasses.replace(KIMI_K3_B200_TP8, tp=4), B200_EVIDENCE, OPTED_IN)
     book = _book("decode-a", kimi)
     assert book["decode_path"] == KIMI_K3_PATH and book["decode_path_reason"] == kimi.reason
     merged = pool_stats("decode", [book, _book("decode-b", stock), _book("decode-c", kimi)])
@@ -246,7 +272,7 @@ def test_each_engine_reports_its_decode_path_and_the_pool_counts_them() -> None:
 
 
 def test_inspect_stats_shows_each_engines_decode_path_and_reason() -> None:
-    kimi = choose_decode_path(KIMI_K3_B200_TP8)
+    kimi = choose_decode_path(KIMI_K3_B200_TP8, B200_EVIDENCE, OPTED_IN)
     books = {"decode-a": _book("decode-a", kimi), "prefill-a": _book("prefill-a", DecodePath())}
     body = {
         "engines": {"decode": pool_stats("decode", [books["decode-a"]])},
@@ -270,7 +296,7 @@ def test_engines_are_counted_by_decode_path_per_pool_in_the_metric() -> None:
         block_size_tokens=16,
     )
     service = KVService(config, prefill=None, drain_timeout_s=1.0)
-    kimi = choose_decode_path(KIMI_K3_B200_TP8)
+    kimi = choose_decode_path(KIMI_K3_B200_TP8, B200_EVIDENCE, OPTED_IN)
 
     async def beat(engine_id: str, path: DecodePath) -> None:
         await service.heartbeat(engine_id, (), _book(engine_id, path))

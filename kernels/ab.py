@@ -1,0 +1,222 @@
+"""Engine-level A/B of a specialised path: the pure parts (``kvtide kernels ab``).
+
+The same model and prompts go through a stock engine (side A) and an engine on the
+specialised path (side B), greedy, at each batch size of the path's scope
+(``VllmPathScope.cases()``). Per batch size the evidence records whether the greedy
+tokens are equal, or the first divergence and the stock engine's logit margin there
+(its chosen token's logprob minus side B's token's: a margin under ``TIE_MARGIN`` is a
+near-tie that any change of summation order may flip, anything larger a wrong answer),
+and TTFT and ITL (median, p90) of both sides. ``kernels.ab_run`` runs the engines (GPU,
+vLLM); everything here is pure and CPU-tested.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kernels.scope import KIMI_K3, VllmPathScope
+from kernels.timing import quantile
+
+__all__ = [
+    "TIE_MARGIN",
+    "AbResult",
+    "Divergence",
+    "RequestRecord",
+    "SideStats",
+    "compare",
+    "engine_args",
+    "prompts",
+    "side_stats",
+    "write",
+]
+
+TIE_MARGIN = 0.05  # nats
+FORMAT = 2
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestRecord:
+    """One greedy request as an engine served it: token ids, each token's arrival (s
+    after the request was sent), and per position the top logprobs ``{token: logprob}``."""
+
+    token_ids: tuple[int, ...]
+    arrival_s: tuple[float, ...]
+    top_logprobs: tuple[Mapping[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Divergence:
+    request: int
+    position: int
+    stock_token: int
+    path_token: int
+    margin: float  # stock's logprob of its token minus of the path's (inf: not in top-k)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SideStats:
+    ttft_ms_median: float
+    ttft_ms_p90: float
+    itl_ms_median: float
+    itl_ms_p90: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AbResult:
+    batch: int
+    passed: bool
+    tokens_equal: bool
+    divergence: Divergence | None
+    stock: SideStats
+    path: SideStats
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def engine_args(
+    model: str,
+    *,
+    tp: int,
+    dcp: int,
+    max_batch: int,
+    scope: VllmPathScope | None,
+    max_model_len: int = 4096,
+) -> dict[str, Any]:
+    """vLLM engine args of one side: ``scope`` None is the stock side, else the path's
+    ``additional_config`` is added. Nothing else differs between the sides."""
+    args: dict[str, Any] = {
+        "model": model,
+        "tensor_parallel_size": tp,
+        "max_num_seqs": max_batch,
+        "max_model_len": max_model_len,
+        "enable_prefix_caching": False,  # both sides prefill every prompt
+        "seed": 0,
+    }
+    if dcp > 1:
+        args["decode_context_parallel_size"] = dcp
+    if scope is not None:
+        args["additional_config"] = dict(scope.additional_config)
+    return args
+
+
+def prompts(count: int, seed: int = 0) -> list[str]:
+    """``count`` distinct, deterministic prompts of varied length."""
+    topics = ("rivers", "compilers", "tides", "bridges", "orchards", "comets", "ledgers")
+    out = []
+    for i in range(count):
+        topic = topics[(i + seed) % len(topics)]
+        repeat = 1 + (i * 7 + seed) % 5
+        out.append(f"Request {i}: " + f"Write plainly about {topic}. " * repeat)
+    return out
+
+
+def _margin(top: Mapping[int, float], stock_token: int, path_token: int) -> float:
+    if stock_token not in top or path_token not in top:
+        return float("inf")
+    return top[stock_token] - top[path_token]
+
+
+def first_divergence(
+    stock: Sequence[RequestRecord], path: Sequence[RequestRecord]
+) -> Divergence | None:
+    """The first position (request by request) where the sides' tokens differ."""
+    for i, (a, b) in enumerate(zip(stock, path, strict=True)):
+        for pos, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids, strict=False)):
+            if ta != tb:
+                top = a.top_logprobs[pos] if pos < len(a.top_logprobs) else {}
+                return Divergence(
+                    request=i, position=pos, stock_token=ta, path_token=tb,
+                    margin=_margin(top, ta, tb),
+                )  # fmt: skip
+        if len(a.token_ids) != len(b.token_ids):
+            pos = min(len(a.token_ids), len(b.token_ids))
+            return Divergence(request=i, position=pos, stock_token=-1, path_token=-1, margin=0.0)
+    return None
+
+
+def side_stats(records: Sequence[RequestRecord]) -> SideStats:
+    """TTFT (first arrival) and ITL (gaps between arrivals) over every request, in ms."""
+    ttft = [r.arrival_s[0] * 1e3 for r in records if r.arrival_s]
+    itl = [
+        (b - a) * 1e3 for r in records for a, b in zip(r.arrival_s, r.arrival_s[1:], strict=False)
+    ]
+    ttft, itl = ttft or [0.0], itl or [0.0]
+    return SideStats(
+        ttft_ms_median=quantile(ttft, 0.5),
+        ttft_ms_p90=quantile(ttft, 0.9),
+        itl_ms_median=quantile(itl, 0.5),
+        itl_ms_p90=quantile(itl, 0.9),
+    )
+
+
+def compare(batch: int, stock: Sequence[RequestRecord], path: Sequence[RequestRecord]) -> AbResult:
+    """The A/B of one batch size: passed when the tokens are equal or first diverge at a
+    near-tie (stock's margin under ``TIE_MARGIN``)."""
+    divergence = first_divergence(stock, path)
+    return AbResult(
+        batch=batch,
+        passed=divergence is None or divergence.margin < TIE_MARGIN,
+        tokens_equal=divergence is None,
+        divergence=divergence,
+        stock=side_stats(stock),
+        path=side_stats(path),
+    )
+
+
+def write(
+    stem: Path,
+    *,
+    arch: str,
+    engine: Mapping[str, Any],
+    vllm_version: str | None,
+    fingerprint: Mapping[str, Any],
+    results: Sequence[AbResult],
+    scope: VllmPathScope = KIMI_K3,
+    self_check: bool = False,
+) -> tuple[Path, Path]:
+    """``<stem>.json`` (kind "ab") and its Markdown twin. ``self_check``: both sides ran
+    the stock path (a check of the A/B machinery, evidence for nothing)."""
+    rows = [r.to_json() for r in results]
+    data = {
+        "format": FORMAT,
+        "kind": "ab-self-check" if self_check else "ab",
+        "path": scope.name,
+        "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "arch": arch,
+        "engine": dict(engine),
+        "vllm_version": vllm_version,
+        "fingerprint": dict(fingerprint),
+        "results": rows,
+        "summary": {
+            "passed": sum(r.passed for r in results),
+            "failed": sum(not r.passed for r in results),
+        },
+    }
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = stem.with_suffix(".json"), stem.with_suffix(".md")
+    json_path.write_text(json.dumps(data, indent=1) + "\n")
+    lines = [
+        f"# A/B: {scope.name} on {arch}{' (self-check: stock vs stock)' if self_check else ''}",
+        "",
+        f"- engine: {json.dumps(dict(engine), sort_keys=True)}, vLLM {vllm_version}",
+        "",
+        "| batch | result | first divergence | TTFT ms A / B | ITL ms A / B (p90) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        d = r.divergence
+        where = "-" if d is None else f"req {d.request} pos {d.position}, margin {d.margin:.3g}"
+        lines.append(
+            f"| {r.batch} | {'pass' if r.passed else 'FAIL'} | {where} "
+            f"| {r.stock.ttft_ms_median:.1f} / {r.path.ttft_ms_median:.1f} "
+            f"| {r.stock.itl_ms_median:.2f} / {r.path.itl_ms_median:.2f} "
+            f"({r.stock.itl_ms_p90:.2f} / {r.path.itl_ms_p90:.2f}) |"
+        )
+    md_path.write_text("\n".join(lines) + "\n")
+    return json_path, md_path

@@ -1,0 +1,73 @@
+"""Runs the two engines of an A/B (``kernels.ab``): vLLM's ``AsyncLLM``, one side at a time.
+
+Each side starts an engine from ``kernels.ab.engine_args``, sends the batch sizes in
+order (``batch`` concurrent greedy requests, streamed so every token's arrival is
+timed, top-5 logprobs kept for the divergence margin), and shuts the engine down before
+the other side starts: the sides never share a GPU. Needs vLLM (``engines._vllm``) and
+its GPUs; nothing here runs in the CPU tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kernels.ab import RequestRecord
+
+__all__ = ["run_side"]
+
+TOP_LOGPROBS = 5
+
+
+async def _one(engine: Any, sampling: Any, prompt: str, request_id: str) -> RequestRecord:
+    tokens: list[int] = []
+    arrivals: list[float] = []
+    tops: list[dict[int, float]] = []
+    start = time.perf_counter()
+    async for out in engine.generate(prompt, sampling, request_id):
+        now = time.perf_counter() - start
+        completion = out.outputs[0]
+        tokens += list(completion.token_ids)
+        arrivals += [now] * len(completion.token_ids)
+        for position in completion.logprobs or []:
+            tops.append({int(t): float(lp.logprob) for t, lp in position.items()})
+    return RequestRecord(
+        token_ids=tuple(tokens), arrival_s=tuple(arrivals), top_logprobs=tuple(tops)
+    )
+
+
+async def _side(
+    args: Mapping[str, Any], prompts: Sequence[str], batches: Sequence[int], max_tokens: int
+) -> dict[int, list[RequestRecord]]:
+    from engines._vllm import require_vllm
+
+    vllm = require_vllm()
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(vllm.AsyncEngineArgs(**args))
+    sampling = vllm.SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        logprobs=TOP_LOGPROBS,
+        output_kind=RequestOutputKind.DELTA,
+    )
+    out: dict[int, list[RequestRecord]] = {}
+    try:
+        await _one(engine, sampling, prompts[0], "warm-up")  # graphs, compile, allocator
+        for batch in batches:
+            calls = [_one(engine, sampling, prompts[i], f"b{batch}-{i}") for i in range(batch)]
+            out[batch] = list(await asyncio.gather(*calls))
+    finally:
+        engine.shutdown()
+    return out
+
+
+def run_side(
+    args: Mapping[str, Any], prompts: Sequence[str], batches: Sequence[int], max_tokens: int
+) -> dict[int, list[RequestRecord]]:
+    """Every batch size through one engine; ``{batch: one record per request}``."""
+    return asyncio.run(_side(args, prompts, batches, max_tokens))
