@@ -755,7 +755,8 @@ class Router:
             sid, lease_id = done.session_id, done.lease_id
             if sid is not None and lease_id is not None and self.leases is not None:
                 self.leases.ended(sid, lease_id)  # the service ends it with the turn
-            asked_s = self.clock()
+            # On the leases' clock: a lease's times count from here.
+            asked_s = self.clock() if self.leases is None else self.leases.clock()
             try:
                 answer = await self.kv.turn_done(done)
                 if not answer.accepted:
