@@ -248,7 +248,9 @@ class Ingress:
             leases.expire()
             released = leases.take_released()
             try:
-                answer = await self.kv.lease_watch(leases.holder, released, wait_s)
+                answer = await self.kv.lease_watch(
+                    leases.holder, released, wait_s, leases.held_ids()
+                )
             except RequestError:  # the service is restarting: again in a second
                 leases.requeue(released)
                 await asyncio.sleep(1.0)
