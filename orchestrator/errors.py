@@ -12,6 +12,7 @@
         ├── TurnInProgress          409: the session already has a turn running
         ├── PayloadTooLarge         413: the body is over server.max_request_bytes
         ├── UnsupportedMediaType    415: the body is not application/json
+        ├── IdempotencyKeyReused    422: an Idempotency-Key sent with a different request
         ├── LimitExceeded           429: over one of the key's limits (``code`` says which)
         └── Unavailable             503 with Retry-After: retrying later may succeed
             ├── EngineUnavailable   no healthy engine in a pool, or an engine failed
@@ -31,6 +32,7 @@ __all__ = [
     "ContextLengthExceeded",
     "DeadlineExceeded",
     "EngineUnavailable",
+    "IdempotencyKeyReused",
     "InvalidRequest",
     "KVTideError",
     "LimitExceeded",
@@ -148,6 +150,14 @@ class PayloadTooLarge(RequestError):
 class UnsupportedMediaType(RequestError):
     status_code = 415
     code = "unsupported_media_type"
+
+
+class IdempotencyKeyReused(RequestError):
+    """422. The ``Idempotency-Key`` was first sent with another request (another
+    endpoint or body): the key names one turn, so it is neither replayed nor run."""
+
+    status_code = 422
+    code = "idempotency_key_reused"
 
 
 class LimitExceeded(RequestError):

@@ -159,7 +159,7 @@ class KVServiceAPI(Protocol):
 
     async def turn_abandoned(self, session_id: str | None) -> None: ...
 
-    async def replay_begin(self, key: str) -> Replay: ...
+    async def replay_begin(self, key: str, fingerprints: Sequence[str] = ()) -> Replay: ...
 
     async def replay_complete(self, key: str, body: dict[str, Any]) -> None: ...
 
@@ -626,8 +626,8 @@ class KVService:
 
     # ---- idempotent turns (shared by every ingress replica) --------------------------
 
-    async def replay_begin(self, key: str) -> Replay:
-        return self.replays.begin(key)
+    async def replay_begin(self, key: str, fingerprints: Sequence[str] = ()) -> Replay:
+        return self.replays.begin(key, fingerprints)
 
     async def replay_complete(self, key: str, body: dict[str, Any]) -> None:
         self.replays.complete(key, body)

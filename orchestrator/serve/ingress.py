@@ -55,6 +55,7 @@ from orchestrator.serve.model_info import kv_bytes_per_token_of
 from orchestrator.serve.prompts import PromptEncoder
 from orchestrator.serve.responses import (
     Output,
+    begin_replay,
     ending,
     final_body,
     pool_stats,
@@ -638,16 +639,9 @@ class Ingress:
         streaming = False
         try:
             if replay_key is not None:
-                replay = await self.kv.replay_begin(replay_key)
-                if replay.action == "in_progress":
-                    raise TurnInProgress(
-                        "a turn with this Idempotency-Key is still running; retry after it "
-                        "finishes to get its result",
-                        param="Idempotency-Key",
-                    )
-                if replay.action == "replay":
-                    assert replay.body is not None
-                    return self._replayed(req, replay.body)
+                replayed = await begin_replay(self.kv, replay_key, req)
+                if replayed is not None:
+                    return self._replayed(req, replayed)
             try:
                 decision, service_s = None, 0.0
                 lease, lease_used = None, None

@@ -62,6 +62,7 @@ def test_public_names_are_pinned() -> None:
             "LimitExceeded",
             "PayloadTooLarge",
             "UnsupportedMediaType",
+            "IdempotencyKeyReused",
             "Unavailable",
             "EngineUnavailable",
             "ServiceUnavailable",
