@@ -9,6 +9,7 @@
         ├── ModelNotFound           404: the requested model is not served here
         ├── NotFound                404: a route that is switched off in the config
         ├── SessionNotFound         404: no such session for this key (also: another key's)
+        ├── RequestTimeout          408: the body took over server.request_body_timeout_s
         ├── TurnInProgress          409: the session already has a turn running
         ├── PayloadTooLarge         413: the body is over server.max_request_bytes
         ├── UnsupportedMediaType    415: the body is not application/json
@@ -40,6 +41,7 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "RequestError",
+    "RequestTimeout",
     "ServiceUnavailable",
     "SessionNotFound",
     "TurnInProgress",
@@ -140,6 +142,13 @@ class TurnInProgress(RequestError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": "1"}
+
+
+class RequestTimeout(RequestError):
+    """408. The request's body did not arrive in time."""
+
+    status_code = 408
+    code = "request_timeout"
 
 
 class PayloadTooLarge(RequestError):

@@ -190,6 +190,15 @@ class KVConfig(StrictSection):
         "revokes the lease first (one more round trip); while held, the session's kept KV "
         "is not evicted under idle_budget_mib_per_engine. 0: every turn asks the service.",
     )
+    session_state_max_mib: float = Field(
+        1024.0,
+        gt=0,
+        le=1_048_576,
+        description="Most MiB of sessions' last turns (token ids and text) the KV "
+        "lifecycle service keeps, for every session together; past it the least recently "
+        "used go first (such a session's next turn is tokenized from scratch and its kept "
+        "KV, if any, is reused only when the prefix check still matches).",
+    )
     replay_max_mib: float = Field(
         64.0,
         gt=0,

@@ -141,6 +141,14 @@ class ServerConfig(StrictSection):
         description="Largest request body the API reads, in bytes; a larger one gets 413 "
         "before it is read (from its Content-Length) or as soon as it passes the limit.",
     )
+    request_body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="Longest time the API waits for a request's whole body, from the "
+        "moment it starts reading it; past it the request gets 408 request_timeout (a "
+        "client that declares a body and sends it slowly, or never, holds nothing longer).",
+    )
     stream_chunk_tokens: int = Field(
         16,
         ge=1,

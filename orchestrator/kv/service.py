@@ -205,6 +205,7 @@ class KVService:
         engine_silence_s: float = 60.0,
         store: DurableStore | None = None,
         replay_max_bytes: int = 64 * 2**20,
+        session_state_max_bytes: int | None = None,
         running_grace_s: float = 600.0,
         handover_wait_s: float = 5.0,
         turn_lease_s: float = 0.0,
@@ -212,7 +213,11 @@ class KVService:
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.decider = KVDecider(config)
-        self.tokens = SessionTokens(max_sessions=max_sessions, ttl_s=config.ttl_s)
+        # Each session's last turn: bounded in bytes too (a long history is ~8 bytes a
+        # token with its text), so the service's memory has a bound the config names.
+        self.tokens = SessionTokens(
+            max_sessions=max_sessions, ttl_s=config.ttl_s, max_bytes=session_state_max_bytes
+        )
         self.prefill = prefill
         self.drain_timeout_s = drain_timeout_s
         self.num_prefill_engines = num_prefill_engines

@@ -177,6 +177,7 @@ class Ingress:
                 num_prefill_engines=config.prefill.num_engines,
                 observability=config.observability,
                 replay_max_bytes=int(kv.replay_max_mib * 2**20),
+                session_state_max_bytes=int(kv.session_state_max_mib * 2**20),
                 running_grace_s=config.server.request_timeout_s,
                 timeout_s=kv.service_start_timeout_s,
                 turn_lease_s=kv.turn_lease_s,
@@ -419,6 +420,7 @@ class Ingress:
             request.stream(),
             request.headers.get("content-length"),
             self.config.server.max_request_bytes,
+            self.config.server.request_body_timeout_s,
         )
         return api.parse_body(raw, request.headers.get("content-type"))
 
