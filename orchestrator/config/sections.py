@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from orchestrator.config.server import StrictSection
 from policies.prefix_routing import PrefixRoutingSettings
@@ -38,11 +38,28 @@ class ModelConfig(StrictSection):
         description="Local directory of a Hugging Face checkpoint. Empty: generate kvtide's "
         "tiny model (random weights, local tokenizer) and serve that.",
     )
-    name: str = Field("kvtide-tiny", min_length=1, description="Model name clients send.")
+    name: str = Field(
+        "kvtide-tiny",
+        min_length=1,
+        max_length=256,
+        description="Model name clients send: printable text (no newline or other control "
+        "character), at most 256 characters.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "float32", description="Weight and KV dtype. float32 keeps greedy output exact on CPU."
     )
     max_model_len: int = Field(8192, ge=16, le=2**24, description="Context length in tokens.")
+
+    @field_validator("name")
+    @classmethod
+    def _printable(cls, value: str) -> str:
+        # It is echoed in every response and header-like place (/v1/models, logs).
+        if not value.isprintable() or value != value.strip():
+            raise ValueError(
+                f"model name {value[:40]!r} must be printable text without a newline, "
+                "control character or surrounding spaces; name the model e.g. 'qwen3-8b'"
+            )
+        return value
 
     @property
     def is_generated(self) -> bool:

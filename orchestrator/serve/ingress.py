@@ -95,7 +95,8 @@ async def _maybe_in_thread(size: int, fn: Callable[..., _T], *args: Any, **kwarg
     return await asyncio.to_thread(fn, *args, **kwargs)
 
 
-fastapi_app = FastAPI(title="kvtide", docs_url=None, redoc_url=None)
+# No schema route: it would answer without a key (the API is docs/api.md).
+fastapi_app = FastAPI(title="kvtide", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 def _extends(ids: Sequence[int], prefix: Sequence[int]) -> bool:
