@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import msgspec
@@ -482,7 +483,7 @@ class Ingress:
             self._finish(root, code if isinstance(exc, Exception) else None)
             raise
         if isinstance(response, StreamingResponse):
-            response.body_iterator = ending(response.body_iterator, lambda: self._finish(root, 200))
+            response.body_iterator = ending(response.body_iterator, partial(self._finish, root))
         else:
             self._finish(root, response.status_code)
         return response

@@ -39,6 +39,7 @@ __all__ = [
     "server_error_body",
     "session_body",
     "stream_error",
+    "stream_status",
     "usage_of",
 ]
 
@@ -159,13 +160,35 @@ async def replay_sse(req: api.ApiRequest, body: dict[str, Any]) -> AsyncIterator
     yield "data: [DONE]\n\n"
 
 
-async def ending(body: AsyncIterator[Any], end: Callable[[], None]) -> AsyncIterator[Any]:
-    """``body``, then ``end()`` once it is exhausted or closed early."""
+_ERROR_EVENT = 'data: {"error"'
+
+
+def stream_status(event: str) -> int:
+    """The HTTP status a stream's final error event stands for (``stream_error``): 5xx
+    for a server error (an engine, the service, a deadline, the stream itself), else
+    400 (the client's)."""
+    try:
+        error = json.loads(event[len("data: ") :])["error"]
+    except (ValueError, KeyError, TypeError):
+        return 500
+    return 500 if error.get("type") == "server_error" else 400
+
+
+async def ending(body: AsyncIterator[Any], end: Callable[[int | None], None]) -> AsyncIterator[Any]:
+    """``body``, then ``end(status)`` once it is exhausted or closed early: 200 for a
+    stream that ended well, the status its error event stands for (``stream_status``)
+    for one that ended with an error (its HTTP status was sent as 200 before it
+    failed), None for one closed before its end (the client went away)."""
+    status: int | None = None
+    failed: int | None = None
     try:
         async for item in body:
+            if isinstance(item, str) and item.startswith(_ERROR_EVENT):
+                failed = stream_status(item)
             yield item
+        status = failed or 200
     finally:
-        end()
+        end(status if status is not None else failed)
 
 
 def usage_of(report: TurnReport) -> dict[str, Any]:
