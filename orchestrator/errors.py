@@ -9,9 +9,11 @@
         ├── ModelNotFound           404: the requested model is not served here
         ├── NotFound                404: a route that is switched off in the config
         ├── SessionNotFound         404: no such session for this key (also: another key's)
+        ├── RequestTimeout          408: the body took over server.request_body_timeout_s
         ├── TurnInProgress          409: the session already has a turn running
         ├── PayloadTooLarge         413: the body is over server.max_request_bytes
         ├── UnsupportedMediaType    415: the body is not application/json
+        ├── IdempotencyKeyReused    422: an Idempotency-Key sent with a different request
         ├── LimitExceeded           429: over one of the key's limits (``code`` says which)
         └── Unavailable             503 with Retry-After: retrying later may succeed
             ├── EngineUnavailable   no healthy engine in a pool, or an engine failed
@@ -31,6 +33,7 @@ __all__ = [
     "ContextLengthExceeded",
     "DeadlineExceeded",
     "EngineUnavailable",
+    "IdempotencyKeyReused",
     "InvalidRequest",
     "KVTideError",
     "LimitExceeded",
@@ -38,6 +41,7 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "RequestError",
+    "RequestTimeout",
     "ServiceUnavailable",
     "SessionNotFound",
     "TurnInProgress",
@@ -140,6 +144,13 @@ class TurnInProgress(RequestError):
         return {"Retry-After": "1"}
 
 
+class RequestTimeout(RequestError):
+    """408. The request's body did not arrive in time."""
+
+    status_code = 408
+    code = "request_timeout"
+
+
 class PayloadTooLarge(RequestError):
     status_code = 413
     code = "request_too_large"
@@ -148,6 +159,14 @@ class PayloadTooLarge(RequestError):
 class UnsupportedMediaType(RequestError):
     status_code = 415
     code = "unsupported_media_type"
+
+
+class IdempotencyKeyReused(RequestError):
+    """422. The ``Idempotency-Key`` was first sent with another request (another
+    endpoint or body): the key names one turn, so it is neither replayed nor run."""
+
+    status_code = 422
+    code = "idempotency_key_reused"
 
 
 class LimitExceeded(RequestError):

@@ -766,6 +766,7 @@ class Router:
             sid, lease_id = done.session_id, done.lease_id
             if sid is not None and lease_id is not None and self.leases is not None:
                 self.leases.ended(sid, lease_id)  # the service ends it with the turn
+            # On the one clock the leases share: a lease's times count from here.
             asked_s = self.clock()
             try:
                 answer = await self.kv.turn_done(done)

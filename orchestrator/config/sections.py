@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from orchestrator.config.server import StrictSection
 from policies.prefix_routing import PrefixRoutingSettings
@@ -38,7 +38,13 @@ class ModelConfig(StrictSection):
         description="Local directory of a Hugging Face checkpoint. Empty: generate kvtide's "
         "tiny model (random weights, local tokenizer) and serve that.",
     )
-    name: str = Field("kvtide-tiny", min_length=1, description="Model name clients send.")
+    name: str = Field(
+        "kvtide-tiny",
+        min_length=1,
+        max_length=256,
+        description="Model name clients send: printable text (no newline or other control "
+        "character), at most 256 characters.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "float32", description="Weight and KV dtype. float32 keeps greedy output exact on CPU."
     )
@@ -80,6 +86,17 @@ class ModelConfig(StrictSection):
         if self.enable_auto_tool_choice is None:
             return self.tool_parser is not None
         return self.enable_auto_tool_choice
+
+    @field_validator("name")
+    @classmethod
+    def _printable(cls, value: str) -> str:
+        # It is echoed in every response and header-like place (/v1/models, logs).
+        if not value.isprintable() or value != value.strip():
+            raise ValueError(
+                f"model name {value[:40]!r} must be printable text without a newline, "
+                "control character or surrounding spaces; name the model e.g. 'qwen3-8b'"
+            )
+        return value
 
     @property
     def is_generated(self) -> bool:
@@ -226,6 +243,15 @@ class KVConfig(StrictSection):
         "planned without a call to the KV lifecycle service on its path. A turn elsewhere "
         "revokes the lease first (one more round trip); while held, the session's kept KV "
         "is not evicted under idle_budget_mib_per_engine. 0: every turn asks the service.",
+    )
+    session_state_max_mib: float = Field(
+        1024.0,
+        gt=0,
+        le=1_048_576,
+        description="Most MiB of sessions' last turns (token ids and text) the KV "
+        "lifecycle service keeps, for every session together; past it the least recently "
+        "used go first (such a session's next turn is tokenized from scratch and its kept "
+        "KV, if any, is reused only when the prefix check still matches).",
     )
     replay_max_mib: float = Field(
         64.0,

@@ -106,7 +106,11 @@ class ServerConfig(StrictSection):
 
     host: str = Field("127.0.0.1", description="HTTP bind address (loopback by default).")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI API.")
-    route_prefix: str = Field("/", description="Serve route prefix of the app.")
+    route_prefix: str = Field(
+        "/",
+        description="Serve route prefix of the app: '/' or a path such as '/kvtide' "
+        "(starting with '/', no trailing '/').",
+    )
     api_keys: tuple[ApiKeyConfig, ...] = Field(
         (),
         description="API keys the OpenAI API accepts ('Authorization: Bearer <key>'), kept as "
@@ -141,6 +145,14 @@ class ServerConfig(StrictSection):
         description="Largest request body the API reads, in bytes; a larger one gets 413 "
         "before it is read (from its Content-Length) or as soon as it passes the limit.",
     )
+    request_body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="Longest time the API waits for a request's whole body, from the "
+        "moment it starts reading it; past it the request gets 408 request_timeout (a "
+        "client that declares a body and sends it slowly, or never, holds nothing longer).",
+    )
     stream_chunk_tokens: int = Field(
         16,
         ge=1,
@@ -161,6 +173,22 @@ class ServerConfig(StrictSection):
     @property
     def requires_api_key(self) -> bool:
         return bool(self.api_keys)
+
+    @field_validator("route_prefix")
+    @classmethod
+    def _route_prefix(cls, value: str) -> str:
+        # Serve refuses these when the app is deployed, after the engines have started.
+        if value != "/" and (
+            not value.startswith("/")
+            or value.endswith("/")
+            or not all(c.isalnum() or c in "/._~-" for c in value)
+            or "//" in value
+        ):
+            raise ValueError(
+                f"route prefix {value[:40]!r} must be '/' or a path that starts with '/' and "
+                "does not end with one (e.g. '/kvtide'), of letters, digits and ._~-"
+            )
+        return value
 
     @field_validator("api_keys", mode="before")
     @classmethod

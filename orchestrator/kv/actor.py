@@ -73,6 +73,7 @@ class _ServiceActor:
         replay_max_bytes: int = 64 * 2**20,
         running_grace_s: float = 600.0,
         turn_lease_s: float = 0.0,
+        session_state_max_bytes: int | None = None,
     ) -> None:
         self.metrics = make_metrics(observability)
         self._num_expiries = 0
@@ -86,6 +87,7 @@ class _ServiceActor:
             replay_max_bytes=replay_max_bytes,
             running_grace_s=running_grace_s,
             turn_lease_s=turn_lease_s,
+            session_state_max_bytes=session_state_max_bytes,
         )
         self._ticker: asyncio.Task[None] | None = None
 
@@ -138,11 +140,16 @@ class _ServiceActor:
         this actor's own entry point for it (which starts the tick)."""
         return await dispatch(self, message)
 
-    async def config(self) -> tuple[KVLifecycleConfig, int, float]:
-        """The lifecycle config this instance runs with, its replay budget and how long
-        its turn leases last."""
+    async def config(self) -> tuple[KVLifecycleConfig, int, float, int | None]:
+        """The lifecycle config this instance runs with, its replay budget, how long its
+        turn leases last and its sessions' state budget."""
         service = self.service
-        return service.decider.lifecycle.config, service.replays.max_bytes, service.leases.lasts_s
+        return (
+            service.decider.lifecycle.config,
+            service.replays.max_bytes,
+            service.leases.lasts_s,
+            service.tokens.max_bytes,
+        )
 
     async def wait_drains(self) -> None:
         await self.service.wait_drains()
@@ -185,6 +192,7 @@ def get_or_create_service(
     running_grace_s: float = 600.0,
     timeout_s: float = 120.0,
     turn_lease_s: float = 0.0,
+    session_state_max_bytes: int | None = None,
 ) -> ActorHandle:
     """The application's service actor; the first caller creates it, and waits for it
     to answer at most ``timeout_s`` (a new actor starts a Ray worker process: on a host
@@ -204,6 +212,7 @@ def get_or_create_service(
         replay_max_bytes,
         running_grace_s,
         turn_lease_s,
+        session_state_max_bytes,
     )
     options = {
         "name": service_name(app_name),
@@ -216,7 +225,7 @@ def get_or_create_service(
     }
     handle = KVServiceActor.options(**options).remote(*args)  # type: ignore[attr-defined]
     running = ray.get(handle.config.remote(), timeout=timeout_s)
-    if tuple(running) != (config, replay_max_bytes, turn_lease_s):
+    if tuple(running) != (config, replay_max_bytes, turn_lease_s, session_state_max_bytes):
         log.warning("KV service %s runs another config: replacing it", service_name(app_name))
         ray.kill(handle, no_restart=True)
         deadline = time.monotonic() + timeout_s

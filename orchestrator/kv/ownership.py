@@ -153,12 +153,19 @@ class SessionOwners:
                 retry_after_s=self.idle_ttl_s / 10,
             )
 
-    def adopt(self, session_id: str, key_name: str, now_s: float) -> None:
-        """Record an owner read back after a restart (its idle clock starts at ``now_s``:
-        ownership may last longer than it would have, never shorter)."""
+    def adopt(
+        self, session_id: str, key_name: str, now_s: float, expires_s: float | None = None
+    ) -> None:
+        """Record an owner read back after a restart, expiring at ``expires_s`` (the
+        expiry its entry carries; None, an entry without one: ``idle_ttl_s`` from
+        ``now_s``, so ownership may last longer than it would have, never shorter).
+        The caller drops entries already expired instead of adopting them."""
         if session_id not in self._owners:
             self._per_key[key_name] += 1
-            self._use(session_id, key_name, now_s)
+            if expires_s is None:
+                self._use(session_id, key_name, now_s)
+            else:
+                self._owners.put(session_id, key_name, expires_s=expires_s)
 
     def touch(self, session_id: str, principal: Principal, now_s: float) -> None:
         """Restart the idle clock of ``principal``'s session when a turn ends or the

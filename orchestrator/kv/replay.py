@@ -9,7 +9,16 @@ answer to the session's KV):
 - the key's turn is still running: ``IN_PROGRESS`` (HTTP 409 ``turn_in_progress``, with
   ``Retry-After``);
 - the key's turn completed: its stored response is replayed;
-- the key's turn failed: the key is free again, so the retry runs the turn.
+- the key's turn failed: the key is free again, so the retry runs the turn;
+- the key was first sent with another request: ``MISMATCH`` (HTTP 422
+  ``idempotency_key_reused``), neither replayed nor run.
+
+A key is bound to the request it first came with by a *fingerprint* (the endpoint and a
+digest of what the request asks, ``orchestrator.serve.responses.request_fingerprints``):
+``begin`` takes the request's fingerprints, stores the first with the key, and a later
+request with the key matches when its fingerprints include the stored one (a request
+may have more than one: the SDK's continuation of a cut stream is the same request as
+the one it continues).
 
 Keys are scoped by the caller (API key name and session id) so one caller cannot read
 another's replay. Completed entries are kept ``ttl_s``, at most ``max_entries`` and at
@@ -24,7 +33,7 @@ the longest a turn may run) instead of running a second time.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -40,15 +49,17 @@ _PREFIX = "replay/"
 class Replay(msgspec.Struct, frozen=True, kw_only=True):
     """What ``begin`` says: run the turn, wait, or replay ``body``."""
 
-    action: Literal["run", "in_progress", "replay"]
+    action: Literal["run", "in_progress", "replay", "mismatch"]
     body: dict[str, Any] | None = None
 
 
 class _Stored(msgspec.Struct, frozen=True, kw_only=True):
-    """A book entry as the durable store holds it (``body`` None: running)."""
+    """A book entry as the durable store holds it (``body`` None: running;
+    ``fingerprint`` empty: stored without one, matches any request)."""
 
     key: str
     body: dict[str, Any] | None = None
+    fingerprint: str = ""
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -81,6 +92,8 @@ class TurnReplayBook:
         self._entries: BoundedMap[str, dict[str, Any] | None] = BoundedMap(
             max_entries=max_entries, max_bytes=max_bytes
         )
+        # key -> the fingerprint of the request it was first sent with.
+        self._fingerprints: dict[str, str] = {}
         self.num_duplicates = 0
         self._load()
 
@@ -91,12 +104,17 @@ class TurnReplayBook:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def begin(self, key: str) -> Replay:
+    def begin(self, key: str, fingerprints: Sequence[str] = ()) -> Replay:
+        """What to do with a request under ``key`` whose fingerprints are
+        ``fingerprints`` (the first is stored when the turn runs; none: any request)."""
         now = self.clock()
         self._prune(now)
         if key not in self._entries:
-            self._put(key, now, None)
+            self._put(key, now, None, fingerprints[0] if fingerprints else "")
             return Replay(action="run")
+        stored = self._fingerprints.get(key, "")
+        if stored and fingerprints and stored not in fingerprints:
+            return Replay(action="mismatch")
         body = self._entries.get(key)
         if body is None:
             return Replay(action="in_progress")
@@ -107,33 +125,44 @@ class TurnReplayBook:
         already ran twice: counted in ``num_duplicates`` (it should stay 0)."""
         if self._entries.get(key) is not None:
             self.num_duplicates += 1
-        self._put(key, self.clock(), body)
+        self._put(key, self.clock(), body, self._fingerprints.get(key, ""))
 
     def fail(self, key: str) -> None:
         """The turn failed or was cancelled: a retry may run it."""
         if key in self._entries and self._entries.get(key) is None:
             self._drop(key)
 
-    def _put(self, key: str, now: float, body: dict[str, Any] | None) -> None:
-        data = _encode(_Stored(key=key, body=body))
+    def _put(self, key: str, now: float, body: dict[str, Any] | None, fingerprint: str) -> None:
+        data = _encode(_Stored(key=key, body=body, fingerprint=fingerprint))
         if key in self._entries:
             self._drop(key)
         if len(data) > self.max_bytes:
             return  # a response larger than the whole book is not kept: a retry runs
         self.store.put(_store_key(key), data)
-        self._keep(key, now + self.ttl_s, body, len(data))
+        self._keep(key, now + self.ttl_s, body, len(data), fingerprint)
 
-    def _keep(self, key: str, expires_s: float, body: dict[str, Any] | None, size: int) -> None:
+    def _keep(
+        self,
+        key: str,
+        expires_s: float,
+        body: dict[str, Any] | None,
+        size: int,
+        fingerprint: str,
+    ) -> None:
+        self._fingerprints[key] = fingerprint
         for old, _ in self._entries.put(key, body, expires_s=expires_s, size=size):
+            self._fingerprints.pop(old, None)
             self.store.delete(_store_key(old))
 
     def _drop(self, key: str) -> None:
         self._entries.pop(key)
+        self._fingerprints.pop(key, None)
         self.store.delete(_store_key(key))
 
     def _prune(self, now: float) -> None:
         # A turn running longer than ttl_s is forgotten too (its ingress may be gone).
         for key, _ in self._entries.expire(now):
+            self._fingerprints.pop(key, None)
             self.store.delete(_store_key(key))
 
     def _load(self) -> None:
@@ -141,7 +170,7 @@ class TurnReplayBook:
         ``in_progress`` for ``running_grace_s`` more (its ingress may still finish it),
         then forgotten; completed turns keep a fresh ``ttl_s``."""
         now = self.clock()
-        loaded: list[tuple[float, str, dict[str, Any] | None, int]] = []
+        loaded: list[tuple[float, _Stored, int]] = []
         for store_key in self.store.keys(_PREFIX):
             raw = self.store.get(store_key)
             try:
@@ -154,6 +183,6 @@ class TurnReplayBook:
             since = now
             if stored.body is None:  # running: pruned after running_grace_s from now
                 since = now - max(0.0, self.ttl_s - self.running_grace_s)
-            loaded.append((since, stored.key, stored.body, len(raw)))
-        for since, key, body, size in sorted(loaded, key=lambda e: e[0]):  # oldest first
-            self._keep(key, since + self.ttl_s, body, size)
+            loaded.append((since, stored, len(raw)))
+        for since, stored, size in sorted(loaded, key=lambda e: e[0]):  # oldest first
+            self._keep(stored.key, since + self.ttl_s, stored.body, size, stored.fingerprint)

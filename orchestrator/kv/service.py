@@ -42,6 +42,15 @@ from engines.kv_params import KVTransferParams
 from orchestrator.errors import LimitExceeded, SessionNotFound
 from orchestrator.kv.decider import KVDecider, params_of
 from orchestrator.kv.durable import DurableStore, MemoryStore, RayKVStore, WriteBehind
+from orchestrator.kv.marks import (
+    OWNER_PREFIX,
+    RUNNING_PREFIX,
+    entries,
+    owner_entry,
+    read_owner,
+    read_running,
+    running_mark,
+)
 from orchestrator.kv.messages import (
     Claim,
     Handover,
@@ -58,7 +67,7 @@ from orchestrator.kv.messages import (
 from orchestrator.kv.ownership import Principal, SessionOwners
 from orchestrator.kv.replay import Replay, TurnReplayBook
 from orchestrator.kv.session_tokens import SessionTokens
-from orchestrator.kv.turn_leases import Grant, LeaseBook
+from orchestrator.kv.turn_leases import Grant, LeaseBook, RestoredLeases
 from policies.kv_cost import worth_pulling
 from policies.kv_lifecycle import Effect, KVLifecycleConfig, RecomputeReason, prefix_hash
 
@@ -73,10 +82,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvtide.kv_service")
-
-_OWNER_PREFIX = "owner/"
-# session id -> wall-clock time its running turn was claimed (seconds, as text).
-_RUNNING_PREFIX = "running/"
 
 
 def engine_pool(engine_id: str) -> str:
@@ -148,11 +153,13 @@ class KVServiceAPI(Protocol):
 
     async def lease_used(self, session_id: str, lease_id: int, reason: str | None) -> bool: ...
 
-    async def lease_watch(self, holder: str, released: list[int], wait_s: float) -> LeaseWatch: ...
+    async def lease_watch(
+        self, holder: str, released: list[int], wait_s: float, held: list[int] | None = None
+    ) -> LeaseWatch: ...
 
     async def turn_abandoned(self, session_id: str | None) -> None: ...
 
-    async def replay_begin(self, key: str) -> Replay: ...
+    async def replay_begin(self, key: str, fingerprints: Sequence[str] = ()) -> Replay: ...
 
     async def replay_complete(self, key: str, body: dict[str, Any]) -> None: ...
 
@@ -198,6 +205,7 @@ class KVService:
         engine_silence_s: float = 60.0,
         store: DurableStore | None = None,
         replay_max_bytes: int = 64 * 2**20,
+        session_state_max_bytes: int | None = None,
         running_grace_s: float = 600.0,
         handover_wait_s: float = 5.0,
         turn_lease_s: float = 0.0,
@@ -205,7 +213,11 @@ class KVService:
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.decider = KVDecider(config)
-        self.tokens = SessionTokens(max_sessions=max_sessions, ttl_s=config.ttl_s)
+        # Each session's last turn: bounded in bytes too (a long history is ~8 bytes a
+        # token with its text), so the service's memory has a bound the config names.
+        self.tokens = SessionTokens(
+            max_sessions=max_sessions, ttl_s=config.ttl_s, max_bytes=session_state_max_bytes
+        )
         self.prefill = prefill
         self.drain_timeout_s = drain_timeout_s
         self.num_prefill_engines = num_prefill_engines
@@ -224,10 +236,6 @@ class KVService:
             running_grace_s=running_grace_s,
         )
         self.owners = SessionOwners(idle_ttl_s=config.ttl_s, max_sessions=max_sessions)
-        for key in self.store.keys(_OWNER_PREFIX):
-            name = self.store.get(key)
-            if name is not None:
-                self.owners.adopt(key.removeprefix(_OWNER_PREFIX), name.decode(), clock())
         # session id -> when its running turn was claimed (one turn per session at once;
         # a claim older than running_grace_s is stale: its ingress is gone).
         # The marks are written through to the store, so a restarted service still
@@ -235,13 +243,14 @@ class KVService:
         self.running_grace_s = running_grace_s
         self.wall_clock = wall_clock
         self._running: dict[str, float] = {}
-        # Running marks a previous instance left for its turn leases: lease id -> session
-        # (their lessee gives them back, or uses them, as the new instance's).
-        self._restored_leases: dict[int, str] = {}
-        self._restore_running()
         # Turns held for the ingress replica that ran a session's last turn
         # (``orchestrator.kv.turn_leases``); the lease's margin is the handover wait.
         self.leases = LeaseBook(lasts_s=turn_lease_s, grace_s=handover_wait_s, clock=clock)
+        # Running marks a previous instance left for its unused turn leases (their
+        # lessee gives them back, uses them, or disowns them as the new instance's).
+        self._restored_leases = RestoredLeases()
+        self._restore_running()
+        self._adopt_owners()
         # A turn hands itself over (``turn_done``) after its client has its last token:
         # the session's next ``begin_turn`` waits this long for it before refusing.
         self.handover_wait_s = handover_wait_s
@@ -325,20 +334,52 @@ class KVService:
                 retry_after_s=exc.retry_after_s,
             )
         for sid in ended:
+            self.marks.delete(OWNER_PREFIX + sid)  # the owners book has forgotten it
             await self.close(sid)
-        if not principal.is_anonymous and was_owner != principal.name:
-            self.store.put(_OWNER_PREFIX + session_id, principal.name.encode())
         self._set_running(session_id, now)
+        if not principal.is_anonymous and was_owner != principal.name:
+            # Written before the answer (behind the writes queued before it, so that a
+            # queued delete of an earlier owner cannot land after it).
+            self._write_owner(session_id, principal.name, now)
+            if isinstance(self.marks, WriteBehind):
+                await self.marks.flush()
         return Claim(outcome="claimed")
 
-    def _set_running(self, session_id: str, now: float, lease_id: int | None = None) -> None:
+    def _write_owner(self, session_id: str, key_name: str, now: float) -> None:
+        expires_wall_s = self.wall_clock() + self.owners.idle_ttl_s
+        self.marks.put(OWNER_PREFIX + session_id, owner_entry(key_name, expires_wall_s))
+
+    def _touch_owner(self, session_id: str, key_name: str | None, now: float) -> None:
+        """Restart the owner's idle clock, here and in its durable entry."""
+        if key_name is not None and self.owners.owner(session_id, now) == key_name:
+            self.owners.touch(session_id, Principal(name=key_name), now)
+            self._write_owner(session_id, key_name, now)
+
+    def _adopt_owners(self) -> None:
+        """The owners a previous instance left, each until the expiry its entry carries
+        (one already past is deleted: no restart resurrects an expired owner; a session
+        with a turn running keeps its owner until the turn ends)."""
+        now, wall, ttl = self.clock(), self.wall_clock(), self.owners.idle_ttl_s
+        for sid, raw in entries(self.store, OWNER_PREFIX):
+            name, expires_wall_s = read_owner(raw)
+            left_s = ttl if expires_wall_s is None else min(expires_wall_s - wall, ttl)
+            if left_s <= 0 and sid not in self._running:
+                self.store.delete(OWNER_PREFIX + sid)
+                continue
+            self.owners.adopt(sid, name, now, expires_s=now + max(left_s, 0.0))
+
+    def _set_running(self, session_id: str, now: float, grant: Grant | None = None) -> None:
         self._running[session_id] = now
-        mark = repr(self.wall_clock()) + ("" if lease_id is None else f" {lease_id}")
-        self.marks.put(_RUNNING_PREFIX + session_id, mark.encode())
+        mark = (
+            running_mark(self.wall_clock())
+            if grant is None
+            else running_mark(self.wall_clock(), grant.lease_id, grant.holder)
+        )
+        self.marks.put(RUNNING_PREFIX + session_id, mark)
 
     def _clear_running(self, session_id: str) -> None:
         if self._running.pop(session_id, None) is not None:
-            self.marks.delete(_RUNNING_PREFIX + session_id)
+            self.marks.delete(RUNNING_PREFIX + session_id)
         ended = self._ended.pop(session_id, None)
         if ended is not None:
             ended.set()
@@ -356,22 +397,19 @@ class KVService:
 
     def _restore_running(self) -> None:
         """The running marks a previous instance left (its turns' ingresses may still
-        finish them), each at its age; marks past ``running_grace_s`` are dropped."""
+        finish them), each at its age; marks past ``running_grace_s`` are dropped. An
+        unused lease's mark ends on its lessee's evidence (``RestoredLeases``)."""
         now, wall = self.clock(), self.wall_clock()
-        for key in self.store.keys(_RUNNING_PREFIX):
-            raw = (self.store.get(key) or b"").split()
-            try:
-                age = wall - float(raw[0])
-                lease_id = int(raw[1]) if len(raw) > 1 else None
-            except (ValueError, IndexError):
-                age, lease_id = self.running_grace_s, None
-            if 0 <= age < self.running_grace_s:
-                sid = key.removeprefix(_RUNNING_PREFIX)
-                self._running[sid] = now - age
-                if lease_id is not None:
-                    self._restored_leases[lease_id] = sid
-            else:
-                self.store.delete(key)
+        lapse_s = self.leases.lasts_s + self.leases.grace_s
+        for sid, raw in entries(self.store, RUNNING_PREFIX):
+            mark = read_running(raw)
+            age = self.running_grace_s if mark is None else wall - mark.claimed_wall_s
+            if mark is None or not 0 <= age < self.running_grace_s:
+                self.store.delete(RUNNING_PREFIX + sid)
+                continue
+            self._running[sid] = now - age
+            if mark.lease_id is not None:
+                self._restored_leases.add(mark.lease_id, sid, mark.holder, now - age + lapse_s)
 
     async def decide_turn(self, session_id: str, prompt_token_ids: list[int]) -> KVDecision:
         return self.decider.decide_turn(session_id, prompt_token_ids, self.clock())
@@ -468,8 +506,7 @@ class KVService:
             return Handover(accepted=True)
         self.leases.grants.pop(sid, None)  # a turn under a lease ends the lease
         self._clear_running(sid)
-        if done.owner is not None:
-            self.owners.touch(sid, Principal(name=done.owner), now)
+        self._touch_owner(sid, done.owner, now)
         # The record this turn supersedes covers the *previous* tokens: drain it with
         # those (a rewritten history does not start with them).
         previous = self.tokens.token_ids(sid)
@@ -500,7 +537,7 @@ class KVService:
         lifecycle = self.decider.lifecycle
         record = lifecycle.hold(session_id, now)
         grant = leases.grant(session_id, holder, record, now)
-        self._set_running(session_id, now, grant.lease_id)
+        self._set_running(session_id, now, grant)
         leased = None
         if record is not None:
             margin = lifecycle.config.safety_margin_s + leases.grace_s
@@ -537,7 +574,7 @@ class KVService:
         now = self.clock()
         grant = self.leases.find(session_id, lease_id)
         if grant is None or grant.used:
-            restored = self._restored_leases.pop(lease_id, None)
+            restored = self._restored_leases.pop(lease_id)
             if restored is not None:  # the previous instance's: free its running mark
                 self._clear_running(restored)
             return False
@@ -548,19 +585,25 @@ class KVService:
             self._end_grant(grant)
             return False
         grant.used = True
-        self._running[session_id] = now  # the turn's grace counts from now
-        owner = self.owners.owner(session_id, now)
-        if owner is not None:
-            self.owners.touch(session_id, Principal(name=owner), now)
+        # The turn's grace counts from now; its mark no longer names an unused lease.
+        self._set_running(session_id, now)
+        self._touch_owner(session_id, self.owners.owner(session_id, now), now)
         return True
 
-    async def lease_watch(self, holder: str, released: list[int], wait_s: float) -> LeaseWatch:
+    async def lease_watch(
+        self, holder: str, released: list[int], wait_s: float, held: list[int] | None = None
+    ) -> LeaseWatch:
         """A lessee's standing call: take back the unused leases it gives back
-        (``released``), then wait up to ``wait_s`` for leases to revoke from it."""
+        (``released``), then wait up to ``wait_s`` for leases to revoke from it.
+        ``held``: every lease it still holds, used or not (None: not said): a previous
+        instance's lease of this holder not among them is over, and its mark cleared."""
         for lease_id in released:
-            restored = self._restored_leases.pop(lease_id, None)
+            restored = self._restored_leases.pop(lease_id)
             if restored is not None:
                 self._clear_running(restored)
+        if held is not None:
+            for sid in self._restored_leases.vouched(holder, held):
+                self._clear_running(sid)
         wanted = set(released)
         for grant in [g for g in self.leases.grants.values() if g.lease_id in wanted]:
             if grant.holder == holder and not grant.used:
@@ -588,8 +631,8 @@ class KVService:
 
     # ---- idempotent turns (shared by every ingress replica) --------------------------
 
-    async def replay_begin(self, key: str) -> Replay:
-        return self.replays.begin(key)
+    async def replay_begin(self, key: str, fingerprints: Sequence[str] = ()) -> Replay:
+        return self.replays.begin(key, fingerprints)
 
     async def replay_complete(self, key: str, body: dict[str, Any]) -> None:
         self.replays.complete(key, body)
@@ -622,7 +665,7 @@ class KVService:
         now = self.clock()
         self.decider.lifecycle.renew(session_id, now)
         if principal is not None:
-            self.owners.touch(session_id, principal, now)
+            self._touch_owner(session_id, principal.name, now)
         return await self.session(session_id)
 
     async def close(self, session_id: str) -> bool:
@@ -633,7 +676,7 @@ class KVService:
         self._apply(self.decider.close(session_id, self.clock()))
         self.tokens.forget(session_id)
         if self.owners.owner(session_id, self.clock()) is not None:
-            self.store.delete(_OWNER_PREFIX + session_id)
+            self.marks.delete(OWNER_PREFIX + session_id)
         self.owners.forget(session_id)
         return known
 
@@ -645,9 +688,11 @@ class KVService:
             self._clear_running(sid)
         for grant in self.leases.lapsed(now):  # their lessee went silent
             self._end_grant(grant)
+        for sid in self._restored_leases.lapsed(now):  # nobody vouched for them
+            self._clear_running(sid)
         self.leases.forget_silent(now)
         for sid in self.owners.expire(now, keep=self._running):
-            self.store.delete(_OWNER_PREFIX + sid)
+            self.marks.delete(OWNER_PREFIX + sid)
             await self.close(sid)
         self._apply(self.decider.tick(now))
         silent = [e for e, (_, seen) in self._engines.items() if now - seen > self.engine_silence_s]

@@ -93,6 +93,11 @@ class SessionTokens:
     def __len__(self) -> int:
         return len(self._turns)
 
+    @property
+    def max_bytes(self) -> int | None:
+        """The bound on the turns' size (token ids and text) in all; None: none."""
+        return self._turns.max_bytes
+
     def encode(
         self,
         session_id: str | None,

@@ -33,14 +33,14 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.kv.messages import KVDecision, LeasedRecord, TurnLease
 from orchestrator.kv.ownership import Principal
 from policies.kv_records import KVRecord, RecomputeReason, prefix_hash
 
-__all__ = ["Grant", "HeldLeases", "LeaseBook", "leased_decision"]
+__all__ = ["Grant", "HeldLeases", "LeaseBook", "RestoredLeases", "leased_decision"]
 
 WATCH_WAIT_S = 2.0
 """How long a lessee's ``lease_watch`` call waits at the service for a revocation."""
@@ -131,6 +131,53 @@ class LeaseBook:
             del self._holders[name]
 
 
+@dataclass(frozen=True, slots=True)
+class _Restored:
+    session_id: str
+    holder: str | None
+    lapses_s: float
+
+
+class RestoredLeases:
+    """Unused leases a previous service instance granted, known to a restarted one only
+    by their running marks (``orchestrator.kv.marks``). Each mark ends on its lessee's
+    evidence: the lessee gives the lease back or uses it (``pop``), or its watch reports
+    the leases it still holds and this one is not among them (``vouched``: a lease whose
+    grant never reached it, or that it gave back before the restart and whose mark the
+    old instance had no time to clear). One its lessee vouches for is a running turn
+    like any (it ends with its turn). One nobody vouches for lapses when the lease would
+    have (``lapsed``). The caller clears the returned sessions' running marks."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, _Restored] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def add(self, lease_id: int, session_id: str, holder: str | None, lapses_s: float) -> None:
+        self._by_id[lease_id] = _Restored(session_id, holder, lapses_s)
+
+    def pop(self, lease_id: int) -> str | None:
+        restored = self._by_id.pop(lease_id, None)
+        return None if restored is None else restored.session_id
+
+    def vouched(self, holder: str, held: Collection[int]) -> list[str]:
+        """``holder`` holds exactly the leases ``held``: its restored leases not among
+        them are over (returned); those among them are now its running turns."""
+        over = []
+        for lease_id, restored in list(self._by_id.items()):
+            if restored.holder == holder:
+                del self._by_id[lease_id]
+                if lease_id not in held:
+                    over.append(restored.session_id)
+        return over
+
+    def lapsed(self, now: float) -> list[str]:
+        """Sessions of the leases nobody vouched for that are past their lapse time."""
+        over = [lid for lid, r in self._by_id.items() if now >= r.lapses_s]
+        return [self._by_id.pop(lid).session_id for lid in over]
+
+
 @dataclass(slots=True)
 class _Held:
     lease: TurnLease
@@ -215,6 +262,11 @@ class HeldLeases:
             return
         self.epoch = epoch
         self.revoke([h.lease.lease_id for h in self._held.values()])
+
+    def held_ids(self) -> list[int]:
+        """Every lease this replica holds, used or not (its evidence to a restarted
+        service, which drops the marks of the leases it no longer holds)."""
+        return [h.lease.lease_id for h in self._held.values()]
 
     def unused(self) -> list[TurnLease]:
         return [h.lease for h in self._held.values() if not h.in_use]

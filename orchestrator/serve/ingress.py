@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import msgspec
@@ -55,6 +56,7 @@ from orchestrator.serve.model_info import kv_bytes_per_token_of
 from orchestrator.serve.prompts import PromptEncoder
 from orchestrator.serve.responses import (
     Output,
+    begin_replay,
     ending,
     final_body,
     pool_stats,
@@ -95,7 +97,8 @@ async def _maybe_in_thread(size: int, fn: Callable[..., _T], *args: Any, **kwarg
     return await asyncio.to_thread(fn, *args, **kwargs)
 
 
-fastapi_app = FastAPI(title="kvtide", docs_url=None, redoc_url=None)
+# No schema route: it would answer without a key (the API is docs/api.md).
+fastapi_app = FastAPI(title="kvtide", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 def _extends(ids: Sequence[int], prefix: Sequence[int]) -> bool:
@@ -177,6 +180,7 @@ class Ingress:
                 num_prefill_engines=config.prefill.num_engines,
                 observability=config.observability,
                 replay_max_bytes=int(kv.replay_max_mib * 2**20),
+                session_state_max_bytes=int(kv.session_state_max_mib * 2**20),
                 running_grace_s=config.server.request_timeout_s,
                 timeout_s=kv.service_start_timeout_s,
                 turn_lease_s=kv.turn_lease_s,
@@ -250,7 +254,9 @@ class Ingress:
             leases.expire()
             released = leases.take_released()
             try:
-                answer = await self.kv.lease_watch(leases.holder, released, wait_s)
+                answer = await self.kv.lease_watch(
+                    leases.holder, released, wait_s, leases.held_ids()
+                )
             except RequestError:  # the service is restarting: again in a second
                 leases.requeue(released)
                 await asyncio.sleep(1.0)
@@ -418,6 +424,7 @@ class Ingress:
             request.stream(),
             request.headers.get("content-length"),
             self.config.server.max_request_bytes,
+            self.config.server.request_body_timeout_s,
         )
         return api.parse_body(raw, request.headers.get("content-type"))
 
@@ -478,7 +485,7 @@ class Ingress:
             self._finish(root, code if isinstance(exc, Exception) else None)
             raise
         if isinstance(response, StreamingResponse):
-            response.body_iterator = ending(response.body_iterator, lambda: self._finish(root, 200))
+            response.body_iterator = ending(response.body_iterator, partial(self._finish, root))
         else:
             self._finish(root, response.status_code)
         return response
@@ -630,19 +637,27 @@ class Ingress:
             )
             return await self._respond(req, opened, replay_key, ticket)
 
-        return await self._guarded(http, principal, run, lambda body: self._replayed(req, body))
+        return await self._guarded(
+            http,
+            principal,
+            run,
+            lambda key: begin_replay(self.kv, key, req),
+            lambda body: self._replayed(req, body),
+        )
 
     async def _guarded(
         self,
         http: Request,
         principal: Principal,
         run: Callable[[Ticket, str | None], Awaitable[Any]],
+        begin: Callable[[str], Awaitable[dict[str, Any] | None]],
         replayed: Callable[[dict[str, Any]], Any],
     ) -> Any:
         """``run(ticket, replay_key)`` under the key's concurrency ticket, once per
-        Idempotency-Key: an earlier run's stored response is ``replayed``, a running
-        one is 409, a failed one runs again. The ticket is released when the response
-        ends (a stream's own end releases it)."""
+        Idempotency-Key: ``begin(replay_key)`` looks the key up (the stored response of
+        an earlier run, which is ``replayed``; 409 while it runs, 422 when the key came
+        with another request; None: run now, as after a failed run). The ticket is
+        released when the response ends (a stream's own end releases it)."""
         replay_key = replay_key_of(
             http.headers.get("idempotency-key"),
             principal.name,
@@ -652,16 +667,9 @@ class Ingress:
         streaming = False
         try:
             if replay_key is not None:
-                replay = await self.kv.replay_begin(replay_key)
-                if replay.action == "in_progress":
-                    raise TurnInProgress(
-                        "a turn with this Idempotency-Key is still running; retry after it "
-                        "finishes to get its result",
-                        param="Idempotency-Key",
-                    )
-                if replay.action == "replay":
-                    assert replay.body is not None
-                    return replayed(replay.body)
+                stored = await begin(replay_key)
+                if stored is not None:
+                    return replayed(stored)
             try:
                 response = await run(ticket, replay_key)
             except BaseException:

@@ -10,13 +10,19 @@ silently dropped.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from orchestrator.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
+from orchestrator.errors import (
+    InvalidRequest,
+    PayloadTooLarge,
+    RequestTimeout,
+    UnsupportedMediaType,
+)
 from orchestrator.serve.requests import ApiRequest, parse_chat, parse_completion, shown
 
 __all__ = [
@@ -84,18 +90,30 @@ def _constant(name: str) -> float:
 
 
 async def read_body(
-    chunks: AsyncIterator[bytes], content_length: str | None, max_bytes: int
+    chunks: AsyncIterator[bytes],
+    content_length: str | None,
+    max_bytes: int,
+    timeout_s: float | None = None,
 ) -> bytes:
     """The request body, refused with 413 as soon as it is known to exceed ``max_bytes``:
-    from its ``Content-Length`` before reading anything, else while reading."""
+    from its ``Content-Length`` before reading anything, else while reading; and with
+    408 when it has not all arrived ``timeout_s`` after reading began (None: no bound)."""
     if content_length is not None and content_length.strip().isdigit():
         if int(content_length) > max_bytes:
             raise _too_large(max_bytes)
     body = bytearray()
-    async for chunk in chunks:
-        body += chunk
-        if len(body) > max_bytes:
-            raise _too_large(max_bytes)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in chunks:
+                body += chunk
+                if len(body) > max_bytes:
+                    raise _too_large(max_bytes)
+    except TimeoutError:
+        raise RequestTimeout(
+            f"the request body did not arrive within {timeout_s:g} s "
+            f"(server.request_body_timeout_s; {len(body)} bytes came); send the whole body "
+            "at once, or raise server.request_body_timeout_s"
+        ) from None
     return bytes(body)
 
 

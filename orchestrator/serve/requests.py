@@ -156,6 +156,11 @@ def _neutral(table: dict[str, tuple[tuple[object, ...], str]]) -> Any:
     return field_validator(*table, mode="before")(check)
 
 
+MAX_STOP_BYTES = 4096
+"""Most bytes (UTF-8) of all of a request's stop strings together: every engine step
+checks each of them against the text it made."""
+
+
 def _stop(value: object) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -166,7 +171,14 @@ def _stop(value: object) -> tuple[str, ...]:
         or not all(isinstance(s, str) and s for s in stops)
     ):
         raise _refuse("must be a non-empty string or a list of up to 4 non-empty strings")
-    return tuple(_unicode(s) for s in stops)
+    checked = tuple(_unicode(s) for s in stops)
+    size = sum(len(s.encode("utf-8", "surrogatepass")) for s in checked)
+    if size > MAX_STOP_BYTES:
+        raise _refuse(
+            f"holds {size} bytes of stop strings, over the {MAX_STOP_BYTES} kvtide takes; "
+            "send shorter stop strings"
+        )
+    return checked
 
 
 def _content(value: object) -> str:
@@ -506,10 +518,11 @@ def parse_chat(body: dict[str, Any], served_model: str) -> ApiRequest:
         )
     messages = tuple((m.role, m.content) for m in b.messages)
     cont = bool(b.continue_final_message)
-    if cont and b.add_generation_prompt:
+    if cont and b.add_generation_prompt is not False:
         raise InvalidRequest(
-            "continue_final_message and add_generation_prompt cannot both be true; send "
-            "add_generation_prompt: false to continue the final message",
+            "continue_final_message: true needs add_generation_prompt: false (the model "
+            "goes on writing the final message instead of starting a new one); send "
+            "add_generation_prompt: false with it",
             param="add_generation_prompt",
         )
     if b.add_generation_prompt is False and not cont:

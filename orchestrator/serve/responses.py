@@ -7,29 +7,39 @@ importable module, rather than beside it.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engines.base import GenerateChunk
-from orchestrator.errors import InvalidRequest, LimitExceeded, TurnInProgress
+from orchestrator.errors import (
+    IdempotencyKeyReused,
+    InvalidRequest,
+    LimitExceeded,
+    TurnInProgress,
+)
 from orchestrator.kv.messages import Claim, SessionInfo
 from orchestrator.kv.ownership import session_not_found
-from orchestrator.kv.service import count_decode_paths, merge_counters
+from orchestrator.kv.service import KVServiceAPI, count_decode_paths, merge_counters
 from orchestrator.router import TurnReport
 from orchestrator.serve import openai_api as api
 
 __all__ = [
     "Output",
+    "begin_replay",
     "ending",
     "final_body",
     "pool_stats",
     "raise_unclaimed",
     "replay_key_of",
     "replay_sse",
+    "request_fingerprints",
     "server_error_body",
     "session_body",
     "stream_error",
+    "stream_status",
     "usage_of",
 ]
 
@@ -66,6 +76,63 @@ def replay_key_of(header: str | None, owner: str, session_id: str | None) -> str
     return "\x1f".join((owner, session_id or "", key))
 
 
+# What a retry or the SDK's continuation of a cut stream may change and still be the
+# same request: how the answer is delivered, and the token budget left (lowered by the
+# tokens already made). The continuation's extra final assistant message is the
+# second fingerprint (``request_fingerprints``).
+_NOT_FINGERPRINTED = frozenset(
+    {"stream", "include_usage", "continuous_usage", "max_tokens", "min_tokens"}
+    | {"continue_final_message"}
+)
+_OBJECT_OF = {"chat": "chat.completion", "completion": "text_completion"}
+
+
+def _fingerprint(kind: str, fields: dict[str, Any]) -> str:
+    text = json.dumps(fields, sort_keys=True, ensure_ascii=True, default=list)
+    return f"{kind}:" + hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def request_fingerprints(req: api.ApiRequest) -> tuple[str, ...]:
+    """The fingerprints an ``Idempotency-Key`` is bound to (``orchestrator.kv.replay``):
+    the endpoint and a digest of what the request asks. The first is the request's own;
+    a request that continues its final assistant message has a second, that of the
+    request it continues (the same messages without the last one)."""
+    fields = {
+        f.name: getattr(req, f.name)
+        for f in dataclasses.fields(req)
+        if f.name not in _NOT_FINGERPRINTED
+    }
+    own = _fingerprint(req.kind, fields)
+    if not (req.continue_final_message and req.messages):
+        return (own,)
+    return own, _fingerprint(req.kind, {**fields, "messages": req.messages[:-1]})
+
+
+async def begin_replay(kv: KVServiceAPI, key: str, req: api.ApiRequest) -> dict[str, Any] | None:
+    """Look ``key`` up in the replay book: the stored response to replay, or None when
+    the turn is to run now. Raises ``TurnInProgress`` (409) while the key's turn runs and
+    ``IdempotencyKeyReused`` (422) when the key came with another request first (another
+    endpoint or body): a key names one turn, and a replay has its endpoint's shape."""
+    replay = await kv.replay_begin(key, request_fingerprints(req))
+    if replay.action == "in_progress":
+        raise TurnInProgress(
+            "a turn with this Idempotency-Key is still running; retry after it "
+            "finishes to get its result",
+            param="Idempotency-Key",
+        )
+    body = replay.body
+    if replay.action == "mismatch" or (
+        replay.action == "replay" and (body is None or body.get("object") != _OBJECT_OF[req.kind])
+    ):
+        raise IdempotencyKeyReused(
+            "this Idempotency-Key was first sent with a different request (another "
+            "endpoint or body); send a new Idempotency-Key with each new request, and "
+            "reuse a key only to retry the very request it came with",
+            param="Idempotency-Key",
+        )
+    return body if replay.action == "replay" else None
+
+
 def final_body(
     req: api.ApiRequest, rid: str, ids: list[int], out: Output, report: TurnReport
 ) -> dict[str, Any]:
@@ -93,13 +160,35 @@ async def replay_sse(req: api.ApiRequest, body: dict[str, Any]) -> AsyncIterator
     yield "data: [DONE]\n\n"
 
 
-async def ending(body: AsyncIterator[Any], end: Callable[[], None]) -> AsyncIterator[Any]:
-    """``body``, then ``end()`` once it is exhausted or closed early."""
+_ERROR_EVENT = 'data: {"error"'
+
+
+def stream_status(event: str) -> int:
+    """The HTTP status a stream's final error event stands for (``stream_error``): 5xx
+    for a server error (an engine, the service, a deadline, the stream itself), else
+    400 (the client's)."""
+    try:
+        error = json.loads(event[len("data: ") :])["error"]
+    except (ValueError, KeyError, TypeError):
+        return 500
+    return 500 if error.get("type") == "server_error" else 400
+
+
+async def ending(body: AsyncIterator[Any], end: Callable[[int | None], None]) -> AsyncIterator[Any]:
+    """``body``, then ``end(status)`` once it is exhausted or closed early: 200 for a
+    stream that ended well, the status its error event stands for (``stream_status``)
+    for one that ended with an error (its HTTP status was sent as 200 before it
+    failed), None for one closed before its end (the client went away)."""
+    status: int | None = None
+    failed: int | None = None
     try:
         async for item in body:
+            if isinstance(item, str) and item.startswith(_ERROR_EVENT):
+                failed = stream_status(item)
             yield item
+        status = failed or 200
     finally:
-        end()
+        end(status if status is not None else failed)
 
 
 def usage_of(report: TurnReport) -> dict[str, Any]:

@@ -63,6 +63,8 @@ def test_public_names_are_pinned() -> None:
             "LimitExceeded",
             "PayloadTooLarge",
             "UnsupportedMediaType",
+            "IdempotencyKeyReused",
+            "RequestTimeout",
             "Unavailable",
             "EngineUnavailable",
             "ServiceUnavailable",

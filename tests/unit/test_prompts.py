@@ -172,13 +172,17 @@ def test_a_final_assistant_message_can_be_continued(
     assert str(prompts.render_chat(messages)).endswith("<|im_start|>assistant\n")
 
 
+_CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
         ({"continue_final_message": True, "add_generation_prompt": True}, "add_generation_prompt"),
         ({"add_generation_prompt": False}, "add_generation_prompt"),
-        ({"continue_final_message": True, "last": ("user", "hi")}, "messages[1]"),
-        ({"continue_final_message": True, "last": ("assistant", "")}, "messages[1]"),
+        ({"continue_final_message": True}, "add_generation_prompt"),
+        ({**_CONTINUE, "last": ("user", "hi")}, "messages[1]"),
+        ({**_CONTINUE, "last": ("assistant", "")}, "messages[1]"),
         ({"continue_final_message": "true"}, "continue_final_message"),
     ],
 )

@@ -1,0 +1,118 @@
+"""Bounds and checks at the edge: a request body that arrives too slowly is a 408 (not a
+handler waiting forever); the KV service's per-session state has a bound in bytes from
+the config; stop strings are bounded in bytes; the flags of a continued message are
+checked as docs/api.md says; config refuses what would crash ``kvtide up`` later; no
+route answers without a key."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from ingress_harness import MODEL, bare_ingress
+from starlette.requests import Request
+from test_kv_service import Cluster
+
+from orchestrator.config import parse_config
+from orchestrator.errors import ConfigError, InvalidRequest, RequestTimeout
+from orchestrator.kv.messages import TurnDone
+from orchestrator.serve.ingress import fastapi_app
+from orchestrator.serve.requests import parse_chat
+
+
+def test_a_body_that_stops_arriving_is_a_408(tiny_tokenizer: Any) -> None:
+    ingress = bare_ingress(tiny_tokenizer, request_body_timeout_s=0.05)
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+
+    async def run() -> None:
+        never = asyncio.Event()
+        parts = [body.encode()[:10]]
+
+        async def receive() -> dict[str, Any]:
+            if parts:  # 10 bytes of the declared body, then nothing more
+                return {"type": "http.request", "body": parts.pop(), "more_body": True}
+            await never.wait()
+            raise AssertionError("unreachable")
+
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/chat/completions",
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+        with pytest.raises(RequestTimeout) as err:
+            await asyncio.wait_for(ingress._chat(Request(scope, receive), None), 5.0)
+        assert err.value.status_code == 408
+        assert "server.request_body_timeout_s" in err.value.message
+        assert "10 bytes" in err.value.message
+
+    asyncio.run(run())
+
+
+def test_the_services_session_state_is_bounded_in_bytes() -> None:
+    c = Cluster()
+    # Each session's last turn: 200 token ids (800 bytes); room for 5 of them.
+    service = c.new_service(session_state_max_bytes=4_000)
+
+    async def run() -> None:
+        for n in range(10):
+            await service.turn_done(
+                TurnDone(session_id=f"s{n}", token_ids=[1], next_token_ids=list(range(200)))
+            )
+        assert len(service.tokens) == 5
+        assert service.tokens.token_ids("s0") is None  # the oldest went first
+        assert service.tokens.token_ids("s9") is not None
+
+    asyncio.run(run())
+
+
+def test_the_bound_is_in_the_config() -> None:
+    assert parse_config({}).kv.session_state_max_mib == 1024.0
+    assert parse_config({"kv": {"session_state_max_mib": 8}}).kv.session_state_max_mib == 8
+    assert parse_config({}).server.request_body_timeout_s == 30.0
+
+
+def _chat(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+def test_stop_strings_are_bounded_in_bytes() -> None:
+    big = "x" * 900_000
+    with pytest.raises(InvalidRequest) as err:
+        parse_chat(_chat(stop=[big, big, big, big]), MODEL)
+    assert err.value.param == "stop" and "4096" in err.value.message
+    assert parse_chat(_chat(stop=["x" * 1024] * 4), MODEL).stop[0] == "x" * 1024
+
+
+def test_continuing_the_final_message_needs_add_generation_prompt_false() -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    body = {"model": MODEL, "messages": messages, "continue_final_message": True}
+    with pytest.raises(InvalidRequest) as err:
+        parse_chat(body, MODEL)
+    assert err.value.param == "add_generation_prompt"
+    assert "add_generation_prompt: false" in err.value.message
+    assert parse_chat({**body, "add_generation_prompt": False}, MODEL).continue_final_message
+
+
+def test_config_refuses_a_route_prefix_serve_would_crash_on_and_a_multiline_model_name() -> None:
+    for section, field, value in [
+        ("server", "route_prefix", "v1"),
+        ("server", "route_prefix", "/v1/"),
+        ("model", "name", "qwen\nx"),
+        ("model", "name", "bell\x07"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            parse_config({section: {field: value}})
+        assert err.value.field == f"{section}.{field}"
+    assert parse_config({"server": {"route_prefix": "/kvtide"}}).server.route_prefix == "/kvtide"
+
+
+def test_the_schema_is_not_served_at_all() -> None:
+    # It would answer without a key; the API is described in docs/api.md.
+    assert fastapi_app.openapi_url is None
+    assert all(getattr(r, "path", "") != "/openapi.json" for r in fastapi_app.routes)

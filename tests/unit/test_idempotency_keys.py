@@ -1,0 +1,100 @@
+"""An Idempotency-Key names one request: reused with another endpoint or body it is a
+422 naming the header, never a replay of the wrong answer; a replay has the shape of
+the endpoint it answers; the SDK's continuation of a cut stream is still the same
+request. Through the ingress's own request handling (no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from ingress_harness import MODEL, bare_ingress, handle
+
+from orchestrator.kv.replay import TurnReplayBook
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def _body(**fields: Any) -> bytes:
+    return json.dumps({"model": MODEL, "max_tokens": 4, **fields}).encode()
+
+
+def test_a_key_reused_on_another_endpoint_or_body_is_refused(tiny_tokenizer: Any) -> None:
+    ingress = bare_ingress(tiny_tokenizer)
+
+    async def run() -> None:
+        status, first = await handle(ingress, CHAT, _body(messages=MESSAGES), idempotency_key="k1")
+        assert status == 200 and first["object"] == "chat.completion"
+        # The same key on /v1/completions, unstreamed and streamed: 422, not the chat.
+        for stream in (False, True):
+            status, body = await handle(
+                ingress, COMPLETIONS, _body(prompt="hi", stream=stream), idempotency_key="k1"
+            )
+            assert status == 422, body
+            assert body["error"]["code"] == "idempotency_key_reused"
+            assert body["error"]["param"] == "Idempotency-Key"
+            assert "Idempotency-Key" in body["error"]["message"]
+        # The same key with another prompt: 422, not the first prompt's answer.
+        other = [{"role": "user", "content": "something else"}]
+        status, body = await handle(ingress, CHAT, _body(messages=other), idempotency_key="k1")
+        assert status == 422 and body["error"]["code"] == "idempotency_key_reused"
+        # The very same request (streamed or not) is replayed.
+        status, again = await handle(ingress, CHAT, _body(messages=MESSAGES), idempotency_key="k1")
+        assert status == 200 and again == first
+
+    asyncio.run(run())
+
+
+def test_a_replay_has_the_shape_of_its_endpoint(tiny_tokenizer: Any) -> None:
+    ingress = bare_ingress(tiny_tokenizer)
+
+    async def run() -> None:
+        status, first = await handle(ingress, COMPLETIONS, _body(prompt="hi"), idempotency_key="k")
+        assert status == 200 and first["object"] == "text_completion"
+        status, text = await handle(
+            ingress, COMPLETIONS, _body(prompt="hi", stream=True), idempotency_key="k"
+        )
+        assert status == 200
+        events = [json.loads(line[6:]) for line in text.splitlines() if line[6:12] == '{"id":']
+        assert events and all(e["object"] == "text_completion" for e in events)
+        assert (
+            "".join(e["choices"][0]["text"] for e in events if e["choices"])
+            == (first["choices"][0]["text"])
+        )
+
+    asyncio.run(run())
+
+
+def test_the_sdks_continuation_of_a_cut_stream_is_the_same_request(tiny_tokenizer: Any) -> None:
+    ingress = bare_ingress(tiny_tokenizer)
+
+    async def run() -> None:
+        original = _body(messages=MESSAGES, stream=True, max_tokens=8)
+        status, _ = await handle(ingress, CHAT, original, idempotency_key="k")
+        assert status == 200
+        # The connection broke after "ab": the SDK continues under the same key with the
+        # text as a final assistant message and a lower max_tokens (sdk/_stream.py).
+        continuation = _body(
+            messages=[*MESSAGES, {"role": "assistant", "content": "ab"}],
+            continue_final_message=True,
+            add_generation_prompt=False,
+            stream=True,
+            max_tokens=6,
+        )
+        status, text = await handle(ingress, CHAT, continuation, idempotency_key="k")
+        assert status == 200 and "data: [DONE]" in text  # replayed, not refused
+
+    asyncio.run(run())
+
+
+def test_the_binding_survives_a_restart_of_the_book() -> None:
+    book = TurnReplayBook(clock=lambda: 0.0)
+    assert book.begin("k", ("chat:aa",)).action == "run"
+    assert book.begin("k", ("completion:bb",)).action == "mismatch"  # while it runs
+    book.complete("k", {"id": "x"})
+    again = TurnReplayBook(clock=lambda: 0.0, store=book.store)
+    assert again.begin("k", ("completion:bb",)).action == "mismatch"
+    assert again.begin("k", ("chat:zz", "chat:aa")).action == "replay"
