@@ -4,6 +4,7 @@
     ├── ConfigError                 a config field is missing or invalid (names the field)
     └── RequestError                a request kvtide cannot serve → OpenAI-style body, HTTP 4xx/5xx
         ├── InvalidRequest          400: malformed JSON, bad parameter values
+        │   └── UnsupportedParameter    a field kvtide's own layer does not serve
         ├── ContextLengthExceeded   400: prompt + max_tokens over the model's context
         ├── AuthenticationFailed    401: API key missing, malformed or unknown (never echoed)
         ├── ModelNotFound           404: the requested model is not served here
@@ -15,6 +16,7 @@
         ├── UnsupportedMediaType    415: the body is not application/json
         ├── IdempotencyKeyReused    422: an Idempotency-Key sent with a different request
         ├── LimitExceeded           429: over one of the key's limits (``code`` says which)
+        ├── ServingLayerRefused     4xx: refused by vLLM's serving layer, as vLLM's server would
         └── Unavailable             503 with Retry-After: retrying later may succeed
             ├── EngineUnavailable   no healthy engine in a pool, or an engine failed
             ├── ServiceUnavailable  the KV lifecycle service did not answer in time
@@ -43,10 +45,12 @@ __all__ = [
     "RequestError",
     "RequestTimeout",
     "ServiceUnavailable",
+    "ServingLayerRefused",
     "SessionNotFound",
     "TurnInProgress",
     "Unavailable",
     "UnsupportedMediaType",
+    "UnsupportedParameter",
 ]
 
 
@@ -95,8 +99,25 @@ def _utf8(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+class ServingLayerRefused(RequestError):
+    """A request vLLM's OpenAI serving layer refused, with the status, type and message
+    vLLM's own server gives it (``orchestrator.serve.vllm_api``)."""
+
+    def __init__(
+        self, message: str, param: str | None = None, *, status_code: int, error_type: str
+    ) -> None:
+        super().__init__(message, param)
+        self.status_code = status_code
+        self.error_type = error_type
+
+
 class InvalidRequest(RequestError):
     code = "invalid_request"
+
+
+class UnsupportedParameter(InvalidRequest):
+    """400: a field kvtide's own OpenAI layer does not implement (or does not know);
+    the ingress hands such a request to vLLM's serving layer when vLLM's takes it."""
 
 
 class ContextLengthExceeded(RequestError):

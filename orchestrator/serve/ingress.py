@@ -39,6 +39,7 @@ from orchestrator.errors import (
     NotFound,
     RequestError,
     TurnInProgress,
+    UnsupportedParameter,
 )
 from orchestrator.kv.actor import get_or_create_service, service_client
 from orchestrator.kv.decider import kv_lifecycle_config
@@ -51,6 +52,7 @@ from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import http_status, make_metrics, render_prometheus
 from orchestrator.router import LeaseRefused, Router, TurnReport
 from orchestrator.serve import openai_api as api
+from orchestrator.serve import vllm_api
 from orchestrator.serve.auth import Authenticator, ConcurrencyGate, Ticket, check_request
 from orchestrator.serve.model_info import kv_bytes_per_token_of
 from orchestrator.serve.prompts import PromptEncoder
@@ -63,12 +65,14 @@ from orchestrator.serve.responses import (
     raise_unclaimed,
     replay_key_of,
     replay_sse,
+    request_fingerprints,
     server_error_body,
     session_body,
     stream_error,
     usage_of,
 )
 from orchestrator.serve.turns import OpenedTurn, OpenTurn
+from orchestrator.serve.vllm_routes import VLLMRoutes
 
 __all__ = ["Ingress", "fastapi_app"]
 
@@ -122,7 +126,7 @@ async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
 
 @serve.deployment(name="ingress", max_ongoing_requests=256)
 @serve.ingress(fastapi_app)
-class Ingress:
+class Ingress(VLLMRoutes):
     async def __init__(
         self,
         config: KVTideConfig,
@@ -211,6 +215,9 @@ class Ingress:
             clock=time.monotonic,
             leases=HeldLeases(self.replica_id, time.monotonic) if kv.turn_lease_s > 0 else None,
         )
+        # vLLM's OpenAI serving layer for what kvtide's own does not serve (tools,
+        # structured outputs, logprobs, n, ...): its config and tokenizer, no engine.
+        self.vllm = await asyncio.to_thread(vllm_api.build_serving, config.model, self._vllm_turn)
         self.auth = Authenticator(config.server.api_keys)
         # Per ingress replica: a key's concurrent requests are counted where they run.
         self.gate = ConcurrencyGate(retry_after_s=1.0)
@@ -432,7 +439,11 @@ class Ingress:
         principal = self._principal(request)
         body = await self._body(request)
         t_in = time.monotonic()
-        req = api.parse_chat(body, self.config.model.name)
+        try:
+            req = api.parse_chat(body, self.config.model.name)
+        except UnsupportedParameter:
+            vllm_api.check_fields("chat", body)
+            return await self._vllm_request("chat", body, request, principal, root, t_in)
         self.prompts.check_length(req)
         # A long history takes a while to render: off the event loop, as tokenizing is.
         # A short one costs less than the thread hop.
@@ -451,7 +462,11 @@ class Ingress:
         principal = self._principal(request)
         body = await self._body(request)
         t_in = time.monotonic()
-        req = api.parse_completion(body, self.config.model.name)
+        try:
+            req = api.parse_completion(body, self.config.model.name)
+        except UnsupportedParameter:
+            vllm_api.check_fields("completion", body)
+            return await self._vllm_request("completion", body, request, principal, root, t_in)
         if req.prompt_token_ids is not None:
             ids: list[int] | None = list(req.prompt_token_ids)
             self.prompts.check_token_ids(req.prompt_token_ids)
@@ -641,7 +656,7 @@ class Ingress:
             http,
             principal,
             run,
-            lambda key: begin_replay(self.kv, key, req),
+            lambda key: begin_replay(self.kv, key, req.kind, request_fingerprints(req)),
             lambda body: self._replayed(req, body),
         )
 

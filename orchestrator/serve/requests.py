@@ -37,7 +37,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from orchestrator.errors import InvalidRequest, ModelNotFound
+from orchestrator.errors import InvalidRequest, ModelNotFound, UnsupportedParameter
 
 __all__ = [
     "ApiRequest",
@@ -151,7 +151,8 @@ def _neutral(table: dict[str, tuple[tuple[object, ...], str]]) -> Any:
         accepted, why = table[str(info.field_name)]
         if value is None or any(_is(value, n) for n in accepted):
             return value
-        raise _refuse(why)
+        # A feature kvtide's own layer does not implement (vLLM's layer may serve it).
+        raise PydanticCustomError("kvtide_unsupported", why)
 
     return field_validator(*table, mode="before")(check)
 
@@ -456,6 +457,8 @@ def invalid_request(exc: ValidationError) -> InvalidRequest:
         message += f", got {shown(first['input'])}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem(s))"
+    if kind in ("kvtide_unsupported", "extra_forbidden"):
+        return UnsupportedParameter(message, param=param)
     return InvalidRequest(message, param=param)
 
 

@@ -92,6 +92,13 @@ def _fingerprint(kind: str, fields: dict[str, Any]) -> str:
     return f"{kind}:" + hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def body_fingerprints(kind: str, body: dict[str, Any]) -> tuple[str, ...]:
+    """``request_fingerprints`` of a request served by vLLM's layer, from its body (the
+    same fields left out, under the OpenAI names)."""
+    left_out = _NOT_FINGERPRINTED | {"stream_options", "max_completion_tokens"}
+    return (_fingerprint(kind, {k: v for k, v in body.items() if k not in left_out}),)
+
+
 def request_fingerprints(req: api.ApiRequest) -> tuple[str, ...]:
     """The fingerprints an ``Idempotency-Key`` is bound to (``orchestrator.kv.replay``):
     the endpoint and a digest of what the request asks. The first is the request's own;
@@ -108,12 +115,15 @@ def request_fingerprints(req: api.ApiRequest) -> tuple[str, ...]:
     return own, _fingerprint(req.kind, {**fields, "messages": req.messages[:-1]})
 
 
-async def begin_replay(kv: KVServiceAPI, key: str, req: api.ApiRequest) -> dict[str, Any] | None:
+async def begin_replay(
+    kv: KVServiceAPI, key: str, kind: str, fingerprints: tuple[str, ...]
+) -> dict[str, Any] | None:
     """Look ``key`` up in the replay book: the stored response to replay, or None when
     the turn is to run now. Raises ``TurnInProgress`` (409) while the key's turn runs and
     ``IdempotencyKeyReused`` (422) when the key came with another request first (another
-    endpoint or body): a key names one turn, and a replay has its endpoint's shape."""
-    replay = await kv.replay_begin(key, request_fingerprints(req))
+    endpoint or body: ``fingerprints``, from ``request_fingerprints`` or
+    ``body_fingerprints``): a key names one turn, and a replay has its endpoint's shape."""
+    replay = await kv.replay_begin(key, fingerprints)
     if replay.action == "in_progress":
         raise TurnInProgress(
             "a turn with this Idempotency-Key is still running; retry after it "
@@ -122,7 +132,7 @@ async def begin_replay(kv: KVServiceAPI, key: str, req: api.ApiRequest) -> dict[
         )
     body = replay.body
     if replay.action == "mismatch" or (
-        replay.action == "replay" and (body is None or body.get("object") != _OBJECT_OF[req.kind])
+        replay.action == "replay" and (body is None or body.get("object") != _OBJECT_OF[kind])
     ):
         raise IdempotencyKeyReused(
             "this Idempotency-Key was first sent with a different request (another "

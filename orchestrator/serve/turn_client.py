@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.base import GenerateChunk, TokenLogprob
+from orchestrator.errors import ServingLayerRefused
 
 __all__ = ["CURRENT_TURN", "TurnContext", "TurnRunner", "make_turn_client"]
 
@@ -206,6 +207,16 @@ def make_turn_client(vllm_config: Any, run: TurnRunner) -> Any:
                 ctx.error = exc
                 raise
             ctx.report = report
+            if want_logprobs and first_chunk.token_ids and first_chunk.logprobs is None:
+                await turn.aclose()
+                ctx.error = ServingLayerRefused(
+                    "logprobs are not available: this deployment's engines return none "
+                    "(the simulated backend samples nothing); leave logprobs out",
+                    "logprobs",
+                    status_code=400,
+                    error_type="invalid_request_error",
+                )
+                raise ctx.error
             ids = ctx.extra.get("prompt_token_ids", ids)  # as the turn tokenized them
 
             async def choice_zero() -> TurnStream:
@@ -285,7 +296,14 @@ def make_turn_client(vllm_config: Any, run: TurnRunner) -> Any:
             raise ValueError("not an operation kvtide's OpenAI endpoint offers")
 
         start_profile = stop_profile = reset_mm_cache = reset_encoder_cache = _unsupported
-        reset_prefix_cache = sleep = release_kv_cache_memory = _unsupported
+        reset_prefix_cache = sleep = wake_up = release_kv_cache_memory = _unsupported
+        add_lora = pause_generation = resume_generation = _unsupported
+
+        async def is_sleeping(self) -> bool:
+            return False
+
+        async def is_paused(self) -> bool:
+            return False
 
         def shutdown(self, *args: Any, **kwargs: Any) -> None:
             return None

@@ -14,11 +14,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 from test_router import FakePool, decode_script, make_router, prefill_script
 
+from engines.tiny_model import generate_tiny_model, is_tiny_model_dir
 from orchestrator.config import KVTideConfig, parse_config
 from orchestrator.errors import RequestError
 from orchestrator.serve.auth import Authenticator, ConcurrencyGate
 from orchestrator.serve.ingress import Ingress
 from orchestrator.serve.prompts import PromptEncoder
+from orchestrator.serve.vllm_api import build_serving
 
 MODEL = "kvtide-tiny"
 
@@ -28,10 +30,16 @@ class _BareIngress(Ingress.func_or_class):  # type: ignore[misc,name-defined]
         """Serve's wrapper closes its ASGI app here; this one never started it."""
 
 
-def bare_ingress(tokenizer: Any, **server: Any) -> Any:
+def bare_ingress(
+    tokenizer: Any, *, vllm: bool = True, max_model_len: int = 256, **server: Any
+) -> Any:
     """An ``Ingress`` with the state its ``__init__`` would give it (config: the embedded
-    default with a 256-token context and ``server`` fields)."""
-    config: KVTideConfig = parse_config({"model": {"max_model_len": 256}, "server": server})
+    default with a ``max_model_len``-token context and ``server`` fields). ``vllm``: with vLLM's
+    OpenAI serving layer on the tiny model (generated where the embedded default keeps
+    it; ~10 s to import vLLM the first time in a process)."""
+    config: KVTideConfig = parse_config(
+        {"model": {"max_model_len": max_model_len}, "server": server}
+    )
     ingress = _BareIngress.__new__(_BareIngress)
     router = make_router(FakePool(prefill_script()), FakePool(decode_script))
     ingress.config = config
@@ -43,6 +51,10 @@ def bare_ingress(tokenizer: Any, **server: Any) -> Any:
     ingress.metrics = router.metrics
     ingress.auth = Authenticator(config.server.api_keys)
     ingress.gate = ConcurrencyGate(retry_after_s=1.0)
+    if vllm:
+        if not is_tiny_model_dir(config.model.resolved_path()):
+            generate_tiny_model(config.model.resolved_path())
+        ingress.vllm = build_serving(config.model, ingress._vllm_turn)
     return ingress
 
 

@@ -63,11 +63,13 @@ def test_public_names_are_pinned() -> None:
             "LimitExceeded",
             "PayloadTooLarge",
             "UnsupportedMediaType",
+            "UnsupportedParameter",
             "IdempotencyKeyReused",
             "RequestTimeout",
             "Unavailable",
             "EngineUnavailable",
             "ServiceUnavailable",
+            "ServingLayerRefused",
             "DeadlineExceeded",
         ]
     )

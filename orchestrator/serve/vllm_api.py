@@ -1,0 +1,211 @@
+"""vLLM's OpenAI serving layer in the ingress, over kvtide's turn.
+
+kvtide's own OpenAI layer (``openai_api.py``, ``requests.py``) answers the requests it
+implements: text turns with sampling, stop strings, streams, usage. A request that asks
+for anything else vLLM's OpenAI server honours (``tools`` and ``tool_choice``,
+``response_format`` json_object/json_schema and vLLM's ``structured_outputs``,
+``logprobs``/``top_logprobs``, ``n`` > 1, ``logit_bias``, ``reasoning_effort``,
+``echo``, assistant messages with ``tool_calls`` and ``tool`` messages, vLLM's other
+extension fields) is served by vLLM's own serving classes (``OpenAIServingChat``,
+``OpenAIServingCompletion``) over ``orchestrator.serve.turn_client``: vLLM validates it
+(its 400s, worded as vLLM words them), renders the chat template with the tools, builds
+the sampling parameters and parses the output (tool calls, reasoning, logprobs); the
+tokens come from kvtide's turn (P/D, sessions, KV send-back), and each response carries
+kvtide's ``kvtide`` object and ``x-session-id`` as the other path's do.
+
+A field neither layer knows is refused by kvtide's (400 naming it); vLLM's own server
+would ignore it. ``kv_transfer_params`` is kvtide's to set, never a client's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from orchestrator.config.sections import ModelConfig
+from orchestrator.errors import (
+    InvalidRequest,
+    RequestError,
+    ServingLayerRefused,
+    UnsupportedParameter,
+)
+from orchestrator.serve.requests import invalid_request, shown
+from orchestrator.serve.turn_client import TurnRunner, make_turn_client
+
+__all__ = [
+    "Kind",
+    "VLLMServing",
+    "build_serving",
+    "check_fields",
+    "client_error",
+    "error_of",
+    "parse_request",
+    "prepend",
+    "with_kvtide",
+]
+
+Kind = Literal["chat", "completion"]
+
+# Fields only kvtide sets: a client's would steer the engines' KV transfer.
+_KVTIDE_ONLY = frozenset({"kv_transfer_params"})
+
+
+def _request_class(kind: Kind) -> Any:
+    if kind == "chat":
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        return ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    return CompletionRequest
+
+
+def check_fields(kind: Kind, body: Mapping[str, Any]) -> None:
+    """A body kvtide's own layer does not serve goes to vLLM's when every field is one
+    of vLLM's request fields (vLLM then validates their values); else 400 naming the
+    first field neither layer takes."""
+    fields = _request_class(kind).model_fields
+    for name in body:
+        if name in _KVTIDE_ONLY:
+            raise UnsupportedParameter(
+                f"{name} is set by kvtide for its own KV transfers; remove it", param=name
+            )
+        if name not in fields:
+            param = name if name.isprintable() and len(name) <= 64 else shown(name)
+            raise UnsupportedParameter(
+                f"{param} is not a field kvtide accepts: remove it (docs/api.md lists the "
+                "fields kvtide honours)",
+                param=param,
+            )
+
+
+def parse_request(kind: Kind, body: Mapping[str, Any]) -> Any:
+    """vLLM's request model for ``body``; its validation errors as kvtide's 400 naming
+    the field and what it must be (vLLM's own server answers them with 400 too)."""
+    from pydantic import ValidationError
+    from vllm.exceptions import VLLMClientError
+
+    try:
+        return _request_class(kind).model_validate(dict(body))
+    except ValidationError as exc:
+        raise invalid_request(exc) from None
+    except VLLMClientError as exc:
+        raise client_error(exc) from None
+
+
+def client_error(exc: Exception) -> InvalidRequest:
+    """vLLM's own refusal of a request (``VLLMClientError``: a 4xx in vLLM's server) as
+    a 400 naming the parameter."""
+    message = str(exc.args[0]) if exc.args else "invalid request"
+    return InvalidRequest(message, getattr(exc, "parameter", None))
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMServing:
+    """vLLM's serving classes for one model, over kvtide's turns."""
+
+    chat: Any
+    completion: Any
+    client: Any
+
+    async def create(self, kind: Kind, request: Any, raw_request: Any) -> Any:
+        """vLLM's response (a model, an SSE generator or an ``ErrorResponse``); vLLM's
+        own refusals raised on the way are 400s."""
+        from vllm.exceptions import VLLMClientError
+
+        try:
+            if kind == "chat":
+                return await self.chat.create_chat_completion(request, raw_request)
+            return await self.completion.create_completion(request, raw_request)
+        except VLLMClientError as exc:
+            raise client_error(exc) from None
+
+
+def build_serving(model: ModelConfig, run: TurnRunner) -> VLLMServing:
+    """vLLM's OpenAI serving classes on ``model`` (its config, tokenizer and chat
+    template; no engine), whose engine is kvtide's turn (``run``)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.entrypoints.openai.models.protocol import BaseModelPath
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.renderers.chat_utils import load_chat_template
+    from vllm.renderers.online_renderer import OnlineRenderer
+
+    path = model.resolved_path()
+    args = AsyncEngineArgs(
+        model=path,
+        served_model_name=[model.name],
+        dtype=model.dtype,
+        max_model_len=model.max_model_len,
+        reasoning_parser=model.reasoning_parser or "",
+    )
+    client = make_turn_client(args.create_engine_config(), run)
+    models = OpenAIServingModels(
+        engine_client=client, base_model_paths=[BaseModelPath(name=model.name, model_path=path)]
+    )
+    template = load_chat_template(model.chat_template)
+    common: dict[str, Any] = {
+        "chat_template": template,
+        "chat_template_content_format": "auto",
+        "enable_auto_tools": model.auto_tool_choice,
+        "tool_parser": model.tool_parser,
+        "reasoning_parser": model.reasoning_parser or "",
+    }
+    renderer = OnlineRenderer(
+        model_config=client.model_config,
+        renderer=client.renderer,
+        request_logger=None,
+        trust_request_chat_template=False,
+        trust_request_mm_kwargs=False,
+        exclude_tools_when_tool_choice_none=False,
+        tool_strict_level="auto",
+        default_chat_template_kwargs=None,
+        log_error_stack=False,
+        **common,
+    )
+    chat = OpenAIServingChat(
+        client,
+        models,
+        "assistant",
+        online_renderer=renderer,
+        request_logger=None,
+        enable_prompt_tokens_details=True,
+        **common,
+    )
+    completion = OpenAIServingCompletion(
+        client,
+        models,
+        online_renderer=renderer,
+        request_logger=None,
+        enable_prompt_tokens_details=True,
+    )
+    return VLLMServing(chat=chat, completion=completion, client=client)
+
+
+def error_of(response: Any) -> RequestError:
+    """vLLM's ``ErrorResponse`` as kvtide's error (its status, type and message)."""
+    error = response.error
+    return ServingLayerRefused(
+        str(error.message), error.param, status_code=int(error.code), error_type=str(error.type)
+    )
+
+
+def with_kvtide(event: str, ext: Callable[[], dict[str, Any]]) -> str:
+    """One SSE event of vLLM's stream, with kvtide's object added where the turn's
+    facts are final: a choice's finishing chunk and the usage chunk."""
+    if not event.startswith("data: {") or (
+        '"finish_reason":"' not in event and '"usage":{' not in event
+    ):
+        return event
+    body = json.loads(event[len("data: ") :])
+    body["kvtide"] = ext()
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    yield first
+    async for item in rest:
+        yield item

@@ -1,0 +1,236 @@
+"""The ingress's requests served by vLLM's OpenAI serving layer (``vllm_api``).
+
+A mixin of ``Ingress``: the same guard (concurrency ticket, Idempotency-Key) and the same
+turn (``Ingress._open_turn``: session, token continuity, limits, lease or
+``begin_turn``) as kvtide's own layer; vLLM's classes parse the request, render it and
+shape the response. See ``orchestrator.serve.vllm_api``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engines.base import GenerateChunk
+from orchestrator.errors import ContextLengthExceeded, IdempotencyKeyReused
+from orchestrator.kv.ownership import Principal
+from orchestrator.router import TurnReport
+from orchestrator.serve import openai_api as api
+from orchestrator.serve import vllm_api
+from orchestrator.serve.auth import Ticket, check_request
+from orchestrator.serve.responses import begin_replay, body_fingerprints
+from orchestrator.serve.turn_client import CURRENT_TURN, TurnContext
+from orchestrator.serve.turns import OpenedTurn, OpenTurn
+
+__all__ = ["VLLMRoutes"]
+
+log = logging.getLogger("kvtide.ingress")
+
+# How a stream's response is kept for an Idempotency-Key's replay: its events.
+_EVENTS = "kvtide_events"
+
+
+class VLLMRoutes:
+    """``Ingress``'s vLLM-served requests (the attributes used are the ingress's)."""
+
+    config: Any
+    kv: Any
+    router: Any
+    gate: Any
+    vllm: vllm_api.VLLMServing
+    _open_turn: Callable[[OpenTurn], Awaitable[OpenedTurn]]
+    _guarded: Callable[..., Awaitable[Any]]
+
+    async def _vllm_request(
+        self,
+        kind: vllm_api.Kind,
+        body: dict[str, Any],
+        http: Request,
+        principal: Principal,
+        root: Any,
+        t_in: float,
+    ) -> Any:
+        """``body``, which kvtide's own layer does not serve, through vLLM's."""
+        req = vllm_api.parse_request(kind, body)
+        messages = body.get("messages") if kind == "chat" else None
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        ctx = TurnContext(
+            principal=principal,
+            session_header=api.parse_session_id(http.headers.get("x-session-id")),
+            has_history=any(
+                isinstance(m, dict) and m.get("role") == "assistant" for m in messages or ()
+            ),
+            requested_max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+            prompt_param="messages" if kind == "chat" else "prompt",
+            root=root,
+            t_in=t_in,
+        )
+        stream = bool(body.get("stream"))
+
+        async def run(ticket: Ticket, replay_key: str | None) -> Any:
+            token = CURRENT_TURN.set(ctx)
+            try:
+                result = await self.vllm.create(kind, req, http)
+            finally:
+                CURRENT_TURN.reset(token)
+            return await self._vllm_respond(ctx, result, stream, replay_key, ticket)
+
+        return await self._guarded(
+            http,
+            principal,
+            run,
+            lambda key: begin_replay(self.kv, key, kind, body_fingerprints(kind, body)),
+            lambda stored: _replayed(stored, stream),
+        )
+
+    async def _vllm_turn(
+        self,
+        ctx: TurnContext,
+        ids: list[int],
+        text: str | None,
+        params: Any,
+        request_id: str,
+        is_turn: bool,
+    ) -> AsyncGenerator[tuple[GenerateChunk, TurnReport], None]:
+        """The turn vLLM's serving layer asked for (``TurnRunner``); ``is_turn`` False:
+        a further choice of the turn's prompt, without its session."""
+        if not is_turn:
+            async for item in self.router.run_turn(
+                prompt_token_ids=ids,
+                max_tokens=params.max_tokens,
+                request_id=request_id,
+                trace_parent=ctx.root,
+                sampling_params=params,
+            ):
+                yield item
+            return
+        principal = ctx.principal
+        max_model_len = self.config.model.max_model_len
+
+        def limits(prompt_ids: list[int]) -> int:
+            check_request(
+                principal,
+                num_prompt_tokens=len(prompt_ids),
+                max_tokens=ctx.requested_max_tokens,
+                prompt_param=ctx.prompt_param,
+            )
+            room = max_model_len - len(prompt_ids)
+            if room < 1:
+                raise ContextLengthExceeded(
+                    f"This model's maximum context length is {max_model_len} tokens. However, "
+                    f"your prompt has {len(prompt_ids)} tokens. Shorten the prompt or the "
+                    "history.",
+                    param=ctx.prompt_param,
+                )
+            return int(principal.cap_max_tokens(min(params.max_tokens, room)))
+
+        opened = await self._open_turn(
+            OpenTurn(
+                principal=principal,
+                session_header=ctx.session_header,
+                has_history=ctx.has_history,
+                text=text,
+                ids=ids,
+                limits=limits,
+                t_in=ctx.t_in,
+                root=ctx.root,
+                request_id=request_id,
+                retokenize=True,
+                run_args={"sampling_params": params},
+            )
+        )
+        ctx.extra["prompt_token_ids"] = opened.ids
+        ctx.extra["headers"] = opened.headers
+        try:
+            yield opened.first
+            async for item in opened.turn:
+                yield item
+        finally:
+            await opened.turn.aclose()
+
+    async def _vllm_respond(
+        self,
+        ctx: TurnContext,
+        result: Any,
+        stream: bool,
+        replay_key: str | None,
+        ticket: Ticket,
+    ) -> Any:
+        """vLLM's answer as the HTTP response, with kvtide's object and headers; a turn
+        that failed before its first token answers with its own status."""
+        if ctx.error is not None:
+            raise ctx.error
+        if hasattr(result, "error") and not isinstance(result, AsyncIterator):
+            raise vllm_api.error_of(result)
+        if not stream:
+            body = result.model_dump(mode="json")
+            body["kvtide"] = ctx.report.as_dict()
+            if replay_key is not None:
+                await self.kv.replay_complete(replay_key, body)
+            return JSONResponse(body, headers=ctx.extra.get("headers"))
+        try:
+            first = await result.__anext__()
+        except StopAsyncIteration:
+            first = "data: [DONE]\n\n"
+        if ctx.error is not None:
+            await result.aclose()
+            raise ctx.error
+        return StreamingResponse(
+            self._vllm_sse(ctx, first, result, replay_key, ticket),
+            media_type="text/event-stream",
+            headers=ctx.extra.get("headers"),
+        )
+
+    async def _vllm_sse(
+        self,
+        ctx: TurnContext,
+        first: str,
+        rest: AsyncGenerator[str, None],
+        replay_key: str | None,
+        ticket: Ticket,
+    ) -> AsyncIterator[str]:
+        events: list[str] = []
+        completed = False
+        try:
+            async for event in vllm_api.prepend(first, rest):
+                event = vllm_api.with_kvtide(event, ctx.report.as_dict)
+                events.append(event)
+                yield event
+            completed = not any(e.startswith('data: {"error"') for e in events)
+            if replay_key is not None and completed:
+                kind = "chat.completion" if ctx.prompt_param == "messages" else "text_completion"
+                await self.kv.replay_complete(replay_key, {"object": kind, _EVENTS: events})
+        finally:
+            self.gate.release(ticket)
+            with contextlib.suppress(Exception):
+                await rest.aclose()
+            if replay_key is not None and not completed:
+                # Failed or the client went away mid-stream: a retry runs the turn.
+                await asyncio.shield(self.kv.replay_fail(replay_key))
+
+
+def _replayed(stored: dict[str, Any], stream: bool) -> Any:
+    """A completed turn's stored response, in the shape it was first sent in."""
+    events = stored.get(_EVENTS)
+    if (events is not None) != stream:
+        raise IdempotencyKeyReused(
+            "this Idempotency-Key's turn was first answered "
+            + ("as a stream" if events is not None else "without streaming")
+            + "; retry it the same way to get its result",
+            param="Idempotency-Key",
+        )
+    headers = {"x-kvtide-replayed": "true"}
+    if events is None:
+        return JSONResponse(stored, headers=headers)
+
+    async def replay() -> AsyncIterator[str]:
+        for event in events:
+            yield event
+
+    return StreamingResponse(replay(), media_type="text/event-stream", headers=headers)

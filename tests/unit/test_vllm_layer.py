@@ -1,0 +1,208 @@
+"""Requests kvtide's own OpenAI layer does not serve, through vLLM's serving layer on
+kvtide's turn: the ingress's real routes (``ingress_harness``), vLLM's real serving
+classes, tokenizer and chat template (the tiny model's, with tools), and a scripted
+decode engine that answers what a real one would under the request's constraints.
+
+What a user relies on: tools and structured output reach the engine as vLLM's own
+sampling parameters; tool calls, logprobs and ``n`` come back in OpenAI's shapes with
+kvtide's object and headers; vLLM's refusals are 400s naming the field; fields neither
+layer knows are still refused by kvtide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from ingress_harness import MODEL, bare_ingress, handle
+from test_router import decode_script
+
+from engines.base import GenerateChunk, GenerateRequest, TokenLogprob
+from engines.kv_params import KVTransferParams
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+# The tiny model's tool-call format (Hermes), which vLLM's hermes parser reads and its
+# structural tag makes the engine write under tool_choice "required".
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def scripted(text: str) -> Any:
+    """A decode engine that writes ``text`` one character a token, with log
+    probabilities when the request's sampling parameters ask for them."""
+
+    def run(req: GenerateRequest) -> list[GenerateChunk]:
+        params = req.sampling_params
+        want = None if params is None else params.logprobs
+        chunks = []
+        for i, char in enumerate(text):
+            last = i == len(text) - 1
+            logprobs = None
+            if want is not None:
+                top = [TokenLogprob(token_id=100 + i, logprob=-0.5, rank=1, decoded=char)]
+                top += [
+                    TokenLogprob(token_id=900 + k, logprob=-3.0 - k, rank=2 + k, decoded="x")
+                    for k in range(want)
+                ]
+                logprobs = [top]
+            chunks.append(
+                GenerateChunk(
+                    request_id=req.request_id,
+                    text=char,
+                    token_ids=[100 + i],
+                    logprobs=logprobs,
+                    finished=last,
+                    finish_reason="stop" if last else None,
+                    num_prompt_tokens=len(req.prompt_token_ids),
+                    kv_transfer_params=KVTransferParams() if last else None,
+                )
+            )
+        return chunks
+
+    return run
+
+
+@pytest.fixture
+def ingress(tiny_tokenizer: Any) -> Any:
+    return bare_ingress(tiny_tokenizer, max_model_len=1024)
+
+
+def chat(**fields: Any) -> bytes:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "weather?"}], **fields}
+    return json.dumps(body).encode()
+
+
+def decode_requests(ingress: Any) -> list[GenerateRequest]:
+    return ingress.router.decode.requests  # type: ignore[no-any-return]
+
+
+def test_a_required_tool_call_is_constrained_at_the_decode_and_parsed(ingress: Any) -> None:
+    ingress.router.decode.script = scripted(CALL)
+    status, body = asyncio.run(
+        handle(
+            ingress,
+            "/v1/chat/completions",
+            chat(tools=TOOLS, tool_choice="required", max_tokens=64),
+            x_session_id="agent-1",
+        )
+    )
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    # The decode engine sampled under vLLM's own constraint: the tool-call format.
+    (req,) = decode_requests(ingress)
+    assert req.sampling_params is not None
+    constraint = req.sampling_params.structured_outputs
+    assert constraint is not None and (constraint.structural_tag or constraint.json)
+    assert req.session_id == "agent-1"
+    assert body["kvtide"]["session_id"] == "agent-1"
+    assert body["usage"]["prompt_tokens"] == len(req.prompt_token_ids)
+
+
+def test_logprobs_come_back_in_openai_shape(ingress: Any) -> None:
+    ingress.router.decode.script = scripted("hi")
+    status, body = asyncio.run(
+        handle(ingress, "/v1/chat/completions", chat(logprobs=True, top_logprobs=2))
+    )
+    assert status == 200, body
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == [-0.5, -0.5]
+    assert [len(c["top_logprobs"]) for c in content] == [2, 2]
+    assert decode_requests(ingress)[0].sampling_params.logprobs == 2
+
+
+def test_n_choices_share_one_prompt_and_only_the_first_keeps_the_session(ingress: Any) -> None:
+    ingress.router.decode.script = scripted("ok")
+    status, body = asyncio.run(
+        handle(
+            ingress,
+            "/v1/chat/completions",
+            chat(n=3, seed=7, logit_bias={"5": -100}),
+            x_session_id="agent-2",
+        )
+    )
+    assert status == 200, body
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    reqs = sorted(decode_requests(ingress), key=lambda r: "-c" in r.request_id)
+    assert len(reqs) == 3
+    assert len({tuple(r.prompt_token_ids) for r in reqs}) == 1
+    # Choice 0 is the session's turn; the others keep nothing, each with vLLM's seed.
+    assert [r.session_id for r in reqs] == ["agent-2", None, None]
+    assert sorted(r.sampling_params.seed for r in reqs) == [7, 8, 9]
+    assert all(r.sampling_params.n == 1 or r.sampling_params.n == 3 for r in reqs)
+
+
+def test_a_streamed_tool_call_ends_with_kvtides_object(ingress: Any) -> None:
+    ingress.router.decode.script = scripted(CALL)
+    status, text = asyncio.run(
+        handle(
+            ingress,
+            "/v1/chat/completions",
+            chat(tools=TOOLS, tool_choice="required", stream=True, max_tokens=64),
+        )
+    )
+    assert status == 200, text
+    events = [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
+    calls = [
+        c
+        for e in events
+        for ch in e["choices"]
+        for c in (ch.get("delta") or {}).get("tool_calls") or ()
+    ]
+    assert calls and calls[0]["function"]["name"] == "get_weather"
+    finishing = [e for e in events if any(ch.get("finish_reason") for ch in e["choices"])]
+    assert finishing and "kvtide" in finishing[-1]
+    assert text.rstrip().endswith("data: [DONE]")
+
+
+def test_vllms_refusals_are_400s_naming_the_field(ingress: Any) -> None:
+    # Asked for a tool without giving any: vLLM's own validation.
+    status, body = asyncio.run(
+        handle(ingress, "/v1/chat/completions", chat(tool_choice="required"))
+    )
+    assert status == 400, body
+    assert "tool" in body["error"]["message"]
+    status, body = asyncio.run(
+        handle(
+            ingress,
+            "/v1/completions",
+            json.dumps({"model": MODEL, "prompt": "a", "logprobs": "x"}).encode(),
+        )
+    )
+    assert status == 400 and body["error"]["param"] == "logprobs", body
+
+
+def test_a_field_neither_layer_knows_is_refused_by_name(ingress: Any) -> None:
+    status, body = asyncio.run(
+        handle(ingress, "/v1/chat/completions", chat(tools=TOOLS, colour="blue"))
+    )
+    assert status == 400 and body["error"]["param"] == "colour", body
+    # kvtide's KV transfer parameters are never a client's.
+    status, body = asyncio.run(
+        handle(ingress, "/v1/chat/completions", chat(tools=TOOLS, kv_transfer_params={}))
+    )
+    assert status == 400, body
+    assert not decode_requests(ingress)
+
+
+def test_plain_requests_stay_on_kvtides_own_layer(ingress: Any) -> None:
+    ingress.router.decode.script = decode_script
+    status, body = asyncio.run(handle(ingress, "/v1/chat/completions", chat(max_tokens=3)))
+    assert status == 200, body
+    assert decode_requests(ingress)[0].sampling_params is None
