@@ -62,15 +62,7 @@ from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import Metrics
 from policies.prefix_routing import RouteChoice
 
-__all__ = [
-    "KV_SOURCES",
-    "LeaseRefused",
-    "PoolClient",
-    "Router",
-    "TurnReport",
-    "abort_stream",
-    "bounded",
-]
+__all__ = ["KV_SOURCES", "LeaseRefused", "PoolClient", "Router", "TurnReport"]
 
 log = logging.getLogger("kvtide.router")
 

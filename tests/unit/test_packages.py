@@ -66,6 +66,7 @@ def test_public_names_are_pinned() -> None:
             "EngineUnavailable",
             "ServiceUnavailable",
             "DeadlineExceeded",
+            "Overloaded",
         ]
     )
     assert sorted(orchestrator.router.__all__) == [
