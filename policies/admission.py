@@ -106,13 +106,13 @@ class EngineBook:
             if before is not None and load.reported_s < before.load.reported_s:
                 views[load.engine_id] = before  # an older report than the one held
                 continue
-            progressed = (
-                before is None
-                or load.num_waiting == 0
+            progress_s = load.reported_s
+            if before is not None and not (
+                load.num_waiting == 0
                 or load.num_running > 0
                 or load.num_finished > before.load.num_finished
-            )
-            progress_s = load.reported_s if progressed else before.progress_s
+            ):
+                progress_s = before.progress_s  # no progress since the previous report
             views[load.engine_id] = EngineView(load=load, progress_s=progress_s)
         self._views = views
 

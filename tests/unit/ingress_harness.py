@@ -16,6 +16,7 @@ from test_router import FakePool, decode_script, make_router, prefill_script
 
 from orchestrator.config import KVTideConfig, parse_config
 from orchestrator.errors import RequestError
+from orchestrator.serve.admission import AdmissionGate
 from orchestrator.serve.auth import Authenticator, ConcurrencyGate
 from orchestrator.serve.ingress import Ingress
 from orchestrator.serve.prompts import PromptEncoder
@@ -43,6 +44,9 @@ def bare_ingress(tokenizer: Any, **server: Any) -> Any:
     ingress.metrics = router.metrics
     ingress.auth = Authenticator(config.server.api_keys)
     ingress.gate = ConcurrencyGate(retry_after_s=1.0)
+    ingress.admission = AdmissionGate(
+        config.admission.settings(), pools=("prefill", "decode"), metrics=router.metrics
+    )
     return ingress
 
 
