@@ -112,34 +112,35 @@ class Phase:
         return len(self.results) - self.completed - self.rejected_fast - self.timed_out
 
 
-def open_loop(base_url: str, model: str, rate_per_s: float, duration_s: float) -> Phase:
-    """Send turns at ``rate_per_s`` for ``duration_s``, each in its own thread."""
-    phase = Phase()
+def open_loop(base_url: str, model: str, schedule: list[tuple[float, float]]) -> list[TurnResult]:
+    """Send turns at each ``(rate_per_s, duration_s)`` of ``schedule`` in turn, each in
+    its own thread, whatever came back (an open loop); every turn's result, by send time."""
+    results: list[TurnResult] = []
     lock = threading.Lock()
     threads: list[threading.Thread] = []
 
     def one() -> None:
         result = send_turn(base_url, model)
         with lock:
-            phase.results.append(result)
+            results.append(result)
 
     start = time.monotonic()
-    n = max(1, round(rate_per_s * duration_s))
-    for i in range(n):
-        due = start + i / rate_per_s
-        time.sleep(max(0.0, due - time.monotonic()))  # the arrival schedule, not a race
-        thread = threading.Thread(target=one)
-        thread.start()
-        threads.append(thread)
+    for rate_per_s, duration_s in schedule:
+        for i in range(max(1, round(rate_per_s * duration_s))):
+            due = start + i / rate_per_s
+            time.sleep(max(0.0, due - time.monotonic()))  # the arrival schedule, not a race
+            thread = threading.Thread(target=one)
+            thread.start()
+            threads.append(thread)
+        start += duration_s
     for thread in threads:
         thread.join()
-    phase.results.sort(key=lambda r: r.sent_s)
-    return phase
+    return sorted(results, key=lambda r: r.sent_s)
 
 
 def recovery_s(after: Phase, burst_end_s: float) -> float | None:
-    """From the burst's end to the first turn sent after it from which every later turn
-    completed; None when the last turn did not complete."""
+    """From the burst's end (when the offered load dropped) to the first turn sent after
+    it from which every later turn completed; None when the last turn did not complete."""
     first_good: TurnResult | None = None
     for result in after.results:
         if result.status == 200:
@@ -158,9 +159,11 @@ def run_overload(
     if alone.status != 200:
         raise RuntimeError(f"one turn alone failed: {alone.status} {alone.code}")
     capacity = CAPACITY_TURNS / alone.elapsed_s  # turns per second at full batch
-    burst = open_loop(base_url, model, factor * capacity, burst_s)
-    burst_end = time.monotonic()
-    after = open_loop(base_url, model, 0.5 * capacity, normal_s)
+    t0 = time.monotonic()
+    results = open_loop(base_url, model, [(factor * capacity, burst_s), (0.5 * capacity, normal_s)])
+    burst_end = t0 + burst_s  # when the offered load dropped
+    burst = Phase([r for r in results if r.sent_s < burst_end])
+    after = Phase([r for r in results if r.sent_s >= burst_end])
     rows = []
     for name, phase, rate in (("burst", burst, factor * capacity), ("after", after, capacity / 2)):
         rejected = sorted(r.elapsed_s for r in phase.results if r.code == "overloaded")
