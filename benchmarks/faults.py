@@ -1,6 +1,7 @@
 """Multi-turn sessions under faults: what is completed, retried, migrated, lost or run twice.
 
     python benchmarks/faults.py [--sessions 12] [--turns 4] [--max-tokens 128]
+                                [--faults none,kv-service,decode,prefill,overload]
 
 Starts a local Ray and the kvtide app with kvtide's simulated engines (two prefill and
 two decode engines on the CPU; no model weights) and two API keys. For each scenario it
@@ -11,7 +12,12 @@ injects the fault:
 * ``none``: the baseline, the same load without a fault;
 * ``kv-service``: the KV lifecycle service actor is killed (Ray restarts it);
 * ``decode``: a decode replica's actor is killed mid-stream (Serve replaces it);
-* ``prefill``: a prefill replica's actor is killed while it has requests.
+* ``prefill``: a prefill replica's actor is killed while it has requests;
+* ``overload``: an app of its own with a small decode KV cache and a 4 s deadline
+  (``benchmarks/overload.py``): offered load ``--overload-factor`` (3) times capacity
+  for ``--burst-s`` (30 s), then half the capacity for ``--normal-s`` (20 s); it prints
+  per phase the turns completed, rejected fast (503 overloaded), timed out and failed,
+  and the time to recover after the burst.
 
 Half the sessions stream. A killed replica is one with requests running (found from the
 counters engines send with their heartbeats), so its turns are cut mid-stream.
@@ -222,17 +228,59 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument(
-        "--faults", default="none,kv-service,decode,prefill", help="comma-separated scenarios"
+        "--faults",
+        default="none,kv-service,decode,prefill,overload",
+        help="comma-separated scenarios",
     )
+    parser.add_argument("--overload-factor", type=float, default=3.0)
+    parser.add_argument("--burst-s", type=float, default=30.0)
+    parser.add_argument("--normal-s", type=float, default=20.0)
     args = parser.parse_args()
+    faults = args.faults.split(",")
+    if "overload" in faults:
+        faults.remove("overload")
+        overload(args)
+    if faults:
+        under_faults(args, faults)
 
+
+def overload(args: argparse.Namespace) -> None:
+    from benchmarks.overload import CAPACITY_TURNS, overload_config, run_overload
+    from orchestrator import runtime
+
+    config = overload_config(Path(tempfile.mkdtemp(prefix="kvt-overload-")))
+    with runtime.running(config, say=lambda m: print(m, file=sys.stderr)) as base_url:
+        rows, figures = run_overload(
+            base_url,
+            config.model.name,
+            factor=args.overload_factor,
+            burst_s=args.burst_s,
+            normal_s=args.normal_s,
+        )
+    recovered = figures["recover_s"]
+    print(
+        f"overload: simulated engines (1 prefill, 1 decode running {CAPACITY_TURNS} turns at "
+        f"once), request_timeout_s {config.server.request_timeout_s:g}; one turn alone "
+        f"{figures['turn_alone_s']:.2f} s, capacity {figures['capacity_per_s']:.2f} turns/s; "
+        f"{args.overload_factor:g}x for {args.burst_s:g} s, then 0.5x for {args.normal_s:g} s\n"
+    )
+    headers = ["phase", "offered/s", "turns", "completed", "rejected fast", "timed out"]
+    print(format_table([*headers, "failed", "reject ms p50"], rows))
+    print(
+        "\nrecovered "
+        + (f"{recovered:.1f} s after the burst" if recovered >= 0 else "never (last turn failed)")
+        + "\n"
+    )
+
+
+def under_faults(args: argparse.Namespace, faults: list[str]) -> None:
     from orchestrator import runtime
 
     config, keys = app_config(Path(tempfile.mkdtemp(prefix="kvt-faults-")))
     rows: list[list[Any]] = []
     baseline_p99 = 0.0
     with runtime.running(config, say=lambda m: print(m, file=sys.stderr)) as base_url:
-        for fault in args.faults.split(","):
+        for fault in faults:
             before = duplicates(base_url, keys[0])
             outcome, owners = run_load(base_url, keys, args, fault, prefix=fault)
             runtime.deploy(config, say=lambda _: None)  # wait until replaced replicas are up

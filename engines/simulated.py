@@ -13,7 +13,8 @@ in ``EngineSpec.model_path``) on a catalog device (``engines/simulated_config.py
   freed or kept for peers by ``engines/simulated_kv.KVBlockPool``, so
   ``stats().kv_cache_usage`` is the share of blocks filled or kept;
 * **KV hand-off**: ``kv_transfer_params`` work as with vLLM's NixlConnector. A
-  prefill with ``do_remote_decode`` keeps its blocks (480 s lease) and returns params
+  prefill with ``do_remote_decode`` keeps its blocks for ``prefill_lease_s`` (vLLM's
+  ``kv_lease_duration``: unread, they are freed then) and returns params
   naming them; a decode given them pulls the prompt's KV (transfer time from
   ``kv_transfer_gbps``; ``num_cached_tokens`` reports it) and, with
   ``bidirectional_kv_xfer``, keeps its own blocks for ``decoder_kv_blocks_ttl_s`` and
@@ -73,7 +74,6 @@ __all__ = [
     "VirtualClock",
 ]
 
-PREFILL_LEASE_S = 480.0  # vLLM frees a prefill's unread blocks after this (abort timeout)
 EXPIRY_MARGIN_S = 5.0  # a prefill declines to read decode blocks this close to their expiry
 
 
@@ -459,7 +459,7 @@ class SimulatedEngine(EngineAdapter):
         if kv.per_request_keep and p.kvtide_keep is False:
             return None, None  # engines.kv_connector: nobody will read them
         expires_s = self._clock() + (
-            PREFILL_LEASE_S if is_prefill else float(kv.decoder_kv_blocks_ttl_s)
+            float(kv.prefill_lease_s) if is_prefill else float(kv.decoder_kv_blocks_ttl_s)
         )
         params = nixl_params(
             engine_id=self.spec.engine_id,

@@ -20,7 +20,8 @@
         └── Unavailable             503 with Retry-After: retrying later may succeed
             ├── EngineUnavailable   no healthy engine in a pool, or an engine failed
             ├── ServiceUnavailable  the KV lifecycle service did not answer in time
-            └── DeadlineExceeded    the request ran past server.request_timeout_s
+            ├── DeadlineExceeded    the request ran past server.request_timeout_s
+            └── Overloaded          a pool cannot take the turn now (admission control)
 
 "Cannot right now" (no KV to reuse, a pool is busy) is a return value, not an exception.
 """
@@ -41,6 +42,7 @@ __all__ = [
     "LimitExceeded",
     "ModelNotFound",
     "NotFound",
+    "Overloaded",
     "PayloadTooLarge",
     "RequestError",
     "RequestTimeout",
@@ -244,3 +246,11 @@ class ServiceUnavailable(Unavailable):
 
 class DeadlineExceeded(Unavailable):
     code = "deadline_exceeded"
+
+
+class Overloaded(Unavailable):
+    """A pool cannot take the turn now (its engines' queues or KV caches are full, or it
+    makes no progress): refused at once, before anything is claimed or queued, instead
+    of waiting out the deadline (``policies.admission``)."""
+
+    code = "overloaded"

@@ -79,7 +79,9 @@ def _bytes(attrs: Mapping[str, Any]) -> int:
 
 
 class PoolClient(Protocol):
-    """How the router reaches a pool. ``generate`` streams one engine's output."""
+    """How the router reaches a pool. ``generate`` streams one engine's output; ending
+    the stream early (``aclose``, or ``cancel`` on a Serve generator: ``abort_stream``)
+    aborts the engine's request."""
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]: ...
 
@@ -151,13 +153,31 @@ class TurnReport:
         }
 
 
+async def abort_stream(stream: object) -> None:
+    """End an engine stream that has not finished, so that its engine aborts the request
+    (and frees its KV blocks, or stops its pull): an async generator is closed (the
+    engine host aborts in its ``finally``); a Serve ``DeploymentResponseGenerator``, which
+    has no ``aclose``, is cancelled (Serve cancels the call on the replica, which closes
+    the host's stream). Dropping either unread would leave the request queued."""
+    close = getattr(stream, "aclose", None)
+    if close is not None:
+        await close()
+        return
+    cancel = getattr(stream, "cancel", None)
+    if cancel is not None:
+        cancel()
+
+
 async def bounded(
     stream: AsyncIterator[GenerateChunk], deadline_s: float, clock: Callable[[], float], what: str
 ) -> AsyncIterator[GenerateChunk]:
     """``stream``'s items, each awaited only until ``deadline_s`` (on ``clock``). Past it:
     ``DeadlineExceeded``; a failure that is not kvtide's own error: ``EngineUnavailable``
-    naming ``what`` (the details are logged). The stream is closed either way."""
+    naming ``what`` (the details are logged). Unless the stream ended (or gave its
+    finished chunk), its engine request is aborted when this generator ends: past the
+    deadline, on a failure, a cancellation, or a consumer that stopped reading."""
     it = aiter(stream)
+    ended = False
     try:
         while True:
             left = deadline_s - clock()
@@ -166,7 +186,9 @@ async def bounded(
             try:
                 item = await asyncio.wait_for(anext(it), left)
             except StopAsyncIteration:
+                ended = True
                 return
+            ended = item.finished
             yield item
     except TimeoutError:
         raise DeadlineExceeded(
@@ -179,9 +201,10 @@ async def bounded(
         log.warning("%s failed: %s: %s", what, type(exc).__name__, exc)
         raise EngineUnavailable(f"the {what} failed; retry the request") from exc
     finally:
-        close = getattr(it, "aclose", None)
-        if close is not None:
-            await close()
+        if not ended:
+            await abort_stream(it)  # the engine's request ends with the stream
+        elif (close := getattr(it, "aclose", None)) is not None:
+            await close()  # a finished generator's own cleanup: now, not at GC
 
 
 @dataclass(slots=True)
@@ -634,44 +657,49 @@ class Router:
         prev = self.clock()
         t_start = tr.now_ns()
         deadline_s: float = report.extra["deadline_s"]
+        # Closed with the turn: a consumer that stops reading (the client went away)
+        # aborts the decode request now, not when the generator is collected.
         stream = bounded(decode.generate(decode_req), deadline_s, self.clock, report.decode_pool)
-        async for chunk in stream:
-            now = self.clock()
-            if first and (chunk.token_ids or chunk.finished):
-                report.ttft_s = now - t0
-                first = False
-                # The decode engine pulled the prompt's KV before its first token.
-                attrs = self._transfer_attrs(pre.kv_transfer_params, "prefill_to_decode")
-                tr.record_span(tr.SPAN_KV_TRANSFER, t_start, tr.now_ns(), attrs, parent=span)
-                self.metrics.add_transfer_bytes("prefill_to_decode", _bytes(attrs))
-                self.metrics.observe_ttft(report.decode_pool, report.ttft_s)
-            elif chunk.token_ids:  # a stream item may carry several tokens
-                self.metrics.observe_itl(report.decode_pool, (now - prev) / len(chunk.token_ids))
-            prev = now
-            output_ids.extend(chunk.token_ids)
-            output_text.append(chunk.text)
-            report.num_completion_tokens = len(output_ids)
-            if chunk.finished:
-                report.finish_reason = chunk.finish_reason
-                report.total_s = now - t0
-                tr.set_attrs(
-                    span,
-                    {
-                        tr.DECODE_TTFT_S: report.ttft_s,
-                        tr.DECODE_TOKENS: len(output_ids),
-                        tr.GEN_AI_RESPONSE_FINISH_REASONS: (chunk.finish_reason or "",),
-                    },
-                )
-                kept = chunk.kv_transfer_params
-                # A sessionless turn whose decode kept nothing leaves nothing to book
-                # or drain: no call to the service.
-                if session_id is not None or (kept is not None and kept.kept_blocks()):
-                    done = self._turn_done_message(
-                        report, chunk, prompt_token_ids, out, prompt_text
+        async with contextlib.aclosing(stream):
+            async for chunk in stream:
+                now = self.clock()
+                if first and (chunk.token_ids or chunk.finished):
+                    report.ttft_s = now - t0
+                    first = False
+                    # The decode engine pulled the prompt's KV before its first token.
+                    attrs = self._transfer_attrs(pre.kv_transfer_params, "prefill_to_decode")
+                    tr.record_span(tr.SPAN_KV_TRANSFER, t_start, tr.now_ns(), attrs, parent=span)
+                    self.metrics.add_transfer_bytes("prefill_to_decode", _bytes(attrs))
+                    self.metrics.observe_ttft(report.decode_pool, report.ttft_s)
+                elif chunk.token_ids:  # a stream item may carry several tokens
+                    self.metrics.observe_itl(
+                        report.decode_pool, (now - prev) / len(chunk.token_ids)
                     )
-                    self._hand_over(route, report, done)
-                report.router_s += self.clock() - now
-            yield chunk, report
+                prev = now
+                output_ids.extend(chunk.token_ids)
+                output_text.append(chunk.text)
+                report.num_completion_tokens = len(output_ids)
+                if chunk.finished:
+                    report.finish_reason = chunk.finish_reason
+                    report.total_s = now - t0
+                    tr.set_attrs(
+                        span,
+                        {
+                            tr.DECODE_TTFT_S: report.ttft_s,
+                            tr.DECODE_TOKENS: len(output_ids),
+                            tr.GEN_AI_RESPONSE_FINISH_REASONS: (chunk.finish_reason or "",),
+                        },
+                    )
+                    kept = chunk.kv_transfer_params
+                    # A sessionless turn whose decode kept nothing leaves nothing to book
+                    # or drain: no call to the service.
+                    if session_id is not None or (kept is not None and kept.kept_blocks()):
+                        done = self._turn_done_message(
+                            report, chunk, prompt_token_ids, out, prompt_text
+                        )
+                        self._hand_over(route, report, done)
+                    report.router_s += self.clock() - now
+                yield chunk, report
 
     def _turn_done_message(
         self,

@@ -8,6 +8,7 @@ from here per replica, the first on ties.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 from ray.serve.handle import DeploymentHandle
@@ -64,27 +65,43 @@ class HandlePool:
 
 class _Counted:
     """A deployment's stream that gives its in-flight count back exactly once: when it
-    ends, fails, is closed, or is dropped unread."""
+    ends, fails, is closed, or is dropped unread. Closed before its end, it cancels the
+    Serve call (which aborts the engine's request), as the router does to a stream of
+    one deployment (``orchestrator.router.abort_stream``)."""
 
     def __init__(self, stream: AsyncIterator[GenerateChunk], pool: HandlePool, index: int) -> None:
         self._stream, self._pool, self._index = stream, pool, index
         self._open = True
+        self._ended = False  # ended, finished or failed: nothing left to abort
 
     def __aiter__(self) -> _Counted:
         return self
 
     async def __anext__(self) -> GenerateChunk:
         try:
-            return await self._stream.__anext__()
-        except BaseException:
+            chunk = await self._stream.__anext__()
+        except BaseException as exc:
+            # A wait given up (cancelled) leaves the call running: aclose cancels it.
+            self._ended = not isinstance(exc, asyncio.CancelledError)
             self._release()
             raise
+        if chunk.finished:
+            self._ended = True
+            self._release()
+        return chunk
 
     async def aclose(self) -> None:
         self._release()
+        if self._ended:
+            return
+        self._ended = True
         close = getattr(self._stream, "aclose", None)
         if close is not None:
             await close()
+            return
+        cancel = getattr(self._stream, "cancel", None)
+        if cancel is not None:
+            cancel()
 
     def _release(self) -> None:
         if self._open:

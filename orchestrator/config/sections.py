@@ -12,9 +12,11 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from orchestrator.config.server import StrictSection
+from policies.admission import AdmissionSettings
 from policies.prefix_routing import PrefixRoutingSettings
 
 __all__ = [
+    "AdmissionConfig",
     "KVConfig",
     "ModelConfig",
     "ObservabilityConfig",
@@ -134,6 +136,14 @@ class PoolSection(StrictSection):
         description="Decode context parallelism (vLLM's decode_context_parallel_size): "
         "shard the KV cache along tokens across the TP ranks. Decode pools on CUDA only; "
         "must divide tensor_parallel_size. `kvtide plan` says when it pays.",
+    )
+    num_kv_blocks: int | None = Field(
+        None,
+        ge=1,
+        le=2**31 - 1,
+        description="KV cache blocks per engine, in place of what the engine sizes from its "
+        "memory (vLLM's num_gpu_blocks_override). For capacity tests and small-cache "
+        "experiments; empty: the engine's own size.",
     )
 
 
@@ -428,3 +438,55 @@ class PlacementConfig(StrictSection):
     @property
     def by_domain(self) -> bool:
         return self.mode == "domain"
+
+
+class AdmissionConfig(StrictSection):
+    """Admission control in front of the pools (``policies.admission``): a turn that a
+    pool cannot take now is refused at once with 503 ``overloaded`` and Retry-After,
+    judged from the load each engine reports with its heartbeat."""
+
+    enabled: bool = Field(
+        True, description="Refuse turns a pool cannot take now (off: every turn queues)."
+    )
+    max_waiting_per_engine: int = Field(
+        64,
+        ge=1,
+        le=2**20,
+        description="An engine with this many requests waiting is full; a pool whose "
+        "engines are all full refuses turns.",
+    )
+    max_kv_cache_usage: float = Field(
+        0.95,
+        gt=0,
+        le=1,
+        description="An engine with requests waiting and this share of its KV cache in use "
+        "is full.",
+    )
+    stall_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="An engine with requests waiting, none running and none finished for "
+        "this long makes no progress: it is full, and /health says degraded.",
+    )
+    max_report_age_s: float = Field(
+        5.0,
+        gt=0,
+        le=3600,
+        description="Engine reports older than this are not used (engines report every "
+        "second); a pool with no recent report admits.",
+    )
+    retry_after_s: float = Field(
+        2.0, gt=0, le=3600, description="Retry-After of a refused turn, in seconds."
+    )
+
+    def settings(self) -> AdmissionSettings:
+        """The policy's settings (the one conversion to its type)."""
+        return AdmissionSettings(
+            enabled=self.enabled,
+            max_waiting_per_engine=self.max_waiting_per_engine,
+            max_kv_cache_usage=self.max_kv_cache_usage,
+            stall_s=self.stall_s,
+            max_report_age_s=self.max_report_age_s,
+            retry_after_s=self.retry_after_s,
+        )

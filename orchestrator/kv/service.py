@@ -179,6 +179,8 @@ class KVServiceAPI(Protocol):
 
     async def engines_lost(self, engine_ids: Sequence[str]) -> int: ...
 
+    async def engine_loads(self) -> dict[str, dict[str, float]]: ...
+
     async def restore(self, report: LedgerReport) -> None: ...
 
     async def report_metrics(self, source: str, snapshot: dict[str, Any]) -> None: ...
@@ -714,6 +716,26 @@ class KVService:
 
     async def engines_lost(self, engine_ids: Sequence[str]) -> int:
         return self._lose_engines(engine_ids)
+
+    async def engine_loads(self) -> dict[str, dict[str, float]]:
+        """Each live engine's load as its last heartbeat reported it (requests running
+        and waiting, KV cache use, requests finished) and ``age_s``, how long ago: what
+        the ingress replicas' admission control reads every second
+        (``policies.admission``)."""
+        now = self.clock()
+        loads: dict[str, dict[str, float]] = {}
+        for engine_id, stats in self._engine_stats.items():
+            seen = self._engines.get(engine_id)
+            if seen is None:
+                continue
+            loads[engine_id] = {
+                "num_running": stats.get("num_running", 0),
+                "num_waiting": stats.get("num_waiting", 0),
+                "kv_cache_usage": stats.get("kv_cache_usage", 0.0),
+                "num_requests": stats.get("num_requests", 0),
+                "age_s": max(0.0, now - seen[1]),
+            }
+        return loads
 
     async def report_metrics(self, source: str, snapshot: dict[str, Any]) -> None:
         """An ingress replica's metric book (sent every second): stats sum them all."""

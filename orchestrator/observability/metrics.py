@@ -148,6 +148,13 @@ METRICS: tuple[MetricSpec, ...] = (
         tag_keys=("event",),
     ),
     MetricSpec(
+        name="kvtide_admission_refusals_total",
+        kind="counter",
+        description="Turns refused at once (503 overloaded) because their prefill or "
+        "decode pool could not take them (pool: the one that refused).",
+        tag_keys=("pool",),
+    ),
+    MetricSpec(
         name="kvtide_turn_handover_failures_total",
         kind="counter",
         description="Finished turns whose hand-over to the KV service failed (their kept "

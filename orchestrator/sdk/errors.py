@@ -145,6 +145,7 @@ _STATUS_BY_CODE = {
     "engine_unavailable": 503,
     "service_unavailable": 503,
     "deadline_exceeded": 503,
+    "overloaded": 503,
     "unavailable": 503,
     "stream_failed": 503,
 }

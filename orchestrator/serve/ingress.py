@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -53,6 +54,7 @@ from orchestrator.observability.metrics import http_status, make_metrics, render
 from orchestrator.router import LeaseRefused, Router, TurnReport
 from orchestrator.serve import openai_api as api
 from orchestrator.serve import vllm_api
+from orchestrator.serve.admission import AdmissionGate
 from orchestrator.serve.auth import Authenticator, ConcurrencyGate, Ticket, check_request
 from orchestrator.serve.model_info import kv_bytes_per_token_of
 from orchestrator.serve.prompts import PromptEncoder
@@ -221,6 +223,10 @@ class Ingress(VLLMRoutes):
         self.auth = Authenticator(config.server.api_keys)
         # Per ingress replica: a key's concurrent requests are counted where they run.
         self.gate = ConcurrencyGate(retry_after_s=1.0)
+        # Turns a pool cannot take now are refused at once (``policies.admission``).
+        self.admission = AdmissionGate(
+            config.admission.settings(), pools=list(self.pools), metrics=self.metrics
+        )
         # Every replica's metric book goes to the service, which sums them for stats.
         self._reporter = asyncio.get_running_loop().create_task(self._report_metrics_forever())
         self._lease_watch: asyncio.Task[None] | None = None
@@ -248,6 +254,7 @@ class Ingress(VLLMRoutes):
             self._count_kv_events()
             try:
                 await self.kv.report_metrics(self.replica_id, self.metrics.snapshot())
+                await self.admission.refresh(self.kv)
             except RequestError:  # the service is restarting: next second
                 pass
             await asyncio.sleep(1.0)
@@ -288,8 +295,11 @@ class Ingress(VLLMRoutes):
 
     @fastapi_app.get("/health")
     async def health(self) -> JSONResponse:
-        """200 when every pool and the KV service answer within their deadlines; 503
-        naming what did not (each check bounded: /health never hangs)."""
+        """200 ``ok`` when every pool and the KV service answer within their deadlines;
+        503 naming what did not (each check bounded: /health never hangs). ``degraded``
+        when an engine makes no progress or a pool refuses turns (admission control):
+        503 with Retry-After while turns are refused, 200 while they are still admitted
+        (docs/reliability.md#overload)."""
         timeout_s = self.config.kv.service_timeout_s
         names = list(self.pool_handles)
         checks = [asyncio.wait_for(self.pool_handles[n].info.remote(), timeout_s) for n in names]
@@ -306,7 +316,19 @@ class Ingress(VLLMRoutes):
             raise EngineUnavailable(
                 f"not ready: {', '.join(failed)} did not answer within {timeout_s:g} s"
             )
-        return JSONResponse({"status": "ok"})
+        state = self.admission.health()
+        if state.status == "ok":
+            return JSONResponse({"status": "ok"})
+        body = {
+            "status": state.status,
+            "admits": state.admits,
+            "refusing_pools": list(state.refusing_pools),
+            "engines": state.engines,
+        }
+        if state.admits:
+            return JSONResponse(body)
+        retry = {"Retry-After": str(max(1, math.ceil(self.config.admission.retry_after_s)))}
+        return JSONResponse(body, status_code=503, headers=retry)
 
     def _principal(self, http: Request) -> Principal:
         return self.auth.authenticate(http.headers.get("authorization"))
@@ -731,6 +753,8 @@ class Ingress(VLLMRoutes):
             ids = await self._tokenize(text, last_text, last_ids)
             tokenize_s += time.monotonic() - t_tokenize
         max_tokens = turn.limits(ids)
+        # Refused now (503 overloaded) rather than queued past its deadline.
+        self.admission.check(("prefill", self.router.decode_pool_for(len(ids))[0]))
         decision, service_s = None, 0.0
         lease, lease_used = None, None
         if session_id is not None and self.router.leases is not None:

@@ -17,6 +17,7 @@ from test_router import FakePool, decode_script, make_router, prefill_script
 from engines.tiny_model import generate_tiny_model, is_tiny_model_dir
 from orchestrator.config import KVTideConfig, parse_config
 from orchestrator.errors import RequestError
+from orchestrator.serve.admission import AdmissionGate
 from orchestrator.serve.auth import Authenticator, ConcurrencyGate
 from orchestrator.serve.ingress import Ingress
 from orchestrator.serve.prompts import PromptEncoder
@@ -51,6 +52,9 @@ def bare_ingress(
     ingress.metrics = router.metrics
     ingress.auth = Authenticator(config.server.api_keys)
     ingress.gate = ConcurrencyGate(retry_after_s=1.0)
+    ingress.admission = AdmissionGate(
+        config.admission.settings(), pools=("prefill", "decode"), metrics=router.metrics
+    )
     if vllm:
         if not is_tiny_model_dir(config.model.resolved_path()):
             generate_tiny_model(config.model.resolved_path())

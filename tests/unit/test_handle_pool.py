@@ -21,6 +21,7 @@ class FakeDeployment:
         self.deployment_name = name
         self.gate = gate
         self.served: list[str] = []
+        self.streams: list[Any] = []
         self.generate = self
 
     def options(self, **_: Any) -> FakeDeployment:
@@ -70,3 +71,44 @@ def test_a_pool_needs_a_deployment_and_one_weight_each() -> None:
         HandlePool([])
     with pytest.raises(ValueError, match="one weight"):
         HandlePool([FakeDeployment("x", gate)], weights=[1, 1])  # type: ignore[list-item]
+
+
+class ServeStream:
+    """Stands in for Serve's ``DeploymentResponseGenerator``: no ``aclose``; ``cancel()``
+    ends the call on its replica."""
+
+    def __init__(self, request: GenerateRequest) -> None:
+        self.request = request
+        self.cancelled = False
+
+    def __aiter__(self) -> ServeStream:
+        return self
+
+    async def __anext__(self) -> GenerateChunk:
+        await asyncio.Event().wait()  # the engine has it queued
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class QueuedDeployment(FakeDeployment):
+    def remote(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        stream = ServeStream(request)
+        self.streams.append(stream)
+        return stream
+
+
+def test_a_stream_closed_before_its_end_cancels_its_serve_call() -> None:
+    async def run() -> tuple[list[bool], list[int]]:
+        gate = asyncio.Event()
+        a, b = QueuedDeployment("prefill-pool-a", gate), QueuedDeployment("prefill-pool-b", gate)
+        pool = HandlePool([a, b])
+        stream = pool.generate(req(0))
+        with pytest.raises(TimeoutError):  # the caller's deadline passes
+            await asyncio.wait_for(stream.__anext__(), 0.01)
+        await stream.aclose()  # type: ignore[attr-defined]
+        return [s.cancelled for s in a.streams + b.streams], list(pool._in_flight)
+
+    cancelled, in_flight = asyncio.run(run())
+    assert cancelled == [True] and in_flight == [0, 0]

@@ -71,6 +71,7 @@ def test_public_names_are_pinned() -> None:
             "ServiceUnavailable",
             "ServingLayerRefused",
             "DeadlineExceeded",
+            "Overloaded",
         ]
     )
     assert sorted(orchestrator.router.__all__) == [

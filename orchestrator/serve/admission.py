@@ -1,0 +1,82 @@
+"""The ingress's admission gate: the engines' load as the KV service last heard it.
+
+Each engine host sends its engine's counters with its heartbeat every second; each
+ingress replica reads them from the service every second (``engine_loads``, one call,
+off every turn's path) into an ``EngineBook`` (``policies.admission``). A turn is
+checked against the book before anything is claimed or queued: ``check`` raises
+``Overloaded`` (503 with Retry-After) when its prefill or decode pool cannot take it now.
+``health`` is the same judgement for ``/health``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from orchestrator.errors import Overloaded
+from orchestrator.kv.service import KVServiceAPI, engine_pool
+from orchestrator.observability.metrics import Metrics
+from policies.admission import (
+    AdmissionSettings,
+    EngineBook,
+    EngineLoad,
+    Health,
+    admit,
+    pool_health,
+)
+
+__all__ = ["AdmissionGate"]
+
+log = logging.getLogger("kvtide.admission")
+
+
+class AdmissionGate:
+    """One ingress replica's view of the engines (see the module). ``clock`` is the
+    replica's; the service's reports carry their age, not its clock."""
+
+    def __init__(
+        self,
+        settings: AdmissionSettings,
+        *,
+        pools: Sequence[str],
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.pools = tuple(pools)  # the app's pools, for /health
+        self.metrics = metrics
+        self.clock = clock
+        self.book = EngineBook()
+
+    def observe(self, reports: Mapping[str, Mapping[str, float]]) -> None:
+        """The service's ``engine_loads`` answer, read now."""
+        now = self.clock()
+        self.book.observe(
+            EngineLoad(
+                engine_id=engine_id,
+                pool=engine_pool(engine_id),
+                num_running=int(report.get("num_running", 0)),
+                num_waiting=int(report.get("num_waiting", 0)),
+                kv_cache_usage=float(report.get("kv_cache_usage", 0.0)),
+                num_finished=int(report.get("num_requests", 0)),
+                reported_s=now - float(report.get("age_s", 0.0)),
+            )
+            for engine_id, report in reports.items()
+        )
+
+    async def refresh(self, kv: KVServiceAPI) -> None:
+        """Read the engines' loads from the service (bounded by its client's deadline)."""
+        self.observe(await kv.engine_loads())
+
+    def check(self, pools: Sequence[str]) -> None:
+        """Admit a turn that runs on ``pools``, or raise ``Overloaded``."""
+        decision = admit(self.book.views(), pools, self.settings, self.clock())
+        if decision.admitted:
+            return
+        if self.metrics is not None:
+            self.metrics.inc("kvtide_admission_refusals_total", pool=decision.pool or "")
+        raise Overloaded(decision.reason, retry_after_s=decision.retry_after_s)
+
+    def health(self) -> Health:
+        return pool_health(self.book.views(), self.pools, self.settings, self.clock())
