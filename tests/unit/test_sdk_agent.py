@@ -9,8 +9,11 @@ next turn must send it back followed by one ``tool`` message per call.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -100,6 +103,8 @@ class ScriptedServer:
         self.requests.append(request)
         if request.url.path.startswith("/kvtide/sessions/"):
             return httpx.Response(200, json={"deleted": True})  # the session's DELETE
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": MODEL}]})
         body = json.loads(request.content)
         check, message, finish = self.script.pop(0)
         check(body)
@@ -332,3 +337,62 @@ def test_a_resumed_history_may_hold_tool_calls_and_results() -> None:
     assert session.send(AS_JSON["content"]).text == SUMMARY["content"]
     with pytest.raises(InvalidArgumentError, match="without its tool_call_id"):
         client.session(messages=[{"role": "tool", "content": "x"}])
+
+
+# ---- the example ---------------------------------------------------------------------
+
+
+def test_tools_example_answers_every_call_and_parses_its_verdict(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = Path(__file__).resolve().parents[2] / "examples" / "agent_tools.py"
+    spec = importlib.util.spec_from_file_location("agent_tools", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "agent_tools", example)  # pydantic looks the module up
+    spec.loader.exec_module(example)
+
+    def call(i: int, name: str, arguments: str) -> dict[str, Any]:
+        return {
+            "id": f"c{i}",
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+
+    listing = {"role": "assistant", "content": None, "tool_calls": [call(1, "list_files", "{}")]}
+    reading = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            call(2, "read_file", '{"path": "logs/test.log"}'),
+            call(3, "read_file", '{"path": "nope"}'),
+        ],
+    }
+    answer = {"role": "assistant", "content": "httpx 0.28 dropped proxies=."}
+    verdict = {"culprit_package": "httpx", "failing_file": "src/client.py", "fix": "proxy="}
+
+    def roles(*expected: str) -> Check:
+        def check(body: dict[str, Any]) -> None:
+            assert [m["role"] for m in body["messages"]] == list(expected)
+            assert ("tools" in body) == ("response_format" not in body)
+
+        return check
+
+    def answered(body: dict[str, Any]) -> None:
+        roles("system", "user", "assistant", "tool", "assistant", "tool", "tool")(body)
+        results = {m["tool_call_id"]: m["content"] for m in body["messages"][-2:]}
+        assert "1 failed, 212 passed" in results["c2"] and "no file 'nope'" in results["c3"]
+
+    server = ScriptedServer()
+    server.expect(roles("system", "user"), listing, finish="tool_calls")
+    server.expect(roles("system", "user", "assistant", "tool"), reading, finish="tool_calls")
+    server.expect(answered, answer)
+    server.expect(
+        roles(
+            "system", "user", "assistant", "tool", "assistant", "tool", "tool", "assistant", "user"
+        ),
+        {"role": "assistant", "content": json.dumps(verdict)},
+    )
+    parsed = example.run(client_for(server))
+    assert parsed == example.Verdict(**verdict) and server.script == []
+    assert "turn  prompt tok" in capsys.readouterr().out
