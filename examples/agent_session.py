@@ -9,6 +9,7 @@ context grows every turn the way an agent's does. Because the turns share one se
 kvtide pulls the previous turn's KV back from the decode engine instead of recomputing
 the whole history: watch the "cached tok" and "KV source" columns of the table printed
 at the end. The session is closed (its KV released) when the `with` block ends.
+`examples/agent_tools.py` is the same loop with real tool calls and a structured answer.
 """
 
 from __future__ import annotations

@@ -28,11 +28,23 @@ from orchestrator.sdk.errors import (
     ConflictError,
     EngineUnavailableError,
     InternalServerError,
+    InvalidArgumentError,
     KVTideAPIError,
+    KVTideSDKError,
     NotFoundError,
     RateLimitError,
+    SessionStateError,
+    StructuredOutputError,
 )
-from orchestrator.sdk.results import SessionInfo, SessionRecord, TurnResult, format_turns
+from orchestrator.sdk.results import (
+    Logprob,
+    SessionInfo,
+    SessionRecord,
+    SessionStatus,
+    ToolCall,
+    TurnResult,
+    format_turns,
+)
 from orchestrator.sdk.retry import RetryPolicy
 from orchestrator.sdk.session import Session, TurnStream
 
@@ -48,13 +60,20 @@ __all__ = [
     "ConflictError",
     "EngineUnavailableError",
     "InternalServerError",
+    "InvalidArgumentError",
     "KVTideAPIError",
+    "KVTideSDKError",
+    "Logprob",
     "NotFoundError",
     "RateLimitError",
     "RetryPolicy",
     "Session",
     "SessionInfo",
     "SessionRecord",
+    "SessionStateError",
+    "SessionStatus",
+    "StructuredOutputError",
+    "ToolCall",
     "TurnResult",
     "TurnStream",
     "format_turns",

@@ -17,7 +17,9 @@ from orchestrator.sdk._wire import (
     _usage_counts,
     decode_rate,
     error_from_payload,
+    logprobs_of,
     request_id_of,
+    tool_calls_of,
 )
 from orchestrator.sdk.errors import KVTideAPIError
 from orchestrator.sdk.results import TurnResult
@@ -49,7 +51,7 @@ def next_resume(
     """Body, headers and the tokens the broken stream made, for continuing a streamed
     turn (first sent as ``request``) after ``error``; ``None`` when it cannot go on."""
     made = resumable_tokens(error)
-    if request is None or made is None or collector.num_resumes >= max_resumes:
+    if request is None or made is None or not collector.can_continue(max_resumes):
         return None
     used = made + collector.prior_tokens
     nxt = resume_request(*request, text, used, collector.num_resumes + 1)
@@ -75,7 +77,7 @@ def reconnect_request(
     ``text`` (``resume_request``) under that key: the turn runs at most once either way.
     """
     made = collector.made_tokens()
-    if request is None or made is None or collector.num_resumes >= max_resumes:
+    if request is None or made is None or not collector.can_continue(max_resumes):
         return None
     nxt = resume_request(*request, text, made + collector.prior_tokens, collector.num_resumes + 1)
     return None if nxt is None else (nxt[0], dict(headers))
@@ -131,7 +133,8 @@ class StreamCollector:
     ``feed(line)`` returns the text delta the line carries (or ``None``) and raises the
     typed error of an in-stream ``{"error": ...}``. Events are one ``data:`` line each in
     kvtide's stream; multi-line events are joined as the SSE spec says. ``done`` is set by
-    ``data: [DONE]``.
+    ``data: [DONE]``. Only the first choice is read (a session goes on with it); its
+    ``tool_calls`` deltas are joined by index and its ``logprobs`` collected.
     """
 
     def __init__(self, request_id: str | None) -> None:
@@ -143,6 +146,8 @@ class StreamCollector:
         self.response_id: str | None = None
         self.num_deltas = 0
         self.parts: list[str] = []
+        self.tool_calls: dict[int, dict[str, Any]] = {}  # index -> the call so far
+        self.logprobs: list[Any] | None = None  # the first choice's logprobs.content
         self._data: list[str] = []
         # Completion tokens of the streams this one resumes (see ``resume_request``).
         self.prior_tokens = 0
@@ -150,6 +155,12 @@ class StreamCollector:
         # Parts from the responses before this one; text a replay repeats (``replayed``).
         self._base = 0
         self._skip = ""
+        self._logprobs_base = 0
+
+    def can_continue(self, max_resumes: int) -> bool:
+        """Whether a broken stream may be continued: resumes left, and no tool call begun
+        (a continuation continues text; half a call's arguments cannot be continued)."""
+        return self.num_resumes < max_resumes and not self.tool_calls
 
     def resumed(self, request_id: str | None, used_tokens: int) -> StreamCollector:
         """A collector for the stream that continues this one after it failed having
@@ -160,6 +171,8 @@ class StreamCollector:
         nxt.prior_tokens = self.prior_tokens + used_tokens
         nxt.num_resumes = self.num_resumes + 1
         nxt._base = len(nxt.parts)
+        nxt.logprobs = None if self.logprobs is None else list(self.logprobs)
+        nxt._logprobs_base = len(nxt.logprobs or ())
         return nxt
 
     def replayed(self, request_id: str | None) -> StreamCollector:
@@ -173,6 +186,10 @@ class StreamCollector:
         nxt.num_resumes = self.num_resumes + 1
         nxt._base = self._base
         nxt._skip = "".join(self.parts[self._base :])
+        # The replay carries the logprobs of the whole response again: keep only those of
+        # the responses before it.
+        nxt.logprobs = None if self.logprobs is None else self.logprobs[: self._logprobs_base]
+        nxt._logprobs_base = self._logprobs_base
         return nxt
 
     def made_tokens(self) -> int | None:
@@ -223,10 +240,14 @@ class StreamCollector:
             self.usage = chunk["usage"]
         text: str | None = None
         for choice in chunk.get("choices") or ():
+            if not isinstance(choice, Mapping) or choice.get("index", 0) != 0:
+                continue
             delta = choice.get("delta") or {}
             content = delta.get("content")
             if content:
                 text = (text or "") + str(content)
+            self._add_tool_calls(delta.get("tool_calls"))
+            self._add_logprobs(choice.get("logprobs"))
             if choice.get("finish_reason") is not None:
                 self.finish_reason = str(choice["finish_reason"])
         if text and self._skip:
@@ -235,6 +256,41 @@ class StreamCollector:
             self.num_deltas += 1
             self.parts.append(text)
         return text
+
+    def _add_tool_calls(self, deltas: Any) -> None:
+        """Join ``delta.tool_calls``: the id, type and name come once, the arguments in
+        pieces, all under the call's ``index``."""
+        for delta in deltas if isinstance(deltas, list) else ():
+            if not isinstance(delta, Mapping):
+                continue
+            call = self.tool_calls.setdefault(
+                int(delta.get("index", 0)),
+                {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
+            )
+            if delta.get("id"):
+                call["id"] = str(delta["id"])
+            if delta.get("type"):
+                call["type"] = str(delta["type"])
+            fn = delta.get("function")
+            if isinstance(fn, Mapping):
+                if fn.get("name"):
+                    call["function"]["name"] += str(fn["name"])
+                if fn.get("arguments"):
+                    call["function"]["arguments"] += str(fn["arguments"])
+
+    def _add_logprobs(self, raw: Any) -> None:
+        content = raw.get("content") if isinstance(raw, Mapping) else None
+        if isinstance(content, list):
+            self.logprobs = [*(self.logprobs or []), *content]
+
+    def message(self) -> dict[str, Any]:
+        """The assistant message the deltas built, as the history keeps it."""
+        text = "".join(self.parts)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tool_calls:
+            message["content"] = text or None
+            message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        return message
 
     def _skipped(self, text: str) -> str | None:
         """``text`` of a replay less what the caller has seen already."""
@@ -263,6 +319,7 @@ class StreamCollector:
         else:
             counts = (counts[0], counts[1] + self.prior_tokens, counts[2])
         first = ttft_s if ttft_s is not None else finish_s
+        message = self.message()
         return TurnResult(
             turn=meta.turn,
             session_id=meta.session_id,
@@ -282,4 +339,7 @@ class StreamCollector:
             streamed=True,
             kvtide=dict(ext),
             num_resumes=self.num_resumes,
+            message=message,
+            tool_calls=tool_calls_of(message),
+            logprobs=logprobs_of(None if self.logprobs is None else {"content": self.logprobs}),
         )

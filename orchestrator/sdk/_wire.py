@@ -6,11 +6,12 @@ No I/O here, so both clients behave identically.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -18,12 +19,13 @@ import httpx
 from orchestrator.sdk.errors import (
     APIConnectionError,
     APITimeoutError,
+    InvalidArgumentError,
     KVTideAPIError,
     error_class_for,
     implied_status,
     is_retryable,
 )
-from orchestrator.sdk.results import TurnResult
+from orchestrator.sdk.results import Logprob, ToolCall, TurnResult
 
 CHAT_PATH = "/v1/chat/completions"
 SESSIONS_PATH = "/kvtide/sessions"
@@ -40,7 +42,7 @@ def request_id_of(headers: Mapping[str, str]) -> str | None:
 
 def check_session_id(session_id: str) -> str:
     if not _SESSION_ID_RE.fullmatch(session_id):
-        raise ValueError(
+        raise InvalidArgumentError(
             "a session id must be 1-128 characters of letters, digits and ._:- ; "
             f"got {session_id[:40]!r}"
         )
@@ -61,24 +63,80 @@ def normalize_base_url(base_url: str) -> str:
     return url.removesuffix("/v1")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TurnOptions:
+    """What a turn asks besides its messages: ``send``/``stream``'s keyword arguments, the
+    same for the sync and async sessions. The named OpenAI fields go into the body as
+    given; ``sampling`` (other keyword arguments) and ``extra_body`` (an explicit mapping,
+    as the openai client has it) add any other field the server honours."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    tools: Sequence[Mapping[str, Any]] | None = None
+    tool_choice: str | Mapping[str, Any] | None = None
+    # A mapping as the API takes it, or a pydantic model class (``json_schema`` of it).
+    response_format: Mapping[str, Any] | type | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    extra_body: Mapping[str, Any] | None = None
+    sampling: Mapping[str, Any] = field(default_factory=dict)
+    traceparent: str | None = None
+    idempotency_key: str | None = None
+
+    @property
+    def parse_as(self) -> Any:
+        """The model class the reply is validated into, when ``response_format`` is one."""
+        return self.response_format if isinstance(self.response_format, type) else None
+
+    def named_fields(self) -> dict[str, Any]:
+        named = {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "tools": None if self.tools is None else [copy.deepcopy(dict(t)) for t in self.tools],
+            "tool_choice": copy.deepcopy(self.tool_choice),
+            "response_format": response_format_body(self.response_format),
+            "logprobs": self.logprobs,
+            "top_logprobs": self.top_logprobs,
+        }
+        return {k: v for k, v in named.items() if v is not None}
+
+
+def response_format_body(fmt: Mapping[str, Any] | type | None) -> dict[str, Any] | None:
+    """``response_format`` as sent: a mapping as given, a pydantic model class as the
+    ``json_schema`` format of its schema (named after the class)."""
+    if fmt is None:
+        return None
+    if isinstance(fmt, type):
+        schema_of = getattr(fmt, "model_json_schema", None)
+        if schema_of is None:
+            raise InvalidArgumentError(
+                f"response_format={fmt.__name__} is a class without model_json_schema(); "
+                "pass a pydantic model class or a mapping such as {'type': 'json_object'}"
+            )
+        return {"type": "json_schema", "json_schema": {"name": fmt.__name__, "schema": schema_of()}}
+    return copy.deepcopy(dict(fmt))
+
+
 def chat_body(
-    model: str,
-    messages: Sequence[Mapping[str, str]],
-    *,
-    max_tokens: int | None,
-    temperature: float | None,
-    stream: bool,
-    sampling: Mapping[str, Any],
+    model: str, messages: Sequence[Mapping[str, Any]], options: TurnOptions, *, stream: bool
 ) -> dict[str, Any]:
-    clash = _RESERVED.intersection(sampling)
-    if clash:
-        raise TypeError(f"{sorted(clash)} are set by the session; do not pass them to send")
-    body: dict[str, Any] = {"model": model, "messages": [dict(m) for m in messages]}
-    if max_tokens is not None:
-        body["max_tokens"] = max_tokens
-    if temperature is not None:
-        body["temperature"] = temperature
-    body.update(sampling)
+    named = options.named_fields()
+    extras = (("keyword arguments", options.sampling), ("extra_body", options.extra_body or {}))
+    seen: set[str] = set(named)
+    for where, extra in extras:
+        clash = _RESERVED.intersection(extra)
+        if clash:
+            raise InvalidArgumentError(
+                f"{sorted(clash)} are set by the session; do not pass them to send"
+            )
+        twice = seen.intersection(extra)
+        if twice:
+            raise InvalidArgumentError(f"{sorted(twice)} given twice (again in {where})")
+        seen.update(extra)
+    body: dict[str, Any] = {"model": model, "messages": copy.deepcopy([dict(m) for m in messages])}
+    body.update(named)
+    for _, extra in extras:
+        body.update(copy.deepcopy(dict(extra)))
     body["stream"] = stream
     if stream:
         # The usage so far in every chunk: continuing a stream cut by a broken
@@ -205,7 +263,7 @@ def result_from_completion(
     if not isinstance(body, Mapping) or not body.get("choices"):
         raise KVTideAPIError(f"the server's answer has no choices: {str(body)[:200]}")
     choice = body["choices"][0]
-    message = choice.get("message") or {}
+    message = assistant_message(choice.get("message"))
     raw_ext = body.get("kvtide")
     ext: Mapping[str, Any] = raw_ext if isinstance(raw_ext, Mapping) else {}
     counts = _usage_counts(body.get("usage"), ext) or (0, 0, int(ext.get("num_cached_tokens", 0)))
@@ -229,4 +287,30 @@ def result_from_completion(
         num_attempts=meta.num_attempts,
         streamed=False,
         kvtide=dict(ext),
+        message=message,
+        tool_calls=tool_calls_of(message),
+        logprobs=logprobs_of(choice.get("logprobs")),
+        choices=tuple(copy.deepcopy(body["choices"])) if len(body["choices"]) > 1 else (),
     )
+
+
+def assistant_message(raw: Any) -> dict[str, Any]:
+    """The reply as the history keeps it: the server's message as sent (a copy)."""
+    message = copy.deepcopy(dict(raw)) if isinstance(raw, Mapping) else {}
+    return {"role": "assistant", **message} if "role" not in message else message
+
+
+def tool_calls_of(message: Mapping[str, Any]) -> tuple[ToolCall, ...]:
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return ()
+    return tuple(ToolCall.from_json(c) for c in calls if isinstance(c, Mapping))
+
+
+def logprobs_of(raw: Any) -> tuple[Logprob, ...] | None:
+    """A choice's ``logprobs`` object (``{"content": [...]}``) as values; ``None`` when the
+    turn did not ask for them."""
+    content = raw.get("content") if isinstance(raw, Mapping) else None
+    if not isinstance(content, list):
+        return None
+    return tuple(Logprob.from_json(entry) for entry in content if isinstance(entry, Mapping))

@@ -1,4 +1,5 @@
-"""The asyncio client: the same calls as ``Client``, awaited. See ``orchestrator.sdk.client``."""
+"""The asyncio client: the same calls as ``Client``, awaited, over the same protocol core
+(``orchestrator.sdk._turn``). See ``orchestrator.sdk.client``."""
 
 from __future__ import annotations
 
@@ -12,14 +13,21 @@ from typing import Any
 
 import httpx
 
-from orchestrator.sdk._base import DEFAULT_BASE_URL, DEFAULT_RENEW_EVERY_S, DEFAULT_TIMEOUT
+from orchestrator.sdk._base import (
+    DEFAULT_BASE_URL,
+    DEFAULT_RENEW_EVERY_S,
+    DEFAULT_TIMEOUT,
+    MODELS_PATH,
+    STATS_PATH,
+)
 from orchestrator.sdk._base import BaseClient as _BaseClient
-from orchestrator.sdk._state import SessionState
-from orchestrator.sdk._wire import connection_error, error_from_response, json_body
+from orchestrator.sdk._state import ConversationState
+from orchestrator.sdk._turn import Attempts, WireRequest
+from orchestrator.sdk._wire import json_body
 from orchestrator.sdk.async_session import AsyncSession
-from orchestrator.sdk.errors import KVTideAPIError, NotFoundError
-from orchestrator.sdk.results import SessionInfo
-from orchestrator.sdk.retry import RetryPolicy, parse_retry_after
+from orchestrator.sdk.errors import NotFoundError
+from orchestrator.sdk.results import SessionStatus
+from orchestrator.sdk.retry import RetryPolicy
 
 __all__ = ["AsyncClient"]
 
@@ -61,11 +69,11 @@ class AsyncClient(_BaseClient):
         *,
         model: str | None = None,
         system: str | None = None,
-        messages: Sequence[Mapping[str, str]] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
         renew_every_s: float | None = DEFAULT_RENEW_EVERY_S,
     ) -> AsyncSession:
         """As ``Client.session``; use ``async with``."""
-        state = SessionState(
+        state = ConversationState(
             session_id=session_id,
             model=model,
             system=system,
@@ -76,17 +84,16 @@ class AsyncClient(_BaseClient):
         self._sessions.add(session)
         return session
 
-    async def get_session(self, session_id: str) -> SessionInfo:
-        response, _ = await self._send("GET", self._session_path(session_id))
-        return SessionInfo.from_json(json_body(response))
+    async def get_session(self, session_id: str) -> SessionStatus:
+        return SessionStatus.from_json(await self._json(self._session_call("GET", session_id)))
 
-    async def renew_session(self, session_id: str) -> SessionInfo:
-        response, _ = await self._send("POST", self._session_path(session_id, "/renew"))
-        return SessionInfo.from_json(json_body(response))
+    async def renew_session(self, session_id: str) -> SessionStatus:
+        body = await self._json(self._session_call("POST", session_id, "/renew"))
+        return SessionStatus.from_json(body)
 
     async def delete_session(self, session_id: str) -> None:
         try:
-            await self._send("DELETE", self._session_path(session_id))
+            await self._send(self._session_call("DELETE", session_id))
         except NotFoundError as exc:
             if exc.code != "session_not_found":
                 raise
@@ -94,55 +101,43 @@ class AsyncClient(_BaseClient):
     # ---- server -------------------------------------------------------------------
 
     async def models(self) -> list[str]:
-        response, _ = await self._send("GET", "/v1/models")
-        body = json_body(response)
-        return [str(m["id"]) for m in body.get("data", [])]
+        return self._model_ids(await self._json(self._get(MODELS_PATH)))
 
     async def stats(self) -> dict[str, Any]:
-        response, _ = await self._send("GET", "/kvtide/stats")
-        body: dict[str, Any] = json_body(response)
+        body: dict[str, Any] = await self._json(self._get(STATS_PATH))
         return body
 
     async def default_model(self) -> str:
         if self._model is None:
-            response, _ = await self._send("GET", "/v1/models")
-            self._model = self._first_model(json_body(response))
+            self._model = self._first_model(await self._json(self._get(MODELS_PATH)))
         return self._model
 
     # ---- transport ----------------------------------------------------------------
 
-    async def _send(
-        self,
-        method: str,
-        path: str,
-        *,
-        json: Any = None,
-        headers: Mapping[str, str] | None = None,
-        stream: bool = False,
-    ) -> tuple[httpx.Response, int]:
+    async def _json(self, request: WireRequest) -> Any:
+        response, _ = await self._send(request)
+        return json_body(response)
+
+    async def _send(self, request: WireRequest) -> tuple[httpx.Response, int]:
         """As ``Client._send``: same body and headers on every attempt."""
-        attempt = 0
+        attempts = Attempts(request, self.retry, self.base_url)
         while True:
-            cause: BaseException | None = None
-            retry_after = None
-            request = self._http.build_request(method, path, json=json, headers=headers)
+            http_request = self._http.build_request(
+                request.method, request.path, json=request.json, headers=request.headers
+            )
             try:
-                response = await self._http.send(request, stream=stream)
+                response = await self._http.send(http_request, stream=request.stream)
                 if response.is_success:
-                    return response, attempt + 1
+                    return response, attempts.num_attempts
                 try:
                     await response.aread()
                 finally:
                     await response.aclose()
-                error: KVTideAPIError = error_from_response(response)
-                retry_after = parse_retry_after(response.headers)
             except httpx.TransportError as exc:
-                error, cause = connection_error(exc, self.base_url), exc
-            delay = self._retry_delay(attempt, error, retry_after, f"{method} {path}")
-            if delay is None:
-                raise error from cause
+                delay = attempts.after_transport_error(exc, self._rand())
+            else:
+                delay = attempts.after_response(response, self._rand())
             await self._sleep(delay)
-            attempt += 1
 
     async def aclose(self) -> None:
         for session in list(self._sessions):

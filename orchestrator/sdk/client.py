@@ -1,7 +1,9 @@
 """The synchronous client: one HTTP connection pool, retries, and the session endpoints.
 
-Turns are run by ``Session`` (see ``orchestrator.sdk.session``); the client owns what
-every call shares: the base URL, the API key, the retry policy and the clock.
+A shell over the protocol core (``orchestrator.sdk._turn``): it sends what the core builds
+and sleeps what the core decides. Turns are run by ``Session``
+(``orchestrator.sdk.session``); the client owns what every call shares: the base URL, the
+API key, the retry policy and the clock.
 """
 
 from __future__ import annotations
@@ -15,13 +17,20 @@ from typing import Any
 
 import httpx
 
-from orchestrator.sdk._base import DEFAULT_BASE_URL, DEFAULT_RENEW_EVERY_S, DEFAULT_TIMEOUT
+from orchestrator.sdk._base import (
+    DEFAULT_BASE_URL,
+    DEFAULT_RENEW_EVERY_S,
+    DEFAULT_TIMEOUT,
+    MODELS_PATH,
+    STATS_PATH,
+)
 from orchestrator.sdk._base import BaseClient as _BaseClient
-from orchestrator.sdk._state import SessionState
-from orchestrator.sdk._wire import connection_error, error_from_response, json_body
-from orchestrator.sdk.errors import KVTideAPIError, NotFoundError
-from orchestrator.sdk.results import SessionInfo
-from orchestrator.sdk.retry import RetryPolicy, parse_retry_after
+from orchestrator.sdk._state import ConversationState
+from orchestrator.sdk._turn import Attempts, WireRequest
+from orchestrator.sdk._wire import json_body
+from orchestrator.sdk.errors import NotFoundError
+from orchestrator.sdk.results import SessionStatus
+from orchestrator.sdk.retry import RetryPolicy
 from orchestrator.sdk.session import Session
 
 __all__ = ["Client"]
@@ -68,7 +77,7 @@ class Client(_BaseClient):
         *,
         model: str | None = None,
         system: str | None = None,
-        messages: Sequence[Mapping[str, str]] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
         renew_every_s: float | None = DEFAULT_RENEW_EVERY_S,
     ) -> Session:
         """A conversation whose KV kvtide keeps between turns (no request is sent yet).
@@ -77,7 +86,7 @@ class Client(_BaseClient):
         ``messages``) to resume. ``model`` defaults to the first of ``GET /v1/models``.
         ``renew_every_s=None`` turns background lease renewal off.
         """
-        state = SessionState(
+        state = ConversationState(
             session_id=session_id,
             model=model,
             system=system,
@@ -88,19 +97,17 @@ class Client(_BaseClient):
         self._sessions.add(session)
         return session
 
-    def get_session(self, session_id: str) -> SessionInfo:
-        response, _ = self._send("GET", self._session_path(session_id))
-        return SessionInfo.from_json(json_body(response))
+    def get_session(self, session_id: str) -> SessionStatus:
+        return SessionStatus.from_json(self._json(self._session_call("GET", session_id)))
 
-    def renew_session(self, session_id: str) -> SessionInfo:
+    def renew_session(self, session_id: str) -> SessionStatus:
         """Extend the session's KV lease; ``NotFoundError`` if the server does not know it."""
-        response, _ = self._send("POST", self._session_path(session_id, "/renew"))
-        return SessionInfo.from_json(json_body(response))
+        return SessionStatus.from_json(self._json(self._session_call("POST", session_id, "/renew")))
 
     def delete_session(self, session_id: str) -> None:
         """Release the session's KV now. Deleting an unknown session is not an error."""
         try:
-            self._send("DELETE", self._session_path(session_id))
+            self._send(self._session_call("DELETE", session_id))
         except NotFoundError as exc:
             if exc.code != "session_not_found":
                 raise
@@ -108,61 +115,46 @@ class Client(_BaseClient):
     # ---- server -------------------------------------------------------------------
 
     def models(self) -> list[str]:
-        response, _ = self._send("GET", "/v1/models")
-        body = json_body(response)
-        return [str(m["id"]) for m in body.get("data", [])]
+        return self._model_ids(self._json(self._get(MODELS_PATH)))
 
     def stats(self) -> dict[str, Any]:
         """``GET /kvtide/stats`` as the server sends it (KV lifecycle and engine counters)."""
-        response, _ = self._send("GET", "/kvtide/stats")
-        body: dict[str, Any] = json_body(response)
+        body: dict[str, Any] = self._json(self._get(STATS_PATH))
         return body
 
     def default_model(self) -> str:
         """The served model (asked once, then remembered)."""
         if self._model is None:
-            response, _ = self._send("GET", "/v1/models")
-            self._model = self._first_model(json_body(response))
+            self._model = self._first_model(self._json(self._get(MODELS_PATH)))
         return self._model
 
     # ---- transport ----------------------------------------------------------------
 
-    def _send(
-        self,
-        method: str,
-        path: str,
-        *,
-        json: Any = None,
-        headers: Mapping[str, str] | None = None,
-        stream: bool = False,
-    ) -> tuple[httpx.Response, int]:
-        """Send with retries; returns a 2xx response and the number of attempts made.
+    def _json(self, request: WireRequest) -> Any:
+        response, _ = self._send(request)
+        return json_body(response)
 
-        Every attempt sends the same body and headers (so a turn keeps its idempotency
-        key). With ``stream=True`` the body of the returned response is not read yet.
-        """
-        attempt = 0
+    def _send(self, request: WireRequest) -> tuple[httpx.Response, int]:
+        """Send with the retries ``Attempts`` decides; a 2xx response and the attempts it
+        took. With ``request.stream`` the body of the returned response is not read yet."""
+        attempts = Attempts(request, self.retry, self.base_url)
         while True:
-            cause: BaseException | None = None
-            retry_after = None
-            request = self._http.build_request(method, path, json=json, headers=headers)
+            http_request = self._http.build_request(
+                request.method, request.path, json=request.json, headers=request.headers
+            )
             try:
-                response = self._http.send(request, stream=stream)
+                response = self._http.send(http_request, stream=request.stream)
                 if response.is_success:
-                    return response, attempt + 1
+                    return response, attempts.num_attempts
                 try:
                     response.read()
                 finally:
                     response.close()
-                error: KVTideAPIError = error_from_response(response)
-                retry_after = parse_retry_after(response.headers)
             except httpx.TransportError as exc:
-                error, cause = connection_error(exc, self.base_url), exc
-            delay = self._retry_delay(attempt, error, retry_after, f"{method} {path}")
-            if delay is None:
-                raise error from cause
+                delay = attempts.after_transport_error(exc, self._rand())
+            else:
+                delay = attempts.after_response(response, self._rand())
             self._sleep(delay)
-            attempt += 1
 
     def _stop_renewers(self) -> None:
         for session in list(self._sessions):

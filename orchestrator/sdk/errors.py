@@ -1,15 +1,23 @@
 """Errors the kvtide SDK raises, one class per thing a caller handles differently.
 
-    KVTideAPIError                 base: the server refused the call, or never answered
-    ├── APIConnectionError         no response (connect/read failure, reset, broken stream)
-    │   └── APITimeoutError        the client's timeout ran out
-    ├── BadRequestError            400: invalid request, context_length_exceeded
-    ├── AuthenticationError        401: invalid_api_key
-    ├── NotFoundError              404: model_not_found, session_not_found
-    ├── ConflictError              409: turn_in_progress (same idempotency key still running)
-    ├── RateLimitError             429: code names the limit (concurrency_limit_exceeded, ...)
-    ├── InternalServerError        500 and other 5xx the contract does not name
-    └── EngineUnavailableError     503: no healthy engine right now
+    KVTideSDKError                     root: everything the SDK raises on its own
+    ├── KVTideAPIError                 the server refused the call, or never answered
+    │   ├── APIConnectionError         no response (connect/read failure, reset, broken stream)
+    │   │   └── APITimeoutError        the client's timeout ran out
+    │   ├── BadRequestError            400: invalid request, context_length_exceeded
+    │   ├── AuthenticationError        401: invalid_api_key
+    │   ├── NotFoundError              404: model_not_found, session_not_found
+    │   ├── ConflictError              409: turn_in_progress (same key still running)
+    │   ├── RateLimitError             429: code names the limit (concurrency_limit_exceeded)
+    │   ├── InternalServerError        500 and other 5xx the contract does not name
+    │   └── EngineUnavailableError     503: no healthy engine right now
+    ├── InvalidArgumentError           a call's argument is wrong (also ValueError, TypeError)
+    ├── SessionStateError              not now: session closed, busy, tool calls unanswered,
+    │                                  stream not finished (also RuntimeError)
+    └── StructuredOutputError          a reply is not the JSON asked for (also ValueError)
+
+The three local errors also derive from the builtin a caller would have caught before they
+existed, so ``except ValueError`` keeps working.
 
 Every error carries the server's own ``message``, ``code``, ``type`` and ``param`` (from
 the OpenAI-style body ``{"error": {...}}``), the ``request_id`` when the server sent one,
@@ -31,9 +39,13 @@ __all__ = [
     "ConflictError",
     "EngineUnavailableError",
     "InternalServerError",
+    "InvalidArgumentError",
     "KVTideAPIError",
+    "KVTideSDKError",
     "NotFoundError",
     "RateLimitError",
+    "SessionStateError",
+    "StructuredOutputError",
     "error_class_for",
 ]
 
@@ -41,8 +53,33 @@ __all__ = [
 RETRYABLE_CODES = {409: "turn_in_progress", 429: "concurrency_limit_exceeded"}
 
 
-class KVTideAPIError(Exception):
-    """The base of every SDK error; ``str(err)`` is the server's message."""
+class KVTideSDKError(Exception):
+    """The root of every error the SDK raises: ``except KVTideSDKError`` catches them all."""
+
+
+class InvalidArgumentError(KVTideSDKError, ValueError, TypeError):
+    """An argument the caller passed is wrong; the message names it and what would do."""
+
+
+class SessionStateError(KVTideSDKError, RuntimeError):
+    """The call does not fit the session's state now: it is closed, running a turn, has
+    tool calls without results, or a stream's result is asked before the stream ended."""
+
+
+class StructuredOutputError(KVTideSDKError, ValueError):
+    """A reply asked to be JSON (``response_format``) does not parse or validate.
+
+    ``result`` is the turn's ``TurnResult`` when a session raised it: the server ran the
+    turn, so it is in the history; ``text`` is the content that failed."""
+
+    def __init__(self, message: str, *, text: str, result: Any = None) -> None:
+        super().__init__(message)
+        self.text = text
+        self.result = result
+
+
+class KVTideAPIError(KVTideSDKError):
+    """The server refused the call or never answered; ``str(err)`` is the server's message."""
 
     def __init__(
         self,

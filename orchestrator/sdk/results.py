@@ -6,11 +6,91 @@ and the client's own timings, and never changes after the turn is in the history
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
-__all__ = ["SessionInfo", "SessionRecord", "TurnResult", "format_turns"]
+from orchestrator.sdk.errors import StructuredOutputError
+
+__all__ = [
+    "Logprob",
+    "SessionInfo",
+    "SessionRecord",
+    "SessionStatus",
+    "ToolCall",
+    "TurnResult",
+    "format_turns",
+]
+
+M = TypeVar("M")
+M_co = TypeVar("M_co", covariant=True)
+
+
+class JSONModel(Protocol[M_co]):
+    """What ``TurnResult.parse`` needs of a model class: pydantic's ``model_validate_json``
+    (the SDK does not import pydantic; any class with this method will do)."""
+
+    def model_validate_json(self, json_data: str, /) -> M_co: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolCall:
+    """A function call the model asked for, as the server sent it. ``arguments`` is the
+    JSON text the model wrote, unparsed (a model may write invalid JSON): ``args()``
+    parses it. Answer it with ``session.add_tool_result(call.id, ...)``."""
+
+    id: str
+    name: str
+    arguments: str
+    type: str = "function"
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> ToolCall:
+        function = raw.get("function")
+        fn: Mapping[str, Any] = function if isinstance(function, Mapping) else {}
+        return cls(
+            id=str(raw.get("id") or ""),
+            name=str(fn.get("name") or ""),
+            arguments=str(fn.get("arguments") or ""),
+            type=str(raw.get("type") or "function"),
+        )
+
+    def args(self) -> Any:
+        """The arguments as JSON; ``StructuredOutputError`` when they are not JSON."""
+        try:
+            return json.loads(self.arguments)
+        except ValueError as exc:
+            raise StructuredOutputError(
+                f"the arguments of tool call {self.id!r} ({self.name}) are not JSON: {exc}",
+                text=self.arguments,
+            ) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Logprob:
+    """One sampled token of the reply with its log-probability; ``top`` holds the
+    ``top_logprobs`` alternatives as ``(token, logprob)`` pairs, most likely first."""
+
+    token: str
+    logprob: float
+    bytes: tuple[int, ...] | None = None
+    top: tuple[tuple[str, float], ...] = ()
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> Logprob:
+        raw_bytes = raw.get("bytes")
+        top = raw.get("top_logprobs") or ()
+        return cls(
+            token=str(raw.get("token", "")),
+            logprob=float(raw.get("logprob", 0.0)),
+            bytes=tuple(int(b) for b in raw_bytes) if isinstance(raw_bytes, list) else None,
+            top=tuple(
+                (str(t.get("token", "")), float(t.get("logprob", 0.0)))
+                for t in top
+                if isinstance(t, Mapping)
+            ),
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,6 +110,13 @@ class TurnResult:
     ``num_resumes``: how often a streamed turn went on after its stream broke on the
     server (an engine failed mid-stream with no other to continue on); ``text`` and
     ``completion_tokens`` cover the whole turn.
+
+    ``message`` is the assistant message exactly as the server returned it (for a streamed
+    turn: as its deltas built it); the session's history keeps this message, so
+    ``tool_calls`` go back to the server unchanged. ``logprobs`` is ``None`` unless the
+    turn asked for them. ``choices`` holds every choice as sent when ``n`` > 1 asked for
+    several (non-streamed turns only); the session goes on with the first. ``parsed`` is
+    the validated model when ``response_format`` was a model class.
     """
 
     turn: int
@@ -50,6 +137,34 @@ class TurnResult:
     streamed: bool
     kvtide: Mapping[str, Any] = field(default_factory=dict)
     num_resumes: int = 0
+    message: Mapping[str, Any] = field(default_factory=dict)
+    tool_calls: tuple[ToolCall, ...] = ()
+    logprobs: tuple[Logprob, ...] | None = None
+    choices: tuple[Mapping[str, Any], ...] = ()
+    parsed: Any = None
+
+    def json(self) -> Any:
+        """The reply's text as JSON (``response_format`` ``json_object``/``json_schema``);
+        ``StructuredOutputError`` when it is not JSON (a ``length`` finish cuts it off)."""
+        try:
+            return json.loads(self.text)
+        except ValueError as exc:
+            why = self._why_not(f"is not JSON ({exc})")
+            raise StructuredOutputError(why, text=self.text) from None
+
+    def parse(self, model: JSONModel[M]) -> M:
+        """The reply's text validated into ``model`` (a pydantic model class);
+        ``StructuredOutputError`` when it does not validate."""
+        try:
+            return model.model_validate_json(self.text)
+        except ValueError as exc:  # pydantic's ValidationError is a ValueError
+            why = f"does not validate as {getattr(model, '__name__', model)}: {exc}"
+            raise StructuredOutputError(self._why_not(why), text=self.text) from None
+
+    def _why_not(self, why: str) -> str:
+        cut = " (it was cut off: finish_reason 'length'; raise max_tokens)"
+        tail = cut if self.finish_reason == "length" else ""
+        return f"turn {self.turn} of session {self.session_id}: the reply {why}{tail}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,7 +178,7 @@ class SessionRecord:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SessionInfo:
+class SessionStatus:
     """``GET``/``renew`` of a session. ``record`` is ``None`` when no KV is held (never
     recorded, expired, evicted or closed): the next turn then recomputes its prompt.
     ``lease_expires_in_s`` is how long the server keeps the session without a turn or a
@@ -75,7 +190,7 @@ class SessionInfo:
     raw: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_json(cls, body: Mapping[str, Any]) -> SessionInfo:
+    def from_json(cls, body: Mapping[str, Any]) -> SessionStatus:
         rec = body.get("record")
         record = None
         if isinstance(rec, Mapping):
@@ -91,6 +206,11 @@ class SessionInfo:
             lease_expires_in_s=_seconds(body.get("lease_expires_in_s")),
             raw=dict(body),
         )
+
+
+# The earlier name, kept for callers that import it (the server has a ``SessionInfo`` of
+# its own, so the class itself is named ``SessionStatus``).
+SessionInfo = SessionStatus
 
 
 def _seconds(value: Any) -> float | None:

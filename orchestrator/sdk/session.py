@@ -4,185 +4,167 @@ Each turn sends the whole history with the session's ``x-session-id`` (so kvtide
 the KV it kept from the previous turn) and a fresh ``idempotency-key`` that every retry
 of that turn repeats. While the session is open and idle a daemon thread renews the
 lease every ``renew_every_s``, so KV survives a user who pauses longer than the TTL.
+
+A shell: what a turn sends, when it is retried or continued, and what its answer means
+are decided in the protocol core (``_state``, ``_turn``, ``_stream_turn``), which
+``AsyncSession`` shares; this module sends, reads and waits.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from orchestrator.sdk._state import SessionState
-from orchestrator.sdk._stream import StreamCollector, next_resume, reconnect_request, reconnected
-from orchestrator.sdk._wire import (
-    CHAT_PATH,
-    TurnMeta,
-    connection_error,
-    json_body,
-    new_idempotency_key,
-    request_id_of,
-    result_from_completion,
-)
-from orchestrator.sdk.errors import APIConnectionError, KVTideAPIError, NotFoundError
-from orchestrator.sdk.results import SessionInfo, TurnResult
+from orchestrator.sdk._base import SessionView
+from orchestrator.sdk._state import ConversationState
+from orchestrator.sdk._stream_turn import StreamTurn
+from orchestrator.sdk._turn import Turn, WireRequest
+from orchestrator.sdk._wire import TurnOptions
+from orchestrator.sdk.errors import KVTideAPIError
+from orchestrator.sdk.results import SessionStatus, TurnResult
 
 if TYPE_CHECKING:
     from orchestrator.sdk.client import Client
 
 __all__ = ["Session", "TurnStream"]
 
-log = logging.getLogger("kvtide.sdk")
 _JOIN_TIMEOUT_S = 10.0
 
 
-class Session:
+class Session(SessionView):
     """Made by ``Client.session()``; use it as a context manager so it is closed (its KV
     released at once) when the block ends, also on an exception."""
 
-    def __init__(self, client: Client, state: SessionState) -> None:
+    def __init__(self, client: Client, state: ConversationState) -> None:
         self._client = client
         self._state = state
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
-    @property
-    def id(self) -> str:
-        return self._state.id
-
-    @property
-    def model(self) -> str | None:
-        return self._state.model
-
-    @property
-    def messages(self) -> list[dict[str, str]]:
-        """The history the next turn sends before its user message (a copy)."""
-        return [dict(m) for m in self._state.messages]
-
-    @property
-    def turns(self) -> list[TurnResult]:
-        return list(self._state.turns)
-
-    @property
-    def closed(self) -> bool:
-        return self._state.closed
-
-    @property
-    def renew_error(self) -> Exception | None:
-        """The last background renewal's error (cleared by the next success)."""
-        return self._state.renew_error
-
     # ---- turns --------------------------------------------------------------------
 
     def send(
         self,
-        user_text: str,
+        user_text: str | None = None,
         *,
         max_tokens: int | None = None,
         temperature: float | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        response_format: Mapping[str, Any] | type | None = None,
+        logprobs: bool | None = None,
+        top_logprobs: int | None = None,
+        extra_body: Mapping[str, Any] | None = None,
         traceparent: str | None = None,
         idempotency_key: str | None = None,
         **sampling: Any,
     ) -> TurnResult:
-        """Run one turn and wait for the whole reply. ``sampling`` goes into the request
-        body as is (``top_p``, ``seed``, ``stop``, ...). Pass ``idempotency_key`` (from a
-        failed turn's error) to resend that turn: the server replays it if it finished."""
-        state, clock = self._state, self._client._clock
-        state.begin_turn()
-        key = idempotency_key or new_idempotency_key()
+        """Run one turn and wait for the whole reply.
+
+        ``user_text`` may be left out after ``add_tool_result``: the turn then sends the
+        tool results only. ``tools``, ``tool_choice``, ``response_format`` (a mapping, or
+        a pydantic model class: the reply is then validated into ``result.parsed``),
+        ``logprobs`` and ``top_logprobs`` are the OpenAI fields; ``extra_body`` and other
+        keyword arguments (``top_p``, ``seed``, ``stop``, ``n``, ...) go into the body as
+        they are. Pass ``idempotency_key`` (from a failed turn's error) to resend that
+        turn: the server replays it if it finished."""
+        options = TurnOptions(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            tools=tools,
+            tool_choice=tool_choice,
+            response_format=response_format,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            extra_body=extra_body,
+            sampling=sampling,
+            traceparent=traceparent,
+            idempotency_key=idempotency_key,
+        )
+        turn = self._start(user_text, options, stream=False)
         try:
-            start = clock()
-            body, headers = state.turn_request(
-                self._model(),
-                user_text,
-                key,
-                stream=False,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                traceparent=traceparent,
-                sampling=sampling,
-            )
-            response, attempts = self._client._send("POST", CHAT_PATH, json=body, headers=headers)
-            meta = state.turn_meta(key, attempts)
-            result = result_from_completion(
-                json_body(response), response.headers, meta, clock() - start
-            )
+            response, attempts = self._client._send(turn.request)
+            result = turn.completed(response, attempts, self._client._clock())
         except BaseException as exc:
-            self._turn_failed(exc, key)
+            self._state.abort_turn(turn, exc)
             raise
-        self._turn_done(user_text, result)
-        return result
+        try:
+            return self._state.end_turn(turn, result, self._client._clock())
+        finally:
+            self._start_renewer()
 
     def stream(
         self,
-        user_text: str,
+        user_text: str | None = None,
         *,
         max_tokens: int | None = None,
         temperature: float | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        response_format: Mapping[str, Any] | type | None = None,
+        logprobs: bool | None = None,
+        top_logprobs: int | None = None,
+        extra_body: Mapping[str, Any] | None = None,
         traceparent: str | None = None,
         idempotency_key: str | None = None,
         **sampling: Any,
     ) -> TurnStream:
-        """Start one turn and return its text deltas as they come (see ``TurnStream``).
+        """Start one turn and return its text deltas as they come (see ``TurnStream``);
+        arguments as ``send``.
 
         The request is sent (and retried) now, so an error status raises here; once
         deltas flow nothing is retried, since the caller has already seen them."""
-        state, clock = self._state, self._client._clock
-        state.begin_turn()
-        key = idempotency_key or new_idempotency_key()
+        options = TurnOptions(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            tools=tools,
+            tool_choice=tool_choice,
+            response_format=response_format,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            extra_body=extra_body,
+            sampling=sampling,
+            traceparent=traceparent,
+            idempotency_key=idempotency_key,
+        )
+        turn = self._start(user_text, options, stream=True)
         try:
-            start = clock()
-            body, headers = state.turn_request(
-                self._model(),
-                user_text,
-                key,
-                stream=True,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                traceparent=traceparent,
-                sampling=sampling,
-            )
-            response, attempts = self._client._send(
-                "POST", CHAT_PATH, json=body, headers=headers, stream=True
-            )
+            response, attempts = self._client._send(turn.request)
         except BaseException as exc:
-            self._turn_failed(exc, key)
+            self._state.abort_turn(turn, exc)
             raise
-        meta = state.turn_meta(key, attempts)
-        return TurnStream(self, user_text, response, meta, start, (body, headers))
+        core = StreamTurn(
+            self._state,
+            turn,
+            response.headers,
+            attempts,
+            base_url=self._client.base_url,
+            max_resumes=self._client.retry.max_retries,
+        )
+        return TurnStream(self, core, response)
 
-    def _model(self) -> str:
+    def _start(self, user_text: str | None, options: TurnOptions, *, stream: bool) -> Turn:
+        now_s = self._client._clock()
         if self._state.model is None:
             self._state.model = self._client.default_model()
-        return self._state.model
-
-    def _turn_done(self, user_text: str, result: TurnResult) -> None:
-        self._state.end_turn(user_text, result, self._client._clock())
-        self._start_renewer()
-
-    def _turn_failed(self, exc: BaseException, key: str) -> None:
-        self._state.abort_turn()
-        if isinstance(exc, KVTideAPIError):
-            exc.idempotency_key = key
+        model = self._state.model
+        return self._state.start_turn(model, user_text, options, stream=stream, now_s=now_s)
 
     # ---- lease --------------------------------------------------------------------
 
-    def info(self) -> SessionInfo:
+    def info(self) -> SessionStatus:
         """Where the server holds this session's KV now (``record`` None: nowhere)."""
         return self._client.get_session(self.id)
 
-    def renew(self) -> SessionInfo:
+    def renew(self) -> SessionStatus:
         """Extend the KV lease now; ``NotFoundError`` if the server no longer knows it."""
         info = self._client.renew_session(self.id)
         self._state.renewed(self._client._clock())
         return info
-
-    def _renew_due(self, now_s: float) -> bool:
-        return self._state.renew_due(now_s)
 
     def _renew_if_due(self, now_s: float) -> bool:
         """Renew if due; a failure is kept in ``renew_error``, never raised (it runs in the
@@ -192,9 +174,7 @@ class Session:
         try:
             self.renew()
         except KVTideAPIError as exc:
-            gone = isinstance(exc, NotFoundError)
-            log.warning("renewing session %s failed: %s", self.id, exc)
-            self._state.renew_failed(exc, self._client._clock(), gone=gone)
+            self._state.renew_failed(exc, self._client._clock())
         return True
 
     def _renew_loop(self, wait: Callable[[float], bool]) -> None:
@@ -242,7 +222,7 @@ class Session:
         try:  # do not hide the exception that ended the block behind a failed DELETE
             self.close()
         except KVTideAPIError as close_exc:
-            log.warning("closing session %s failed: %s", self.id, close_exc)
+            self._state.close_failed(close_exc)
 
 
 class TurnStream:
@@ -253,163 +233,79 @@ class TurnStream:
     connection raises ``APIConnectionError``. Either way the history is unchanged.
     """
 
-    def __init__(
-        self,
-        session: Session,
-        user_text: str,
-        response: httpx.Response,
-        meta: TurnMeta,
-        start_s: float,
-        request: tuple[dict[str, Any], dict[str, str]] | None = None,
-    ) -> None:
+    def __init__(self, session: Session, core: StreamTurn, response: httpx.Response) -> None:
         self._session = session
-        # The turn's first request, for continuing it after a broken stream, and the
-        # headers of the request being read (its idempotency key).
-        self._request = request
-        self._headers = request[1] if request is not None else {}
-        self._user_text = user_text
+        self._core = core
         self._response = response
         self._lines = response.iter_lines()
-        self._meta = meta
-        self._start_s = start_s
         self._clock = session._client._clock
-        self._collector = StreamCollector(request_id_of(response.headers))
-        self._first_s: float | None = None
-        self._finish_s: float | None = None
-        self._result: TurnResult | None = None
-        self._ended = False
 
     @property
     def text(self) -> str:
         """The text received so far."""
-        return "".join(self._collector.parts)
+        return self._core.text
 
     @property
     def result(self) -> TurnResult:
-        if self._result is None:
-            raise RuntimeError("the turn has not finished: iterate the stream to its end first")
-        return self._result
+        return self._core.result
 
     def __iter__(self) -> Iterator[str]:
         return self
 
     def __next__(self) -> str:
-        if self._ended:
-            raise StopIteration
-        while True:
+        core = self._core
+        while not core.ended:
             try:
-                delta = self._next_delta()
-            except httpx.TransportError as exc:
-                error = connection_error(exc, self._session._client.base_url, mid_stream=True)
-                if self._reconnect(error):
-                    continue
-                self._abort(error)
-                raise error from exc
-            except KVTideAPIError as exc:
-                if self._resume(exc):
-                    continue
-                self._abort(exc)
-                raise
+                delta = self._read()
             except BaseException as exc:
-                self._abort(exc)
-                raise
-            break
-        if delta is None:
-            raise StopIteration
-        return delta
+                request = core.recover(exc)
+                if request is not None and self._continue(request):
+                    continue
+                self._response.close()
+                error = core.fail(exc)
+                if core.recorded:
+                    self._session._start_renewer()
+                if error is exc:
+                    raise
+                raise error from exc
+            if delta is not None:
+                return delta
+        raise StopIteration
 
-    def _next_delta(self) -> str | None:
-        collector = self._collector
+    def _read(self) -> str | None:
+        """The next delta; ``None`` once the turn is complete (and in the history)."""
+        core, clock = self._core, self._clock
         for line in self._lines:
-            delta = collector.feed(line)
-            if collector.finished and self._finish_s is None:
-                self._finish_s = self._clock() - self._start_s
+            delta = core.feed(line, clock())
             if delta:
-                return self._first(delta)
-            if collector.done:
+                return delta
+            if core.done:
                 break
         else:
-            delta = collector.end()
+            delta = core.end(clock())
             if delta:
-                return self._first(delta)
-        self._complete()
+                return delta
+        self._response.close()
+        core.complete(clock())
+        self._session._start_renewer()
         return None
 
-    def _resume(self, error: KVTideAPIError) -> bool:
-        """Continue the turn after a retryable in-stream error (see
-        ``orchestrator.sdk._wire.resume_request``); False when it cannot go on."""
-        client, collector = self._session._client, self._collector
-        nxt = next_resume(collector, self._request, self.text, error, client.retry.max_retries)
-        if nxt is None:
-            return False
-        response = self._send_next(nxt[0], nxt[1], error)
-        if response is None:
-            return False
-        self._collector = collector.resumed(request_id_of(response.headers), nxt[2])
-        return True
-
-    def _reconnect(self, error: KVTideAPIError) -> bool:
-        """Continue the turn after its connection broke (see
-        ``orchestrator.sdk._wire.reconnect_request``); False when it cannot go on."""
-        client, collector = self._session._client, self._collector
-        nxt = reconnect_request(
-            collector, self._request, self._headers, self.text, client.retry.max_retries
-        )
-        if nxt is None:
-            return False
-        response = self._send_next(nxt[0], nxt[1], error)
-        if response is None:
-            return False
-        self._collector = reconnected(collector, response.headers)
-        return True
-
-    def _send_next(
-        self, body: dict[str, Any], headers: dict[str, str], error: KVTideAPIError
-    ) -> httpx.Response | None:
-        """Send the request that continues the turn; None when it could not be sent."""
+    def _continue(self, request: WireRequest) -> bool:
+        """Send the request that continues the turn; False when it could not be sent."""
         self._response.close()
         try:
-            response, attempts = self._session._client._send(
-                "POST", CHAT_PATH, json=body, headers=headers, stream=True
-            )
-        except KVTideAPIError:
-            log.warning("could not continue turn %s after: %s", self._meta.turn, error)
-            return None
-        log.info("turn %s: stream broke (%s); continuing it", self._meta.turn, error)
-        self._response, self._lines, self._headers = response, response.iter_lines(), headers
-        self._meta = dataclasses.replace(
-            self._meta, num_attempts=self._meta.num_attempts + attempts
-        )
-        return response
-
-    def _first(self, delta: str) -> str:
-        if self._first_s is None:
-            self._first_s = self._clock() - self._start_s
-        return delta
-
-    def _complete(self) -> None:
-        if not self._collector.finished:
-            raise APIConnectionError(
-                "the stream ended before the turn finished (no finish_reason arrived)"
-            )
-        now = self._clock() - self._start_s
-        finish = self._finish_s if self._finish_s is not None else now
-        self._result = self._collector.result(
-            self._meta, ttft_s=self._first_s, finish_s=finish, total_s=now
-        )
-        self._ended = True
-        self._response.close()
-        self._session._turn_done(self._user_text, self._result)
-
-    def _abort(self, exc: BaseException) -> None:
-        self._ended = True
-        self._response.close()
-        self._session._turn_failed(exc, self._meta.idempotency_key)
+            response, attempts = self._session._client._send(request)
+        except KVTideAPIError as exc:
+            self._core.not_continued(exc)
+            return False
+        self._response, self._lines = response, response.iter_lines()
+        self._core.continued(response.headers, attempts)
+        return True
 
     def close(self) -> None:
         """Stop reading; an unfinished turn is abandoned (the server stops generating)."""
-        if not self._ended:
-            self._abort(RuntimeError("stream closed by the caller"))
+        self._core.abandon()
+        self._response.close()
 
     def __enter__(self) -> TurnStream:
         return self

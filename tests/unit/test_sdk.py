@@ -891,5 +891,14 @@ def test_public_names_are_pinned() -> None:
             "RateLimitError",
             "InternalServerError",
             "EngineUnavailableError",
+            # The error root and the local errors under it.
+            "KVTideSDKError",
+            "InvalidArgumentError",
+            "SessionStateError",
+            "StructuredOutputError",
+            # Agent turns: tool calls and logprobs; SessionInfo's unique name.
+            "ToolCall",
+            "Logprob",
+            "SessionStatus",
         ]
     )
