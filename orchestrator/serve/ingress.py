@@ -73,6 +73,7 @@ from orchestrator.serve.responses import (
     stream_error,
     usage_of,
 )
+from orchestrator.serve.tool_turns import ToolTurns
 from orchestrator.serve.turns import OpenedTurn, OpenTurn
 from orchestrator.serve.vllm_routes import VLLMRoutes
 
@@ -220,6 +221,7 @@ class Ingress(VLLMRoutes):
         # vLLM's OpenAI serving layer for what kvtide's own does not serve (tools,
         # structured outputs, logprobs, n, ...): its config and tokenizer, no engine.
         self.vllm = await asyncio.to_thread(vllm_api.build_serving, config.model, self._vllm_turn)
+        self.tool_turns = ToolTurns()
         self.auth = Authenticator(config.server.api_keys)
         # Per ingress replica: a key's concurrent requests are counted where they run.
         self.gate = ConcurrencyGate(retry_after_s=1.0)

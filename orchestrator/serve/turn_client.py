@@ -233,7 +233,10 @@ def make_turn_client(vllm_config: Any, run: TurnRunner) -> Any:
             delta = params.output_kind == RequestOutputKind.DELTA
             choices = {i: _Choice() for i in streams}
             num_finished = 0
+            raw: list[str] = ctx.extra.setdefault("raw_text", [])
             async for index, chunk in _merged(streams):
+                if index == 0:
+                    raw.append(chunk.text)  # choice 0 as generated (``tool_turns``)
                 num_finished += chunk.finished
                 finished = num_finished == num_choices
                 if delta:

@@ -36,6 +36,7 @@ from orchestrator.serve.turn_client import TurnRunner, make_turn_client
 
 __all__ = [
     "Kind",
+    "StreamedToolCalls",
     "VLLMServing",
     "build_serving",
     "check_fields",
@@ -203,6 +204,40 @@ def with_kvtide(event: str, ext: Callable[[], dict[str, Any]]) -> str:
     body = json.loads(event[len("data: ") :])
     body["kvtide"] = ext()
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+class StreamedToolCalls:
+    """Choice 0's tool calls as a client assembles them from a stream's deltas."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, dict[str, Any]] = {}
+
+    def add(self, event: str) -> None:
+        if '"tool_calls"' not in event or not event.startswith("data: {"):
+            return
+        for choice in json.loads(event[len("data: ") :]).get("choices") or ():
+            if choice.get("index") != 0:
+                continue
+            for delta in (choice.get("delta") or {}).get("tool_calls") or ():
+                call = self._calls.setdefault(
+                    int(delta.get("index", 0)), {"id": None, "name": "", "arguments": ""}
+                )
+                call["id"] = delta.get("id") or call["id"]
+                function = delta.get("function") or {}
+                call["name"] += function.get("name") or ""
+                call["arguments"] += function.get("arguments") or ""
+
+    def message(self) -> dict[str, Any]:
+        """The assistant message's ``tool_calls`` as the client sends them back."""
+        calls = [
+            {
+                "id": c["id"],
+                "type": "function",
+                "function": {"name": c["name"], "arguments": c["arguments"]},
+            }
+            for _, c in sorted(self._calls.items())
+        ]
+        return {"role": "assistant", "tool_calls": calls}
 
 
 async def prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:

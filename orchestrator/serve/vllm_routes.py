@@ -25,6 +25,7 @@ from orchestrator.serve import openai_api as api
 from orchestrator.serve import vllm_api
 from orchestrator.serve.auth import Ticket, check_request
 from orchestrator.serve.responses import begin_replay, body_fingerprints
+from orchestrator.serve.tool_turns import ToolTurns, tool_calls_of
 from orchestrator.serve.turn_client import CURRENT_TURN, TurnContext
 from orchestrator.serve.turns import OpenedTurn, OpenTurn
 
@@ -44,6 +45,7 @@ class VLLMRoutes:
     router: Any
     gate: Any
     vllm: vllm_api.VLLMServing
+    tool_turns: ToolTurns
     _open_turn: Callable[[OpenTurn], Awaitable[OpenedTurn]]
     _guarded: Callable[..., Awaitable[Any]]
 
@@ -57,8 +59,14 @@ class VLLMRoutes:
         t_in: float,
     ) -> Any:
         """``body``, which kvtide's own layer does not serve, through vLLM's."""
-        req = vllm_api.parse_request(kind, body)
         messages = body.get("messages") if kind == "chat" else None
+        sent = body
+        if isinstance(messages, list):
+            # Tool-calling turns answered here render as the decode wrote them.
+            generated = self.tool_turns.as_generated(messages)
+            if generated is not None:
+                body = {**body, "messages": generated}
+        req = vllm_api.parse_request(kind, body)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         ctx = TurnContext(
             principal=principal,
@@ -85,7 +93,7 @@ class VLLMRoutes:
             http,
             principal,
             run,
-            lambda key: begin_replay(self.kv, key, kind, body_fingerprints(kind, body)),
+            lambda key: begin_replay(self.kv, key, kind, body_fingerprints(kind, sent)),
             lambda stored: _replayed(stored, stream),
         )
 
@@ -171,6 +179,7 @@ class VLLMRoutes:
         if not stream:
             body = result.model_dump(mode="json")
             body["kvtide"] = ctx.report.as_dict()
+            self._remember_tool_turn(ctx, body["choices"][0].get("message") or {})
             if replay_key is not None:
                 await self.kv.replay_complete(replay_key, body)
             return JSONResponse(body, headers=ctx.extra.get("headers"))
@@ -197,12 +206,16 @@ class VLLMRoutes:
     ) -> AsyncIterator[str]:
         events: list[str] = []
         completed = False
+        calls = vllm_api.StreamedToolCalls()
         try:
             async for event in vllm_api.prepend(first, rest):
                 event = vllm_api.with_kvtide(event, ctx.report.as_dict)
+                calls.add(event)
                 events.append(event)
                 yield event
             completed = not any(e.startswith('data: {"error"') for e in events)
+            if completed:
+                self._remember_tool_turn(ctx, calls.message())
             if replay_key is not None and completed:
                 kind = "chat.completion" if ctx.prompt_param == "messages" else "text_completion"
                 await self.kv.replay_complete(replay_key, {"object": kind, _EVENTS: events})
@@ -213,6 +226,12 @@ class VLLMRoutes:
             if replay_key is not None and not completed:
                 # Failed or the client went away mid-stream: a retry runs the turn.
                 await asyncio.shield(self.kv.replay_fail(replay_key))
+
+    def _remember_tool_turn(self, ctx: TurnContext, message: dict[str, Any]) -> None:
+        """A tool-calling answer's calls and the raw text behind them (``tool_turns``)."""
+        calls = tool_calls_of(message)
+        if calls is not None and ctx.extra.get("raw_text"):
+            self.tool_turns.remember(calls, "".join(ctx.extra["raw_text"]))
 
 
 def _replayed(stored: dict[str, Any], stream: bool) -> Any:

@@ -21,6 +21,7 @@ from orchestrator.serve.admission import AdmissionGate
 from orchestrator.serve.auth import Authenticator, ConcurrencyGate
 from orchestrator.serve.ingress import Ingress
 from orchestrator.serve.prompts import PromptEncoder
+from orchestrator.serve.tool_turns import ToolTurns
 from orchestrator.serve.vllm_api import build_serving
 
 MODEL = "kvtide-tiny"
@@ -59,6 +60,7 @@ def bare_ingress(
         if not is_tiny_model_dir(config.model.resolved_path()):
             generate_tiny_model(config.model.resolved_path())
         ingress.vllm = build_serving(config.model, ingress._vllm_turn)
+        ingress.tool_turns = ToolTurns()
     return ingress
 
 

@@ -40,11 +40,23 @@ TOOLS = [
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
-def scripted(text: str) -> Any:
+def scripted(text: str, finish: str = "stop") -> Any:
     """A decode engine that writes ``text`` one character a token, with log
-    probabilities when the request's sampling parameters ask for them."""
+    probabilities when the request's sampling parameters ask for them; it keeps its
+    blocks for the session's next turn when asked (``kvtide_keep``)."""
 
     def run(req: GenerateRequest) -> list[GenerateChunk]:
+        n = len(req.prompt_token_ids)
+        asked = req.kv_transfer_params
+        kept = KVTransferParams(
+            do_remote_decode=True,
+            remote_engine_id="D",
+            remote_request_id=req.request_id,
+            remote_block_ids=((5, 6, 7),),
+            remote_num_tokens=n + len(text),
+        )
+        if asked is None or asked.kvtide_keep is not True:
+            kept = KVTransferParams()
         params = req.sampling_params
         want = None if params is None else params.logprobs
         chunks = []
@@ -65,9 +77,9 @@ def scripted(text: str) -> Any:
                     token_ids=[100 + i],
                     logprobs=logprobs,
                     finished=last,
-                    finish_reason="stop" if last else None,
-                    num_prompt_tokens=len(req.prompt_token_ids),
-                    kv_transfer_params=KVTransferParams() if last else None,
+                    finish_reason=finish if last else None,
+                    num_prompt_tokens=n,
+                    kv_transfer_params=kept if last else None,
                 )
             )
         return chunks
@@ -206,3 +218,43 @@ def test_plain_requests_stay_on_kvtides_own_layer(ingress: Any) -> None:
     status, body = asyncio.run(handle(ingress, "/v1/chat/completions", chat(max_tokens=3)))
     assert status == 200, body
     assert decode_requests(ingress)[0].sampling_params is None
+
+
+def test_a_tool_calling_turn_sent_back_renders_as_generated_and_reuses_its_kv(
+    ingress: Any,
+) -> None:
+    # The model spelled the call its own way (compact JSON); the parser returns it
+    # re-serialized, and the template would write it with spaces.
+    raw = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+    ingress.router.decode.script = scripted(raw, finish="length")
+    first = chat(tools=TOOLS, tool_choice="required", max_tokens=len(raw))
+    status, body = asyncio.run(
+        handle(ingress, "/v1/chat/completions", first, x_session_id="agent-3")
+    )
+    assert status == 200, body
+    message = body["choices"][0]["message"]
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    # Turn 2: the assistant message as returned, the tool's result, a question.
+    ingress.router.decode.script = scripted("sunny", finish="length")
+    history = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": message["tool_calls"]},
+        {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "18C"},
+    ]
+    second = json.dumps({"model": MODEL, "messages": history, "tools": TOOLS, "max_tokens": 5})
+    status, body = asyncio.run(
+        handle(ingress, "/v1/chat/completions", second.encode(), x_session_id="agent-3")
+    )
+    assert status == 200, body
+    assert body["kvtide"]["kv_plan"] == "pull", body["kvtide"]
+    turn1, turn2 = decode_requests(ingress)
+    # Turn 2's prompt starts with every token turn 1 ran and generated.
+    assert turn2.prompt_token_ids[: len(turn1.prompt_token_ids)] == turn1.prompt_token_ids
+    # A call the client changed renders as sent: no reuse past it, never wrong KV.
+    history[1]["tool_calls"][0]["function"]["arguments"] = '{"city": "Rome"}'
+    third = json.dumps({"model": MODEL, "messages": history, "tools": TOOLS, "max_tokens": 5})
+    status, body = asyncio.run(
+        handle(ingress, "/v1/chat/completions", third.encode(), x_session_id="agent-3")
+    )
+    assert status == 200, body
+    assert body["kvtide"]["kv_plan"] == "recompute"
