@@ -196,6 +196,15 @@ def make_turn_client(vllm_config: Any, run: TurnRunner) -> Any:
             from vllm.outputs import RequestOutput
             from vllm.sampling_params import RequestOutputKind
 
+            if params.prompt_logprobs is not None:
+                ctx.error = ServingLayerRefused(
+                    "prompt logprobs are not available on kvtide's P/D path (asked by "
+                    "prompt_logprobs, or echo with logprobs); leave them out",
+                    "prompt_logprobs",
+                    status_code=400,
+                    error_type="invalid_request_error",
+                )
+                raise ctx.error
             ids = list(prompt["prompt_token_ids"])
             text = prompt.get("prompt")
             want_logprobs = params.logprobs is not None

@@ -68,6 +68,11 @@ def check_fields(kind: Kind, body: Mapping[str, Any]) -> None:
     of vLLM's request fields (vLLM then validates their values); else 400 naming the
     first field neither layer takes."""
     fields = _request_class(kind).model_fields
+    if body.get("use_beam_search"):
+        raise UnsupportedParameter(
+            "use_beam_search is not available on kvtide's P/D path; leave it out",
+            param="use_beam_search",
+        )
     for name in body:
         if name in _KVTIDE_ONLY:
             raise UnsupportedParameter(
