@@ -219,7 +219,9 @@ def _extra_engine_args(pool: PoolConfig, model: ModelConfig) -> tuple[tuple[str,
     if model.structured_outputs_backend != "auto":
         outputs["backend"] = model.structured_outputs_backend
     if model.structured_outputs_compact:
+        # vLLM holds whitespace with xgrammar and guidance only (auto: xgrammar).
         outputs["disable_any_whitespace"] = True
+        outputs.setdefault("backend", "xgrammar")
     if outputs and pool.role != "prefill":  # the decode samples what the client gets
         args.append(("structured_outputs_config", outputs))
     if pool.decode_context_parallel_size > 1:

@@ -88,6 +88,15 @@ class ModelConfig(StrictSection):
         "whitespace. Empty: on for the tiny model, off otherwise.",
     )
 
+    @model_validator(mode="after")
+    def _compact_needs_its_backend(self) -> ModelConfig:
+        if self.compact_structured_outputs and self.structured_outputs_backend == "outlines":
+            raise ValueError(
+                "compact_structured_outputs needs structured_outputs_backend xgrammar or "
+                "guidance (vLLM holds whitespace with those two only)"
+            )
+        return self
+
     @property
     def structured_outputs_compact(self) -> bool:
         if self.compact_structured_outputs is None:
