@@ -88,6 +88,21 @@ class ModelConfig(StrictSection):
         "whitespace. Empty: on for the tiny model, off otherwise.",
     )
 
+    tool_call_structural_tags: bool | None = Field(
+        None,
+        description="Sample tool_choice 'required' and named calls in the model's own "
+        "tool-call format (vLLM's structural tags, VLLM_ENFORCE_STRICT_TOOL_CALLING; "
+        "their JSON keeps free whitespace). Off: by the tools' JSON schema, which "
+        "compact_structured_outputs holds to no free whitespace. Empty: off when "
+        "compact_structured_outputs is on, on otherwise (vLLM's default).",
+    )
+
+    @property
+    def tool_structural_tags(self) -> bool:
+        if self.tool_call_structural_tags is None:
+            return not self.structured_outputs_compact
+        return self.tool_call_structural_tags
+
     @model_validator(mode="after")
     def _compact_needs_its_backend(self) -> ModelConfig:
         if self.compact_structured_outputs and self.structured_outputs_backend == "outlines":

@@ -65,14 +65,23 @@ def build_app(config: KVTideConfig, layout: PoolLayout | None = None) -> Applica
             EngineHost.options(**options).bind(config, dep.pool_name, dep.domain_id, warm_with)
         )
         weights[dep.pool_name].append(dep.num_replicas)
-    ingress = Ingress
+    ingress = Ingress.options(**ingress_options(config))
     if layout.by_domain:
         # A new set of engine deployments (or replicas per deployment) restarts the
         # ingress so that it balances over them; the same set keeps it.
-        ingress = Ingress.options(**_stable_version(config, repr(sorted(layout.counts().items()))))
+        ingress = ingress.options(**_stable_version(config, repr(sorted(layout.counts().items()))))
     return ingress.bind(
         config, pools["prefill"], pools["decode"], pools.get("decode_long") or None, weights
     )
+
+
+def ingress_options(config: KVTideConfig) -> dict[str, Any]:
+    """The ingress deployment's Serve options: the environment its vLLM serving layer
+    reads when it loads (vLLM reads tool-call strictness once, at import)."""
+    env = {}
+    if not config.model.tool_structural_tags:
+        env["VLLM_ENFORCE_STRICT_TOOL_CALLING"] = "0"
+    return {"ray_actor_options": {"runtime_env": {"env_vars": env}}} if env else {}
 
 
 def _stable_version(config: KVTideConfig, key: str) -> dict[str, Any]:

@@ -84,7 +84,7 @@ _NOT_FINGERPRINTED = frozenset(
     {"stream", "include_usage", "continuous_usage", "max_tokens", "min_tokens"}
     | {"continue_final_message"}
 )
-_OBJECT_OF = {"chat": "chat.completion", "completion": "text_completion"}
+_OBJECT_OF = {"chat": "chat.completion", "completion": "text_completion", "responses": "response"}
 
 
 def _fingerprint(kind: str, fields: dict[str, Any]) -> str:

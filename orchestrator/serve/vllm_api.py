@@ -44,16 +44,21 @@ __all__ = [
     "error_of",
     "parse_request",
     "prepend",
+    "sse_events",
     "with_kvtide",
 ]
 
-Kind = Literal["chat", "completion"]
+Kind = Literal["chat", "completion", "responses"]
 
 # Fields only kvtide sets: a client's would steer the engines' KV transfer.
 _KVTIDE_ONLY = frozenset({"kv_transfer_params"})
 
 
 def _request_class(kind: Kind) -> Any:
+    if kind == "responses":
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+        return ResponsesRequest
     if kind == "chat":
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
@@ -114,6 +119,7 @@ class VLLMServing:
 
     chat: Any
     completion: Any
+    responses: Any
     client: Any
 
     async def create(self, kind: Kind, request: Any, raw_request: Any) -> Any:
@@ -124,6 +130,8 @@ class VLLMServing:
         try:
             if kind == "chat":
                 return await self.chat.create_chat_completion(request, raw_request)
+            if kind == "responses":
+                return await self.responses.create_responses(request, raw_request)
             return await self.completion.create_completion(request, raw_request)
         except VLLMClientError as exc:
             raise client_error(exc) from None
@@ -137,6 +145,7 @@ def build_serving(model: ModelConfig, run: TurnRunner) -> VLLMServing:
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
     from vllm.entrypoints.openai.models.protocol import BaseModelPath
     from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
     from vllm.renderers.chat_utils import load_chat_template
     from vllm.renderers.online_renderer import OnlineRenderer
 
@@ -188,7 +197,21 @@ def build_serving(model: ModelConfig, run: TurnRunner) -> VLLMServing:
         request_logger=None,
         enable_prompt_tokens_details=True,
     )
-    return VLLMServing(chat=chat, completion=completion, client=client)
+    responses = OpenAIServingResponses(
+        client,
+        models,
+        renderer,
+        request_logger=None,
+        chat_template=template,
+        chat_template_content_format="auto",
+        reasoning_parser=model.reasoning_parser or "",
+        enable_auto_tools=model.auto_tool_choice,
+        tool_parser=model.tool_parser,
+        enable_prompt_tokens_details=True,
+    )
+    # Stored responses are kvtide's to bound, own and expire (``responses_api``).
+    responses.enable_store = True
+    return VLLMServing(chat=chat, completion=completion, responses=responses, client=client)
 
 
 def error_of(response: Any) -> RequestError:
@@ -201,14 +224,14 @@ def error_of(response: Any) -> RequestError:
 
 def with_kvtide(event: str, ext: Callable[[], dict[str, Any]]) -> str:
     """One SSE event of vLLM's stream, with kvtide's object added where the turn's
-    facts are final: a choice's finishing chunk and the usage chunk."""
-    if not event.startswith("data: {") or (
-        '"finish_reason":"' not in event and '"usage":{' not in event
-    ):
+    facts are final: a choice's finishing chunk, the usage chunk, the Responses API's
+    completed response."""
+    at = event.find("data: {")
+    if at < 0 or ('"finish_reason":"' not in event and '"usage":{' not in event):
         return event
-    body = json.loads(event[len("data: ") :])
+    body = json.loads(event[at + len("data: ") :])
     body["kvtide"] = ext()
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    return f"{event[:at]}data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
 class StreamedToolCalls:
@@ -249,3 +272,11 @@ async def prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
     yield first
     async for item in rest:
         yield item
+
+
+async def sse_events(events: AsyncIterator[Any]) -> AsyncIterator[str]:
+    """The Responses API's stream events as SSE, named by type (as vLLM's server sends
+    them: the openai client reads the ``event:`` line)."""
+    async for event in events:
+        kind = getattr(event, "type", "unknown")
+        yield f"event: {kind}\ndata: {event.model_dump_json(indent=None, by_alias=True)}\n\n"

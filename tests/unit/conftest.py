@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# As the ingress of the embedded default runs (``orchestrator.serve.app.ingress_options``:
+# the tiny model's tool calls are sampled by the tools' JSON schema), set before any
+# test imports vLLM's tool parsers (vLLM reads it once, at import).
+os.environ.setdefault("VLLM_ENFORCE_STRICT_TOOL_CALLING", "0")
 
 
 @pytest.fixture(scope="session")

@@ -35,9 +35,9 @@ TOOLS = [
         },
     }
 ]
-# The tiny model's tool-call format (Hermes), which vLLM's hermes parser reads and its
-# structural tag makes the engine write under tool_choice "required".
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+# tool_choice "required" as the embedded default samples it: a JSON list of calls, by
+# the tools' JSON schema (``model.tool_call_structural_tags`` off for the tiny model).
+CALL = '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'
 
 
 def scripted(text: str, finish: str = "stop") -> Any:
@@ -117,11 +117,11 @@ def test_a_required_tool_call_is_constrained_at_the_decode_and_parsed(ingress: A
     (call,) = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
-    # The decode engine sampled under vLLM's own constraint: the tool-call format.
+    # The decode engine sampled under vLLM's own constraint: the tools' JSON schema.
     (req,) = decode_requests(ingress)
     assert req.sampling_params is not None
     constraint = req.sampling_params.structured_outputs
-    assert constraint is not None and (constraint.structural_tag or constraint.json)
+    assert constraint is not None and "get_weather" in json.dumps(constraint.json)
     assert req.session_id == "agent-1"
     assert body["kvtide"]["session_id"] == "agent-1"
     assert body["usage"]["prompt_tokens"] == len(req.prompt_token_ids)
@@ -225,7 +225,7 @@ def test_a_tool_calling_turn_sent_back_renders_as_generated_and_reuses_its_kv(
 ) -> None:
     # The model spelled the call its own way (compact JSON); the parser returns it
     # re-serialized, and the template would write it with spaces.
-    raw = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+    raw = '[{"name":"get_weather","parameters":{"city":"Paris"}}]'
     ingress.router.decode.script = scripted(raw, finish="length")
     first = chat(tools=TOOLS, tool_choice="required", max_tokens=len(raw))
     status, body = asyncio.run(
