@@ -10,6 +10,7 @@
         ├── ModelNotFound           404: the requested model is not served here
         ├── NotFound                404: a route that is switched off in the config
         ├── SessionNotFound         404: no such session for this key (also: another key's)
+        ├── ResponseNotFound        404: no such stored response for this key (likewise)
         ├── RequestTimeout          408: the body took over server.request_body_timeout_s
         ├── TurnInProgress          409: the session already has a turn running
         ├── PayloadTooLarge         413: the body is over server.max_request_bytes
@@ -46,6 +47,7 @@ __all__ = [
     "PayloadTooLarge",
     "RequestError",
     "RequestTimeout",
+    "ResponseNotFound",
     "ServiceUnavailable",
     "ServingLayerRefused",
     "SessionNotFound",
@@ -155,6 +157,14 @@ class SessionNotFound(RequestError):
 
     status_code = 404
     code = "session_not_found"
+
+
+class ResponseNotFound(RequestError):
+    """404 for a stored response (Responses API) that is unknown, expired, deleted or
+    another key's, with the same message for each."""
+
+    status_code = 404
+    code = "response_not_found"
 
 
 class TurnInProgress(RequestError):

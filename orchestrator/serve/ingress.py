@@ -73,6 +73,8 @@ from orchestrator.serve.responses import (
     stream_error,
     usage_of,
 )
+from orchestrator.serve.responses_api import ResponseBook
+from orchestrator.serve.responses_routes import ResponsesRoutes
 from orchestrator.serve.tool_turns import ToolTurns
 from orchestrator.serve.turns import OpenedTurn, OpenTurn
 from orchestrator.serve.vllm_routes import VLLMRoutes
@@ -88,6 +90,9 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # go (a session whose copy went costs one more service call on its next turn).
 SESSION_TOKENS_MAX = 10_000
 SESSION_TOKENS_MAX_BYTES = 256 * 2**20
+
+# Stored responses (Responses API) an ingress replica keeps, oldest out past it.
+RESPONSES_MAX = 10_000
 
 INLINE_MAX_CHARS = 8192
 """Text up to this many characters is rendered or tokenized on the event loop: it takes
@@ -129,7 +134,7 @@ async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
 
 @serve.deployment(name="ingress", max_ongoing_requests=256)
 @serve.ingress(fastapi_app)
-class Ingress(VLLMRoutes):
+class Ingress(VLLMRoutes, ResponsesRoutes):
     async def __init__(
         self,
         config: KVTideConfig,
@@ -222,6 +227,13 @@ class Ingress(VLLMRoutes):
         # structured outputs, logprobs, n, ...): its config and tokenizer, no engine.
         self.vllm = await asyncio.to_thread(vllm_api.build_serving, config.model, self._vllm_turn)
         self.tool_turns = ToolTurns()
+        responses = self.vllm.responses
+        self.response_book = ResponseBook(
+            (responses.response_store, responses.msg_store),
+            ttl_s=kv.decoder_kv_blocks_ttl_s,
+            max_entries=RESPONSES_MAX,
+            clock=time.monotonic,
+        )
         self.auth = Authenticator(config.server.api_keys)
         # Per ingress replica: a key's concurrent requests are counted where they run.
         self.gate = ConcurrencyGate(retry_after_s=1.0)
@@ -443,6 +455,24 @@ class Ingress(VLLMRoutes):
     @fastapi_app.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Any:
         return await self._traced(request, "chat", self._chat)
+
+    @fastapi_app.post("/v1/responses")
+    async def responses(self, request: Request) -> Any:
+        return await self._traced(request, "responses", self._responses_create)
+
+    @fastapi_app.get("/v1/responses/{response_id}")
+    async def get_response(
+        self,
+        response_id: str,
+        request: Request,
+        stream: bool = False,
+        starting_after: int | None = None,
+    ) -> Any:
+        return await self._responses_get(response_id, request, stream, starting_after)
+
+    @fastapi_app.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str, request: Request) -> dict[str, Any]:
+        return await self._responses_delete(response_id, request)
 
     @fastapi_app.post("/v1/completions")
     async def completions(self, request: Request) -> Any:

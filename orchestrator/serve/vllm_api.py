@@ -268,8 +268,9 @@ class StreamedToolCalls:
         return {"role": "assistant", "tool_calls": calls}
 
 
-async def prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
-    yield first
+async def prepend(first: list[str], rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    for item in first:
+        yield item
     async for item in rest:
         yield item
 

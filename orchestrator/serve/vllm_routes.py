@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engines.base import GenerateChunk
-from orchestrator.errors import ContextLengthExceeded, IdempotencyKeyReused
+from orchestrator.errors import ContextLengthExceeded, EngineUnavailable, IdempotencyKeyReused
 from orchestrator.kv.ownership import Principal
 from orchestrator.router import TurnReport
 from orchestrator.serve import openai_api as api
@@ -35,6 +35,8 @@ log = logging.getLogger("kvtide.ingress")
 
 # How a stream's response is kept for an Idempotency-Key's replay: its events.
 _EVENTS = "kvtide_events"
+_OBJECT = {"chat": "chat.completion", "completion": "text_completion", "responses": "response"}
+_PROMPT_PARAM = {"chat": "messages", "completion": "prompt", "responses": "input"}
 
 
 class VLLMRoutes:
@@ -57,36 +59,47 @@ class VLLMRoutes:
         principal: Principal,
         root: Any,
         t_in: float,
+        *,
+        session_id: str | None = None,
+        on_done: Callable[[], None] | None = None,
+        fields: dict[str, Any] | None = None,
     ) -> Any:
-        """``body``, which kvtide's own layer does not serve, through vLLM's."""
+        """``body``, which kvtide's own layer does not serve, through vLLM's.
+        ``session_id``: the turn's session when the request names none in its header
+        (a Responses API chain's); ``on_done``: called once the response is complete;
+        ``fields``: set by kvtide (the response's id), not part of the request's identity
+        for an Idempotency-Key."""
         messages = body.get("messages") if kind == "chat" else None
         sent = body
+        body = {**body, **(fields or {})}
         if isinstance(messages, list):
             # Tool-calling turns answered here render as the decode wrote them.
             generated = self.tool_turns.as_generated(messages)
             if generated is not None:
                 body = {**body, "messages": generated}
         req = vllm_api.parse_request(kind, body)
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = body.get(
+            "max_output_tokens", body.get("max_completion_tokens", body.get("max_tokens"))
+        )
         ctx = TurnContext(
             principal=principal,
-            session_header=api.parse_session_id(http.headers.get("x-session-id")),
-            has_history=any(
-                isinstance(m, dict) and m.get("role") == "assistant" for m in messages or ()
-            ),
+            session_header=api.parse_session_id(http.headers.get("x-session-id")) or session_id,
+            has_history=body.get("previous_response_id") is not None
+            or any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages or ()),
             requested_max_tokens=max_tokens if isinstance(max_tokens, int) else None,
-            prompt_param="messages" if kind == "chat" else "prompt",
+            prompt_param=_PROMPT_PARAM[kind],
             root=root,
             t_in=t_in,
         )
+        ctx.extra["kind"] = kind
+        ctx.extra["on_done"] = on_done
         stream = bool(body.get("stream"))
 
         async def run(ticket: Ticket, replay_key: str | None) -> Any:
-            token = CURRENT_TURN.set(ctx)
-            try:
-                result = await self.vllm.create(kind, req, http)
-            finally:
-                CURRENT_TURN.reset(token)
+            # Set for the rest of this request's task (each request has its own): vLLM
+            # may call the engine lazily, while its stream is read (the Responses API).
+            CURRENT_TURN.set(ctx)
+            result = await self.vllm.create(kind, req, http)
             return await self._vllm_respond(ctx, result, stream, replay_key, ticket)
 
         return await self._guarded(
@@ -176,22 +189,33 @@ class VLLMRoutes:
             raise ctx.error
         if hasattr(result, "error") and not isinstance(result, AsyncIterator):
             raise vllm_api.error_of(result)
+        kind: vllm_api.Kind = ctx.extra["kind"]
         if not stream:
-            body = result.model_dump(mode="json")
+            body = result.model_dump(mode="json", by_alias=kind == "responses")
             body["kvtide"] = ctx.report.as_dict()
-            self._remember_tool_turn(ctx, body["choices"][0].get("message") or {})
+            if kind == "chat":
+                self._remember_tool_turn(ctx, body["choices"][0].get("message") or {})
             if replay_key is not None:
                 await self.kv.replay_complete(replay_key, body)
+            if ctx.extra["on_done"] is not None:
+                ctx.extra["on_done"]()
             return JSONResponse(body, headers=ctx.extra.get("headers"))
-        try:
-            first = await result.__anext__()
-        except StopAsyncIteration:
-            first = "data: [DONE]\n\n"
-        if ctx.error is not None:
+        if kind == "responses":
+            result = vllm_api.sse_events(result)
+        # Read until the turn has its first token (the Responses API announces the
+        # response before the turn starts): a turn that fails before it answers with
+        # its own status, not an error event.
+        leading: list[str] = []
+        while ctx.report is None and ctx.error is None:
+            try:
+                leading.append(await result.__anext__())
+            except StopAsyncIteration:
+                break
+        if ctx.error is not None or ctx.report is None:
             await result.aclose()
-            raise ctx.error
+            raise ctx.error or EngineUnavailable("the decode engine returned no output")
         return StreamingResponse(
-            self._vllm_sse(ctx, first, result, replay_key, ticket),
+            self._vllm_sse(ctx, leading, result, replay_key, ticket),
             media_type="text/event-stream",
             headers=ctx.extra.get("headers"),
         )
@@ -199,7 +223,7 @@ class VLLMRoutes:
     async def _vllm_sse(
         self,
         ctx: TurnContext,
-        first: str,
+        leading: list[str],
         rest: AsyncGenerator[str, None],
         replay_key: str | None,
         ticket: Ticket,
@@ -208,17 +232,19 @@ class VLLMRoutes:
         completed = False
         calls = vllm_api.StreamedToolCalls()
         try:
-            async for event in vllm_api.prepend(first, rest):
+            async for event in vllm_api.prepend(leading, rest):
                 event = vllm_api.with_kvtide(event, ctx.report.as_dict)
                 calls.add(event)
                 events.append(event)
                 yield event
-            completed = not any(e.startswith('data: {"error"') for e in events)
+            completed = not any(e.startswith(('data: {"error"', "event: error")) for e in events)
             if completed:
                 self._remember_tool_turn(ctx, calls.message())
+                if ctx.extra["on_done"] is not None:
+                    ctx.extra["on_done"]()
             if replay_key is not None and completed:
-                kind = "chat.completion" if ctx.prompt_param == "messages" else "text_completion"
-                await self.kv.replay_complete(replay_key, {"object": kind, _EVENTS: events})
+                stored = {"object": _OBJECT[ctx.extra["kind"]], _EVENTS: events}
+                await self.kv.replay_complete(replay_key, stored)
         finally:
             self.gate.release(ticket)
             with contextlib.suppress(Exception):

@@ -105,7 +105,8 @@ def test_a_named_tool_call_streams_in_the_openai_shape(kvtide_app: Any) -> None:
         ext = (chunk.model_extra or {}).get("kvtide") or ext
     assert name == "lookup"
     assert json.loads(arguments)["service"] in ("cache", "engine", "rack")
-    assert ext is not None and ext["kv_source"] == "recomputed"
+    # The tools' system prompt is the same as other tests': the prefix cache may hold it.
+    assert ext is not None and ext["kv_source"] in ("recomputed", "prefix_cache")
 
 
 class Verdict(BaseModel):

@@ -21,6 +21,7 @@ from orchestrator.serve.admission import AdmissionGate
 from orchestrator.serve.auth import Authenticator, ConcurrencyGate
 from orchestrator.serve.ingress import Ingress
 from orchestrator.serve.prompts import PromptEncoder
+from orchestrator.serve.responses_api import ResponseBook
 from orchestrator.serve.tool_turns import ToolTurns
 from orchestrator.serve.vllm_api import build_serving
 
@@ -61,6 +62,13 @@ def bare_ingress(
             generate_tiny_model(config.model.resolved_path())
         ingress.vllm = build_serving(config.model, ingress._vllm_turn)
         ingress.tool_turns = ToolTurns()
+        responses = ingress.vllm.responses
+        ingress.response_book = ResponseBook(
+            (responses.response_store, responses.msg_store),
+            ttl_s=config.kv.decoder_kv_blocks_ttl_s,
+            max_entries=1000,
+            clock=ingress.router.clock,
+        )
     return ingress
 
 
@@ -112,8 +120,12 @@ async def handle(ingress: Any, path: str, body: bytes, **headers: str) -> tuple[
     ``RequestError`` becomes its OpenAI-style body as the app's handler renders it; any
     other exception propagates (the app would answer 500)."""
     request, _ = http_request(path, body, {k.replace("_", "-"): v for k, v in headers.items()})
-    handler = ingress._chat if path.endswith("chat/completions") else ingress._completion
-    operation = "chat" if path.endswith("chat/completions") else "text_completion"
+    if path.endswith("chat/completions"):
+        handler, operation = ingress._chat, "chat"
+    elif path.endswith("/responses"):
+        handler, operation = ingress._responses_create, "responses"
+    else:
+        handler, operation = ingress._completion, "text_completion"
     try:
         response = await ingress._traced(request, operation, handler)
     except RequestError as exc:

@@ -66,6 +66,7 @@ def test_public_names_are_pinned() -> None:
             "UnsupportedParameter",
             "IdempotencyKeyReused",
             "RequestTimeout",
+            "ResponseNotFound",
             "Unavailable",
             "EngineUnavailable",
             "ServiceUnavailable",
