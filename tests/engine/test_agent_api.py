@@ -165,3 +165,46 @@ def test_an_invalid_tool_request_is_vllms_400(kvtide_app: Any) -> None:
             max_tokens=4,
         )
     assert "tool" in str(refused.value)
+
+
+def test_the_responses_api_holds_the_conversation_and_its_kv(kvtide_app: Any) -> None:
+    client = _client(kvtide_app)
+    tag = uuid.uuid4().hex[:8]
+    log = tag + " " + " ".join(WORDS[(i * 3) % len(WORDS)] for i in range(600))
+    first = client.responses.create(
+        model=kvtide_app.model, input=log + "\nSummarise.", max_output_tokens=8, temperature=0
+    )
+    assert first.output_text
+    # Later turns send only what is new; the server holds the history, and the chain
+    # is one kvtide session: each turn pulls the previous turn's KV back.
+    seen = []
+    previous = first.id
+    for question in ("Which engine?", "Why?"):
+        reply = client.responses.create(
+            model=kvtide_app.model,
+            input=question,
+            previous_response_id=previous,
+            max_output_tokens=8,
+            temperature=0,
+        )
+        ext = (reply.model_extra or {})["kvtide"]
+        seen.append(ext["kv_source"])
+        assert ext["session_id"] == first.id
+        assert reply.usage.input_tokens > first.usage.input_tokens
+        previous = reply.id
+    assert seen == ["sent_back", "sent_back"], seen
+    assert client.responses.retrieve(previous).id == previous
+    # Streamed, as the openai client reads it.
+    with client.responses.stream(
+        model=kvtide_app.model, input="Go on.", previous_response_id=previous, max_output_tokens=8
+    ) as stream:
+        final = stream.get_final_response()
+    assert final.previous_response_id == previous
+    client.responses.delete(previous)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(
+            model=kvtide_app.model,
+            input="again",
+            previous_response_id=previous,
+            max_output_tokens=4,
+        )
