@@ -1,0 +1,263 @@
+"""kvtide against vLLM's own OpenAI server, request by request: the same corpus
+(``corpus.py``: chat and completions, tools with tool_choice required/named/none/auto,
+json_object and json_schema, logprobs, ``n``, stop strings, seeds, penalties, logit
+bias, streamed and not, multi-turn conversations with tool results, sessions on and
+off, invalid requests) sent to ``vllm serve`` on the same tiny model (one engine, fp32,
+greedy or seeded) and to kvtide (P/D, sessions, KV sent back), compared field by field.
+
+Every difference fails the suite unless it is one of ``ALLOWED``, each with its reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from corpus import Case, corpus
+
+from orchestrator.serve.engine_host import free_port
+
+pytestmark = pytest.mark.engine
+
+LOGPROB_TOLERANCE = 1e-3
+"""fp32 on CPU: the same tokens' log probabilities from a batch of another shape (P/D
+engines vs one engine) differ in the last bits; tokens must be equal."""
+
+ALLOWED = {
+    "id, created, system_fingerprint": "generated per request by each server",
+    "tool call ids": "random per call (chatcmpl-tool-...)",
+    "the kvtide object": "kvtide's extension: the turn's KV facts",
+    "usage.prompt_tokens_details.cached_tokens": "KV reuse differs by design: sent back "
+    "from decode or the prefill's prefix cache (kvtide) vs one engine's prefix cache",
+    "error messages of kvtide's own layer": "a request kvtide's own layer serves (plain "
+    "text fields) is refused in kvtide's words, with the same status",
+    "logprob values within 1e-3": "fp32 numerics of different batch shapes",
+}
+
+
+@pytest.fixture(scope="module")
+def vllm_server(kvtide_app: Any, short_tmp: Path) -> Iterator[str]:
+    """``vllm serve`` on the app's model, configured as kvtide's engines and API are."""
+    port = free_port()
+    log = (short_tmp / "vllm-serve.log").open("w")
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENFORCE_STRICT_TOOL_CALLING": "0",  # as kvtide's config for the tiny model
+    }
+    cmd = [
+        str(Path(sys.executable).parent / "vllm"),
+        "serve",
+        kvtide_app.model_path,
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--served-model-name",
+        kvtide_app.model,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(kvtide_app.config.model.max_model_len),
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--tool-call-parser",
+        "hermes",
+        "--enable-auto-tool-choice",
+        "--enable-prompt-tokens-details",
+        "--structured-outputs-config",
+        json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
+    ]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"vllm serve exited: see {log.name}")
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"vllm serve not ready in 240 s: see {log.name}")
+            time.sleep(1)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _send(client: httpx.Client, case: Case, body: dict[str, Any], headers: dict[str, str]) -> Any:
+    path = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}[case.endpoint]
+    if not body.get("stream"):
+        r = client.post(path, json=body, headers=headers)
+        return {"status": r.status_code, "body": r.json()}
+    with client.stream("POST", path, json=body, headers=headers) as r:
+        if r.status_code != 200:
+            r.read()
+            return {"status": r.status_code, "body": r.json()}
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    return {"status": 200, "events": events}
+
+
+def _assembled(answer: Any) -> dict[str, Any]:
+    """A streamed answer as the client assembles it, or a full one's fields to compare."""
+    if "events" not in answer:
+        body = answer["body"]
+        if answer["status"] != 200:
+            return {"status": answer["status"]}
+        choices = []
+        for c in sorted(body["choices"], key=lambda c: c["index"]):
+            message = c.get("message") or {}
+            calls = [
+                (t["function"]["name"], t["function"]["arguments"])
+                for t in message.get("tool_calls") or ()
+            ]
+            choices.append(
+                {
+                    "text": message.get("content") if "message" in c else c.get("text"),
+                    "tool_calls": calls,
+                    "finish_reason": c["finish_reason"],
+                    "logprobs": _logprobs(c.get("logprobs")),
+                }
+            )
+        usage = body.get("usage") or {}
+        return {
+            "status": 200,
+            "choices": choices,
+            "usage": (usage.get("prompt_tokens"), usage.get("completion_tokens")),
+        }
+    by_index: dict[int, dict[str, Any]] = {}
+    usage: Any = (None, None)
+    for event in answer["events"]:
+        if event.get("usage"):
+            usage = (event["usage"].get("prompt_tokens"), event["usage"].get("completion_tokens"))
+        for c in event.get("choices") or ():
+            got = by_index.setdefault(c["index"], {"text": "", "calls": {}, "finish_reason": None})
+            delta = c.get("delta") or {}
+            got["text"] += delta.get("content") or c.get("text") or ""
+            for t in delta.get("tool_calls") or ():
+                call = got["calls"].setdefault(t.get("index", 0), ["", ""])
+                call[0] += (t.get("function") or {}).get("name") or ""
+                call[1] += (t.get("function") or {}).get("arguments") or ""
+            got["finish_reason"] = c.get("finish_reason") or got["finish_reason"]
+    choices = [
+        {
+            "text": v["text"] or None,
+            "tool_calls": [tuple(v["calls"][k]) for k in sorted(v["calls"])],
+            "finish_reason": v["finish_reason"],
+        }
+        for _, v in sorted(by_index.items())
+    ]
+    return {"status": 200, "choices": choices, "usage": usage}
+
+
+def _logprobs(raw: Any) -> Any:
+    if not raw:
+        return None
+    if "content" in raw:  # chat
+        return [
+            (p["token"], p["logprob"], [t["token"] for t in p.get("top_logprobs") or ()])
+            for p in raw["content"] or ()
+        ]
+    return list(zip(raw.get("tokens") or (), raw.get("token_logprobs") or (), strict=False))
+
+
+def _differences(a: dict[str, Any], b: dict[str, Any], where: str = "") -> list[str]:
+    """Where ``a`` (vLLM) and ``b`` (kvtide) differ, logprob values within tolerance."""
+    if isinstance(a, float) and isinstance(b, float):
+        return [] if abs(a - b) <= LOGPROB_TOLERANCE else [f"{where}: {a} != {b}"]
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b)):
+            out += _differences(a.get(key), b.get(key), f"{where}.{key}")
+        return out
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where}: {len(a)} items != {len(b)}"]
+        out = []
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            out += _differences(x, y, f"{where}[{i}]")
+        return out
+    return [] if a == b else [f"{where}: {a!r} != {b!r}"]
+
+
+def _run(client: httpx.Client, case: Case, headers: dict[str, str]) -> list[dict[str, Any]]:
+    """The case's answers, each later turn carrying the previous answer back."""
+    body = {**case.body}
+    answers = [_assembled(_send(client, case, body, headers))]
+    for turn in case.turns[1:]:
+        last = answers[-1]
+        if last["status"] != 200:
+            break
+        choice = last["choices"][0]
+        calls = [
+            {"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}}
+            for i, (n, a) in enumerate(choice["tool_calls"])
+        ]
+        message: dict[str, Any] = {"role": "assistant", "content": choice["text"]}
+        if calls:
+            message["tool_calls"] = calls
+        messages = [*body["messages"], message]
+        messages += [
+            {"role": "tool", "tool_call_id": c["id"], "content": '{"failed": true}'} for c in calls
+        ]
+        messages.append({"role": "user", "content": "And then?"})
+        body = {**body, **turn, "messages": messages}
+        answers.append(_assembled(_send(client, case, body, headers)))
+    return answers
+
+
+def test_kvtide_answers_the_corpus_as_vllms_own_server(kvtide_app: Any, vllm_server: str) -> None:
+    cases = corpus()
+    model = kvtide_app.model
+    failures: list[str] = []
+    num_requests = 0
+    with (
+        httpx.Client(base_url=vllm_server, timeout=120) as reference,
+        httpx.Client(base_url=kvtide_app.base_url, timeout=120) as kvtide,
+    ):
+        for case in cases:
+            case = Case(
+                case.name,
+                case.endpoint,
+                {"model": model, **case.body},
+                case.turns or ({},),
+                case.session,
+                case.tags,
+            )
+            headers = {"x-session-id": f"diff-{case.name}"} if case.session else {}
+            expected = _run(reference, case, {})
+            got = _run(kvtide, case, headers)
+            num_requests += len(expected)
+            for turn, (a, b) in enumerate(zip(expected, got, strict=False)):
+                if "invalid" in case.tags or a["status"] != 200:
+                    # Statuses must agree; the wording may be kvtide's own (ALLOWED).
+                    if a["status"] != b["status"]:
+                        failures.append(
+                            f"{case.name}[{turn}] status {a['status']} != {b['status']}"
+                        )
+                    continue
+                for diff in _differences(a, b):
+                    failures.append(f"{case.name}[{turn}]{diff}")
+            if len(expected) != len(got):
+                failures.append(f"{case.name}: {len(expected)} turns != {len(got)}")
+    assert num_requests >= 200
+    assert not failures, f"{len(failures)} differences from vllm serve:\n" + "\n".join(
+        failures[:60]
+    )
