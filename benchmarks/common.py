@@ -189,9 +189,11 @@ async def stream_chat(
     messages: list[dict[str, str]],
     max_tokens: int,
     session: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> StreamedTurn:
-    """POST a streamed greedy chat turn (``ignore_eos``); ``text`` is the answer."""
-    body = {"model": model, "messages": messages}
+    """POST a streamed greedy chat turn (``ignore_eos``); ``text`` is the answer.
+    ``extra``: more request fields."""
+    body = {"model": model, "messages": messages, **(extra or {})}
     return await _stream(client, "/v1/chat/completions", body, max_tokens, session)
 
 

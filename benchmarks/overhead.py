@@ -17,7 +17,10 @@ Workloads, each at every concurrency level, with fresh prompts per row:
 * ``single`` — sessionless single turns (512-token prompts, 32 tokens out);
 * ``session`` — 4-turn chat conversations with ``x-session-id`` (each later turn adds
   ~64 tokens; the session is closed after its last turn, as the SDK does);
-* ``history`` — the same conversations sent with the whole history and no header.
+* ``history`` — the same conversations sent with the whole history and no header;
+* ``session-vllm`` — the session conversations served by vLLM's OpenAI serving layer
+  (each request carries a field only it takes, at its default value): its own time next
+  to kvtide's own layer's.
 
 The direct flow runs the conversations with token ids of the same lengths (turn n+1
 extends turn n's prompt and output exactly); it has no send-back, so its later turns
@@ -231,21 +234,28 @@ class Bench:
     async def conversations(self, path: str, c: int, n: int, shapes: list[Conversation]) -> Row:
         """``n`` conversations of ``TURNS`` turns, ``c`` at once. kvtide paths fill
         ``shapes``; the direct path repeats them with token ids."""
-        workload = {"kvtide+session": "session", "kvtide+history": "history"}.get(
-            path, "conversation"
-        )
+        workload = {
+            "kvtide+session": "session",
+            "kvtide+history": "history",
+            "kvtide+session+vllm": "session-vllm",
+        }.get(path, "conversation")
         row = Row(workload, self.num_prefill, path, c)
         sem = asyncio.Semaphore(c)
 
         async def kvtide(i: int) -> None:
-            session = f"bench-{uuid.uuid4().hex[:12]}" if path == "kvtide+session" else None
+            session = None if path == "kvtide+history" else f"bench-{uuid.uuid4().hex[:12]}"
+            # A field only vLLM's serving layer takes (its default value): the turn goes
+            # through vLLM's OpenAI layer instead of kvtide's own.
+            extra = {"skip_special_tokens": True} if path.endswith("+vllm") else None
             shape = Conversation()
             messages: list[dict[str, str]] = []
             reusable = 0
             for t in range(TURNS):
                 tokens = PROMPT_TOKENS if t == 0 else NEW_TOKENS
                 messages.append({"role": "user", "content": self._text(tokens)})
-                turn = await stream_chat(self.client, self.model, messages, OUTPUT_TOKENS, session)
+                turn = await stream_chat(
+                    self.client, self.model, messages, OUTPUT_TOKENS, session, extra
+                )
                 row.samples.append(_kvtide_sample(turn, reusable))
                 messages.append({"role": "assistant", "content": turn.text})
                 shape.prompt_tokens.append(int(turn.usage["prompt_tokens"]))
@@ -323,7 +333,11 @@ async def run_app(
                 rows.append(await bench.single("kvtide", c, n))
             convs = max(c, per_level // TURNS)
             shapes: list[Conversation] = []
-            for path, name in (("kvtide+session", "session"), ("kvtide+history", "history")):
+            for path, name in (
+                ("kvtide+session", "session"),
+                ("kvtide+session+vllm", "session-vllm"),
+                ("kvtide+history", "history"),
+            ):
                 if name in workloads:
                     rows.append(await bench.conversations(path, c, convs, shapes))
             if shapes:  # the direct flow: the baseline of both conversation rows
@@ -437,7 +451,7 @@ def main() -> None:
         help="prefill engine counts, one app each; ':pow2' routes prefills by Serve's "
         "power-of-two choice instead of by prefix (the placement baseline)",
     )
-    parser.add_argument("--workloads", default="single,session,history")
+    parser.add_argument("--workloads", default="single,session,session-vllm,history")
     parser.add_argument(
         "--chunk-window-ms",
         type=float,
