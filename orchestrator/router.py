@@ -60,6 +60,7 @@ from orchestrator.kv.session_tokens import SessionTokens, prefix_digest
 from orchestrator.kv.turn_leases import HeldLeases
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import Metrics
+from policies.kv_records import RecomputeReason
 from policies.prefix_routing import RouteChoice
 
 __all__ = ["KV_SOURCES", "LeaseRefused", "PoolClient", "Router", "TurnReport"]
@@ -436,7 +437,7 @@ class Router:
                 if given is not None:
                     decision = given
                 elif session_id is None:
-                    decision = KVDecision(kind="recompute", reason="no_session")
+                    decision = KVDecision(kind="recompute", reason=RecomputeReason.NO_SESSION.value)
                 else:
                     decision = await self.kv.decide_turn(session_id, prompt_token_ids)
                 tr.set_attrs(

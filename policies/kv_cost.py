@@ -27,7 +27,14 @@ from policies.kv_records import (
     prefix_hash,
 )
 
-__all__ = ["CostEstimate", "decide_turn", "estimate_cost", "kv_bytes", "worth_pulling"]
+__all__ = [
+    "CostEstimate",
+    "decide_turn",
+    "estimate_cost",
+    "kv_bytes",
+    "offer_refused",
+    "worth_pulling",
+]
 
 
 def kv_bytes(num_tokens: int, config: KVLifecycleConfig) -> int:
@@ -74,17 +81,18 @@ def decide_turn(
     session_id = record.session_id
     if now_s >= record.expiry_s:
         return _recompute(session_id, RecomputeReason.EXPIRED)
-    if now_s >= record.offer_deadline_s(config.safety_margin_s):
-        return _recompute(session_id, RecomputeReason.WITHIN_MARGIN)
     num_tokens = record.num_tokens
-    if (
-        len(prompt_token_ids) < num_tokens
-        or prefix_hash(prompt_token_ids, num_tokens) != record.prefix_hash
-    ):
-        return _recompute(session_id, RecomputeReason.PREFIX_MISMATCH)
     not_worth = worth_pulling(record, config)
-    if not_worth is RecomputeReason.BELOW_THRESHOLD:
-        return _recompute(session_id, not_worth)
+    refused = offer_refused(
+        offer_deadline_s=record.offer_deadline_s(config.safety_margin_s),
+        num_tokens=num_tokens,
+        recorded_prefix_hash=record.prefix_hash,
+        not_worth=not_worth,
+        prompt_token_ids=prompt_token_ids,
+        now_s=now_s,
+    )
+    if refused is not None and refused is not RecomputeReason.CHEAPER_TO_RECOMPUTE:
+        return _recompute(session_id, refused)
     cost = estimate_cost(num_tokens=num_tokens, num_bytes=record.bytes_held, config=config)
     pull = not_worth is None
     return TurnDecision(
@@ -96,6 +104,36 @@ def decide_turn(
         estimated_recompute_s=cost.recompute_s,
         estimated_transfer_s=cost.transfer_s,
     )
+
+
+def offer_refused(
+    *,
+    offer_deadline_s: float,
+    num_tokens: int,
+    recorded_prefix_hash: str,
+    not_worth: RecomputeReason | None,
+    prompt_token_ids: Sequence[int],
+    now_s: float,
+) -> RecomputeReason | None:
+    """The checks of every turn's KV decision, in their one order (the service's
+    ``decide_turn`` and a turn lease's plan alike): None when the prompt should pull
+    the kept KV, else why it recomputes.
+
+    1. freshness: never offered at or after ``offer_deadline_s`` (the engine's expiry
+       less the safety margin);
+    2. prefix: the prompt must start with exactly the recorded ``num_tokens`` tokens
+       (hash compare), so a client that rewrites history gets a recompute, never wrong
+       KV;
+    3. the record's own verdict (``worth_pulling``: threshold, then cost).
+    """
+    if now_s >= offer_deadline_s:
+        return RecomputeReason.WITHIN_MARGIN
+    if (
+        len(prompt_token_ids) < num_tokens
+        or prefix_hash(prompt_token_ids, num_tokens) != recorded_prefix_hash
+    ):
+        return RecomputeReason.PREFIX_MISMATCH
+    return not_worth
 
 
 def worth_pulling(record: KVRecord, config: KVLifecycleConfig) -> RecomputeReason | None:

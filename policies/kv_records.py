@@ -204,6 +204,7 @@ class TurnAction(enum.StrEnum):
 class RecomputeReason(enum.StrEnum):
     """Why a turn recomputes instead of pulling."""
 
+    NO_SESSION = "no_session"  # a request without a session: nothing is kept for it
     NO_RECORD = "no_record"  # first turn, or the session's KV was never kept
     PULL_IN_FLIGHT = "pull_in_flight"  # a concurrent turn of the session is reading it
     EXPIRED = "expired"  # past its engine expiry, or dropped at expiry - margin

@@ -16,6 +16,7 @@ from typing import Any
 from engines.kv_params import KVTransferParams
 from orchestrator.kv.messages import KVDecision
 from policies.kv_lifecycle import Effect, KVLifecycle, KVLifecycleConfig, KVRecord, TurnAction
+from policies.kv_records import RecomputeReason
 
 __all__ = ["Effect", "KVDecider", "KVDecision", "kv_lifecycle_config", "params_of"]
 
@@ -61,7 +62,7 @@ class KVDecider:
         self, session_id: str | None, prompt_token_ids: Sequence[int], now_s: float
     ) -> KVDecision:
         if session_id is None:
-            return KVDecision(kind="recompute", reason="no_session")
+            return KVDecision(kind="recompute", reason=RecomputeReason.NO_SESSION.value)
         decision = self.lifecycle.on_turn_start(session_id, prompt_token_ids, now_s)
         if decision.action is TurnAction.PULL_FROM_DECODE and decision.record is not None:
             return KVDecision(

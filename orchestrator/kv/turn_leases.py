@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 
 from orchestrator.kv.messages import KVDecision, LeasedRecord, TurnLease
 from orchestrator.kv.ownership import Principal
-from policies.kv_records import KVRecord, RecomputeReason, prefix_hash
+from policies.kv_cost import offer_refused
+from policies.kv_records import KVRecord, RecomputeReason
 
 __all__ = ["Grant", "HeldLeases", "LeaseBook", "RestoredLeases", "leased_decision"]
 
@@ -290,16 +291,19 @@ def leased_decision(
     of the record alone (threshold, cost)."""
     if record is None or offer_until_s is None:
         return KVDecision(kind="recompute", reason=RecomputeReason.NO_RECORD.value)
-    if now_s >= offer_until_s:
-        return KVDecision(kind="recompute", reason=RecomputeReason.WITHIN_MARGIN.value)
-    n = record.num_tokens
-    if len(prompt_token_ids) < n or prefix_hash(prompt_token_ids, n) != record.prefix_hash:
-        return KVDecision(kind="recompute", reason=RecomputeReason.PREFIX_MISMATCH.value)
-    if record.not_worth is not None:
-        return KVDecision(kind="recompute", reason=record.not_worth)
+    refused = offer_refused(
+        offer_deadline_s=offer_until_s,
+        num_tokens=record.num_tokens,
+        recorded_prefix_hash=record.prefix_hash,
+        not_worth=None if record.not_worth is None else RecomputeReason(record.not_worth),
+        prompt_token_ids=prompt_token_ids,
+        now_s=now_s,
+    )
+    if refused is not None:
+        return KVDecision(kind="recompute", reason=refused.value)
     return KVDecision(
         kind="pull",
         reason="reuse",
         kv_transfer_params=record.kv_transfer_params,
-        num_reusable_tokens=n,
+        num_reusable_tokens=record.num_tokens,
     )
