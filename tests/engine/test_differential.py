@@ -53,9 +53,13 @@ def vllm_server(kvtide_app: Any, short_tmp: Path) -> Iterator[str]:
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_ENFORCE_STRICT_TOOL_CALLING": "0",  # as kvtide's config for the tiny model
     }
+    # vLLM's API server module (vllm-cpu's ``vllm`` command looks for the ``vllm``
+    # distribution's metadata, which vllm-cpu does not have).
     cmd = [
-        str(Path(sys.executable).parent / "vllm"),
-        "serve",
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
         kvtide_app.model_path,
         "--port",
         str(port),
