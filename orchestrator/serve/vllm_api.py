@@ -73,6 +73,12 @@ def check_fields(kind: Kind, body: Mapping[str, Any]) -> None:
     of vLLM's request fields (vLLM then validates their values); else 400 naming the
     first field neither layer takes."""
     fields = _request_class(kind).model_fields
+    if kind == "responses" and body.get("background"):
+        raise UnsupportedParameter(
+            "background responses are not available: a kvtide turn runs within its "
+            "request (its deadline, its key's concurrency); send background: false",
+            param="background",
+        )
     if body.get("use_beam_search"):
         raise UnsupportedParameter(
             "use_beam_search is not available on kvtide's P/D path; leave it out",
@@ -104,6 +110,13 @@ def parse_request(kind: Kind, body: Mapping[str, Any]) -> Any:
         raise invalid_request(exc) from None
     except VLLMClientError as exc:
         raise client_error(exc) from None
+    except (TypeError, AttributeError, KeyError, ValueError):
+        # One of vLLM's own validators failing on a value of the wrong shape (a string
+        # where it expects an object): the request's fault, never a 500.
+        raise InvalidRequest(
+            "the body does not match the OpenAI request shape: a field has a value of the "
+            "wrong type (see the OpenAI API reference for this endpoint)"
+        ) from None
 
 
 def client_error(exc: Exception) -> InvalidRequest:

@@ -395,3 +395,84 @@ def test_the_ingress_answers_every_body_with_a_success_or_a_4xx(
         assert "choices" in answer or "data: [DONE]" in answer
     else:
         assert not INTERNALS.search(answer["error"]["message"]), answer
+
+
+# ---- the Responses API and the agent fields vLLM's layer serves ------------------------
+
+TOOL = {
+    "type": "function",
+    "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}},
+}
+AGENT_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "tools": st.one_of(st.just([TOOL]), garbage),
+    "tool_choice": st.one_of(
+        _values("auto", "required", "none", {"type": "function", "function": {"name": "lookup"}}),
+        garbage,
+    ),
+    "response_format": st.one_of(
+        _values({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x"}}),
+        garbage,
+    ),
+    "logprobs": st.one_of(st.booleans(), garbage),
+    "top_logprobs": st.one_of(st.integers(-1, 30), garbage),
+    "n": st.one_of(st.integers(-1, 4), garbage),
+    "logit_bias": st.one_of(st.dictionaries(st.sampled_from(["1", "x", "-3"]), ints), garbage),
+    "reasoning_effort": st.one_of(_values("low", "high"), garbage),
+    "structured_outputs": st.one_of(st.just({"regex": "[a-z]+"}), garbage),
+    "prompt_logprobs": st.one_of(st.integers(0, 3), garbage),
+    "use_beam_search": st.booleans(),
+    "kv_transfer_params": json_values,
+}
+RESPONSE_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "input": st.one_of(
+        good_texts.filter(bool),
+        st.just([{"role": "user", "content": "hi"}]),
+        st.just([{"type": "function_call_output", "call_id": "c1", "output": "ok"}]),
+        garbage,
+    ),
+    "previous_response_id": st.one_of(_values("resp_nope"), texts),
+    "store": st.one_of(st.booleans(), garbage),
+    "max_output_tokens": st.one_of(st.integers(-1, 64), garbage),
+    "stream": st.booleans(),
+    "tools": st.one_of(
+        st.just([{"type": "function", "name": "lookup", "parameters": {}}]), garbage
+    ),
+    "instructions": st.one_of(good_texts, garbage),
+    "temperature": st.one_of(st.floats(0, 2), garbage),
+    "background": st.booleans(),
+}
+
+
+@st.composite
+def agent_requests(draw: st.DrawFn) -> tuple[str, bytes]:
+    """A chat or Responses API request with agent fields, valid or not."""
+    if draw(st.booleans()):
+        body: dict[str, Any] = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": draw(good_texts.filter(bool))}],
+            "max_tokens": draw(st.integers(1, 16)),
+        }
+        for name in draw(st.lists(st.sampled_from(sorted(AGENT_FIELDS)), max_size=4)):
+            body[name] = draw(AGENT_FIELDS[name])
+        return "/v1/chat/completions", _dumps(body)
+    body = {"model": draw(_values(MODEL, MODEL, "other"))}
+    for name in draw(st.lists(st.sampled_from(sorted(RESPONSE_FIELDS)), max_size=5)):
+        body[name] = draw(RESPONSE_FIELDS[name])
+    return "/v1/responses", _dumps(body)
+
+
+@pytest.fixture(scope="module")
+def agent_ingress(tiny_tokenizer: Any) -> Any:
+    return bare_ingress(tiny_tokenizer, max_model_len=1024)
+
+
+@settings(FAST, max_examples=150)
+@given(agent_requests())
+def test_agent_fields_and_the_responses_api_never_answer_5xx(
+    agent_ingress: Any, case: tuple[str, bytes]
+) -> None:
+    path, raw = case
+    status, answer = asyncio.run(handle(agent_ingress, path, raw))
+    assert status == 200 or 400 <= status < 500, (status, answer)
+    if status != 200:
+        assert isinstance(answer, dict) and answer["error"]["message"], answer
