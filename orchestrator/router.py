@@ -38,7 +38,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -171,7 +171,7 @@ async def abort_stream(stream: object) -> None:
 
 async def bounded(
     stream: AsyncIterator[GenerateChunk], deadline_s: float, clock: Callable[[], float], what: str
-) -> AsyncIterator[GenerateChunk]:
+) -> AsyncGenerator[GenerateChunk, None]:
     """``stream``'s items, each awaited only until ``deadline_s`` (on ``clock``). Past it:
     ``DeadlineExceeded``; a failure that is not kvtide's own error: ``EngineUnavailable``
     naming ``what`` (the details are logged). Unless the stream ended (or gave its
@@ -365,7 +365,7 @@ class Router:
         lease_id: int | None = None,
         lease_used: Awaitable[bool] | None = None,
         sampling_params: Any = None,
-    ) -> AsyncIterator[tuple[GenerateChunk, TurnReport]]:
+    ) -> AsyncGenerator[tuple[GenerateChunk, TurnReport], None]:
         """Stream decode chunks; each comes with the (growing) turn report.
 
         ``prompt_text``: the rendered prompt, when it came as text; the session's next

@@ -135,7 +135,7 @@ async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
 @serve.deployment(name="ingress", max_ongoing_requests=256)
 @serve.ingress(fastapi_app)
 class Ingress(VLLMRoutes, ResponsesRoutes):
-    async def __init__(
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
         self,
         config: KVTideConfig,
         prefill: DeploymentHandle | Sequence[DeploymentHandle],
@@ -795,7 +795,7 @@ class Ingress(VLLMRoutes, ResponsesRoutes):
             service_s = await self.router.handed_over(session_id)
             lease = self.router.leases.take(session_id, principal, digest)
         if lease is not None:
-            assert session_id is not None
+            assert session_id is not None and self.router.leases is not None
             decision = self.router.leases.decide(lease, ids)
             reason = None if decision.kind == "pull" else decision.reason
             self.metrics.inc("kvtide_turn_leases_total", outcome="used")

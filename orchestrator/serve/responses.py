@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any
 
 from engines.base import GenerateChunk
@@ -184,7 +184,7 @@ def stream_status(event: str) -> int:
     return 500 if error.get("type") == "server_error" else 400
 
 
-async def ending(body: AsyncIterator[Any], end: Callable[[int | None], None]) -> AsyncIterator[Any]:
+async def ending(body: AsyncIterable[Any], end: Callable[[int | None], None]) -> AsyncIterator[Any]:
     """``body``, then ``end(status)`` once it is exhausted or closed early: 200 for a
     stream that ended well, the status its error event stands for (``stream_status``)
     for one that ended with an error (its HTTP status was sent as 200 before it

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,7 +61,7 @@ class TurnContext:
 
 CURRENT_TURN: contextvars.ContextVar[TurnContext] = contextvars.ContextVar("kvtide_turn")
 
-TurnStream = AsyncIterator[tuple[GenerateChunk, Any]]
+TurnStream = AsyncGenerator[tuple[GenerateChunk, Any], None]
 TurnRunner = Callable[[TurnContext, list[int], str | None, Any, str, bool], TurnStream]
 """``(context, prompt ids, prompt text, sampling params, request id, is_turn)``: the
 turn's stream (``is_turn`` False: a sessionless extra choice of the same prompt)."""

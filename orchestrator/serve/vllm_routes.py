@@ -18,12 +18,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engines.base import GenerateChunk
+from orchestrator.config import KVTideConfig
 from orchestrator.errors import ContextLengthExceeded, EngineUnavailable, IdempotencyKeyReused
 from orchestrator.kv.ownership import Principal
-from orchestrator.router import TurnReport
+from orchestrator.kv.service import KVServiceAPI
+from orchestrator.router import Router, TurnReport
 from orchestrator.serve import openai_api as api
 from orchestrator.serve import vllm_api
-from orchestrator.serve.auth import Ticket, check_request
+from orchestrator.serve.auth import ConcurrencyGate, Ticket, check_request
 from orchestrator.serve.responses import begin_replay, body_fingerprints
 from orchestrator.serve.tool_turns import ToolTurns, tool_calls_of
 from orchestrator.serve.turn_client import CURRENT_TURN, TurnContext
@@ -42,10 +44,10 @@ _PROMPT_PARAM = {"chat": "messages", "completion": "prompt", "responses": "input
 class VLLMRoutes:
     """``Ingress``'s vLLM-served requests (the attributes used are the ingress's)."""
 
-    config: Any
-    kv: Any
-    router: Any
-    gate: Any
+    config: KVTideConfig
+    kv: KVServiceAPI
+    router: Router
+    gate: ConcurrencyGate
     vllm: vllm_api.VLLMServing
     tool_turns: ToolTurns
     _open_turn: Callable[[OpenTurn], Awaitable[OpenedTurn]]
