@@ -779,7 +779,10 @@ class Ingress(VLLMRoutes, ResponsesRoutes):
             digest = self.session_tokens.last_digest(session_id, now)
         tokenize_s = turn.render_s
         ids = turn.ids
-        if ids is None or (turn.retokenize and last_text is not None):
+        # Token continuity: a prompt that extends the session's last turn is tokenized
+        # from its exact ids; one that does not keeps the ids it came with, if any.
+        continues = last_text is not None and text is not None and text.startswith(last_text)
+        if ids is None or (turn.retokenize and continues):
             assert text is not None
             t_tokenize = time.monotonic()
             ids = await self._tokenize(text, last_text, last_ids)

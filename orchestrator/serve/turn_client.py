@@ -193,9 +193,23 @@ def make_turn_client(vllm_config: Any, run: TurnRunner) -> Any:
         async def _generate(
             self, ctx: TurnContext, prompt: Any, params: Any, request_id: str
         ) -> AsyncGenerator[Any, None]:
+            # vLLM's own checks of the parameters against the model (its API server
+            # runs them before the engine sees a request): max logprobs, structured
+            # output specs, token ids in the vocabulary, ...
+            from vllm.exceptions import VLLMClientError
             from vllm.outputs import RequestOutput
             from vllm.sampling_params import RequestOutputKind
 
+            try:
+                self.input_processor._validate_params(params, ("generate",))
+            except (ValueError, VLLMClientError) as exc:
+                ctx.error = ServingLayerRefused(
+                    str(exc.args[0]) if exc.args else "invalid sampling parameters",
+                    getattr(exc, "parameter", None),
+                    status_code=400,
+                    error_type="invalid_request_error",
+                )
+                raise ctx.error from None
             if params.prompt_logprobs is not None:
                 ctx.error = ServingLayerRefused(
                     "prompt logprobs are not available on kvtide's P/D path (asked by "
