@@ -17,10 +17,9 @@ import gc
 import logging
 import math
 import time
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -29,62 +28,45 @@ from opentelemetry.trace import Span
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from engines.base import GenerateChunk
 from orchestrator.cluster import route_notes
 from orchestrator.cluster.handle_pool import HandlePool
 from orchestrator.config import KVTideConfig
 from orchestrator.errors import (
-    ContextLengthExceeded,
     EngineUnavailable,
-    LimitExceeded,
     NotFound,
     RequestError,
-    TurnInProgress,
-    UnsupportedParameter,
 )
 from orchestrator.kv.actor import get_or_create_service, service_client
 from orchestrator.kv.decider import kv_lifecycle_config
-from orchestrator.kv.messages import KVDecision
 from orchestrator.kv.ownership import Principal, session_not_found
 from orchestrator.kv.service import engine_pool
-from orchestrator.kv.session_tokens import SessionTokens, prefix_digest
+from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.kv.turn_leases import WATCH_WAIT_S, HeldLeases
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import http_status, make_metrics, render_prometheus
-from orchestrator.router import LeaseRefused, Router, TurnReport
+from orchestrator.router import Router
 from orchestrator.serve import openai_api as api
 from orchestrator.serve import vllm_api
 from orchestrator.serve.admission import AdmissionGate
-from orchestrator.serve.auth import Authenticator, ConcurrencyGate, Ticket, check_request
+from orchestrator.serve.auth import Authenticator, ConcurrencyGate
 from orchestrator.serve.model_info import kv_bytes_per_token_of
+from orchestrator.serve.own_layer import OwnLayer
 from orchestrator.serve.prompts import PromptEncoder
 from orchestrator.serve.responses import (
-    Output,
-    begin_replay,
     ending,
-    final_body,
     pool_stats,
-    raise_unclaimed,
-    replay_key_of,
-    replay_sse,
-    request_fingerprints,
     server_error_body,
     session_body,
-    stream_error,
-    usage_of,
 )
 from orchestrator.serve.responses_api import ResponseBook
 from orchestrator.serve.responses_routes import ResponsesRoutes
 from orchestrator.serve.tool_turns import ToolTurns
-from orchestrator.serve.turns import OpenedTurn, OpenTurn
-from orchestrator.serve.vllm_routes import VLLMRoutes
+from orchestrator.serve.turn_opening import TurnOpening
 
 __all__ = ["Ingress", "fastapi_app"]
 
 log = logging.getLogger("kvtide.ingress")
 
-REQUEST_ID_HEADER = "x-kvtide-request-id"
-"""The response header naming kvtide's request id (the completion's ``id``)."""
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Bounds of an ingress replica's copy of its sessions' last turns: past them the oldest
 # go (a session whose copy went costs one more service call on its next turn).
@@ -94,29 +76,7 @@ SESSION_TOKENS_MAX_BYTES = 256 * 2**20
 # Stored responses (Responses API) an ingress replica keeps, oldest out past it.
 RESPONSES_MAX = 10_000
 
-INLINE_MAX_CHARS = 8192
-"""Text up to this many characters is rendered or tokenized on the event loop: it takes
-well under a millisecond, less than the hop to a worker thread and back."""
-
-_T = TypeVar("_T")
-
-
-async def _maybe_in_thread(size: int, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-    """``fn(*args, **kwargs)``: inline for ``size`` up to ``INLINE_MAX_CHARS``, else in a
-    worker thread (off the event loop)."""
-    if size <= INLINE_MAX_CHARS:
-        return fn(*args, **kwargs)
-    return await asyncio.to_thread(fn, *args, **kwargs)
-
-
-# No schema route: it would answer without a key (the API is docs/api.md).
 fastapi_app = FastAPI(title="kvtide", docs_url=None, redoc_url=None, openapi_url=None)
-
-
-def _extends(ids: Sequence[int], prefix: Sequence[int]) -> bool:
-    """Whether ``ids`` start with ``prefix`` (a non-empty one)."""
-    n = len(prefix)
-    return 0 < n <= len(ids) and list(ids[:n]) == list(prefix)
 
 
 @fastapi_app.exception_handler(RequestError)
@@ -134,7 +94,7 @@ async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
 
 @serve.deployment(name="ingress", max_ongoing_requests=256)
 @serve.ingress(fastapi_app)
-class Ingress(VLLMRoutes, ResponsesRoutes):
+class Ingress(TurnOpening, OwnLayer, ResponsesRoutes):
     async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
         self,
         config: KVTideConfig,
@@ -489,46 +449,6 @@ class Ingress(VLLMRoutes, ResponsesRoutes):
         )
         return api.parse_body(raw, request.headers.get("content-type"))
 
-    async def _chat(self, request: Request, root: Span) -> Any:
-        principal = self._principal(request)
-        body = await self._body(request)
-        t_in = time.monotonic()
-        try:
-            req = api.parse_chat(body, self.config.model.name)
-        except UnsupportedParameter:
-            vllm_api.check_fields("chat", body)
-            return await self._vllm_request("chat", body, request, principal, root, t_in)
-        self.prompts.check_length(req)
-        # A long history takes a while to render: off the event loop, as tokenizing is.
-        # A short one costs less than the thread hop.
-        size = sum(len(content) for _, content in req.messages)
-        t_render = time.monotonic()
-        text = await _maybe_in_thread(
-            size,
-            self.prompts.render_chat,
-            req.messages,
-            continue_final_message=req.continue_final_message,
-        )
-        render_s = time.monotonic() - t_render
-        return await self._serve(req, text, None, request, principal, root, t_in, render_s)
-
-    async def _completion(self, request: Request, root: Span) -> Any:
-        principal = self._principal(request)
-        body = await self._body(request)
-        t_in = time.monotonic()
-        try:
-            req = api.parse_completion(body, self.config.model.name)
-        except UnsupportedParameter:
-            vllm_api.check_fields("completion", body)
-            return await self._vllm_request("completion", body, request, principal, root, t_in)
-        if req.prompt_token_ids is not None:
-            ids: list[int] | None = list(req.prompt_token_ids)
-            self.prompts.check_token_ids(req.prompt_token_ids)
-            return await self._serve(req, None, ids, request, principal, root, t_in)
-        assert req.prompt_text is not None
-        self.prompts.check_length(req)
-        return await self._serve(req, req.prompt_text, None, request, principal, root, t_in)
-
     async def _traced(
         self,
         request: Request,
@@ -570,404 +490,3 @@ class Ingress(VLLMRoutes, ResponsesRoutes):
         )
 
     # ---- the turn ------------------------------------------------------------------
-
-    def _max_tokens(self, req: api.ApiRequest, num_prompt: int) -> int:
-        limit = self.config.model.max_model_len
-        if num_prompt >= limit:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {limit} tokens. However, your "
-                f"prompt has {num_prompt} tokens. Shorten the prompt or the history.",
-                param="messages" if req.kind == "chat" else "prompt",
-            )
-        if req.max_tokens is None:
-            return min(api.DEFAULT_MAX_TOKENS, limit - num_prompt)
-        if num_prompt + req.max_tokens > limit:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {num_prompt + req.max_tokens} tokens ({num_prompt} in the prompt, "
-                f"{req.max_tokens} for the completion). Reduce the prompt or max_tokens.",
-                param="max_tokens",
-            )
-        return req.max_tokens
-
-    async def _tokenize(
-        self, text: str, last_text: str | None = None, last_ids: Sequence[int] = ()
-    ) -> list[int]:
-        """``text``: a ``RenderedChat`` (its messages' contents stay text) or a
-        completion's raw prompt; continuing a session's last turn when given."""
-        # Off the event loop: a long prompt takes seconds, and /v1/models must not wait.
-        # What is tokenized is the text after the last turn's where it continues one.
-        continues = last_text is not None and text.startswith(last_text)
-        size = len(text) - (len(last_text) if continues and last_text is not None else 0)
-        return await _maybe_in_thread(size, self.prompts.encode, text, last_text, list(last_ids))
-
-    async def _begin_turn(
-        self,
-        session_id: str,
-        principal: Principal,
-        text: str | None,
-        ids: list[int],
-        max_tokens: int,
-        digest: int | None,
-        last_ids: Sequence[int],
-        limits: Callable[[list[int]], int],
-    ) -> tuple[list[int], int, KVDecision | None, float, float]:
-        """The turn's one service call before it runs (``begin_turn``: the session
-        claimed, the KV plan made), with the prompt tokenized from this replica's copy of
-        the session's last turn (``digest`` names it, ``last_ids`` are its ids). The call
-        carries only the ids the prompt adds to that last turn. When the service's last
-        turn is another one (the previous turn ran on another replica), tokenize again
-        from it, check ``limits`` again (the prompt's max_tokens), and ask again.
-
-        Returns the prompt's ids, its max_tokens, the plan, the seconds spent waiting
-        for the service and those spent tokenizing again."""
-        waited = tokenized = 0.0
-        for attempt in range(3):
-            # A third try (another replica finished a turn between ours) skips the check:
-            # the plan then compares the ids with the kept record itself.
-            checked = digest if attempt < 2 else None
-            skip = len(last_ids) if checked is not None and _extends(ids, last_ids) else 0
-            t0 = time.monotonic()
-            claim = await self.kv.begin_turn(session_id, principal, ids[skip:], checked, skip)
-            waited += time.monotonic() - t0
-            if claim.outcome != "retokenize":
-                break
-            assert claim.prefix is not None
-            prefix = claim.prefix
-            # This replica's copy is now the service's (the turn's hand-over sends only
-            # what it adds to it).
-            self.session_tokens.remember(
-                session_id, prefix.text, prefix.token_ids, self.router.clock()
-            )
-            digest, last_ids = prefix_digest(prefix.token_ids), prefix.token_ids
-            if text is not None:  # a prompt sent as token ids is as it is
-                t0 = time.monotonic()
-                ids = await self._tokenize(text, prefix.text, prefix.token_ids)
-                tokenized += time.monotonic() - t0
-                max_tokens = limits(ids)
-        raise_unclaimed(claim, session_id)
-        return ids, max_tokens, claim.decision, waited, tokenized
-
-    async def _serve(
-        self,
-        req: api.ApiRequest,
-        text: str | None,
-        ids: list[int] | None,
-        http: Request,
-        principal: Principal,
-        root: Span,
-        t_in: float,
-        render_s: float = 0.0,
-    ) -> Any:
-        """``t_in``: when the body was read (the ingress's own time on the turn's path
-        starts there: ``TurnReport.ingress_s``); ``render_s``: the time the chat template
-        took (``TurnReport.tokenize_s`` adds tokenizing).
-
-        Checks in order, each refusal leaving nothing behind: the key's concurrency
-        (429), an Idempotency-Key's earlier run (replayed, or 409 while it runs), the
-        key's limits and the context (429/400); then one service call claims the
-        session for the key (404 for another key's, 409 while a turn runs, 429 at a
-        session limit) and plans the turn's KV (``_open_turn``). The turn runs once per
-        Idempotency-Key and releases its concurrency ticket when the response (or
-        stream) ends."""
-
-        def limits(prompt_ids: list[int]) -> int:
-            check_request(
-                principal,
-                num_prompt_tokens=len(prompt_ids),
-                max_tokens=req.max_tokens,
-                prompt_param="messages" if req.kind == "chat" else "prompt",
-            )
-            return principal.cap_max_tokens(self._max_tokens(req, len(prompt_ids)))
-
-        async def run(ticket: Ticket, replay_key: str | None) -> Any:
-            rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
-            opened = await self._open_turn(
-                OpenTurn(
-                    principal=principal,
-                    session_header=api.parse_session_id(http.headers.get("x-session-id")),
-                    has_history=any(role == "assistant" for role, _ in req.messages),
-                    text=text,
-                    ids=ids,
-                    limits=limits,
-                    t_in=t_in,
-                    render_s=render_s,
-                    root=root,
-                    request_id=rid,
-                    run_args={
-                        "temperature": req.temperature,
-                        "top_p": req.top_p,
-                        "seed": req.seed,
-                        "stop": req.stop,
-                        "ignore_eos": req.ignore_eos,
-                        "sampling_options": req.sampling_options(),
-                    },
-                )
-            )
-            return await self._respond(req, opened, replay_key, ticket)
-
-        return await self._guarded(
-            http,
-            principal,
-            run,
-            lambda key: begin_replay(self.kv, key, req.kind, request_fingerprints(req)),
-            lambda body: self._replayed(req, body),
-        )
-
-    async def _guarded(
-        self,
-        http: Request,
-        principal: Principal,
-        run: Callable[[Ticket, str | None], Awaitable[Any]],
-        begin: Callable[[str], Awaitable[dict[str, Any] | None]],
-        replayed: Callable[[dict[str, Any]], Any],
-    ) -> Any:
-        """``run(ticket, replay_key)`` under the key's concurrency ticket, once per
-        Idempotency-Key: ``begin(replay_key)`` looks the key up (the stored response of
-        an earlier run, which is ``replayed``; 409 while it runs, 422 when the key came
-        with another request; None: run now, as after a failed run). The ticket is
-        released when the response ends (a stream's own end releases it)."""
-        replay_key = replay_key_of(
-            http.headers.get("idempotency-key"),
-            principal.name,
-            api.parse_session_id(http.headers.get("x-session-id")),
-        )
-        ticket = self.gate.acquire(principal)
-        streaming = False
-        try:
-            if replay_key is not None:
-                stored = await begin(replay_key)
-                if stored is not None:
-                    return replayed(stored)
-            try:
-                response = await run(ticket, replay_key)
-            except BaseException:
-                if replay_key is not None:
-                    await asyncio.shield(self.kv.replay_fail(replay_key))
-                raise
-            streaming = isinstance(response, StreamingResponse)
-            return response
-        finally:
-            if not streaming:  # a stream releases its ticket when it ends
-                self.gate.release(ticket)
-
-    async def _open_turn(self, turn: OpenTurn) -> OpenedTurn:
-        """The turn started: its session found (by header, or the unnamed one its text
-        continues), its prompt tokenized from this replica's copy of the session's last
-        turn, checked against ``turn.limits``, claimed and planned (under the session's
-        turn lease here, or by the KV service's ``begin_turn``), and run to its first
-        item, so that a failure before the first token is the response's status."""
-        principal, text = turn.principal, turn.text
-        session_id = turn.session_header
-        # A conversation without the header: the unnamed session its text extends, or a
-        # new one when it carries history (``orchestrator.kv.conversations``).
-        conversation: str | None = None
-        if session_id is None and text is not None and self.config.routing.reuse_without_session:
-            now = self.router.clock()
-            session_id = self.session_tokens.find_conversation(principal.name, text, now)
-            if session_id is not None:
-                conversation = "continued"
-            elif turn.has_history:
-                session_id = self.session_tokens.conversations.new_session_id(principal.name)
-                conversation = "started"
-        digest: int | None = None  # the last turn the prompt was tokenized from
-        last_text: str | None = None
-        last_ids: Sequence[int] = ()
-        if session_id is not None:  # this replica's copy; checked by begin_turn
-            now = self.router.clock()
-            last_text, last_ids = self.session_tokens.last_turn(session_id, now)
-            digest = self.session_tokens.last_digest(session_id, now)
-        tokenize_s = turn.render_s
-        ids = turn.ids
-        # Token continuity: a prompt that extends the session's last turn is tokenized
-        # from its exact ids; one that does not keeps the ids it came with, if any.
-        continues = last_text is not None and text is not None and text.startswith(last_text)
-        if ids is None or (turn.retokenize and continues):
-            assert text is not None
-            t_tokenize = time.monotonic()
-            ids = await self._tokenize(text, last_text, last_ids)
-            tokenize_s += time.monotonic() - t_tokenize
-        max_tokens = turn.limits(ids)
-        # Refused now (503 overloaded) rather than queued past its deadline.
-        self.admission.check(("prefill", self.router.decode_pool_for(len(ids))[0]))
-        decision, service_s = None, 0.0
-        lease, lease_used = None, None
-        if session_id is not None and self.router.leases is not None:
-            # Held for this replica since its last turn here: claimed and planned
-            # without a service call on the path (``orchestrator.kv.turn_leases``).
-            service_s = await self.router.handed_over(session_id)
-            lease = self.router.leases.take(session_id, principal, digest)
-        if lease is not None:
-            assert session_id is not None and self.router.leases is not None
-            decision = self.router.leases.decide(lease, ids)
-            reason = None if decision.kind == "pull" else decision.reason
-            self.metrics.inc("kvtide_turn_leases_total", outcome="used")
-            lease_used = asyncio.get_running_loop().create_task(
-                self.kv.lease_used(session_id, lease.lease_id, reason)
-            )
-        elif session_id is not None:
-            try:
-                ids, max_tokens, decision, begun_s, again_s = await self._begin_turn(
-                    session_id, principal, text, ids, max_tokens, digest, last_ids, turn.limits
-                )
-                service_s += begun_s
-                tokenize_s += again_s
-            except (TurnInProgress, LimitExceeded, NotFound):
-                if conversation is None:
-                    raise
-                # The conversation's session is busy (the same history sent twice at
-                # once) or over a limit: served as a request without one, which keeps
-                # nothing. Never a refusal the client did not ask for.
-                session_id, conversation = None, "unmatched"
-                self.metrics.inc("kvtide_conversation_turns_total", outcome="unmatched")
-        if conversation in ("continued", "started"):
-            self.metrics.inc("kvtide_conversation_turns_total", outcome=conversation)
-        tr.set_attrs(turn.root, {tr.GEN_AI_REQUEST_MAX_TOKENS: max_tokens})
-
-        def start(
-            ids: list[int], max_tokens: int, decision: KVDecision | None, lease_id: int | None
-        ) -> AsyncGenerator[tuple[GenerateChunk, TurnReport], None]:
-            return self.router.run_turn(
-                prompt_token_ids=ids,
-                max_tokens=max_tokens,
-                session_id=session_id,
-                request_id=turn.request_id,
-                prompt_text=text,
-                trace_parent=turn.root,
-                owner=None if principal.is_anonymous else principal.name,
-                decision=decision,
-                lease_id=lease_id,
-                lease_used=lease_used if lease_id is not None else None,
-                **turn.run_args,
-            )
-
-        # Wait for the first item so that prefill failures become a proper status code.
-        t_router = time.monotonic()
-        running = start(ids, max_tokens, decision, None if lease is None else lease.lease_id)
-        try:
-            first = await running.__anext__()
-        except StopAsyncIteration:
-            raise EngineUnavailable("the decode engine returned no output") from None
-        except LeaseRefused:
-            # The service gave the lease up (revoked meanwhile, or it restarted): the
-            # turn ended unseen; ask the service as any turn does.
-            assert session_id is not None
-            self.metrics.inc("kvtide_turn_leases_total", outcome="refused")
-            ids, max_tokens, decision, service_s, again_s = await self._begin_turn(
-                session_id, principal, text, ids, max_tokens, digest, last_ids, turn.limits
-            )
-            tokenize_s += again_s
-            t_router = time.monotonic()
-            running = start(ids, max_tokens, decision, None)
-            try:
-                first = await running.__anext__()
-            except StopAsyncIteration:
-                raise EngineUnavailable("the decode engine returned no output") from None
-        report = first[1]
-        report.conversation = conversation
-        report.ingress_s = t_router - turn.t_in
-        report.service_s = service_s
-        report.tokenize_s = tokenize_s
-        # Serve sets its own x-request-id (its request id); kvtide's is the completion id.
-        headers = {REQUEST_ID_HEADER: turn.request_id}
-        if session_id is not None and conversation is None:  # an unnamed one stays unnamed
-            headers["x-session-id"] = session_id
-        return OpenedTurn(ids=ids, first=first, turn=running, headers=headers)
-
-    async def _respond(
-        self,
-        req: api.ApiRequest,
-        opened: OpenedTurn,
-        replay_key: str | None,
-        ticket: Ticket,
-    ) -> Any:
-        """kvtide's own OpenAI layer's response to a turn opened by ``_open_turn``."""
-        rid, ids, first, turn = opened.request_id, opened.ids, opened.first, opened.turn
-        if req.stream:
-            return StreamingResponse(
-                self._sse(req, rid, ids, first, turn, replay_key, ticket),
-                media_type="text/event-stream",
-                headers=opened.headers,
-            )
-        out = Output()
-        out.add(first[0])
-        report = first[1]  # the router updates this one report as the turn goes
-        try:
-            async for chunk, _ in turn:
-                out.add(chunk)
-        finally:
-            await turn.aclose()  # a cancelled request ends its turn now, not at GC
-        body = final_body(req, rid, ids, out, report)
-        if replay_key is not None:
-            await self.kv.replay_complete(replay_key, body)
-        return JSONResponse(body, headers=opened.headers)
-
-    def _replayed(self, req: api.ApiRequest, body: dict[str, Any]) -> Any:
-        """A completed turn's stored response, in the shape this request asked for."""
-        headers = {REQUEST_ID_HEADER: str(body["id"]), "x-kvtide-replayed": "true"}
-        if body.get("kvtide", {}).get("session_id"):
-            headers["x-session-id"] = body["kvtide"]["session_id"]
-        if not req.stream:
-            return JSONResponse(body, headers=headers)
-        return StreamingResponse(
-            replay_sse(req, body), media_type="text/event-stream", headers=headers
-        )
-
-    async def _sse(
-        self,
-        req: api.ApiRequest,
-        rid: str,
-        ids: list[int],
-        first: tuple[GenerateChunk, TurnReport],
-        turn: AsyncGenerator[tuple[GenerateChunk, TurnReport], None],
-        replay_key: str | None,
-        ticket: Ticket,
-    ) -> AsyncIterator[str]:
-        item, is_first = first, True
-        report = first[1]
-        out = Output()
-        completed = False
-        try:
-            while True:
-                chunk, report = item
-                out.add(chunk)
-                if chunk.text or is_first or chunk.finished:
-                    yield api.stream_chunk(
-                        req.kind,
-                        rid,
-                        req.model,
-                        text=chunk.text,
-                        first=is_first,
-                        finish=chunk.finish_reason if chunk.finished else None,
-                        ext=report.as_dict() if chunk.finished else None,
-                        use_so_far=(
-                            api.usage(len(ids), len(out.token_ids), report.num_cached_tokens)
-                            if req.continuous_usage
-                            else None
-                        ),
-                    )
-                    is_first = False
-                if chunk.finished:
-                    break
-                item = await turn.__anext__()
-            if replay_key is not None:
-                await self.kv.replay_complete(replay_key, final_body(req, rid, ids, out, report))
-            completed = True
-        except RequestError as exc:
-            yield stream_error(exc.body(), out)
-        except Exception:
-            log.exception("stream %s failed", rid)  # details in the log, not the stream
-            body = server_error_body("the stream failed; retry the request", "stream_failed")
-            yield stream_error(body, out)
-        else:
-            if req.include_usage:
-                yield api.stream_chunk(
-                    req.kind, rid, req.model, use=usage_of(report), ext=report.as_dict()
-                )
-        finally:
-            self.gate.release(ticket)
-            await turn.aclose()
-            if replay_key is not None and not completed:
-                # Failed or the client went away mid-stream: a retry runs the turn.
-                await asyncio.shield(self.kv.replay_fail(replay_key))
-        yield "data: [DONE]\n\n"

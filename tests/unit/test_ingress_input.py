@@ -15,7 +15,7 @@ import pytest
 from ingress_harness import MODEL, bare_ingress, handle, http_request
 
 from orchestrator.errors import PayloadTooLarge
-from orchestrator.serve import ingress as ingress_module
+from orchestrator.serve import turn_opening
 from orchestrator.serve.prompts import PromptEncoder, RenderedChat
 
 CHAT = "/v1/chat/completions"
@@ -81,7 +81,7 @@ def test_tokenizing_runs_off_the_event_loop_and_models_answers_meanwhile(
     tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Every prompt counts as long here (a long one is what takes seconds).
-    monkeypatch.setattr(ingress_module, "INLINE_MAX_CHARS", 0)
+    monkeypatch.setattr(turn_opening, "INLINE_MAX_CHARS", 0)
     ingress = bare_ingress(tiny_tokenizer)
     threads: dict[str, int] = {}
     encoding = threading.Event()

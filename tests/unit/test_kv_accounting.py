@@ -215,8 +215,10 @@ def test_random_operations_exercise_every_path() -> None:
             releases=stats.num_releases,
         )
         totals.update({reason.value: count for reason, count in stats.recomputes_by_reason})
+    # A request without a session never reaches the lifecycle (the router plans it).
+    totals.pop(RecomputeReason.NO_SESSION.value, None)
     assert all(count > 0 for count in totals.values()), totals
-    assert len(totals) == 5 + len(RecomputeReason)
+    assert len(totals) == 5 + len(RecomputeReason) - 1
 
 
 def test_expire_effects_of_a_final_tick_cover_every_record() -> None:

@@ -1,0 +1,296 @@
+"""How the ingress opens a turn, for kvtide's own OpenAI layer and vLLM's alike: the
+guard every turn runs under (the key's concurrency ticket, its Idempotency-Key) and the
+turn itself (``_open_turn``: the session by header or by the conversation's text, the
+prompt tokenized from this replica's copy of the session's last turn, the key's limits,
+admission, the turn lease or the KV service's ``begin_turn``, the first item).
+
+A mixin of ``Ingress`` (the attributes are the ingress's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from engines.base import GenerateChunk
+from orchestrator.config import KVTideConfig
+from orchestrator.errors import (
+    EngineUnavailable,
+    LimitExceeded,
+    NotFound,
+    TurnInProgress,
+)
+from orchestrator.kv.messages import KVDecision
+from orchestrator.kv.ownership import Principal
+from orchestrator.kv.service import KVServiceAPI
+from orchestrator.kv.session_tokens import SessionTokens, prefix_digest
+from orchestrator.observability import tracing as tr
+from orchestrator.observability.metrics import Metrics
+from orchestrator.router import LeaseRefused, Router, TurnReport
+from orchestrator.serve import openai_api as api
+from orchestrator.serve.admission import AdmissionGate
+from orchestrator.serve.auth import ConcurrencyGate, Ticket
+from orchestrator.serve.prompts import PromptEncoder
+from orchestrator.serve.responses import raise_unclaimed, replay_key_of
+from orchestrator.serve.turns import OpenedTurn, OpenTurn
+
+__all__ = ["REQUEST_ID_HEADER", "TurnOpening"]
+
+REQUEST_ID_HEADER = "x-kvtide-request-id"
+"""The response header naming kvtide's request id (the completion's ``id``)."""
+
+INLINE_MAX_CHARS = 8192
+"""Text up to this many characters is rendered or tokenized on the event loop: it takes
+well under a millisecond, less than the hop to a worker thread and back."""
+
+_T = TypeVar("_T")
+
+
+async def maybe_in_thread(size: int, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``fn(*args, **kwargs)``: inline for ``size`` up to ``INLINE_MAX_CHARS``, else in a
+    worker thread (off the event loop)."""
+    if size <= INLINE_MAX_CHARS:
+        return fn(*args, **kwargs)
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+def _extends(ids: Sequence[int], prefix: Sequence[int]) -> bool:
+    """Whether ``ids`` start with ``prefix`` (a non-empty one)."""
+    n = len(prefix)
+    return 0 < n <= len(ids) and list(ids[:n]) == list(prefix)
+
+
+class TurnOpening:
+    """``Ingress``'s turn opening (see the module)."""
+
+    config: KVTideConfig
+    kv: KVServiceAPI
+    router: Router
+    gate: ConcurrencyGate
+    admission: AdmissionGate
+    metrics: Metrics
+    prompts: PromptEncoder
+    session_tokens: SessionTokens
+
+    async def _tokenize(
+        self, text: str, last_text: str | None = None, last_ids: Sequence[int] = ()
+    ) -> list[int]:
+        """``text``: a ``RenderedChat`` (its messages' contents stay text) or a
+        completion's raw prompt; continuing a session's last turn when given."""
+        # Off the event loop: a long prompt takes seconds, and /v1/models must not wait.
+        # What is tokenized is the text after the last turn's where it continues one.
+        continues = last_text is not None and text.startswith(last_text)
+        size = len(text) - (len(last_text) if continues and last_text is not None else 0)
+        return await maybe_in_thread(size, self.prompts.encode, text, last_text, list(last_ids))
+
+    async def _begin_turn(
+        self,
+        session_id: str,
+        principal: Principal,
+        text: str | None,
+        ids: list[int],
+        max_tokens: int,
+        digest: int | None,
+        last_ids: Sequence[int],
+        limits: Callable[[list[int]], int],
+    ) -> tuple[list[int], int, KVDecision | None, float, float]:
+        """The turn's one service call before it runs (``begin_turn``: the session
+        claimed, the KV plan made), with the prompt tokenized from this replica's copy of
+        the session's last turn (``digest`` names it, ``last_ids`` are its ids). The call
+        carries only the ids the prompt adds to that last turn. When the service's last
+        turn is another one (the previous turn ran on another replica), tokenize again
+        from it, check ``limits`` again (the prompt's max_tokens), and ask again.
+
+        Returns the prompt's ids, its max_tokens, the plan, the seconds spent waiting
+        for the service and those spent tokenizing again."""
+        waited = tokenized = 0.0
+        for attempt in range(3):
+            # A third try (another replica finished a turn between ours) skips the check:
+            # the plan then compares the ids with the kept record itself.
+            checked = digest if attempt < 2 else None
+            skip = len(last_ids) if checked is not None and _extends(ids, last_ids) else 0
+            t0 = time.monotonic()
+            claim = await self.kv.begin_turn(session_id, principal, ids[skip:], checked, skip)
+            waited += time.monotonic() - t0
+            if claim.outcome != "retokenize":
+                break
+            assert claim.prefix is not None
+            prefix = claim.prefix
+            # This replica's copy is now the service's (the turn's hand-over sends only
+            # what it adds to it).
+            self.session_tokens.remember(
+                session_id, prefix.text, prefix.token_ids, self.router.clock()
+            )
+            digest, last_ids = prefix_digest(prefix.token_ids), prefix.token_ids
+            if text is not None:  # a prompt sent as token ids is as it is
+                t0 = time.monotonic()
+                ids = await self._tokenize(text, prefix.text, prefix.token_ids)
+                tokenized += time.monotonic() - t0
+                max_tokens = limits(ids)
+        raise_unclaimed(claim, session_id)
+        return ids, max_tokens, claim.decision, waited, tokenized
+
+    async def _guarded(
+        self,
+        http: Request,
+        principal: Principal,
+        run: Callable[[Ticket, str | None], Awaitable[Any]],
+        begin: Callable[[str], Awaitable[dict[str, Any] | None]],
+        replayed: Callable[[dict[str, Any]], Any],
+    ) -> Any:
+        """``run(ticket, replay_key)`` under the key's concurrency ticket, once per
+        Idempotency-Key: ``begin(replay_key)`` looks the key up (the stored response of
+        an earlier run, which is ``replayed``; 409 while it runs, 422 when the key came
+        with another request; None: run now, as after a failed run). The ticket is
+        released when the response ends (a stream's own end releases it)."""
+        replay_key = replay_key_of(
+            http.headers.get("idempotency-key"),
+            principal.name,
+            api.parse_session_id(http.headers.get("x-session-id")),
+        )
+        ticket = self.gate.acquire(principal)
+        streaming = False
+        try:
+            if replay_key is not None:
+                stored = await begin(replay_key)
+                if stored is not None:
+                    return replayed(stored)
+            try:
+                response = await run(ticket, replay_key)
+            except BaseException:
+                if replay_key is not None:
+                    await asyncio.shield(self.kv.replay_fail(replay_key))
+                raise
+            streaming = isinstance(response, StreamingResponse)
+            return response
+        finally:
+            if not streaming:  # a stream releases its ticket when it ends
+                self.gate.release(ticket)
+
+    async def _open_turn(self, turn: OpenTurn) -> OpenedTurn:
+        """The turn started: its session found (by header, or the unnamed one its text
+        continues), its prompt tokenized from this replica's copy of the session's last
+        turn, checked against ``turn.limits``, claimed and planned (under the session's
+        turn lease here, or by the KV service's ``begin_turn``), and run to its first
+        item, so that a failure before the first token is the response's status."""
+        principal, text = turn.principal, turn.text
+        session_id = turn.session_header
+        # A conversation without the header: the unnamed session its text extends, or a
+        # new one when it carries history (``orchestrator.kv.conversations``).
+        conversation: str | None = None
+        if session_id is None and text is not None and self.config.routing.reuse_without_session:
+            now = self.router.clock()
+            session_id = self.session_tokens.find_conversation(principal.name, text, now)
+            if session_id is not None:
+                conversation = "continued"
+            elif turn.has_history:
+                session_id = self.session_tokens.conversations.new_session_id(principal.name)
+                conversation = "started"
+        digest: int | None = None  # the last turn the prompt was tokenized from
+        last_text: str | None = None
+        last_ids: Sequence[int] = ()
+        if session_id is not None:  # this replica's copy; checked by begin_turn
+            now = self.router.clock()
+            last_text, last_ids = self.session_tokens.last_turn(session_id, now)
+            digest = self.session_tokens.last_digest(session_id, now)
+        tokenize_s = turn.render_s
+        ids = turn.ids
+        # Token continuity: a prompt that extends the session's last turn is tokenized
+        # from its exact ids; one that does not keeps the ids it came with, if any.
+        continues = last_text is not None and text is not None and text.startswith(last_text)
+        if ids is None or (turn.retokenize and continues):
+            assert text is not None
+            t_tokenize = time.monotonic()
+            ids = await self._tokenize(text, last_text, last_ids)
+            tokenize_s += time.monotonic() - t_tokenize
+        max_tokens = turn.limits(ids)
+        # Refused now (503 overloaded) rather than queued past its deadline.
+        self.admission.check(("prefill", self.router.decode_pool_for(len(ids))[0]))
+        decision, service_s = None, 0.0
+        lease, lease_used = None, None
+        if session_id is not None and self.router.leases is not None:
+            # Held for this replica since its last turn here: claimed and planned
+            # without a service call on the path (``orchestrator.kv.turn_leases``).
+            service_s = await self.router.handed_over(session_id)
+            lease = self.router.leases.take(session_id, principal, digest)
+        if lease is not None:
+            assert session_id is not None and self.router.leases is not None
+            decision = self.router.leases.decide(lease, ids)
+            reason = None if decision.kind == "pull" else decision.reason
+            self.metrics.inc("kvtide_turn_leases_total", outcome="used")
+            lease_used = asyncio.get_running_loop().create_task(
+                self.kv.lease_used(session_id, lease.lease_id, reason)
+            )
+        elif session_id is not None:
+            try:
+                ids, max_tokens, decision, begun_s, again_s = await self._begin_turn(
+                    session_id, principal, text, ids, max_tokens, digest, last_ids, turn.limits
+                )
+                service_s += begun_s
+                tokenize_s += again_s
+            except (TurnInProgress, LimitExceeded, NotFound):
+                if conversation is None:
+                    raise
+                # The conversation's session is busy (the same history sent twice at
+                # once) or over a limit: served as a request without one, which keeps
+                # nothing. Never a refusal the client did not ask for.
+                session_id, conversation = None, "unmatched"
+                self.metrics.inc("kvtide_conversation_turns_total", outcome="unmatched")
+        if conversation in ("continued", "started"):
+            self.metrics.inc("kvtide_conversation_turns_total", outcome=conversation)
+        tr.set_attrs(turn.root, {tr.GEN_AI_REQUEST_MAX_TOKENS: max_tokens})
+
+        def start(
+            ids: list[int], max_tokens: int, decision: KVDecision | None, lease_id: int | None
+        ) -> AsyncGenerator[tuple[GenerateChunk, TurnReport], None]:
+            return self.router.run_turn(
+                prompt_token_ids=ids,
+                max_tokens=max_tokens,
+                session_id=session_id,
+                request_id=turn.request_id,
+                prompt_text=text,
+                trace_parent=turn.root,
+                owner=None if principal.is_anonymous else principal.name,
+                decision=decision,
+                lease_id=lease_id,
+                lease_used=lease_used if lease_id is not None else None,
+                **turn.run_args,
+            )
+
+        # Wait for the first item so that prefill failures become a proper status code.
+        t_router = time.monotonic()
+        running = start(ids, max_tokens, decision, None if lease is None else lease.lease_id)
+        try:
+            first = await running.__anext__()
+        except StopAsyncIteration:
+            raise EngineUnavailable("the decode engine returned no output") from None
+        except LeaseRefused:
+            # The service gave the lease up (revoked meanwhile, or it restarted): the
+            # turn ended unseen; ask the service as any turn does.
+            assert session_id is not None
+            self.metrics.inc("kvtide_turn_leases_total", outcome="refused")
+            ids, max_tokens, decision, service_s, again_s = await self._begin_turn(
+                session_id, principal, text, ids, max_tokens, digest, last_ids, turn.limits
+            )
+            tokenize_s += again_s
+            t_router = time.monotonic()
+            running = start(ids, max_tokens, decision, None)
+            try:
+                first = await running.__anext__()
+            except StopAsyncIteration:
+                raise EngineUnavailable("the decode engine returned no output") from None
+        report = first[1]
+        report.conversation = conversation
+        report.ingress_s = t_router - turn.t_in
+        report.service_s = service_s
+        report.tokenize_s = tokenize_s
+        # Serve sets its own x-request-id (its request id); kvtide's is the completion id.
+        headers = {REQUEST_ID_HEADER: turn.request_id}
+        if session_id is not None and conversation is None:  # an unnamed one stays unnamed
+            headers["x-session-id"] = session_id
+        return OpenedTurn(ids=ids, first=first, turn=running, headers=headers)
