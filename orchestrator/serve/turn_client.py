@@ -32,7 +32,7 @@ from typing import Any
 from engines.base import GenerateChunk, TokenLogprob
 from orchestrator.errors import ServingLayerRefused
 
-__all__ = ["CURRENT_TURN", "TurnContext", "TurnRunner", "make_turn_client"]
+__all__ = ["CURRENT_TURN", "TurnContext", "TurnEngine", "TurnRunner", "make_turn_client"]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -162,176 +162,198 @@ async def _merged(
                 await task
 
 
+def _refused(message: str, param: str | None) -> ServingLayerRefused:
+    return ServingLayerRefused(message, param, status_code=400, error_type="invalid_request_error")
+
+
+def _checked(input_processor: Any, params: Any) -> ServingLayerRefused | None:
+    """vLLM's own checks of the parameters against the model (its API server runs them
+    before the engine sees a request: max logprobs, structured output specs, token ids
+    in the vocabulary, ...), and what kvtide's P/D path cannot give."""
+    from vllm.exceptions import VLLMClientError
+
+    try:
+        input_processor._validate_params(params, ("generate",))
+    except (ValueError, VLLMClientError) as exc:
+        message = str(exc.args[0]) if exc.args else "invalid sampling parameters"
+        return _refused(message, getattr(exc, "parameter", None))
+    if params.prompt_logprobs is not None:
+        return _refused(
+            "prompt logprobs are not available on kvtide's P/D path (asked by "
+            "prompt_logprobs, or echo with logprobs); leave them out",
+            "prompt_logprobs",
+        )
+    return None
+
+
+async def _outputs(
+    streams: Mapping[int, TurnStream], params: Any, ctx: TurnContext
+) -> AsyncGenerator[tuple[list[Any], bool], None]:
+    """The choices' chunks as vLLM's ``CompletionOutput``s, in the request's output kind
+    (each delta as it comes, or every choice whole at the end), with whether all are
+    finished; choice 0's text is kept as generated (``tool_turns``)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    want_logprobs = params.logprobs is not None
+    delta = params.output_kind == RequestOutputKind.DELTA
+    choices = {i: _Choice() for i in streams}
+    num_finished = 0
+    raw: list[str] = ctx.extra.setdefault("raw_text", [])
+    async for index, chunk in _merged(streams):
+        if index == 0:
+            raw.append(chunk.text)
+        num_finished += chunk.finished
+        finished = num_finished == len(streams)
+        if delta:
+            yield [_completion(index, chunk, want_logprobs)], finished
+        else:
+            choices[index].add(chunk)
+            if finished:
+                yield [_completion(i, c, want_logprobs) for i, c in choices.items()], True
+
+
+class TurnEngine:
+    """What vLLM's serving classes ask of an engine, answered by kvtide's turns (the
+    methods of vLLM's ``EngineClient``; ``make_turn_client`` adds the base class)."""
+
+    def __init__(self, vllm_config: Any, run: TurnRunner) -> None:
+        from vllm.renderers import renderer_from_config
+        from vllm.v1.engine.input_processor import InputProcessor
+
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.renderer = renderer_from_config(vllm_config)
+        self.input_processor = InputProcessor(vllm_config, self.renderer)
+        self._run = run
+
+    # ---- the data plane ------------------------------------------------------------
+
+    def generate(
+        self, prompt: Any, sampling_params: Any, request_id: str, **_: Any
+    ) -> AsyncGenerator[Any, None]:
+        # Called in the HTTP request's task (or its stream's): its context is the turn's.
+        return self._generate(CURRENT_TURN.get(), prompt, sampling_params, request_id)
+
+    async def _first(
+        self, ctx: TurnContext, ids: list[int], text: str | None, params: Any, rid: str
+    ) -> tuple[TurnStream, GenerateChunk, Any]:
+        """The turn started and its first item, or ``ctx.error`` set and raised."""
+        refused = _checked(self.input_processor, params)
+        if refused is not None:
+            ctx.error = refused
+            raise refused
+        turn = self._run(ctx, ids, text, params, rid, True)
+        try:
+            first, report = await turn.__anext__()
+        except BaseException as exc:
+            ctx.error = exc
+            raise
+        if params.logprobs is not None and first.token_ids and first.logprobs is None:
+            await turn.aclose()
+            ctx.error = _refused(
+                "logprobs are not available: this deployment's engines return none (the "
+                "simulated backend samples nothing); leave logprobs out",
+                "logprobs",
+            )
+            raise ctx.error
+        ctx.report = report
+        return turn, first, report
+
+    async def _generate(
+        self, ctx: TurnContext, prompt: Any, params: Any, request_id: str
+    ) -> AsyncGenerator[Any, None]:
+        from vllm.outputs import RequestOutput
+
+        text = prompt.get("prompt")
+        turn, first, report = await self._first(
+            ctx, list(prompt["prompt_token_ids"]), text, params, request_id
+        )
+        ids = ctx.extra["prompt_token_ids"]  # as the turn tokenized them
+
+        async def choice_zero() -> TurnStream:
+            yield first, report
+            async for item in turn:
+                yield item
+
+        streams: dict[int, TurnStream] = {0: choice_zero()}
+        for index in range(1, max(1, params.n)):
+            child = params.clone()
+            if child.seed is not None:
+                child.seed += index
+            streams[index] = self._run(ctx, ids, text, child, f"{request_id}-c{index}", False)
+        async for outputs, finished in _outputs(streams, params, ctx):
+            yield RequestOutput(
+                request_id=request_id,
+                prompt=text,
+                prompt_token_ids=ids,
+                prompt_logprobs=None,
+                outputs=outputs,
+                finished=finished,
+                num_cached_tokens=report.num_cached_tokens,
+            )
+
+    async def abort(self, request_id: Any) -> None:
+        """A turn ends when its stream is closed (the serving layer's generator)."""
+
+    # ---- the control plane: what vLLM's serving classes ask of an engine ------------
+
+    @property
+    def is_running(self) -> bool:
+        return True
+
+    @property
+    def is_stopped(self) -> bool:
+        return False
+
+    @property
+    def errored(self) -> bool:
+        return False
+
+    @property
+    def dead_error(self) -> BaseException:
+        return RuntimeError("kvtide's turn client does not fail as a whole")
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    async def is_tracing_enabled(self) -> bool:
+        return False
+
+    async def check_health(self) -> None:
+        return None
+
+    async def do_log_stats(self) -> None:
+        return None
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError("kvtide serves generation only (no pooling models)")
+
+    async def notify_kv_transfer_request_rejected(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def _unsupported(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError("not an operation kvtide's OpenAI endpoint offers")
+
+    start_profile = stop_profile = reset_mm_cache = reset_encoder_cache = _unsupported
+    reset_prefix_cache = sleep = wake_up = release_kv_cache_memory = _unsupported
+    add_lora = pause_generation = resume_generation = _unsupported
+
+    async def is_sleeping(self) -> bool:
+        return False
+
+    async def is_paused(self) -> bool:
+        return False
+
+    def shutdown(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
 def make_turn_client(vllm_config: Any, run: TurnRunner) -> Any:
-    """A ``TurnClient`` (vLLM's ``EngineClient``) on ``vllm_config``'s model, whose
-    turns ``run`` runs. vLLM is imported here, in the ingress replica only."""
+    """A ``TurnEngine`` that is a vLLM ``EngineClient``, on ``vllm_config``'s model,
+    whose turns ``run`` runs. vLLM is imported here, in the ingress replica only."""
     from vllm.engine.protocol import EngineClient
-    from vllm.renderers import renderer_from_config
-    from vllm.v1.engine.input_processor import InputProcessor
 
-    class TurnClient(EngineClient):  # type: ignore[misc]
-        __doc__ = __doc__
+    class TurnClient(TurnEngine, EngineClient):  # type: ignore[misc]
+        pass
 
-        def __init__(self) -> None:
-            self.vllm_config = vllm_config
-            self.model_config = vllm_config.model_config
-            self.renderer = renderer_from_config(vllm_config)
-            self.input_processor = InputProcessor(vllm_config, self.renderer)
-
-        # ---- the data plane ----------------------------------------------------
-
-        def generate(
-            self,
-            prompt: Any,
-            sampling_params: Any,
-            request_id: str,
-            **_: Any,
-        ) -> AsyncGenerator[Any, None]:
-            # Called in the HTTP request's task: its context is the turn's.
-            return self._generate(CURRENT_TURN.get(), prompt, sampling_params, request_id)
-
-        async def _generate(
-            self, ctx: TurnContext, prompt: Any, params: Any, request_id: str
-        ) -> AsyncGenerator[Any, None]:
-            # vLLM's own checks of the parameters against the model (its API server
-            # runs them before the engine sees a request): max logprobs, structured
-            # output specs, token ids in the vocabulary, ...
-            from vllm.exceptions import VLLMClientError
-            from vllm.outputs import RequestOutput
-            from vllm.sampling_params import RequestOutputKind
-
-            try:
-                self.input_processor._validate_params(params, ("generate",))
-            except (ValueError, VLLMClientError) as exc:
-                ctx.error = ServingLayerRefused(
-                    str(exc.args[0]) if exc.args else "invalid sampling parameters",
-                    getattr(exc, "parameter", None),
-                    status_code=400,
-                    error_type="invalid_request_error",
-                )
-                raise ctx.error from None
-            if params.prompt_logprobs is not None:
-                ctx.error = ServingLayerRefused(
-                    "prompt logprobs are not available on kvtide's P/D path (asked by "
-                    "prompt_logprobs, or echo with logprobs); leave them out",
-                    "prompt_logprobs",
-                    status_code=400,
-                    error_type="invalid_request_error",
-                )
-                raise ctx.error
-            ids = list(prompt["prompt_token_ids"])
-            text = prompt.get("prompt")
-            want_logprobs = params.logprobs is not None
-            num_choices = max(1, params.n)
-            try:
-                turn = run(ctx, ids, text, params, request_id, True)
-                first_chunk, report = await turn.__anext__()
-            except BaseException as exc:
-                ctx.error = exc
-                raise
-            ctx.report = report
-            if want_logprobs and first_chunk.token_ids and first_chunk.logprobs is None:
-                await turn.aclose()
-                ctx.error = ServingLayerRefused(
-                    "logprobs are not available: this deployment's engines return none "
-                    "(the simulated backend samples nothing); leave logprobs out",
-                    "logprobs",
-                    status_code=400,
-                    error_type="invalid_request_error",
-                )
-                raise ctx.error
-            ids = ctx.extra.get("prompt_token_ids", ids)  # as the turn tokenized them
-
-            async def choice_zero() -> TurnStream:
-                yield first_chunk, report
-                async for item in turn:
-                    yield item
-
-            streams: dict[int, TurnStream] = {0: choice_zero()}
-            for index in range(1, num_choices):
-                child = params.clone()
-                if child.seed is not None:
-                    child.seed += index
-                streams[index] = run(ctx, ids, text, child, f"{request_id}-c{index}", False)
-            delta = params.output_kind == RequestOutputKind.DELTA
-            choices = {i: _Choice() for i in streams}
-            num_finished = 0
-            raw: list[str] = ctx.extra.setdefault("raw_text", [])
-            async for index, chunk in _merged(streams):
-                if index == 0:
-                    raw.append(chunk.text)  # choice 0 as generated (``tool_turns``)
-                num_finished += chunk.finished
-                finished = num_finished == num_choices
-                if delta:
-                    outputs = [_completion(index, chunk, want_logprobs)]
-                else:
-                    choices[index].add(chunk)
-                    if not finished:
-                        continue
-                    outputs = [_completion(i, c, want_logprobs) for i, c in choices.items()]
-                yield RequestOutput(
-                    request_id=request_id,
-                    prompt=text,
-                    prompt_token_ids=ids,
-                    prompt_logprobs=None,
-                    outputs=outputs,
-                    finished=finished,
-                    num_cached_tokens=report.num_cached_tokens,
-                )
-
-        async def abort(self, request_id: Any) -> None:
-            """A turn ends when its stream is closed (the serving layer's generator)."""
-
-        # ---- the control plane: what vLLM's serving classes ask of an engine ----
-
-        @property
-        def is_running(self) -> bool:
-            return True
-
-        @property
-        def is_stopped(self) -> bool:
-            return False
-
-        @property
-        def errored(self) -> bool:
-            return False
-
-        @property
-        def dead_error(self) -> BaseException:
-            return RuntimeError("kvtide's turn client does not fail as a whole")
-
-        async def get_supported_tasks(self) -> tuple[str, ...]:
-            return ("generate",)
-
-        async def is_tracing_enabled(self) -> bool:
-            return False
-
-        async def check_health(self) -> None:
-            return None
-
-        async def do_log_stats(self) -> None:
-            return None
-
-        def encode(self, *args: Any, **kwargs: Any) -> Any:
-            raise ValueError("kvtide serves generation only (no pooling models)")
-
-        async def notify_kv_transfer_request_rejected(self, *args: Any, **kwargs: Any) -> None:
-            return None
-
-        def _unsupported(self, *args: Any, **kwargs: Any) -> Any:
-            raise ValueError("not an operation kvtide's OpenAI endpoint offers")
-
-        start_profile = stop_profile = reset_mm_cache = reset_encoder_cache = _unsupported
-        reset_prefix_cache = sleep = wake_up = release_kv_cache_memory = _unsupported
-        add_lora = pause_generation = resume_generation = _unsupported
-
-        async def is_sleeping(self) -> bool:
-            return False
-
-        async def is_paused(self) -> bool:
-            return False
-
-        def shutdown(self, *args: Any, **kwargs: Any) -> None:
-            return None
-
-    return TurnClient()
+    return TurnClient(vllm_config, run)

@@ -82,7 +82,9 @@ def test_a_tool_using_conversation_without_a_header_sends_its_kv_back(kvtide_app
     seen = _agent_loop(kvtide_app, {}, 4)
     # As for any history-only client: the unnamed session starts with turn 2.
     assert [s["conversation"] for s in seen] == [None, "started", "continued", "continued"]
-    assert [s["kv_source"] for s in seen[2:]] == ["sent_back"] * 2, seen
+    assert [s["kv_source"] for s in seen[2:]] == ["sent_back"] * 2, [
+        (s["conversation"], s["kv_plan"], s["kv_plan_reason"], s["kv_source"]) for s in seen
+    ]
 
 
 def test_a_named_tool_call_streams_in_the_openai_shape(kvtide_app: Any) -> None:

@@ -40,6 +40,13 @@ ALLOWED = {
     "error messages of kvtide's own layer": "a request kvtide's own layer serves (plain "
     "text fields) is refused in kvtide's words, with the same status",
     "logprob values within 1e-3": "fp32 numerics of different batch shapes",
+    "a later turn's prompt tokens, and so its answer, where the prompt text is the same": (
+        "token continuity: kvtide continues a conversation from the exact token ids the "
+        "decode engine produced (what its kept KV holds), vLLM re-tokenizes the rendered "
+        "history; where a random model's tokens are not the tokenizer's own split of their "
+        "text, the ids differ while the text is equal (checked: both prompts' ids decode "
+        "to the same text), and the conversations part from there"
+    ),
     "tool calls sent back with the ids kvtide returned": "kvtide renders them as the "
     "model wrote them (tool turns keep their KV, docs/api.md), vLLM through the chat "
     "template; the runner here sends its own ids, so both render through the template",
@@ -148,6 +155,7 @@ def _assembled(answer: Any) -> dict[str, Any]:
             "status": 200,
             "choices": choices,
             "usage": (usage.get("prompt_tokens"), usage.get("completion_tokens")),
+            "prompt_token_ids": body.get("prompt_token_ids"),
         }
     by_index: dict[int, dict[str, Any]] = {}
     usage: Any = (None, None)
@@ -204,6 +212,21 @@ def _differences(a: dict[str, Any], b: dict[str, Any], where: str = "") -> list[
     return [] if a == b else [f"{where}: {a!r} != {b!r}"]
 
 
+def _same_text(tokenizer: Any, expected: Any, got: Any) -> str | None:
+    """None when both prompts' token ids decode to one text (streamed turns carry no
+    ids: their counts alone differ), else what differs."""
+    if expected is None or got is None:
+        return None
+    a = tokenizer.decode(expected, skip_special_tokens=False)
+    b = tokenizer.decode(got, skip_special_tokens=False)
+    if a == b:
+        return None
+    at = next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+    return f"the texts differ at char {at}: {a[at : at + 40]!r} != {b[at : at + 40]!r}"
+
+
 def _run(client: httpx.Client, case: Case, headers: dict[str, str]) -> list[dict[str, Any]]:
     """The case's answers, each later turn carrying the previous answer back."""
     body = {**case.body}
@@ -227,15 +250,21 @@ def _run(client: httpx.Client, case: Case, headers: dict[str, str]) -> list[dict
         ]
         messages.append({"role": "user", "content": "And then?"})
         body = {**body, **turn, "messages": messages}
+        if not body.get("stream"):
+            body["return_token_ids"] = True  # the prompt's ids, to tell text from tokens
         answers.append(_assembled(_send(client, case, body, headers)))
     return answers
 
 
 def test_kvtide_answers_the_corpus_as_vllms_own_server(kvtide_app: Any, vllm_server: str) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(kvtide_app.model_path)
     cases = corpus()
     model = kvtide_app.model
     failures: list[str] = []
     num_requests = 0
+    continued_apart = 0
     with (
         httpx.Client(base_url=vllm_server, timeout=120) as reference,
         httpx.Client(base_url=kvtide_app.base_url, timeout=120) as kvtide,
@@ -261,11 +290,27 @@ def test_kvtide_answers_the_corpus_as_vllms_own_server(kvtide_app: Any, vllm_ser
                             f"{case.name}[{turn}] status {a['status']} != {b['status']}"
                         )
                     continue
+                if turn > 0 and a["usage"][0] != b["usage"][0]:
+                    # Token continuity (ALLOWED): the same prompt text, other ids; the
+                    # conversations part here.
+                    why = _same_text(
+                        tokenizer, a.get("prompt_token_ids"), b.get("prompt_token_ids")
+                    )
+                    if why is not None:
+                        failures.append(f"{case.name}[{turn}] prompt: {why}")
+                    continued_apart += 1
+                    break
+                a.pop("prompt_token_ids", None)
+                b.pop("prompt_token_ids", None)
                 for diff in _differences(a, b):
                     failures.append(f"{case.name}[{turn}]{diff}")
-            if len(expected) != len(got):
-                failures.append(f"{case.name}: {len(expected)} turns != {len(got)}")
+            else:
+                if len(expected) != len(got):
+                    failures.append(f"{case.name}: {len(expected)} turns != {len(got)}")
     assert num_requests >= 200
+    # Most of the corpus is single turns: conversations parting by token continuity
+    # must stay the exception they are.
+    assert continued_apart <= 8, continued_apart
     assert not failures, f"{len(failures)} differences from vllm serve:\n" + "\n".join(
         failures[:60]
     )
