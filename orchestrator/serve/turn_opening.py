@@ -172,6 +172,47 @@ class TurnOpening:
             if not streaming:  # a stream releases its ticket when it ends
                 self.gate.release(ticket)
 
+    def _session_for(self, turn: OpenTurn) -> tuple[str | None, str | None]:
+        """The turn's session and, without a header, its conversation's state: the
+        unnamed session its text extends (``continued``), or a new one when it carries
+        history (``started``; ``orchestrator.kv.conversations``)."""
+        session_id, text = turn.session_header, turn.text
+        if session_id is not None or text is None:
+            return session_id, None
+        if not self.config.routing.reuse_without_session:
+            return None, None
+        now = self.router.clock()
+        session_id = self.session_tokens.find_conversation(turn.principal.name, text, now)
+        if session_id is not None:
+            return session_id, "continued"
+        if turn.has_history:
+            return self.session_tokens.conversations.new_session_id(turn.principal.name), "started"
+        return None, None
+
+    async def _prompt_ids(
+        self, turn: OpenTurn, session_id: str | None
+    ) -> tuple[list[int], int | None, Sequence[int], float]:
+        """The prompt's ids, the digest and ids of this replica's copy of the session's
+        last turn they were tokenized from (``begin_turn`` checks it), and the seconds
+        the chat template and tokenizing took. Token continuity: a prompt that extends
+        the session's last turn continues from its exact ids; one that does not keeps
+        the ids it came with, if any."""
+        digest: int | None = None
+        last_text: str | None = None
+        last_ids: Sequence[int] = ()
+        if session_id is not None:
+            now = self.router.clock()
+            last_text, last_ids = self.session_tokens.last_turn(session_id, now)
+            digest = self.session_tokens.last_digest(session_id, now)
+        text, ids, tokenize_s = turn.text, turn.ids, turn.render_s
+        continues = last_text is not None and text is not None and text.startswith(last_text)
+        if ids is None or (turn.retokenize and continues):
+            assert text is not None
+            t_tokenize = time.monotonic()
+            ids = await self._tokenize(text, last_text, last_ids)
+            tokenize_s += time.monotonic() - t_tokenize
+        return ids, digest, last_ids, tokenize_s
+
     async def _open_turn(self, turn: OpenTurn) -> OpenedTurn:
         """The turn started: its session found (by header, or the unnamed one its text
         continues), its prompt tokenized from this replica's copy of the session's last
@@ -179,35 +220,8 @@ class TurnOpening:
         turn lease here, or by the KV service's ``begin_turn``), and run to its first
         item, so that a failure before the first token is the response's status."""
         principal, text = turn.principal, turn.text
-        session_id = turn.session_header
-        # A conversation without the header: the unnamed session its text extends, or a
-        # new one when it carries history (``orchestrator.kv.conversations``).
-        conversation: str | None = None
-        if session_id is None and text is not None and self.config.routing.reuse_without_session:
-            now = self.router.clock()
-            session_id = self.session_tokens.find_conversation(principal.name, text, now)
-            if session_id is not None:
-                conversation = "continued"
-            elif turn.has_history:
-                session_id = self.session_tokens.conversations.new_session_id(principal.name)
-                conversation = "started"
-        digest: int | None = None  # the last turn the prompt was tokenized from
-        last_text: str | None = None
-        last_ids: Sequence[int] = ()
-        if session_id is not None:  # this replica's copy; checked by begin_turn
-            now = self.router.clock()
-            last_text, last_ids = self.session_tokens.last_turn(session_id, now)
-            digest = self.session_tokens.last_digest(session_id, now)
-        tokenize_s = turn.render_s
-        ids = turn.ids
-        # Token continuity: a prompt that extends the session's last turn is tokenized
-        # from its exact ids; one that does not keeps the ids it came with, if any.
-        continues = last_text is not None and text is not None and text.startswith(last_text)
-        if ids is None or (turn.retokenize and continues):
-            assert text is not None
-            t_tokenize = time.monotonic()
-            ids = await self._tokenize(text, last_text, last_ids)
-            tokenize_s += time.monotonic() - t_tokenize
+        session_id, conversation = self._session_for(turn)
+        ids, digest, last_ids, tokenize_s = await self._prompt_ids(turn, session_id)
         max_tokens = turn.limits(ids)
         # Refused now (503 overloaded) rather than queued past its deadline.
         self.admission.check(("prefill", self.router.decode_pool_for(len(ids))[0]))
