@@ -164,6 +164,8 @@ def _conversations() -> list[Case]:
             "temperature": 0,
             "stream": stream,
         }
+        if stream:
+            body["stream_options"] = {"include_usage": True}
         name = f"conv-{'session' if session else 'history'}-{'stream' if stream else 'full'}"
         cases.append(Case(name, "chat", body, turns=turns, session=session))
     return cases

@@ -13,6 +13,7 @@ import json
 import uuid
 from typing import Any, Literal
 
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel
@@ -72,7 +73,11 @@ def _agent_loop(app: Any, headers: dict[str, str], turns: int) -> list[dict[str,
 
 
 def test_a_tool_using_session_sends_its_kv_back_every_turn(kvtide_app: Any) -> None:
-    seen = _agent_loop(kvtide_app, {"x-session-id": f"agent-{uuid.uuid4().hex[:8]}"}, 4)
+    session = f"agent-{uuid.uuid4().hex[:8]}"
+    seen = _agent_loop(kvtide_app, {"x-session-id": session}, 4)
+    # Closed as a client that is done does: the tests after this one share the decode
+    # engine's idle budget (kv.idle_budget_mib_per_engine).
+    assert httpx.delete(f"{kvtide_app.base_url}/kvtide/sessions/{session}").status_code == 200
     assert [s["kv_source"] for s in seen[1:]] == ["sent_back"] * 3, seen
     # Each later turn reused the whole previous turn: its prompt and the tool call.
     assert all(s["num_cached_tokens"] > seen[0]["num_cached_tokens"] for s in seen[1:])
@@ -203,6 +208,7 @@ def test_the_responses_api_holds_the_conversation_and_its_kv(kvtide_app: Any) ->
         final = stream.get_final_response()
     assert final.previous_response_id == previous
     client.responses.delete(previous)
+    assert httpx.delete(f"{kvtide_app.base_url}/kvtide/sessions/{first.id}").status_code == 200
     with pytest.raises(openai.NotFoundError):
         client.responses.create(
             model=kvtide_app.model,

@@ -281,6 +281,8 @@ def test_kvtide_answers_the_corpus_as_vllms_own_server(kvtide_app: Any, vllm_ser
             headers = {"x-session-id": f"diff-{case.name}"} if case.session else {}
             expected = _run(reference, case, {})
             got = _run(kvtide, case, headers)
+            if case.session:  # its kept KV freed now, as a client that is done does
+                kvtide.delete(f"/kvtide/sessions/diff-{case.name}")
             num_requests += len(expected)
             for turn, (a, b) in enumerate(zip(expected, got, strict=False)):
                 if "invalid" in case.tags or a["status"] != 200:
