@@ -8,7 +8,7 @@ would fix it.
 
     PlacementError                  base of everything raised by `placement`
     ├── InvalidTopology             nodes/domains that cannot describe a cluster
-    ├── InvalidRequest              an engine request outside what is supported
+    ├── InvalidEngineRequest              an engine request outside what is supported
     │   └── DuplicateEngine         an engine id that is already placed
     ├── UnknownEngine               release of an engine id that is not placed
     ├── InsufficientCapacity        a direct ledger claim for more than is free
@@ -30,7 +30,7 @@ __all__ = [
     "FabricNotReady",
     "InsufficientCapacity",
     "InvalidDomainId",
-    "InvalidRequest",
+    "InvalidEngineRequest",
     "InvalidTopology",
     "PlacementError",
     "UnknownEngine",
@@ -45,11 +45,11 @@ class InvalidTopology(PlacementError):
     """The nodes given cannot describe a cluster (duplicate ids, no GPUs, ...)."""
 
 
-class InvalidRequest(PlacementError):
+class InvalidEngineRequest(PlacementError):
     """An engine request that no cluster could satisfy as written (e.g. TP 17)."""
 
 
-class DuplicateEngine(InvalidRequest):
+class DuplicateEngine(InvalidEngineRequest):
     """An engine id that already holds a placement; release it first."""
 
 

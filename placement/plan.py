@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from placement.errors import InvalidRequest
+from placement.errors import InvalidEngineRequest
 from placement.topology import DomainState
 
 __all__ = [
@@ -41,20 +41,20 @@ class EngineRequest:
 
     def __post_init__(self) -> None:
         if not self.engine_id:
-            raise InvalidRequest("an engine request needs a non-empty engine_id")
+            raise InvalidEngineRequest("an engine request needs a non-empty engine_id")
         if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int):
-            raise InvalidRequest(
+            raise InvalidEngineRequest(
                 f"engine {self.engine_id!r}: tp_size must be an int, got {self.tp_size!r}"
             )
         if not 1 <= self.tp_size <= MAX_TP_SIZE:
-            raise InvalidRequest(
+            raise InvalidEngineRequest(
                 f"engine {self.engine_id!r}: tp_size={self.tp_size} is outside "
                 f"1..{MAX_TP_SIZE}; use 1, 2, 4, 8 or 16"
             )
         if not self.role:
-            raise InvalidRequest(f"engine {self.engine_id!r} needs a role")
+            raise InvalidEngineRequest(f"engine {self.engine_id!r} needs a role")
         if self.num_cpus_per_shard < 0:
-            raise InvalidRequest(
+            raise InvalidEngineRequest(
                 f"engine {self.engine_id!r}: num_cpus_per_shard="
                 f"{self.num_cpus_per_shard} is negative; use 0 or more"
             )

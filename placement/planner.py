@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from placement.errors import DuplicateEngine, InvalidRequest, UnknownEngine
+from placement.errors import DuplicateEngine, InvalidEngineRequest, UnknownEngine
 from placement.plan import (
     MAX_TP_SIZE,
     EngineRequest,
@@ -341,7 +341,7 @@ class PlacementPlanner:
         ids = [request.engine_id for request in requests]
         repeated = sorted({engine_id for engine_id in ids if ids.count(engine_id) > 1})
         if repeated:
-            raise InvalidRequest(f"engine ids repeated within one batch: {repeated}")
+            raise InvalidEngineRequest(f"engine ids repeated within one batch: {repeated}")
         for request in requests:
             if self._ledger.holds(request.engine_id):
                 raise DuplicateEngine(

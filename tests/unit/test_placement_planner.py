@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from placement.errors import DuplicateEngine, InvalidRequest, UnknownEngine
+from placement.errors import DuplicateEngine, InvalidEngineRequest, UnknownEngine
 from placement.first_fit import FirstFitPlacement, FirstFitPlanner
 from placement.planner import (
     EngineRequest,
@@ -331,20 +331,20 @@ def test_cpus_per_shard_can_spread_an_engine_over_more_trays() -> None:
 
 @pytest.mark.parametrize("tp_size", [0, 17, -1])
 def test_tp_size_outside_1_to_16_is_an_invalid_request(tp_size: int) -> None:
-    with pytest.raises(InvalidRequest, match=f"tp_size={tp_size} is outside 1..16"):
+    with pytest.raises(InvalidEngineRequest, match=f"tp_size={tp_size} is outside 1..16"):
         request("bad", tp_size)
 
 
 def test_other_invalid_requests_are_typed_errors() -> None:
-    with pytest.raises(InvalidRequest, match="must be an int"):
+    with pytest.raises(InvalidEngineRequest, match="must be an int"):
         EngineRequest(engine_id="bad", tp_size=True, role="decode")
-    with pytest.raises(InvalidRequest, match="negative"):
+    with pytest.raises(InvalidEngineRequest, match="negative"):
         request("bad", 2, cpus=-1)
     planner = PlacementPlanner(TOPOLOGY)
     placed(planner.place(request("dec-0", 4)))
     with pytest.raises(DuplicateEngine, match="'dec-0' is already placed"):
         planner.place(request("dec-0", 4))
-    with pytest.raises(InvalidRequest, match=r"repeated within one batch: \['x'\]"):
+    with pytest.raises(InvalidEngineRequest, match=r"repeated within one batch: \['x'\]"):
         planner.place_many([request("x", 1), request("x", 2)])
 
 
