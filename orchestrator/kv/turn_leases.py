@@ -99,6 +99,12 @@ class LeaseBook:
     def num_unused(self) -> int:
         return sum(not g.used for g in self.grants.values())
 
+    def revoke_record(self, record: KVRecord) -> None:
+        """``record`` is gone: revoke an unused lease that would read it."""
+        grant = self.grants.get(record.session_id)
+        if grant is not None and not grant.used and grant.record == record:
+            self.revoke(grant)
+
     def revoke(self, grant: Grant) -> None:
         """Ask the lessee to give ``grant`` back."""
         holder = self._holders.get(grant.holder)
