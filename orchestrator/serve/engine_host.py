@@ -40,8 +40,8 @@ from orchestrator.cluster.pool_layout import PoolDeployment, pool_deployment_nam
 from orchestrator.cluster.prefix_router import prefill_router_config
 from orchestrator.config import KVTideConfig
 from orchestrator.kv.actor import EpochWatcher, lookup_service
-from orchestrator.kv.ledger import EngineLedger
 from orchestrator.serve.coalesce import coalesce
+from orchestrator.serve.ledger import EngineLedger
 from orchestrator.serve.warm_up import WarmUp, warm_up_prompt_tokens, warm_up_transfers
 
 __all__ = ["EngineHost", "deployment_name", "engine_deployment_options", "free_port"]
