@@ -54,10 +54,10 @@ from orchestrator.errors import (
     ServiceUnavailable,
 )
 from orchestrator.kv.conversations import is_unnamed
+from orchestrator.kv.held_leases import HeldLeases
 from orchestrator.kv.messages import KVDecision, TurnDone
 from orchestrator.kv.service import KVServiceAPI
 from orchestrator.kv.session_tokens import SessionTokens, prefix_digest
-from orchestrator.kv.turn_leases import HeldLeases
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import Metrics
 from policies.kv_records import RecomputeReason

@@ -45,9 +45,9 @@ from ray.serve.request_router import (
 
 from engines.base import GenerateRequest
 from engines.kv_events import EventBatch
+from orchestrator.bounded import BoundedMap
 from orchestrator.cluster import route_notes
 from orchestrator.cluster.kv_events import KVEventsSubscriber, apply_kv_events, lookup_endpoint
-from orchestrator.kv.bounded import BoundedMap
 from policies.prefix_routing import (
     EngineBlocks,
     PrefixRouter,

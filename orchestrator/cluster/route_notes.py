@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 
-from orchestrator.kv.bounded import BoundedMap
+from orchestrator.bounded import BoundedMap
 from policies.prefix_routing import RouteChoice
 
 __all__ = ["RouteNotes", "count_events", "event_counts", "put", "take"]

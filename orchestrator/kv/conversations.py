@@ -25,7 +25,7 @@ import hashlib
 import uuid
 from collections.abc import Callable
 
-from orchestrator.kv.bounded import BoundedMap
+from orchestrator.bounded import BoundedMap
 
 __all__ = ["UNNAMED_PREFIX", "ConversationIndex", "is_unnamed", "key_tag"]
 

@@ -12,9 +12,9 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from orchestrator.bounded import BoundedMap
 from orchestrator.config import ApiKeyConfig
 from orchestrator.errors import LimitExceeded, SessionNotFound
-from orchestrator.kv.bounded import BoundedMap
 
 __all__ = ["ANONYMOUS", "Principal", "SessionOwners", "session_not_found"]
 

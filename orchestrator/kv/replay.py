@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from orchestrator.kv.bounded import BoundedMap
+from orchestrator.bounded import BoundedMap
 from orchestrator.kv.durable import DurableStore, MemoryStore
 
 __all__ = ["Replay", "TurnReplayBook"]

@@ -28,7 +28,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from orchestrator.kv.bounded import BoundedMap
+from orchestrator.bounded import BoundedMap
 from orchestrator.kv.conversations import ConversationIndex, is_unnamed
 
 __all__ = ["SessionTokens", "continue_tokens", "prefix_digest"]

@@ -10,7 +10,7 @@ A new vLLM decode replica first runs one throw-away turn, and its send-back, wit
 prefill deployment (``orchestrator.serve.warm_up``), so that NIXL's handshakes are made
 before users' turns need them.
 
-Each host also keeps its half of the KV ledger (``orchestrator.kv.ledger``: the blocks a
+Each host also keeps its half of the KV ledger (``orchestrator.serve.ledger``: the blocks a
 decode engine kept, the kept blocks a prefill engine read) and sends it to the KV
 lifecycle service whenever the service (re)starts.
 """
@@ -40,8 +40,8 @@ from orchestrator.cluster.pool_layout import PoolDeployment, pool_deployment_nam
 from orchestrator.cluster.prefix_router import prefill_router_config
 from orchestrator.config import KVTideConfig
 from orchestrator.kv.actor import EpochWatcher, lookup_service
-from orchestrator.kv.ledger import EngineLedger
 from orchestrator.serve.coalesce import coalesce
+from orchestrator.serve.ledger import EngineLedger
 from orchestrator.serve.warm_up import WarmUp, warm_up_prompt_tokens, warm_up_transfers
 
 __all__ = ["EngineHost", "deployment_name", "engine_deployment_options", "free_port"]

@@ -24,7 +24,7 @@ from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.kv.bounded import BoundedMap
+from orchestrator.bounded import BoundedMap
 
 __all__ = ["ResponseBook", "StoredResponse"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.kv.bounded import BoundedMap
+from orchestrator.bounded import BoundedMap
 
 
 def test_a_put_past_the_count_bound_drops_and_returns_the_oldest() -> None:

@@ -19,10 +19,10 @@ from engines.base import GenerateChunk, GenerateRequest
 from engines.kv_params import KVTransferParams
 from orchestrator.kv.actor import EpochWatcher
 from orchestrator.kv.decider import kv_lifecycle_config
-from orchestrator.kv.ledger import EngineLedger
 from orchestrator.kv.messages import LedgerReport, TurnDone
 from orchestrator.kv.service import KVService
 from orchestrator.router import Router, TurnReport
+from orchestrator.serve.ledger import EngineLedger
 
 TTL_S = 480.0
 

@@ -18,9 +18,9 @@ from test_kv_service import S1_T1, S1_T2, Cluster
 from test_turn_calls import CallLog, two_ingresses
 
 from orchestrator.kv.durable import MemoryStore
+from orchestrator.kv.held_leases import HeldLeases
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.session_tokens import prefix_digest
-from orchestrator.kv.turn_leases import HeldLeases
 from orchestrator.router import Router
 
 CHAT = "/v1/chat/completions"
@@ -308,7 +308,7 @@ def test_a_refused_lease_runs_the_turn_again_through_the_service(tiny_tokenizer:
             # restarted instance would): the turn's use is refused, it ends unseen and
             # runs again through begin_turn; the client gets one answer.
             [grant] = service.leases.grants.values()
-            service._end_grant(grant)
+            service.lease_desk.end(grant)
             n = len(first.router.decode.requests)
             reply = await chat.turn(first, "And after?")
             assert turn_calls(log) == ["lease_used", "begin_turn", "turn_done"]
@@ -354,7 +354,7 @@ def test_a_lease_whose_kv_is_lost_is_revoked_and_the_turn_asks_the_service() -> 
         assert revoked == [grant.lease_id]
         leases.revoke(revoked)
         await svc.lease_watch("replica-a", leases.take_released(), 0.0)
-        assert svc.leases.grants == {} and "s9" not in svc._running
+        assert svc.leases.grants == {} and "s9" not in svc.running
         digest = svc.tokens.last_digest("s9", c.clock())
         assert leases.take("s9", alice, digest) is None
         claim = await svc.begin_turn("s9", alice, S1_T2)
@@ -377,14 +377,14 @@ def test_a_restarted_service_keeps_a_leases_claim_until_its_lessee_gives_it_back
         # The service restarts: its lease is gone, its claim is not (a turn the lessee
         # starts meanwhile must not run beside one elsewhere).
         restarted = c.new_service(store=store, turn_lease_s=30.0, handover_wait_s=0.05)
-        assert "s6" in restarted._running
+        assert "s6" in restarted.running
         blocked = await restarted.begin_turn("s6", alice, S1_T2)
         assert blocked.outcome == "turn_in_progress"
         # The lessee learns of the new epoch and gives its unused lease back: the
         # session is free at once.
         leases.new_epoch(restarted.epoch)
         answer = await restarted.lease_watch("replica-a", leases.take_released(), 0.0)
-        assert answer.epoch == restarted.epoch and "s6" not in restarted._running
+        assert answer.epoch == restarted.epoch and "s6" not in restarted.running
         claim = await restarted.begin_turn("s6", alice, S1_T2)
         assert claim.outcome == "claimed"
 
@@ -404,7 +404,7 @@ def test_closing_a_leased_session_gets_the_lease_back_and_frees_its_kv(
             assert len(first.router.leases) == 1
             assert await service.close("s7") is True
             assert len(first.router.leases) == 0 and service.leases.grants == {}
-            assert "s7" not in service._running
+            assert "s7" not in service.running
             assert service.decider.lifecycle.record("s7") is None
 
     asyncio.run(story())

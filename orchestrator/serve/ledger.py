@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from engines.base import GenerateChunk, GenerateRequest
 from engines.kv_params import KVTransferParams
-from orchestrator.kv.bounded import BoundedMap
+from orchestrator.bounded import BoundedMap
 from orchestrator.kv.messages import KeptBlocks, LedgerReport
 
 __all__ = ["EngineLedger"]

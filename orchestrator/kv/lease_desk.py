@@ -1,0 +1,163 @@
+"""The service's side of turn leases (``orchestrator.kv.turn_leases``): granting a
+session's next turn to the ingress replica that ran its last one, taking it back, and
+hearing of its use. A granted turn is a running turn (``RunningTurns``) held in the KV
+books (``KVLifecycle.hold``) until it runs on its lessee, is given back, or lapses.
+Single event loop; the clock is the service's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from orchestrator.kv.decider import KVDecider, params_of
+from orchestrator.kv.drains import Drains
+from orchestrator.kv.messages import LeasedRecord, LeaseWatch, TurnLease
+from orchestrator.kv.session_tokens import SessionTokens
+from orchestrator.kv.turn_leases import Grant, LeaseBook, RestoredLeases
+from orchestrator.kv.turn_marks import OwnerMarks, RunningTurns
+from policies.kv_cost import worth_pulling
+from policies.kv_lifecycle import RecomputeReason
+
+__all__ = ["LeaseDesk"]
+
+
+class LeaseDesk:
+    """Grants, revocations and uses of turn leases, and the restored marks of a previous
+    instance's unused ones (``RestoredLeases``)."""
+
+    def __init__(
+        self,
+        *,
+        book: LeaseBook,
+        decider: KVDecider,
+        tokens: SessionTokens,
+        running: RunningTurns,
+        owners: OwnerMarks,
+        drains: Drains,
+        epoch: str,
+        clock: Callable[[], float],
+    ) -> None:
+        self.book = book
+        self.restored = RestoredLeases()
+        self.decider = decider
+        self.tokens = tokens
+        self.running = running
+        self.owners = owners
+        self.drains = drains
+        self.epoch = epoch
+        self.clock = clock
+
+    def grant(self, session_id: str, holder: str | None, now: float) -> TurnLease | None:
+        """Hold the session's next turn for ``holder``: claimed (a running mark) and
+        held in the books until it runs there, is given back, or lapses."""
+        book = self.book
+        if holder is None or book.lasts_s <= 0 or not book.watching(holder, now):
+            return None
+        digest = self.tokens.last_digest(session_id, now)
+        if digest is None or session_id in self.running:
+            return None  # nothing to check a next turn's tokens against
+        lifecycle = self.decider.lifecycle
+        record = lifecycle.hold(session_id, now)
+        grant = book.grant(session_id, holder, record, now)
+        self.running.mark(session_id, now, grant)
+        leased = None
+        if record is not None:
+            margin = lifecycle.config.safety_margin_s + book.grace_s
+            not_worth = worth_pulling(record, lifecycle.config)
+            leased = LeasedRecord(
+                kv_transfer_params=params_of(record),
+                num_tokens=record.num_tokens,
+                prefix_hash=record.prefix_hash,
+                offer_in_s=record.expiry_s - margin - now,
+                not_worth=None if not_worth is None else not_worth.value,
+            )
+        return TurnLease(
+            session_id=session_id,
+            lease_id=grant.lease_id,
+            epoch=self.epoch,
+            lasts_s=book.lasts_s,
+            owner=self.owners.owners.owner(session_id, now),
+            digest=digest,
+            record=leased,
+        )
+
+    def end(self, grant: Grant) -> None:
+        """Give a lease's turn back unused: the session is idle and free again."""
+        if self.book.grants.get(grant.session_id) is grant:
+            del self.book.grants[grant.session_id]
+            self.drains.apply(self.decider.lifecycle.unhold(grant.session_id, self.clock()))
+            self.running.clear(grant.session_id)
+
+    def drop(self, session_id: str) -> None:
+        """The session's turn ended otherwise (it ran, or was abandoned or stale)."""
+        self.book.grants.pop(session_id, None)
+
+    def unused(self, session_id: str) -> Grant | None:
+        """The session's lease, if granted and not used yet."""
+        grant = self.book.grants.get(session_id)
+        return grant if grant is not None and not grant.used else None
+
+    def used(self, session_id: str, lease_id: int, reason: str | None) -> bool:
+        """The lessee runs the held turn: it pulls the leased record (``reason`` None) or
+        recomputes for ``reason``. False when the lease is no longer held (revoked and
+        given back, lapsed, or granted by an instance before a restart): the lessee ends
+        the turn before its client sees it and asks again with ``begin_turn``."""
+        now = self.clock()
+        grant = self.book.find(session_id, lease_id)
+        if grant is None or grant.used:
+            restored = self.restored.pop(lease_id)
+            if restored is not None:  # the previous instance's: free its running mark
+                self.running.clear(restored)
+            return False
+        why = None if reason is None else RecomputeReason(reason)
+        if not self.decider.lifecycle.use_held(
+            session_id, record=grant.record, reason=why, now_s=now
+        ):
+            self.end(grant)
+            return False
+        grant.used = True
+        # The turn's grace counts from now; its mark no longer names an unused lease.
+        self.running.mark(session_id, now)
+        self.owners.touch(session_id, self.owners.owners.owner(session_id, now), now)
+        return True
+
+    async def watch(
+        self, holder: str, released: list[int], wait_s: float, held: list[int] | None
+    ) -> LeaseWatch:
+        """A lessee's standing call: take back the unused leases it gives back
+        (``released``), then wait up to ``wait_s`` for leases to revoke from it.
+        ``held``: every lease it still holds, used or not (None: not said): a previous
+        instance's lease of this holder not among them is over, and its mark cleared."""
+        for lease_id in released:
+            restored = self.restored.pop(lease_id)
+            if restored is not None:
+                self.running.clear(restored)
+        if held is not None:
+            for sid in self.restored.vouched(holder, held):
+                self.running.clear(sid)
+        wanted = set(released)
+        for grant in [g for g in self.book.grants.values() if g.lease_id in wanted]:
+            if grant.holder == holder and not grant.used:
+                self.end(grant)
+        revoked = await self.book.watch(holder, wait_s)
+        return LeaseWatch(epoch=self.epoch, revoked=revoked)
+
+    async def give_back(self, session_id: str) -> None:
+        """Revoke an unused lease on the session and wait (``handover_wait_s``) for its
+        lessee to give it back; one still unused then lapses now."""
+        grant = self.unused(session_id)
+        if grant is None:
+            return
+        self.book.revoke(grant)
+        await self.running.wait_ended(session_id)
+        grant = self.unused(session_id)
+        if grant is not None:
+            self.end(grant)
+
+    def lapse(self, now: float) -> None:
+        """The tick's part: leases whose lessee went silent, and restored marks nobody
+        vouched for, end."""
+        for grant in self.book.lapsed(now):
+            self.end(grant)
+        for sid in self.restored.lapsed(now):
+            self.running.clear(sid)
+        self.book.forget_silent(now)

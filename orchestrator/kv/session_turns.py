@@ -1,0 +1,254 @@
+"""A session's turns as the KV service books them: claimed (one at a time, for the key
+that owns the session), planned (``KVDecider``), handed over (``turn_done``: the kept
+blocks and the session's tokens booked together) or abandoned, and the session closed.
+
+Owner, running turn and lease state live in their own books (``OwnerMarks``,
+``RunningTurns``, ``LeaseDesk``); this class keeps the order a turn's steps take through
+them. Single event loop; the clock is the service's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+
+from orchestrator.errors import LimitExceeded, SessionNotFound
+from orchestrator.kv.decider import KVDecider
+from orchestrator.kv.drains import Drains
+from orchestrator.kv.durable import WriteBehind
+from orchestrator.kv.lease_desk import LeaseDesk
+from orchestrator.kv.messages import Claim, Handover, SessionInfo, SessionPrefix, TurnDone
+from orchestrator.kv.ownership import Principal
+from orchestrator.kv.session_tokens import SessionTokens
+from orchestrator.kv.turn_marks import OwnerMarks, RunningTurns
+
+__all__ = ["SessionTurns", "whole_turn_done"]
+
+
+def whole_turn_done(done: TurnDone, tokens: SessionTokens) -> TurnDone | None:
+    """``done`` with what its sender left out put back (``TurnDone``): the session's
+    last turn in front of its ids, its next ids cut from them. None when the last
+    turn here is not the one it names (by digest): the sender sends it whole."""
+    if done.prefix_len == 0 and done.next_len is None:
+        return done
+    ids = done.token_ids
+    if done.prefix_len:
+        sid = done.session_id
+        last = None if sid is None else tokens.token_ids(sid)
+        if (
+            sid is None
+            or last is None
+            or len(last) != done.prefix_len
+            or tokens.digest(sid) != done.prefix_digest
+        ):
+            return None
+        ids = [*last, *ids]
+    nxt = done.next_token_ids if done.next_len is None else ids[: done.next_len]
+    return msgspec.structs.replace(
+        done, token_ids=ids, next_token_ids=nxt, prefix_len=0, prefix_digest=None, next_len=None
+    )
+
+
+class SessionTurns:
+    """Claims, begins, hands over and abandons sessions' turns; closes sessions."""
+
+    def __init__(
+        self,
+        *,
+        decider: KVDecider,
+        tokens: SessionTokens,
+        owners: OwnerMarks,
+        running: RunningTurns,
+        leases: LeaseDesk,
+        drains: Drains,
+        clock: Callable[[], float],
+    ) -> None:
+        self.decider = decider
+        self.tokens = tokens
+        self.owners = owners
+        self.running = running
+        self.leases = leases
+        self.drains = drains
+        self.clock = clock
+
+    def prefix(self, session_id: str, principal: Principal | None) -> SessionPrefix:
+        """The session's last turn; ``owned`` False (and nothing else) when another API
+        key than ``principal``'s owns the session."""
+        if principal is not None and not self.owned(session_id, principal):
+            return SessionPrefix(owned=False)
+        text, ids = self.tokens.last_turn(session_id, self.clock())
+        return SessionPrefix(text=text, token_ids=list(ids))
+
+    def owned(self, session_id: str, principal: Principal) -> bool:
+        """Whether ``principal`` may use the session (it owns it, or nobody does)."""
+        try:
+            self.owners.owners.check(session_id, principal, self.clock())
+        except SessionNotFound:
+            return False
+        return True
+
+    async def claim(self, session_id: str, principal: Principal) -> Claim:
+        """Make ``principal`` the session's owner and mark its turn running, just before
+        the turn runs (see ``Claim``). Sessions whose ownership ended are closed first,
+        so no key inherits another's KV or tokens. The turn must end with ``turn_done``
+        or ``turn_abandoned``, which clear the mark."""
+        now = self.clock()
+        owners = self.owners.owners
+        started = self.running.running_since(session_id)
+        if started is not None and now - started < self.running.grace_s:
+            if owners.owner(session_id, now) not in (None, principal.name):
+                return Claim(outcome="not_found")
+            return Claim(
+                outcome="turn_in_progress",
+                message=f"session {session_id!r} already has a turn running; send the next "
+                "turn after it has finished",
+            )
+        was_owner = owners.owner(session_id, now)
+        try:
+            ended = owners.claim(session_id, principal, now)
+        except SessionNotFound:
+            return Claim(outcome="not_found")
+        except LimitExceeded as exc:
+            return Claim(
+                outcome="limit",
+                code=exc.code,
+                message=exc.message,
+                retry_after_s=exc.retry_after_s,
+            )
+        for sid in ended:
+            self.owners.delete(sid)  # the owners book has forgotten it
+            await self.close(sid)
+        self.running.mark(session_id, now)
+        if not principal.is_anonymous and was_owner != principal.name:
+            # Written before the answer (behind the writes queued before it, so that a
+            # queued delete of an earlier owner cannot land after it).
+            self.owners.write(session_id, principal.name)
+            if isinstance(self.owners.marks, WriteBehind):
+                await self.owners.marks.flush()
+        return Claim(outcome="claimed")
+
+    async def begin(
+        self,
+        session_id: str,
+        principal: Principal,
+        prompt_token_ids: list[int],
+        prefix_digest: int | None,
+        prefix_len: int,
+    ) -> Claim:
+        """A turn's one call before it runs: ``claim_session`` and ``decide_turn`` at once.
+
+        ``prefix_digest``: the ``session_tokens.prefix_digest`` of the last turn the
+        prompt was tokenized from (None: not tokenized here, e.g. sent as token ids). When
+        it is not the session's, nothing is claimed and the answer (``retokenize``) holds
+        the session's last turn, for the owner's key only.
+
+        ``prefix_len``: the prompt starts with that last turn's ``prefix_len`` ids (all of
+        them), which are not sent again: ``prompt_token_ids`` holds only what the session
+        added since (a turn's call carries its new tokens, not its whole history).
+
+        A turn of the session still running is waited for (``handover_wait_s``) before
+        anything is compared: a finished turn is handed over after its last token. So is a
+        turn held for an ingress replica (a turn lease), which is revoked first."""
+        if self.leases.unused(session_id) is not None:
+            # Another key learns nothing and revokes nothing.
+            if not self.owned(session_id, principal):
+                return Claim(outcome="not_found")
+            await self.leases.give_back(session_id)  # a silent lessee's lease lapses now
+        await self.running.wait_ended(session_id)
+        now = self.clock()
+        if prefix_digest is not None and prefix_digest != self.tokens.last_digest(session_id, now):
+            if not self.owned(session_id, principal):
+                return Claim(outcome="not_found")
+            text, ids = self.tokens.last_turn(session_id, now)
+            return Claim(outcome="retokenize", prefix=SessionPrefix(text=text, token_ids=list(ids)))
+        if prefix_len:
+            last = self.tokens.last_turn(session_id, now)[1]
+            if prefix_digest is None or len(last) != prefix_len:
+                raise ValueError(
+                    f"prefix_len {prefix_len} needs the digest of a last turn of that length"
+                )
+            prompt_token_ids = [*last, *prompt_token_ids]
+        claim = await self.claim(session_id, principal)
+        if claim.outcome != "claimed":
+            return claim
+        decision = self.decider.decide_turn(session_id, prompt_token_ids, now)
+        return msgspec.structs.replace(claim, decision=decision)
+
+    def done(self, done: TurnDone) -> Handover:
+        """Book the kept blocks and the session's tokens together (one step: a record is
+        never booked without the tokens that drain it). Not accepted (nothing done) when
+        the turn names a last turn this service does not hold: send it whole. With
+        ``done.holder``, the session's next turn is held for that ingress replica (the
+        answer's lease) when its lease watch runs."""
+        whole = whole_turn_done(done, self.tokens)
+        if whole is None:
+            return Handover(accepted=False)
+        done = whole
+        now = self.clock()
+        sid = done.session_id
+        if sid is None:
+            # Nobody will pull these blocks back: free them now, not at the TTL.
+            self.drains.drain(done.kv_transfer_params, done.token_ids)
+            return Handover(accepted=True)
+        self.leases.drop(sid)  # a turn under a lease ends the lease
+        self.running.clear(sid)
+        self.owners.touch(sid, done.owner, now)
+        # The record this turn supersedes covers the *previous* tokens: drain it with
+        # those (a rewritten history does not start with them).
+        previous = self.tokens.token_ids(sid)
+        if done.next_token_ids is None:
+            self.tokens.forget(sid)
+        else:
+            self.tokens.remember(sid, done.next_text, done.next_token_ids, now)
+        expiry = None if done.kv_expires_in_s is None else now + done.kv_expires_in_s
+        self.drains.apply(
+            self.decider.turn_finished(
+                sid, done.token_ids, done.kv_transfer_params, now, expiry_s=expiry
+            ),
+            candidates=(previous, done.token_ids),
+        )
+        return Handover(accepted=True, lease=self.leases.grant(sid, done.holder, now))
+
+    def abandoned(self, session_id: str) -> None:
+        self.leases.drop(session_id)
+        self.running.clear(session_id)
+        self.drains.apply(self.decider.abandon(session_id, self.clock()))
+
+    def info(self, session_id: str) -> SessionInfo:
+        now = self.clock()
+        lifecycle = self.decider.lifecycle
+        lease = lifecycle.lease_expiry(session_id)
+        if lease is None:
+            return SessionInfo(session_id=session_id, known=False)
+        rec = lifecycle.record(session_id)
+        return SessionInfo(
+            session_id=session_id,
+            known=True,
+            engine_id=None if rec is None else rec.engine_id,
+            num_tokens=0 if rec is None else rec.num_tokens,
+            bytes_held=0 if rec is None else rec.bytes_held,
+            expires_in_s=None if rec is None else round(rec.expiry_s - now, 3),
+            lease_expires_in_s=round(lease - now, 3),
+        )
+
+    def renew(self, session_id: str, principal: Principal | None) -> SessionInfo:
+        """Extend the session's lease and its owner's idle clock."""
+        now = self.clock()
+        self.decider.lifecycle.renew(session_id, now)
+        if principal is not None:
+            self.owners.touch(session_id, principal.name, now)
+        return self.info(session_id)
+
+    async def close(self, session_id: str) -> bool:
+        """End a session: its kept KV is drained back to prefill (freed on decode now).
+        A turn held for an ingress replica is given back first."""
+        await self.leases.give_back(session_id)
+        known = self.decider.lifecycle.lease_expiry(session_id) is not None
+        self.drains.apply(self.decider.close(session_id, self.clock()))
+        self.tokens.forget(session_id)
+        owners = self.owners.owners
+        if owners.owner(session_id, self.clock()) is not None:
+            self.owners.delete(session_id)
+        owners.forget(session_id)
+        return known

@@ -1,0 +1,124 @@
+"""The service's running turns and owners, as it books them and writes them through to
+its ``DurableStore`` (formats: ``orchestrator.kv.marks``).
+
+``RunningTurns``: one turn per session at once. A session's running turn is marked when
+it is claimed (or held for an ingress replica by a turn lease) and cleared when it ends;
+a mark older than ``grace_s`` is stale (its ingress is gone). The marks are written
+through, so a restarted service still refuses a second turn of a session whose turn its
+ingress is running. A turn hands itself over (``turn_done``) after its client has its
+last token: the session's next turn waits ``handover_wait_s`` for it (``wait_ended``).
+
+``OwnerMarks``: the owner book's durable entries, each rewritten whenever the owner's
+idle clock restarts.
+
+Single event loop; the clocks' readings come in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from orchestrator.kv.durable import DurableStore, WriteBehind
+from orchestrator.kv.marks import OWNER_PREFIX, RUNNING_PREFIX, owner_entry, running_mark
+from orchestrator.kv.ownership import Principal, SessionOwners
+from orchestrator.kv.turn_leases import Grant
+
+__all__ = ["OwnerMarks", "RunningTurns"]
+
+
+class RunningTurns:
+    """Session id -> when its running turn was claimed (service clock), marked in the
+    store; and the events a session's next turn waits on for the running one to end."""
+
+    def __init__(
+        self,
+        *,
+        marks: DurableStore | WriteBehind,
+        grace_s: float,
+        handover_wait_s: float,
+        wall_clock: Callable[[], float],
+    ) -> None:
+        self.marks = marks
+        self.grace_s = grace_s
+        self.handover_wait_s = handover_wait_s
+        self.wall_clock = wall_clock
+        self.started: dict[str, float] = {}
+        self._ended: dict[str, asyncio.Event] = {}
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self.started
+
+    def __len__(self) -> int:
+        return len(self.started)
+
+    def running_since(self, session_id: str) -> float | None:
+        return self.started.get(session_id)
+
+    def restored(self, session_id: str, started_s: float) -> None:
+        """A turn a previous instance marked (its mark is already in the store)."""
+        self.started[session_id] = started_s
+
+    def mark(self, session_id: str, now: float, grant: Grant | None = None) -> None:
+        """Mark the session's turn running from ``now`` (for ``grant``'s lessee: a turn
+        held by an unused lease, whose mark names the lease)."""
+        self.started[session_id] = now
+        mark = (
+            running_mark(self.wall_clock())
+            if grant is None
+            else running_mark(self.wall_clock(), grant.lease_id, grant.holder)
+        )
+        self.marks.put(RUNNING_PREFIX + session_id, mark)
+
+    def clear(self, session_id: str) -> None:
+        """The session's turn ended: its mark goes and a next turn waiting on it runs."""
+        if self.started.pop(session_id, None) is not None:
+            self.marks.delete(RUNNING_PREFIX + session_id)
+        ended = self._ended.pop(session_id, None)
+        if ended is not None:
+            ended.set()
+
+    def stale(self, now: float) -> list[str]:
+        """The sessions whose running mark is past ``grace_s``."""
+        return [s for s, t in self.started.items() if now - t >= self.grace_s]
+
+    async def wait_ended(self, session_id: str) -> None:
+        """Wait (``handover_wait_s`` at most) for the session's running turn to end: its
+        client may send the next turn before the finished one's ``turn_done`` lands."""
+        if session_id not in self.started or self.handover_wait_s <= 0:
+            return
+        ended = self._ended.setdefault(session_id, asyncio.Event())
+        try:
+            await asyncio.wait_for(ended.wait(), self.handover_wait_s)
+        except TimeoutError:
+            pass  # still running: claim_session refuses the turn
+
+
+class OwnerMarks:
+    """The owners book (``SessionOwners``) with each owner's durable entry: written when
+    a key comes to own a session or its idle clock restarts, deleted where it ends."""
+
+    def __init__(
+        self,
+        owners: SessionOwners,
+        *,
+        marks: DurableStore | WriteBehind,
+        wall_clock: Callable[[], float],
+    ) -> None:
+        self.owners = owners
+        self.marks = marks
+        self.wall_clock = wall_clock
+
+    def write(self, session_id: str, key_name: str) -> None:
+        expires_wall_s = self.wall_clock() + self.owners.idle_ttl_s
+        self.marks.put(OWNER_PREFIX + session_id, owner_entry(key_name, expires_wall_s))
+
+    def touch(self, session_id: str, key_name: str | None, now: float) -> None:
+        """Restart the owner's idle clock, here and in its durable entry."""
+        if key_name is not None and self.owners.owner(session_id, now) == key_name:
+            self.owners.touch(session_id, Principal(name=key_name), now)
+            self.write(session_id, key_name)
+
+    def delete(self, session_id: str) -> None:
+        """The durable entry of an owner the book has forgotten (or is forgetting)."""
+        self.marks.delete(OWNER_PREFIX + session_id)
