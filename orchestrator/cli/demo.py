@@ -1,9 +1,9 @@
 """A multi-turn conversation against a running kvtide endpoint, one table row per turn.
 
 Turn 1 carries a long document, so its prompt KV is worth keeping; later turns add the
-answer and a short question. Turn 2 asks the model to call a tool (``lookup``, with
-``tool_choice`` naming it), and turn 3 sends the call and the tool's result back, as an
-agent does. With a session id, the decode engine keeps each turn's KV and the next
+answer and a short question. Every turn offers a tool (``lookup``, as an agent offers
+its tools on every turn); turn 2 asks the model to call it (``tool_choice`` naming it),
+and turn 3 sends the call and the tool's result back. With a session id, the decode engine keeps each turn's KV and the next
 turn's prefill pulls it back instead of recomputing it, across the tool call too. A
 last row sends a fresh prompt of the same length without a session: the recompute
 baseline.
@@ -161,14 +161,16 @@ def run_demo(
                 max_tokens=max_tokens if not tool_turn else max(max_tokens, 48),
                 session_id=session,
                 turn=str(i + 1),
-                extra=(
-                    {
-                        "tools": [LOOKUP_TOOL],
-                        "tool_choice": {"type": "function", "function": {"name": "lookup"}},
-                    }
-                    if tool_turn
-                    else None
-                ),
+                # An agent offers its tools on every turn (they open the prompt); it
+                # asks for a call on turn 2 only.
+                extra={
+                    "tools": [LOOKUP_TOOL],
+                    "tool_choice": (
+                        {"type": "function", "function": {"name": "lookup"}}
+                        if tool_turn
+                        else "none"
+                    ),
+                },
             )
             rows.append(row)
             calls = row.message.get("tool_calls") or ()
