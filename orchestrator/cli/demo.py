@@ -3,10 +3,10 @@
 Turn 1 carries a long document, so its prompt KV is worth keeping; later turns add the
 answer and a short question. Every turn offers a tool (``lookup``, as an agent offers
 its tools on every turn); turn 2 asks the model to call it (``tool_choice`` naming it),
-and turn 3 sends the call and the tool's result back. With a session id, the decode engine keeps each turn's KV and the next
-turn's prefill pulls it back instead of recomputing it, across the tool call too. A
-last row sends a fresh prompt of the same length without a session: the recompute
-baseline.
+and turn 3 sends the call and the tool's result back. With a session id, the decode
+engine keeps each turn's KV and the next turn's prefill pulls it back instead of
+recomputing it, across the tool call too. A last row sends a fresh prompt of the same
+length without a session: the recompute baseline.
 """
 
 from __future__ import annotations
