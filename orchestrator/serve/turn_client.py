@@ -212,6 +212,41 @@ async def _outputs(
                 yield [_completion(i, c, want_logprobs) for i, c in choices.items()], True
 
 
+INLINE_MAX_CHARS = 8192
+"""Prompts and conversations up to this many characters are rendered and tokenized on
+the event loop, as kvtide's own layer does (``turn_opening.INLINE_MAX_CHARS``): vLLM's
+renderer sends both to a thread pool, a hop that costs more than the work."""
+
+
+def _inline_when_short(renderer: Any) -> None:
+    """``renderer``'s chat template and tokenizing run inline for short inputs (this
+    renderer only; longer ones keep vLLM's thread pool)."""
+    from vllm.renderers import hf
+
+    tokenize, tokenize_async = renderer._tokenize_prompt, renderer._tokenize_prompt_async
+
+    async def tokenize_inline(prompt: Any, params: Any) -> Any:
+        text = prompt.get("prompt") if isinstance(prompt, dict) else None
+        if isinstance(text, str) and len(text) <= INLINE_MAX_CHARS:
+            return tokenize(prompt, params)
+        return await tokenize_async(prompt, params)
+
+    renderer._tokenize_prompt_async = tokenize_inline
+    template_async = getattr(renderer, "_apply_chat_template_async", None)
+    if template_async is None:
+        return
+
+    async def template_inline(
+        model_config: Any, tokenizer: Any, conversation: Any, **kw: Any
+    ) -> Any:
+        size = sum(len(str(m.get("content") or "")) for m in conversation)
+        if size <= INLINE_MAX_CHARS:
+            return hf.safe_apply_chat_template(model_config, tokenizer, conversation, **kw)
+        return await template_async(model_config, tokenizer, conversation, **kw)
+
+    renderer._apply_chat_template_async = template_inline
+
+
 class TurnEngine:
     """What vLLM's serving classes ask of an engine, answered by kvtide's turns (the
     methods of vLLM's ``EngineClient``; ``make_turn_client`` adds the base class)."""
@@ -223,6 +258,7 @@ class TurnEngine:
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
         self.renderer = renderer_from_config(vllm_config)
+        _inline_when_short(self.renderer)
         self.input_processor = InputProcessor(vllm_config, self.renderer)
         self._run = run
 
