@@ -182,7 +182,10 @@ def run_demo(
                 )
             messages.append({"role": "user", "content": questions[(i + 1) % len(questions)]})
         # Baseline: a fresh conversation as long as the last turn, no session to reuse.
+        # The same tool offered under another description: as long a prompt, none of it
+        # in any engine's cache.
         fresh = long_document(document_words + 60 * num_turns, seed=11)
+        function = {**LOOKUP_TOOL["function"], "description": f"Look up ({session})."}
         rows.append(
             stream_chat(
                 client,
@@ -191,6 +194,7 @@ def run_demo(
                 max_tokens=max_tokens,
                 session_id=None,
                 turn="fresh",
+                extra={"tools": [{**LOOKUP_TOOL, "function": function}], "tool_choice": "none"},
             )
         )
     return rows
