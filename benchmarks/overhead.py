@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import random
 import statistics
 import sys
@@ -69,6 +70,7 @@ class Sample:
     ttft_s: float
     itl_s: list[float]
     num_tokens: int
+    gap_s: list[float] = field(default_factory=list)  # between stream events
     prompt_tokens: int = 0
     cached_tokens: int = 0
     reusable_tokens: int = 0  # an earlier turn's prompt + answer, in whole blocks
@@ -100,6 +102,12 @@ class Row:
 
     def p50_itl(self) -> float:
         return statistics.median(x for s in self.samples for x in s.itl_s)
+
+    def gap(self, q: int) -> float:
+        """Percentile ``q`` of the time between stream events (what vLLM's ``bench
+        serve`` reads as ITL: one event, one token)."""
+        gaps = [x for s in self.samples for x in s.gap_s]
+        return statistics.quantiles(gaps, n=100, method="inclusive")[q - 1] if gaps else 0.0
 
     def tokens_per_s(self) -> float:
         return sum(s.num_tokens for s in self.samples) / self.wall_s
@@ -140,6 +148,7 @@ def _kvtide_sample(turn: Any, reusable: int = 0) -> Sample:
     return Sample(
         ttft_s=turn.ttft_s,
         itl_s=token_gaps(turn.token_times, turn.token_counts),
+        gap_s=[b - a for a, b in itertools.pairwise(turn.token_times)],
         num_tokens=int(usage.get("completion_tokens", 0)),
         prompt_tokens=int(usage.get("prompt_tokens", 0)),
         cached_tokens=int(report.get("num_cached_tokens", 0)),
@@ -156,6 +165,7 @@ def _direct_sample(turn: Any, prompt_tokens: int, reusable: int = 0) -> Sample:
     return Sample(
         ttft_s=turn.ttft_s,
         itl_s=token_gaps(turn.token_times, turn.token_counts),
+        gap_s=[b - a for a, b in itertools.pairwise(turn.token_times)],
         num_tokens=len(turn.token_ids),
         prompt_tokens=prompt_tokens,
         cached_tokens=turn.num_cached_tokens,
@@ -359,6 +369,8 @@ def format_rows(rows: list[Row], rtt_s: float, connector: str) -> str:
                 f"{r.p50_ttft() / d.p50_ttft():.2f}",
                 f"{r.p50_itl() / d.p50_itl():.2f}",
                 f"{r.tokens_per_s() / d.tokens_per_s():.2f}",
+                f"{r.gap(50) * 1e3:.1f}/{r.gap(99) * 1e3:.1f}",
+                f"{r.gap(50) / d.gap(50):.2f}/{r.gap(99) / d.gap(99):.2f}",
                 f"{r.reused():.1%}" if r.workload != "single" else "-",
                 f"{r.ceiling():.1%}" if r.workload != "single" else "-",
                 f"{own_ms:.2f}" if own_ms is not None else "-",
@@ -382,6 +394,8 @@ def format_rows(rows: list[Row], rtt_s: float, connector: str) -> str:
         "TTFT x",
         "ITL x",
         "tok/s x",
+        "gap p50/p99 ms",
+        "gap x",
         "reused",
         "ceiling",
         "own ms",
@@ -397,7 +411,9 @@ def format_rows(rows: list[Row], rtt_s: float, connector: str) -> str:
         "P = prefill engines (2: prefix-aware prefill routing, for kvtide and the direct "
         "flow alike; 2 pow2: Serve's power-of-two choice, the placement baseline); x = "
         "ratio to the direct row of the same P, workload and "
-        "concurrency; reused = prompt tokens whose KV was reused (prefix cache or sent back) "
+        "concurrency; ITL = time per token (an event of k tokens: k gaps of its wait / k); "
+        "gap = time between stream events (vLLM's bench serve's ITL), p50/p99; "
+        "reused = prompt tokens whose KV was reused (prefix cache or sent back) "
         "/ prompt tokens, ceiling = an earlier turn's prompt + answer in whole blocks / "
         "prompt tokens; own = kvtide's time on the turn's path (ingress_s + router_s, "
         "p50), also in bare actor round trips; svc = of it, waiting for the KV service "

@@ -249,8 +249,9 @@ class EngineHost:
         return {name: dataclasses.asdict(result) for name, result in self._warm_ups.items()}
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """The request's stream, in chunks of several tokens where they queue up
-        (``server.stream_chunk_tokens`` / ``stream_chunk_window_ms``)."""
+        """The request's stream: each engine output as it is made, or, with
+        ``server.stream_chunk_window_ms`` above 0, tokens held back into chunks of up to
+        ``stream_chunk_tokens`` (``orchestrator.serve.coalesce``)."""
         stream = coalesce(
             self.ledger.watch(request, self.engine.generate(request)),
             max_tokens=self._chunk_tokens,
