@@ -26,7 +26,8 @@ reuse what the prefill engine's prefix cache still holds.
     python benchmarks/overhead.py [--levels 1,8,32] [--requests-per-level 16]
                                   [--prefills 1,2,2:pow2]
                                   [--workloads single,session,history]
-                                  [--chunk-window-ms 2] [--stock-connector]
+                                  [--chunk-window-ms 2] [--no-step-streams]
+                                  [--stock-connector]
                                   [--serve-proxy]
 """
 
@@ -461,6 +462,11 @@ def main() -> None:
         help="server.stream_chunk_window_ms for kvtide's streams (default: the config's)",
     )
     parser.add_argument(
+        "--no-step-streams",
+        action="store_true",
+        help="server.step_streams false: each request's tokens on its own Serve stream",
+    )
+    parser.add_argument(
         "--stock-connector",
         action="store_true",
         help="run the engines with vLLM's own NixlConnector (kv.per_request_keep: false)",
@@ -486,9 +492,9 @@ def main() -> None:
         # Serve's own choice is the placement baseline of the conversations without a
         # session header: only they run there.
         loads = ["history"] if router == "pow2" else workloads
-        server = (
-            {} if args.chunk_window_ms is None else {"stream_chunk_window_ms": args.chunk_window_ms}
-        )
+        server: dict[str, Any] = {"step_streams": False} if args.no_step_streams else {}
+        if args.chunk_window_ms is not None:
+            server["stream_chunk_window_ms"] = args.chunk_window_ms
         with embedded_app(
             kv,
             serve_proxy=args.serve_proxy,

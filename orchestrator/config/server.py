@@ -173,6 +173,15 @@ class ServerConfig(StrictSection):
         "first token and the last never wait): fewer Serve hops, tokens in bursts.",
     )
 
+    step_streams: bool = Field(
+        True,
+        description="Decode engines send each ingress replica every engine step's new "
+        "tokens for all its requests as one message on one standing Serve stream (as "
+        "vLLM's engine core hands its API server one message per step), instead of one "
+        "Serve stream item per request and step. false: each request's tokens on its "
+        "own Serve stream.",
+    )
+
     @property
     def requires_api_key(self) -> bool:
         return bool(self.api_keys)
