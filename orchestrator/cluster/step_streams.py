@@ -80,6 +80,7 @@ class StepOutbox:
         self._ready = asyncio.Event()
         self.num_requests = 0  # requests putting here now
         self.attached = False  # a step stream is reading
+        self._reader = 0  # the reading step stream's number: a newer one replaces it
 
     def put(self, chunk: GenerateChunk) -> None:
         self._chunks.append(chunk)
@@ -91,17 +92,25 @@ class StepOutbox:
         return not self.attached and self.num_requests == 0
 
     async def batches(self) -> AsyncIterator[bytes]:
-        """Each wake-up's waiting chunks, as one message, until the reader goes."""
+        """Each wake-up's waiting chunks, as one message, until the reader goes or a
+        newer step stream of the same caller takes over (one reader at a time: two
+        would split a request's chunks)."""
+        self._reader += 1
+        me = self._reader
         self.attached = True
+        self._ready.set()  # wakes an older reader, to step aside
         try:
             while True:
                 await self._ready.wait()
+                if self._reader != me:
+                    return
                 self._ready.clear()
                 chunks, self._chunks = self._chunks, []
                 if chunks:
                     yield encode_batch(chunks)
         finally:
-            self.attached = False
+            if self._reader == me:
+                self.attached = False
 
 
 class StepOutboxes:

@@ -234,3 +234,29 @@ def test_a_pool_with_step_streams_reads_its_requests_from_them() -> None:
         return len(host.generate_stepped.calls), list(chunk.token_ids)
 
     assert asyncio.run(story()) == (1, [4])
+
+
+def test_a_newer_step_stream_of_the_same_caller_takes_over_the_outbox() -> None:
+    # An ingress that saw its step stream fail opens another while the host may still
+    # run the old one: the chunks go to the new one only, none split off to the old.
+    async def story() -> tuple[list[Any], list[list[int]]]:
+        outboxes = StepOutboxes("r1")
+        opened = StepsOpen(replica="r1", caller="ingress-1")
+        old, new = outboxes.run_steps(opened), outboxes.run_steps(opened)
+        assert await anext(old) == "r1"
+        old_next = asyncio.ensure_future(anext(old))
+        await settle()
+        assert await anext(new) == "r1"
+        new_next = asyncio.ensure_future(anext(new))
+        engine = Engine()
+        request = outboxes.run_request("ingress-1", engine.stream(req("a")))
+        assert await anext(request) == "r1"
+        pump = asyncio.ensure_future(anext(request))
+        await settle()
+        engine.step({"a": 7})
+        message = await asyncio.wait_for(new_next, 5.0)  # a guard: split, it never comes
+        ended = await asyncio.gather(old_next, return_exceptions=True)
+        pump.cancel()
+        return [type(e) for e in ended], [list(c.token_ids) for c in decode_batch(message)]
+
+    assert asyncio.run(story()) == ([StopAsyncIteration], [[7]])
