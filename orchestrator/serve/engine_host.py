@@ -268,14 +268,17 @@ class EngineHost:
         """The request runs as with ``generate``, but its chunks travel on ``caller``'s
         step stream to this replica (``steps``); this call answers with the replica's
         id and ends with the request (``orchestrator.cluster.step_streams``)."""
-        async for replica in self._outboxes.run_request(caller, self._stream(request)):
-            yield replica
+        run = self._outboxes.run_request(caller, self._stream(request))
+        async with contextlib.aclosing(run):  # closed with this call: the request ends
+            async for replica in run:
+                yield replica
 
     async def steps(self, opened: StepsOpen) -> AsyncIterator[str | bytes]:
         """``opened.caller``'s step stream: this replica's id, then one message per
         engine step with the new chunks of every request of that caller."""
-        async for item in self._outboxes.run_steps(opened):
-            yield item
+        async with contextlib.aclosing(self._outboxes.run_steps(opened)) as steps:
+            async for item in steps:
+                yield item
 
     async def _stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         stream = coalesce(
