@@ -29,7 +29,8 @@ reuse what the prefill engine's prefix cache still holds.
     python benchmarks/overhead.py [--levels 1,8,32] [--requests-per-level 16]
                                   [--prefills 1,2,2:pow2]
                                   [--workloads single,session,history]
-                                  [--chunk-window-ms 2] [--stock-connector]
+                                  [--chunk-window-ms 2] [--no-step-streams]
+                                  [--stock-connector]
                                   [--serve-proxy]
 """
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import random
 import statistics
 import sys
@@ -72,6 +74,7 @@ class Sample:
     ttft_s: float
     itl_s: list[float]
     num_tokens: int
+    gap_s: list[float] = field(default_factory=list)  # between stream events
     prompt_tokens: int = 0
     cached_tokens: int = 0
     reusable_tokens: int = 0  # an earlier turn's prompt + answer, in whole blocks
@@ -103,6 +106,12 @@ class Row:
 
     def p50_itl(self) -> float:
         return statistics.median(x for s in self.samples for x in s.itl_s)
+
+    def gap(self, q: int) -> float:
+        """Percentile ``q`` of the time between stream events (what vLLM's ``bench
+        serve`` reads as ITL: one event, one token)."""
+        gaps = [x for s in self.samples for x in s.gap_s]
+        return statistics.quantiles(gaps, n=100, method="inclusive")[q - 1] if gaps else 0.0
 
     def tokens_per_s(self) -> float:
         return sum(s.num_tokens for s in self.samples) / self.wall_s
@@ -143,6 +152,7 @@ def _kvtide_sample(turn: Any, reusable: int = 0) -> Sample:
     return Sample(
         ttft_s=turn.ttft_s,
         itl_s=token_gaps(turn.token_times, turn.token_counts),
+        gap_s=[b - a for a, b in itertools.pairwise(turn.token_times)],
         num_tokens=int(usage.get("completion_tokens", 0)),
         prompt_tokens=int(usage.get("prompt_tokens", 0)),
         cached_tokens=int(report.get("num_cached_tokens", 0)),
@@ -159,6 +169,7 @@ def _direct_sample(turn: Any, prompt_tokens: int, reusable: int = 0) -> Sample:
     return Sample(
         ttft_s=turn.ttft_s,
         itl_s=token_gaps(turn.token_times, turn.token_counts),
+        gap_s=[b - a for a, b in itertools.pairwise(turn.token_times)],
         num_tokens=len(turn.token_ids),
         prompt_tokens=prompt_tokens,
         cached_tokens=turn.num_cached_tokens,
@@ -373,6 +384,8 @@ def format_rows(rows: list[Row], rtt_s: float, connector: str) -> str:
                 f"{r.p50_ttft() / d.p50_ttft():.2f}",
                 f"{r.p50_itl() / d.p50_itl():.2f}",
                 f"{r.tokens_per_s() / d.tokens_per_s():.2f}",
+                f"{r.gap(50) * 1e3:.1f}/{r.gap(99) * 1e3:.1f}",
+                f"{r.gap(50) / d.gap(50):.2f}/{r.gap(99) / d.gap(99):.2f}",
                 f"{r.reused():.1%}" if r.workload != "single" else "-",
                 f"{r.ceiling():.1%}" if r.workload != "single" else "-",
                 f"{own_ms:.2f}" if own_ms is not None else "-",
@@ -396,6 +409,8 @@ def format_rows(rows: list[Row], rtt_s: float, connector: str) -> str:
         "TTFT x",
         "ITL x",
         "tok/s x",
+        "gap p50/p99 ms",
+        "gap x",
         "reused",
         "ceiling",
         "own ms",
@@ -411,7 +426,9 @@ def format_rows(rows: list[Row], rtt_s: float, connector: str) -> str:
         "P = prefill engines (2: prefix-aware prefill routing, for kvtide and the direct "
         "flow alike; 2 pow2: Serve's power-of-two choice, the placement baseline); x = "
         "ratio to the direct row of the same P, workload and "
-        "concurrency; reused = prompt tokens whose KV was reused (prefix cache or sent back) "
+        "concurrency; ITL = time per token (an event of k tokens: k gaps of its wait / k); "
+        "gap = time between stream events (vLLM's bench serve's ITL), p50/p99; "
+        "reused = prompt tokens whose KV was reused (prefix cache or sent back) "
         "/ prompt tokens, ceiling = an earlier turn's prompt + answer in whole blocks / "
         "prompt tokens; own = kvtide's time on the turn's path (ingress_s + router_s, "
         "p50), also in bare actor round trips; svc = of it, waiting for the KV service "
@@ -459,6 +476,11 @@ def main() -> None:
         help="server.stream_chunk_window_ms for kvtide's streams (default: the config's)",
     )
     parser.add_argument(
+        "--no-step-streams",
+        action="store_true",
+        help="server.step_streams false: each request's tokens on its own Serve stream",
+    )
+    parser.add_argument(
         "--stock-connector",
         action="store_true",
         help="run the engines with vLLM's own NixlConnector (kv.per_request_keep: false)",
@@ -484,9 +506,9 @@ def main() -> None:
         # Serve's own choice is the placement baseline of the conversations without a
         # session header: only they run there.
         loads = ["history"] if router == "pow2" else workloads
-        server = (
-            {} if args.chunk_window_ms is None else {"stream_chunk_window_ms": args.chunk_window_ms}
-        )
+        server: dict[str, Any] = {"step_streams": False} if args.no_step_streams else {}
+        if args.chunk_window_ms is not None:
+            server["stream_chunk_window_ms"] = args.chunk_window_ms
         with embedded_app(
             kv,
             serve_proxy=args.serve_proxy,

@@ -174,6 +174,10 @@ class GenerateChunk(msgspec.Struct, frozen=True, kw_only=True):
     cumulative_logprob: float | None = None
     # The stop string or token id that ended the request (finish_reason "stop").
     stop_reason: int | str | None = None
+    # On the finished chunk: the engine's mean time per decode step for this request,
+    # from its own clock (first token to last, over the steps between); None where the
+    # engine did not say or made fewer than two tokens.
+    engine_step_s: float | None = None
 
 
 class RequestFailed(RuntimeError):

@@ -49,7 +49,7 @@ from engines.vllm_sampling import (
 )
 from kernels.gate import VALIDATED, ValidatedScope
 
-__all__ = ["VLLMEngine", "engine_args_for", "sampling_args_for"]
+__all__ = ["VLLMEngine", "engine_args_for", "engine_step_s", "sampling_args_for"]
 
 log = logging.getLogger("kvtide.engine")
 
@@ -182,6 +182,19 @@ def _expires_in_s(kv_params: KVTransferParams | None) -> float | None:
     return max(0.0, expiry - time.perf_counter())
 
 
+def engine_step_s(stats: Any) -> float | None:
+    """A request's mean time per decode step, from vLLM's own per-request timestamps
+    (``RequestStateStats``: the engine core's clock at its first token and at its last,
+    and the tokens it made); None without stats or with fewer than two tokens."""
+    if stats is None:
+        return None
+    num_tokens = int(getattr(stats, "num_generation_tokens", 0))
+    first, last = float(stats.first_token_ts), float(stats.last_token_ts)
+    if num_tokens < 2 or first <= 0 or last < first:
+        return None
+    return (last - first) / (num_tokens - 1)
+
+
 class VLLMEngine(EngineAdapter):
     """One vLLM engine in this process. Not thread-safe: use from one event loop."""
 
@@ -302,6 +315,7 @@ class VLLMEngine(EngineAdapter):
                 logprobs=logprobs_of(completion.logprobs) if completion else None,
                 cumulative_logprob=completion.cumulative_logprob if completion else None,
                 stop_reason=completion.stop_reason if completion else None,
+                engine_step_s=engine_step_s(out.metrics) if out.finished else None,
             )
 
     async def abort(self, request_id: str) -> None:

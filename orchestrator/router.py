@@ -104,6 +104,9 @@ class TurnReport:
     prefill_s: float = 0.0
     ttft_s: float = 0.0
     total_s: float = 0.0
+    # The decode engine's mean time per step for this turn, by its own clock (None where
+    # it did not say): what a client's gaps between stream events are measured against.
+    decode_step_s: float | None = None
     router_s: float = 0.0
     # The ingress's time before the router: parsing, the chat template, tokenizing and
     # the KV service's begin_turn (set by the ingress).
@@ -142,6 +145,7 @@ class TurnReport:
             "prefill_s": round(self.prefill_s, 6),
             "ttft_s": round(self.ttft_s, 6),
             "total_s": round(self.total_s, 6),
+            "decode_step_s": None if self.decode_step_s is None else round(self.decode_step_s, 6),
             "router_s": round(self.router_s, 6),
             "ingress_s": round(self.ingress_s, 6),
             "service_s": round(self.service_s, 6),
@@ -683,6 +687,7 @@ class Router:
                 if chunk.finished:
                     report.finish_reason = chunk.finish_reason
                     report.total_s = now - t0
+                    report.decode_step_s = chunk.engine_step_s
                     tr.set_attrs(
                         span,
                         {

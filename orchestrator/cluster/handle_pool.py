@@ -3,7 +3,8 @@
 A pool placed by NVLink domain is one deployment per domain (``orchestrator.cluster.pool_layout``),
 so a pool can have several handles. Serve balances replicas inside a deployment; across
 deployments the pool sends each request to the one with the fewest requests in flight
-from here per replica, the first on ties.
+from here per replica, the first on ties. With ``steps``, a request's tokens come back on
+this process's step stream to its replica (``orchestrator.cluster.step_streams``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from ray.serve.handle import DeploymentHandle
 
 from engines.base import GenerateChunk, GenerateRequest
+from orchestrator.cluster.step_streams import StepChannels
 
 __all__ = ["HandlePool", "as_handles"]
 
@@ -30,12 +32,14 @@ def as_handles(
 
 class HandlePool:
     """A pool's deployments (streaming ``generate``). ``weights`` are the replicas of
-    each deployment (default 1 each)."""
+    each deployment (default 1 each); ``steps``: through step streams."""
 
     def __init__(
         self,
         handles: DeploymentHandle | Sequence[DeploymentHandle],
         weights: Sequence[int] | None = None,
+        *,
+        steps: bool = False,
     ) -> None:
         self.handles = as_handles(handles)
         self.handle = self.handles[0]
@@ -43,6 +47,7 @@ class HandlePool:
         if len(self._weights) != len(self.handles) or min(self._weights) < 1:
             raise ValueError("give one weight of at least 1 per deployment handle")
         self._streams = [h.options(stream=True) for h in self.handles]
+        self._steps = [StepChannels(s) for s in self._streams] if steps else None
         self._in_flight = [0] * len(self.handles)
 
     def pick(self) -> int:
@@ -52,12 +57,16 @@ class HandlePool:
         return min(range(len(self.handles)), key=lambda i: self._in_flight[i] / self._weights[i])
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        if len(self.handles) == 1:
-            stream: AsyncIterator[GenerateChunk] = self._streams[0].generate.remote(request)
-            return stream
         index = self.pick()
+        stream: AsyncIterator[GenerateChunk]
+        if self._steps is not None:
+            stream = self._steps[index].generate(request)
+        else:
+            stream = self._streams[index].generate.remote(request)
+        if len(self.handles) == 1:
+            return stream
         self._in_flight[index] += 1
-        return _Counted(self._streams[index].generate.remote(request), self, index)
+        return _Counted(stream, self, index)
 
     def _done(self, index: int) -> None:
         self._in_flight[index] -= 1

@@ -157,17 +157,29 @@ class ServerConfig(StrictSection):
         16,
         ge=1,
         le=4096,
-        description="Most tokens an engine host sends the ingress in one chunk of a stream "
-        "(one Serve hop). 1: a hop per engine step. The first token and the last never "
-        "wait.",
+        description="With stream_chunk_window_ms above 0: most tokens an engine host "
+        "holds back and sends the ingress in one chunk of a stream (one Serve hop). 1: a "
+        "hop per engine step.",
     )
     stream_chunk_window_ms: float = Field(
-        50.0,
+        0.0,
         ge=0,
         le=1000,
-        description="How long a token that waits for company may wait before it is sent "
-        "(ms): a stream's tokens after its first leave at most this often. 0: only tokens "
-        "that are already there go together (no token waits).",
+        description="0 (default): every engine output leaves as the engine makes it, and "
+        "the client gets an SSE event per engine step (outputs that queue up while the "
+        "host is busy leave together, as in vLLM's own server). Above 0, opted into: how "
+        "long a token may be held back for company (ms), so that a stream's tokens after "
+        "its first leave at most this often, in chunks of up to stream_chunk_tokens (the "
+        "first token and the last never wait): fewer Serve hops, tokens in bursts.",
+    )
+
+    step_streams: bool = Field(
+        True,
+        description="Decode engines send each ingress replica every engine step's new "
+        "tokens for all its requests as one message on one standing Serve stream (as "
+        "vLLM's engine core hands its API server one message per step), instead of one "
+        "Serve stream item per request and step. false: each request's tokens on its "
+        "own Serve stream.",
     )
 
     @property

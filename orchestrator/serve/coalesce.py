@@ -1,13 +1,19 @@
-"""Fewer hops per stream: an engine host sends a request's tokens to the ingress in
-chunks, not one object per token.
+"""An engine host's stream to the ingress: each engine output as it is made, or, opted
+into (``server.stream_chunk_window_ms`` above 0), a request's tokens held back and sent
+in chunks.
 
-``coalesce`` reads the engine's stream in a task of its own and merges what has arrived
-since the last chunk it gave out: up to ``max_tokens`` tokens, or what arrives within
-``window_s`` of the first one waiting (0: only what is already there, so nothing waits
-that would not have waited anyway). The first chunk and the finished chunk are never
-held: a stream's first token leaves as soon as the engine makes it, and its last
-carries every token still waiting. When the engine's host is busy (many streams, a slow
-consumer) tokens queue up and leave together: one Serve hop for many tokens.
+By default (no window) ``coalesce`` hands the engine's stream on unchanged: one Serve
+stream item per engine output, so the client gets an SSE event per engine step. Outputs
+that queue up while the host is busy still leave together, merged by vLLM's own output
+collector (``RequestOutputCollector``: a delta the consumer has not taken yet absorbs the
+next), as in vLLM's own server; nothing waits for company.
+
+With a window, ``coalesce`` reads the engine's stream in a task of its own and merges
+what has arrived since the last chunk it gave out: up to ``max_tokens`` tokens, or what
+arrives within ``window_s`` of the first one waiting. The first chunk and the finished
+chunk are never held: a stream's first token leaves as soon as the engine makes it, and
+its last carries every token still waiting. Fewer Serve hops for many tokens, at the
+price of tokens reaching the client in bursts.
 """
 
 from __future__ import annotations
@@ -53,12 +59,16 @@ async def coalesce(
     window_s: float,
     clock: Callable[[], float] = time.monotonic,
 ) -> AsyncGenerator[GenerateChunk, None]:
-    """``source``'s chunks, merged (see the module). An exception from ``source`` ends
-    the stream after the tokens that arrived before it; closing the stream closes
+    """``source``'s chunks, merged when a window is given (see the module): with
+    ``window_s`` 0 or ``max_tokens`` 1, ``source`` itself. An exception from ``source``
+    ends the stream after the tokens that arrived before it; closing the stream closes
     ``source`` (a disconnected client aborts the engine's request)."""
-    if max_tokens <= 1:
-        async for chunk in source:
-            yield chunk
+    if max_tokens <= 1 or window_s <= 0:
+        try:
+            async for chunk in source:
+                yield chunk
+        finally:
+            await _close(source)
         return
     queue: asyncio.Queue[object] = asyncio.Queue()
 
@@ -112,6 +122,10 @@ async def coalesce(
     finally:
         reader.cancel()
         await asyncio.wait([reader])  # its end, not its exception (it was cancelled)
-        aclose = getattr(source, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        await _close(source)
+
+
+async def _close(source: AsyncIterator[GenerateChunk]) -> None:
+    aclose = getattr(source, "aclose", None)
+    if aclose is not None:
+        await aclose()

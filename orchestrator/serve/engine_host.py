@@ -38,6 +38,8 @@ from orchestrator.cluster.kv_events import forget_endpoint, register_endpoint
 from orchestrator.cluster.placed_engine import ray_executor_spec, with_cluster_address
 from orchestrator.cluster.pool_layout import PoolDeployment, pool_deployment_name
 from orchestrator.cluster.prefix_router import prefill_router_config
+from orchestrator.cluster.step_router import step_router_config
+from orchestrator.cluster.step_streams import StepOutboxes, StepsOpen
 from orchestrator.config import KVTideConfig
 from orchestrator.kv.actor import EpochWatcher, lookup_service
 from orchestrator.serve.coalesce import coalesce
@@ -85,9 +87,14 @@ def engine_deployment_options(
         routing["request_router_config"] = prefill_router_config(
             config.routing.prefix_settings(), kv_events=publishes_kv_events(config, pool_name)
         )
+    elif pool.role == "decode" and config.server.step_streams:
+        # Each ingress's step stream reaches the replica it names.
+        routing["request_router_config"] = step_router_config()
     return {
         "name": deployment.name if deployment is not None else deployment_name(pool_name),
         "num_replicas": deployment.num_replicas if deployment is not None else pool.num_engines,
+        # (A step stream takes one of these per ingress replica: twice the engine's
+        # batch leaves room.)
         "max_ongoing_requests": max(8, pool.max_num_seqs * 2),
         "health_check_period_s": 10,
         "health_check_timeout_s": 30,
@@ -186,6 +193,7 @@ class EngineHost:
         self._chunk_tokens = config.server.stream_chunk_tokens
         self._chunk_window_s = config.server.stream_chunk_window_ms / 1000
         self._warm_ups: dict[str, WarmUp] = {}
+        self._outboxes = StepOutboxes(ctx.replica_id.unique_id)
         self.engine = create_engine(spec)
         self._info: EngineInfo = await self.engine.start()
         log.info("engine %s ready: %s", engine_id, self._info)
@@ -249,8 +257,30 @@ class EngineHost:
         return {name: dataclasses.asdict(result) for name, result in self._warm_ups.items()}
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """The request's stream, in chunks of several tokens where they queue up
-        (``server.stream_chunk_tokens`` / ``stream_chunk_window_ms``)."""
+        """The request's stream: each engine output as it is made, or, with
+        ``server.stream_chunk_window_ms`` above 0, tokens held back into chunks of up to
+        ``stream_chunk_tokens`` (``orchestrator.serve.coalesce``)."""
+        async with contextlib.aclosing(self._stream(request)) as stream:
+            async for chunk in stream:
+                yield chunk
+
+    async def generate_stepped(self, request: GenerateRequest, caller: str) -> AsyncIterator[str]:
+        """The request runs as with ``generate``, but its chunks travel on ``caller``'s
+        step stream to this replica (``steps``); this call answers with the replica's
+        id and ends with the request (``orchestrator.cluster.step_streams``)."""
+        run = self._outboxes.run_request(caller, self._stream(request))
+        async with contextlib.aclosing(run):  # closed with this call: the request ends
+            async for replica in run:
+                yield replica
+
+    async def steps(self, opened: StepsOpen) -> AsyncIterator[str | bytes]:
+        """``opened.caller``'s step stream: this replica's id, then one message per
+        engine step with the new chunks of every request of that caller."""
+        async with contextlib.aclosing(self._outboxes.run_steps(opened)) as steps:
+            async for item in steps:
+                yield item
+
+    async def _stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         stream = coalesce(
             self.ledger.watch(request, self.engine.generate(request)),
             max_tokens=self._chunk_tokens,

@@ -113,7 +113,11 @@ class Ingress(TurnOpening, OwnLayer, ResponsesRoutes):
         self.prompts = PromptEncoder(self.tokenizer, max_model_len=config.model.max_model_len)
         given = {"prefill": prefill, "decode": decode, "decode_long": decode_long}
         self.pools = {
-            name: HandlePool(handles, (weights or {}).get(name))
+            name: HandlePool(
+                handles,
+                (weights or {}).get(name),
+                steps=name != "prefill" and config.server.step_streams,
+            )
             for name, handles in given.items()
             if handles is not None
         }

@@ -1,6 +1,7 @@
-"""An engine host's streams in chunks (``orchestrator.serve.coalesce``): the first token
-and the last never wait, tokens that queue up leave together, nothing is lost or
-reordered, and closing the stream closes the engine's."""
+"""An engine host's streams (``orchestrator.serve.coalesce``): by default each engine
+output leaves as it is made; opted into, tokens leave in chunks: the first token and the
+last never wait, tokens that queue up leave together, nothing is lost or reordered, and
+closing the stream closes the engine's."""
 
 from __future__ import annotations
 
@@ -87,19 +88,21 @@ def test_a_chunk_leaves_when_it_holds_max_tokens() -> None:
     assert asyncio.run(story()) == [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9]]
 
 
-def test_with_no_window_only_what_already_arrived_is_merged() -> None:
+def test_with_no_window_every_engine_output_leaves_as_it_was_made() -> None:
+    # The default: one stream item per engine output (an SSE event per engine step),
+    # even when several are already waiting; none is held for company.
     async def story() -> None:
         engine = Engine()
         out = coalesce(engine.stream(), max_tokens=16, window_s=0.0)
         engine.put(tok(0), tok(1), tok(2))
-        assert ids(await anext(out)) == [0]
-        assert ids(await anext(out)) == [1, 2]  # what was there; nothing waited for
+        assert [ids(await anext(out)) for _ in range(3)] == [[0], [1], [2]]
         nxt = asyncio.ensure_future(anext(out))
         await settle()
         assert not nxt.done()  # no token: nothing to send
         engine.put(tok(3))
         assert ids(await nxt) == [3]  # sent as soon as it came
         await out.aclose()
+        assert engine.closed  # a client gone mid-stream ends the engine's request
 
     asyncio.run(story())
 

@@ -243,9 +243,13 @@ def test_prefix_aware_routing_sets_the_prefill_request_router_only() -> None:
         "ttl_s": 600.0,
         "kv_events": True,  # the vLLM prefill engines publish their KV cache events
     }
-    assert "request_router_config" not in engine_deployment_options(config, "decode")
+    # Decode engines' router only pins step streams to their replica.
+    decode = engine_deployment_options(config, "decode")["request_router_config"]
+    assert decode.request_router_class == "orchestrator.cluster.step_router.StepRouter"
     # Off (the default): Serve's own router, options exactly as without the feature.
     assert "request_router_config" not in engine_deployment_options(parse_config(None), "prefill")
+    plain = parse_config({"server": {"step_streams": False}})
+    assert "request_router_config" not in engine_deployment_options(plain, "decode")
 
 
 def test_prefix_routing_settings_are_checked_at_the_edge() -> None:

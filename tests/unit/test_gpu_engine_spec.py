@@ -18,6 +18,7 @@ import pytest
 
 from engines.vllm_engine import engine_args_for
 from orchestrator.cluster.pool_layout import PoolDeployment, plan_layout
+from orchestrator.cluster.step_router import step_router_config
 from orchestrator.config import ConfigError, KVTideConfig, parse_config
 from orchestrator.serve.engine_host import engine_deployment_options, host_engine_spec
 from placement.topology import ClusterTopology, NodeSpec
@@ -103,6 +104,8 @@ def test_tp16_dcp16_replica_bundles_and_serve_options() -> None:
         "placement_group_bundles": [{"CPU": 1.0}] + [{"GPU": 1.0, "CPU": 2.0}] * 16,
         "placement_group_strategy": "PACK",
         "placement_group_bundle_label_selector": [{"nvlink_domain": "nvl72-a"}] * 17,
+        # Each ingress's step stream reaches the replica it names.
+        "request_router_config": step_router_config(),
     }
 
 

@@ -553,3 +553,20 @@ def test_the_report_names_the_prefill_engine_and_why_the_router_chose_it() -> No
         "pow2",
         0,
     )
+
+
+def test_the_report_carries_the_decode_engines_step_time() -> None:
+    # The decode engine's finished chunk says how long its steps took by its own clock:
+    # the measure a client's gaps between stream events are held to.
+    def timed_decode(req: GenerateRequest) -> list[GenerateChunk]:
+        chunks = decode_script(req)
+        chunks[-1] = msgspec.structs.replace(chunks[-1], engine_step_s=0.0125)
+        return chunks
+
+    router = make_router(FakePool(prefill_script()), FakePool(timed_decode))
+    report = asyncio.run(turn(router, list(range(100)), None)).as_dict()
+    assert report["decode_step_s"] == 0.0125
+    untimed = asyncio.run(
+        turn(make_router(FakePool(prefill_script()), FakePool(decode_script)), [1] * 100, None)
+    ).as_dict()
+    assert untimed["decode_step_s"] is None

@@ -1,0 +1,285 @@
+"""Step streams: an engine's new tokens for every request of one ingress process travel
+to it together, one Serve stream item per engine step, instead of one item per request.
+
+vLLM's engine core hands its API server one message per step with every request's new
+tokens. A Serve streaming call per request undoes that: each request's tokens are a Ray
+stream item of their own, so at concurrency 32 a decode step costs 32 hops. Here the
+per-request call stays (Serve routes it, counts it as the replica's load, and cancelling
+it aborts the engine's request), but its tokens do not travel on it:
+
+* ``EngineHost.generate_stepped(request, caller)`` answers with its replica's id, then
+  puts each chunk of the engine's stream into that caller's ``StepOutbox`` and ends when
+  the engine's request ends (or raises as the engine did);
+* ``EngineHost.steps(StepsOpen(replica, caller))`` is the caller's one standing stream
+  to that replica, pinned there by ``orchestrator.cluster.step_router``: it answers with
+  the replica's id, then yields whatever the outbox holds each time it is woken, one
+  msgpack message (``encode_batch``): the outputs the engine's last step gave all the
+  caller's requests (the requests' tasks all run before the stream's: they were woken
+  first), more where the caller fell behind;
+* ``StepChannels`` (the ingress side) opens a replica's step stream the first time one
+  of its requests lands there and hands each chunk to the request's reader, a
+  ``StepStream``, which the router reads as it would the request's own Serve stream.
+
+Invariants: one request's chunks pass through one outbox and one stream, in order; the
+finished chunk is put before ``generate_stepped`` ends, so a request whose call ended
+without error gets it unless the step stream breaks. A broken step stream (its replica
+died) fails every request still reading from it, as a failed engine stream does, and
+the next request there opens a new one. A reader closed early cancels its call (the
+engine's request is aborted); chunks of it still on their way are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from engines.base import GenerateChunk, GenerateRequest
+
+__all__ = [
+    "StepChannels",
+    "StepOutbox",
+    "StepOutboxes",
+    "StepStream",
+    "StepsOpen",
+    "decode_batch",
+    "encode_batch",
+]
+
+
+class StepsOpen(msgspec.Struct, frozen=True, kw_only=True):
+    """Opens ``caller``'s step stream to the engine replica named ``replica`` (its Serve
+    replica id; the request router pins the call there)."""
+
+    replica: str
+    caller: str
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(list[GenerateChunk])
+
+
+def encode_batch(chunks: list[GenerateChunk]) -> bytes:
+    return _ENCODER.encode(chunks)
+
+
+def decode_batch(data: bytes) -> list[GenerateChunk]:
+    return _DECODER.decode(data)
+
+
+class StepOutbox:
+    """The engine host's side: the chunks waiting for one caller's step stream. Owned by
+    the host's event loop; ``put`` never blocks (a caller that falls behind gets its
+    waiting chunks in one message)."""
+
+    def __init__(self) -> None:
+        self._chunks: list[GenerateChunk] = []
+        self._ready = asyncio.Event()
+        self.num_requests = 0  # requests putting here now
+        self.attached = False  # a step stream is reading
+        self._reader = 0  # the reading step stream's number: a newer one replaces it
+
+    def put(self, chunk: GenerateChunk) -> None:
+        self._chunks.append(chunk)
+        self._ready.set()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing reads and nothing writes: the host may forget it."""
+        return not self.attached and self.num_requests == 0
+
+    async def batches(self) -> AsyncIterator[bytes]:
+        """Each wake-up's waiting chunks, as one message, until the reader goes or a
+        newer step stream of the same caller takes over (one reader at a time: two
+        would split a request's chunks)."""
+        self._reader += 1
+        me = self._reader
+        self.attached = True
+        self._ready.set()  # wakes an older reader, to step aside
+        try:
+            while True:
+                await self._ready.wait()
+                if self._reader != me:
+                    return
+                self._ready.clear()
+                chunks, self._chunks = self._chunks, []
+                if chunks:
+                    yield encode_batch(chunks)
+        finally:
+            if self._reader == me:
+                self.attached = False
+
+
+class StepOutboxes:
+    """An engine host's outboxes, one per caller, and the two calls' bodies (see the
+    module): ``run_request`` for ``generate_stepped``, ``run_steps`` for ``steps``. An
+    outbox is forgotten once nothing reads it and nothing writes to it."""
+
+    def __init__(self, replica: str) -> None:
+        self.replica = replica
+        self._by_caller: dict[str, StepOutbox] = {}
+
+    def _of(self, caller: str) -> StepOutbox:
+        outbox = self._by_caller.get(caller)
+        if outbox is None:
+            outbox = self._by_caller[caller] = StepOutbox()
+        return outbox
+
+    def _forget_idle(self, caller: str) -> None:
+        outbox = self._by_caller.get(caller)
+        if outbox is not None and outbox.idle:
+            del self._by_caller[caller]
+
+    async def run_request(
+        self, caller: str, stream: AsyncIterator[GenerateChunk]
+    ) -> AsyncIterator[str]:
+        """This replica's id, then nothing: ``stream``'s chunks go to ``caller``'s
+        outbox. Closed early, it closes ``stream`` (the engine's request ends)."""
+        outbox = self._of(caller)
+        outbox.num_requests += 1
+        try:
+            yield self.replica
+            async for chunk in stream:
+                outbox.put(chunk)
+        finally:
+            outbox.num_requests -= 1
+            self._forget_idle(caller)
+            close = getattr(stream, "aclose", None)
+            if close is not None:
+                await close()
+
+    async def run_steps(self, opened: StepsOpen) -> AsyncIterator[str | bytes]:
+        """This replica's id, then ``opened.caller``'s batches until the caller goes."""
+        outbox = self._of(opened.caller)
+        try:
+            yield self.replica
+            async for batch in outbox.batches():
+                yield batch
+        finally:
+            self._forget_idle(opened.caller)
+
+
+class StepStream:
+    """One request's chunks as the router reads them (``PoolClient.generate``): from the
+    replica's step stream, its own call watched for failure. ``aclose`` before the
+    finished chunk cancels the call, which aborts the engine's request."""
+
+    def __init__(self, channels: StepChannels, request: GenerateRequest) -> None:
+        self._channels = channels
+        self._request_id = request.request_id
+        self._queue: asyncio.Queue[GenerateChunk | BaseException] = asyncio.Queue()
+        channels._readers[self._request_id] = self._queue
+        self._call: Any = channels._handle.generate_stepped.remote(request, channels.caller)
+        self._watch: asyncio.Task[None] | None = None
+        self._done = False
+
+    def __aiter__(self) -> StepStream:
+        return self
+
+    async def __anext__(self) -> GenerateChunk:
+        if self._done:
+            raise StopAsyncIteration
+        if self._watch is None:
+            self._watch = asyncio.get_running_loop().create_task(self._watch_call())
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            await self._end(cancel=False)
+            raise item
+        if item.finished:
+            await self._end(cancel=False)
+        return item
+
+    async def _watch_call(self) -> None:
+        """The request's own call: its first item names the replica whose step stream
+        carries the chunks; its error is the request's."""
+        try:
+            async for replica in self._call:
+                self._channels.attach(str(replica), self._request_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._queue.put_nowait(exc)
+
+    async def aclose(self) -> None:
+        await self._end(cancel=not self._done)
+
+    async def _end(self, *, cancel: bool) -> None:
+        self._done = True
+        self._channels.detach(self._request_id)
+        if cancel:
+            self._call.cancel()
+        if self._watch is not None and not self._watch.done():
+            if cancel:
+                self._watch.cancel()
+                await asyncio.wait([self._watch])
+
+
+class StepChannels:
+    """The ingress side for one engine deployment: a step stream per replica that runs
+    this caller's requests, and the readers waiting on them. ``handle`` is the
+    deployment's handle with ``stream=True``, routed by ``step_router.StepRouter``."""
+
+    def __init__(self, handle: Any, caller: str | None = None) -> None:
+        self._handle = handle
+        self.caller = caller or uuid.uuid4().hex
+        self._readers: dict[str, asyncio.Queue[GenerateChunk | BaseException]] = {}
+        self._streams: dict[str, asyncio.Task[None]] = {}
+        self._members: dict[str, set[str]] = {}  # replica -> its requests being read
+
+    def generate(self, request: GenerateRequest) -> StepStream:
+        return StepStream(self, request)
+
+    def attach(self, replica: str, request_id: str) -> None:
+        """``request_id`` runs on ``replica``: read its chunks from that replica's step
+        stream, opened now if this caller has none there."""
+        if request_id not in self._readers:
+            return  # already closed
+        self._members.setdefault(replica, set()).add(request_id)
+        if replica not in self._streams:
+            loop = asyncio.get_running_loop()
+            self._streams[replica] = loop.create_task(self._read(replica))
+
+    def detach(self, request_id: str) -> None:
+        self._readers.pop(request_id, None)
+        for members in self._members.values():
+            members.discard(request_id)
+
+    async def _read(self, replica: str) -> None:
+        error: BaseException | None = None
+        try:
+            stream = self._handle.steps.remote(StepsOpen(replica=replica, caller=self.caller))
+            first = True
+            async for item in stream:
+                if first:
+                    first = False
+                    if item != replica:
+                        raise RuntimeError(f"step stream for {replica} reached {item}")
+                    continue
+                for chunk in decode_batch(item):
+                    reader = self._readers.get(chunk.request_id)
+                    if reader is not None:
+                        reader.put_nowait(chunk)
+            error = RuntimeError(f"engine replica {replica}'s step stream ended")
+        except asyncio.CancelledError:
+            error = RuntimeError(f"engine replica {replica}'s step stream was cancelled")
+            raise
+        except Exception as exc:
+            error = exc
+        finally:
+            # Every request still reading from it fails as its engine's stream would.
+            self._streams.pop(replica, None)
+            for request_id in self._members.pop(replica, set()):
+                reader = self._readers.get(request_id)
+                if reader is not None and error is not None:
+                    reader.put_nowait(error)
+
+    async def close(self) -> None:
+        """Stop every step stream (the ingress is going away)."""
+        tasks = list(self._streams.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
