@@ -235,12 +235,27 @@ def error_of(response: Any) -> RequestError:
     )
 
 
+_FINAL_EVENTS = (
+    "event: response.completed",
+    "event: response.incomplete",
+    "event: response.failed",
+)
+
+
+def _is_final(event: str) -> bool:
+    """A choice's finishing chunk, the usage-only chunk, or the Responses API's last
+    event (every chunk carries usage with ``continuous_usage_stats``: not a test)."""
+    return (
+        '"finish_reason":"' in event or '"choices":[]' in event or event.startswith(_FINAL_EVENTS)
+    )
+
+
 def with_kvtide(event: str, ext: Callable[[], dict[str, Any]]) -> str:
     """One SSE event of vLLM's stream, with kvtide's object added where the turn's
     facts are final: a choice's finishing chunk, the usage chunk, the Responses API's
     completed response."""
     at = event.find("data: {")
-    if at < 0 or ('"finish_reason":"' not in event and '"usage":{' not in event):
+    if at < 0 or not _is_final(event):
         return event
     body = json.loads(event[at + len("data: ") :])
     body["kvtide"] = ext()
@@ -254,7 +269,7 @@ class StreamedToolCalls:
         self._calls: dict[int, dict[str, Any]] = {}
 
     def add(self, event: str) -> None:
-        if '"tool_calls"' not in event or not event.startswith("data: {"):
+        if '"tool_calls":[{' not in event or not event.startswith("data: {"):
             return
         for choice in json.loads(event[len("data: ") :]).get("choices") or ():
             if choice.get("index") != 0:
