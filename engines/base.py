@@ -137,6 +137,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     # request (``max_tokens``, the KV transfer); one choice per request (kvtide runs
     # ``n`` choices as requests of their own). Engines that sample nothing ignore it.
     sampling_params: Any = None
+    # Log probabilities of this many of the most likely tokens at each prompt position
+    # (vLLM's ``prompt_logprobs``; a turn's prefill computes them); None: none.
+    prompt_logprobs: int | None = None
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -174,6 +177,8 @@ class GenerateChunk(msgspec.Struct, frozen=True, kw_only=True):
     cumulative_logprob: float | None = None
     # The stop string or token id that ended the request (finish_reason "stop").
     stop_reason: int | str | None = None
+    # With ``prompt_logprobs`` asked: one list per prompt position (None at the first).
+    prompt_logprobs: list[list[TokenLogprob] | None] | None = None
     # On the finished chunk: the engine's mean time per decode step for this request,
     # from its own clock (first token to last, over the steps between); None where the
     # engine did not say or made fewer than two tokens.

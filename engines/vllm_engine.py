@@ -44,6 +44,7 @@ from engines.kv_params import KVTransferParams
 from engines.lifeline import ENV_VAR as LIFELINE_ENV
 from engines.vllm_sampling import (
     logprobs_of,
+    prompt_logprobs_of,
     sampling_args_for,
     sampling_params_for,
 )
@@ -315,6 +316,7 @@ class VLLMEngine(EngineAdapter):
                 logprobs=logprobs_of(completion.logprobs) if completion else None,
                 cumulative_logprob=completion.cumulative_logprob if completion else None,
                 stop_reason=completion.stop_reason if completion else None,
+                prompt_logprobs=prompt_logprobs_of(out.prompt_logprobs),
                 engine_step_s=engine_step_s(out.metrics) if out.finished else None,
             )
 

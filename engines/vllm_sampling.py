@@ -16,7 +16,12 @@ from typing import Any
 
 from engines.base import GenerateRequest, TokenLogprob
 
-__all__ = ["logprobs_of", "sampling_args_for", "sampling_params_for"]
+__all__ = [
+    "logprobs_of",
+    "prompt_logprobs_of",
+    "sampling_args_for",
+    "sampling_params_for",
+]
 
 
 def sampling_args_for(request: GenerateRequest) -> dict[str, Any]:
@@ -35,6 +40,7 @@ def sampling_args_for(request: GenerateRequest) -> dict[str, Any]:
         "min_p": request.min_p,
         # vLLM refuses min_tokens > max_tokens; a turn's prefill asks for one token.
         "min_tokens": min(request.min_tokens, request.max_tokens),
+        "prompt_logprobs": request.prompt_logprobs,
         "extra_args": _extra_args(request, None),
     }
 
@@ -61,6 +67,8 @@ def sampling_params_for(request: GenerateRequest, output_kind: Any) -> Any:
     params.min_tokens = min(params.min_tokens, request.max_tokens)
     params.output_kind = output_kind
     params.extra_args = _extra_args(request, params.extra_args)
+    # The prefill computes the prompt's; a decode's prompt KV is pulled, not computed.
+    params.prompt_logprobs = request.prompt_logprobs
     return params
 
 
@@ -81,3 +89,12 @@ def logprobs_of(positions: Iterable[Mapping[int, Any]] | None) -> list[list[Toke
     if positions is None:
         return None
     return [_position(candidates) for candidates in positions]
+
+
+def prompt_logprobs_of(
+    positions: Iterable[Mapping[int, Any] | None] | None,
+) -> list[list[TokenLogprob] | None] | None:
+    """vLLM's prompt log probabilities (None at the first position)."""
+    if positions is None:
+        return None
+    return [None if c is None else _position(c) for c in positions]

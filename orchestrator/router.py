@@ -369,6 +369,7 @@ class Router:
         lease_id: int | None = None,
         lease_used: Awaitable[bool] | None = None,
         sampling_params: Any = None,
+        prompt_logprobs: int | None = None,
     ) -> AsyncGenerator[tuple[GenerateChunk, TurnReport], None]:
         """Stream decode chunks; each comes with the (growing) turn report.
 
@@ -380,7 +381,8 @@ class Router:
         ``top_k``, ``min_p``, ``min_tokens``), given to prefill and decode alike.
         ``sampling_params``: the engine's own (vLLM's, from its OpenAI serving layer),
         given to the decode, which samples every token the client gets; the prefill's
-        one token is not used.
+        one token is not used. ``prompt_logprobs``: asked of the prefill, which computes
+        the prompt (the report's ``extra["prompt_logprobs"]``).
         ``decision``: the KV plan the service gave when the turn began (``begin_turn``),
         or the caller made under a turn lease (``lease_id``; ``lease_used`` is the service's
         answer to its use, awaited before the first item: when it refuses, the turn ends
@@ -397,6 +399,7 @@ class Router:
             "seed": seed,
             "stop": list(stop),
             "ignore_eos": ignore_eos,
+            "prompt_logprobs": prompt_logprobs,
             **(sampling_options or {}),
         }
         report.extra["owner"] = owner
@@ -518,6 +521,8 @@ class Router:
         # kvtide's own work: deciding before the engines, booking after them.
         report.router_s = t_engine - t0
         report.num_cached_tokens = pre.num_cached_tokens
+        # The prompt's log probabilities, when asked: the prefill computed them.
+        report.extra["prompt_logprobs"] = pre.prompt_logprobs
         if pre.num_cached_tokens > 0:
             pulled = decision.kind == "pull" and not report.pull_fallback
             report.kv_source = "sent_back" if pulled else "prefix_cache"
@@ -537,7 +542,11 @@ class Router:
                 max_tokens=max_tokens - len(out.ids),
                 kv_transfer_params=pre.kv_transfer_params.for_decode(keep=keep),
                 sampling_params=report.extra["sampling_params"],
-                **{**base, "prompt_token_ids": [*prompt_token_ids, *out.ids]},
+                **{
+                    **base,
+                    "prompt_token_ids": [*prompt_token_ids, *out.ids],
+                    "prompt_logprobs": None,
+                },
             )
             try:
                 with tr.span(

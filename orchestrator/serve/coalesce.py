@@ -49,6 +49,9 @@ def merge_chunks(first: GenerateChunk, then: GenerateChunk) -> GenerateChunk:
         text=first.text + then.text,
         token_ids=[*first.token_ids, *then.token_ids],
         logprobs=logprobs,
+        prompt_logprobs=(
+            first.prompt_logprobs if then.prompt_logprobs is None else then.prompt_logprobs
+        ),
     )
 
 

@@ -76,6 +76,13 @@ def _logprobs(positions: Iterable[list[TokenLogprob]]) -> list[dict[int, Any]]:
     ]
 
 
+def _prompt_logprobs(positions: list[list[TokenLogprob] | None] | None) -> Any:
+    """The prefill's prompt log probabilities in vLLM's shape (None at the first)."""
+    if positions is None:
+        return None
+    return [None if p is None else _logprobs([p])[0] for p in positions]
+
+
 class _Choice:
     """One choice's output so far (cumulative, for vLLM's FINAL_ONLY requests)."""
 
@@ -169,7 +176,7 @@ def _refused(message: str, param: str | None) -> ServingLayerRefused:
 def _checked(input_processor: Any, params: Any) -> ServingLayerRefused | None:
     """vLLM's own checks of the parameters against the model (its API server runs them
     before the engine sees a request: max logprobs, structured output specs, token ids
-    in the vocabulary, ...), and what kvtide's P/D path cannot give."""
+    in the vocabulary, ...)."""
     from vllm.exceptions import VLLMClientError
 
     try:
@@ -177,12 +184,6 @@ def _checked(input_processor: Any, params: Any) -> ServingLayerRefused | None:
     except (ValueError, VLLMClientError) as exc:
         message = str(exc.args[0]) if exc.args else "invalid sampling parameters"
         return _refused(message, getattr(exc, "parameter", None))
-    if params.prompt_logprobs is not None:
-        return _refused(
-            "prompt logprobs are not available on kvtide's P/D path (asked by "
-            "prompt_logprobs, or echo with logprobs); leave them out",
-            "prompt_logprobs",
-        )
     return None
 
 
@@ -317,12 +318,13 @@ class TurnEngine:
             if child.seed is not None:
                 child.seed += index
             streams[index] = self._run(ctx, ids, text, child, f"{request_id}-c{index}", False)
+        prompt_logprobs = _prompt_logprobs(report.extra.get("prompt_logprobs"))
         async for outputs, finished in _outputs(streams, params, ctx):
             yield RequestOutput(
                 request_id=request_id,
                 prompt=text,
                 prompt_token_ids=ids,
-                prompt_logprobs=None,
+                prompt_logprobs=prompt_logprobs,
                 outputs=outputs,
                 finished=finished,
                 num_cached_tokens=report.num_cached_tokens,

@@ -133,6 +133,9 @@ class VLLMRoutes:
             ):
                 yield item
             return
+        # The prompt's log probabilities need every prompt position computed: such a
+        # turn runs outside its session (nothing pulled back, nothing kept).
+        whole = params.prompt_logprobs is not None
         principal = ctx.principal
         max_model_len = self.config.model.max_model_len
 
@@ -156,16 +159,16 @@ class VLLMRoutes:
         opened = await self._open_turn(
             OpenTurn(
                 principal=principal,
-                session_header=ctx.session_header,
-                has_history=ctx.has_history,
-                text=text,
+                session_header=None if whole else ctx.session_header,
+                has_history=ctx.has_history and not whole,
+                text=None if whole else text,  # no conversation found by it either
                 ids=ids,
                 limits=limits,
                 t_in=ctx.t_in,
                 root=ctx.root,
                 request_id=request_id,
                 retokenize=True,
-                run_args={"sampling_params": params},
+                run_args={"sampling_params": params, "prompt_logprobs": params.prompt_logprobs},
             )
         )
         ctx.extra["prompt_token_ids"] = opened.ids

@@ -100,13 +100,14 @@ def _chats() -> list[Case]:
         {"temperature": 0, "tools": TOOLS, "tool_choice": "none"},
         {"temperature": 0, "tools": TOOLS, "tool_choice": "auto"},
         {"temperature": 0, "max_tokens": 1},
+        {"temperature": 0, "prompt_logprobs": 2},
         {"temperature": 0.5, "seed": 9, "n": 2, "logprobs": True, "top_logprobs": 1},
     ]
     for (i, prompt), (j, sampling), stream in itertools.product(
         enumerate(prompts), enumerate(samplings), (False, True)
     ):
-        if stream and sampling.get("n"):
-            continue  # vLLM streams n choices interleaved; compared unstreamed
+        if stream and (sampling.get("n") or sampling.get("prompt_logprobs")):
+            continue  # compared unstreamed (n choices interleave; prompt logprobs)
         max_tokens = 48 if "tools" in sampling or "response_format" in sampling else 12
         body = {
             "messages": [
@@ -132,6 +133,7 @@ def _completions() -> list[Case]:
                 {"temperature": 0},
                 {"temperature": 0, "logprobs": 2},
                 {"temperature": 0, "echo": True},
+                {"temperature": 0, "echo": True, "logprobs": 1},
                 {"temperature": 0.9, "seed": 7, "n": 2},
                 {"temperature": 0, "stop": ["cache"]},
                 {"temperature": 0, "response_format": {"type": "json_object"}},
@@ -139,7 +141,7 @@ def _completions() -> list[Case]:
         ),
         (False, True),
     ):
-        if stream and sampling.get("n"):
+        if stream and (sampling.get("n") or sampling.get("echo")):
             continue
         body = {"prompt": _text(n, 7 + i), "max_tokens": 10, "stream": stream, **sampling}
         cases.append(Case(f"cmpl-p{i}-s{j}-{'stream' if stream else 'full'}", "completion", body))

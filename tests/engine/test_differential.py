@@ -156,6 +156,7 @@ def _assembled(answer: Any) -> dict[str, Any]:
             "choices": choices,
             "usage": (usage.get("prompt_tokens"), usage.get("completion_tokens")),
             "prompt_token_ids": body.get("prompt_token_ids"),
+            "prompt_logprobs": _prompt_logprobs(body.get("prompt_logprobs")),
         }
     by_index: dict[int, dict[str, Any]] = {}
     usage: Any = (None, None)
@@ -180,6 +181,15 @@ def _assembled(answer: Any) -> dict[str, Any]:
         for _, v in sorted(by_index.items())
     ]
     return {"status": 200, "choices": choices, "usage": usage}
+
+
+def _prompt_logprobs(raw: Any) -> Any:
+    """Each prompt position's candidates as (token id, log probability), by id."""
+    if not raw:
+        return None
+    return [
+        None if p is None else sorted((int(k), v["logprob"]) for k, v in p.items()) for p in raw
+    ]
 
 
 def _logprobs(raw: Any) -> Any:

@@ -15,6 +15,7 @@ import asyncio
 import json
 from typing import Any
 
+import msgspec
 import pytest
 from ingress_harness import MODEL, bare_ingress, handle
 from test_router import decode_script
@@ -258,3 +259,43 @@ def test_a_tool_calling_turn_sent_back_renders_as_generated_and_reuses_its_kv(
     )
     assert status == 200, body
     assert body["kvtide"]["kv_plan"] == "recompute"
+
+
+def test_prompt_logprobs_come_from_the_prefill_and_the_turn_runs_outside_its_session(
+    ingress: Any,
+) -> None:
+    prefill = ingress.router.prefill
+    plain = prefill.script
+
+    def with_prompt_logprobs(req: GenerateRequest) -> list[GenerateChunk]:
+        chunks = plain(req)
+        if req.prompt_logprobs is None:
+            return chunks
+        positions: list[list[TokenLogprob] | None] = [None]
+        positions += [
+            [TokenLogprob(token_id=t, logprob=-1.25, rank=3, decoded="x")]
+            for t in req.prompt_token_ids[1:]
+        ]
+        chunks[-1] = msgspec.structs.replace(chunks[-1], prompt_logprobs=positions)
+        return chunks
+
+    prefill.script = with_prompt_logprobs
+    ingress.router.decode.script = scripted("ok")
+    status, body = asyncio.run(
+        handle(
+            ingress,
+            "/v1/chat/completions",
+            chat(prompt_logprobs=1, max_tokens=2),
+            x_session_id="agent-5",
+        )
+    )
+    assert status == 200, body
+    (decode,) = decode_requests(ingress)
+    pre = [r for r in prefill.requests if r.prompt_logprobs is not None]
+    # Asked of the prefill, which computes the whole prompt; the decode pulls it.
+    assert len(pre) == 1 and pre[0].prompt_logprobs == 1 and decode.prompt_logprobs is None
+    got = body["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(decode.prompt_token_ids)
+    assert all(next(iter(p.values()))["logprob"] == -1.25 for p in got[1:])
+    # Outside its session: nothing claimed, pulled or kept for agent-5.
+    assert body["kvtide"]["session_id"] is None and decode.session_id is None
