@@ -93,12 +93,24 @@ def test_96_idle_sessions_never_hold_more_decode_kv_than_the_budget(kvtide_app: 
     final = _stats(kvtide_app)["kv"]
     assert final["num_drain_failures"] == start["num_drain_failures"], final
     assert final["num_undrainable"] - start["num_undrainable"] <= evicted // 20, final
+    # Done with them, as a client is: the tests after this one get the budget back.
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(
+            pool.map(
+                lambda sid: httpx.delete(
+                    f"{kvtide_app.base_url}/kvtide/sessions/{sid}", timeout=30
+                ),
+                prompts,
+            )
+        )
 
 
 def test_closing_a_session_drains_its_kv(kvtide_app: Any) -> None:
     rng = random.Random(7)
     _complete(kvtide_app, [rng.randrange(10, 1000) for _ in range(900)], "to-close")
     before = _stats(kvtide_app)["kv"]
+    # Kept (the budget has room): closing it is what drains it.
+    assert httpx.get(kvtide_app.base_url + "/kvtide/sessions/to-close", timeout=30).json()["record"]
     resp = httpx.delete(kvtide_app.base_url + "/kvtide/sessions/to-close", timeout=30)
     assert resp.status_code == 200 and resp.json()["deleted"] is True
     wait_for(lambda: _stats(kvtide_app)["kv"]["num_drains"] > before["num_drains"], 60, "the drain")

@@ -61,10 +61,11 @@ def test_each_engine_step_reaches_the_client_as_its_own_event(kvtide_app: Any) -
     _stream(kvtide_app, prompt[:150])  # the path warm (a first request pays for imports)
     times, texts, report, num_tokens = _stream(kvtide_app, prompt)
     assert num_tokens == NUM_TOKENS
-    # Default config: nothing held back, so about an event per token (a token whose text
-    # is not whole yet rides with the next, and outputs that queued while the host was
-    # busy leave together).
-    assert len(texts) >= NUM_TOKENS // 2, (len(texts), texts)
+    # Default config: nothing held back, so about an event per token. Fewer where a
+    # token's text is not whole yet (the random tiny model writes many partial UTF-8
+    # bytes, which ride with the next token) or outputs queued while the host was busy
+    # (the full suite's load on 2 cores: 29 of 64 seen); the 50 ms window gave 5.
+    assert len(texts) >= NUM_TOKENS // 3, (len(texts), texts)
     step_s = report["decode_step_s"]
     assert step_s is not None and step_s > 0, report
     gaps = [b - a for a, b in itertools.pairwise(times)]
