@@ -103,6 +103,11 @@ def test_96_idle_sessions_never_hold_more_decode_kv_than_the_budget(kvtide_app: 
                 prompts,
             )
         )
+    wait_for(
+        lambda: _stats(kvtide_app)["kv"]["num_drains_running"] == 0,
+        timeout_s=180,
+        what="the closed sessions' drains",
+    )
 
 
 def test_closing_a_session_drains_its_kv(kvtide_app: Any) -> None:
