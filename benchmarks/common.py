@@ -36,8 +36,8 @@ def embedded_app(
     from ray import serve
 
     from orchestrator import runtime
+    from orchestrator.cluster.ports import free_port
     from orchestrator.config import parse_config
-    from orchestrator.serve.engine_host import free_port
 
     tmp = Path(tempfile.mkdtemp(prefix="kvt-bench-"))
     config = parse_config(

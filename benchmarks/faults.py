@@ -193,8 +193,8 @@ def app_config(tmp: Path) -> tuple[Any, list[str]]:
     """The app under test: simulated engines (two prefill, two decode) on the CPU, two
     API keys (returned), a private Ray temp dir under ``tmp``."""
     from engines.tiny_model import generate_tiny_model
+    from orchestrator.cluster.ports import free_port
     from orchestrator.config import parse_config
-    from orchestrator.serve.engine_host import free_port
 
     keys = [f"kvt-{secrets.token_urlsafe(24)}" for _ in range(2)]
     config = parse_config(

@@ -30,8 +30,8 @@ CAPACITY_TURNS = DECODE_KV_BLOCKS // math.ceil((TURN_MAX_TOKENS + 60) / 128)
 def overload_config(tmp: Path, *, request_timeout_s: float = 4.0) -> Any:
     """The app under overload (see the module); a private Ray temp dir under ``tmp``."""
     from engines.tiny_model import generate_tiny_model
+    from orchestrator.cluster.ports import free_port
     from orchestrator.config import parse_config
-    from orchestrator.serve.engine_host import free_port
 
     config = parse_config(
         {

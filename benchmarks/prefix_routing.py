@@ -162,7 +162,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from orchestrator import runtime
-    from orchestrator.serve.engine_host import free_port
+    from orchestrator.cluster.ports import free_port
 
     tmp = Path(tempfile.mkdtemp(prefix="kvt-prefix-"))
     port = free_port()

@@ -93,7 +93,7 @@ def local_ray_env(config: KVTideConfig) -> dict[str, str]:
         # HAProxy's stats page and Prometheus endpoint listen on every interface, at
         # fixed ports by default (8404, 9101): a second Ray on the machine would fail
         # to start its HAProxy. Free ports of this Ray's own.
-        from orchestrator.serve.engine_host import free_port
+        from orchestrator.cluster.ports import free_port
 
         env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(free_port("0.0.0.0"))
         env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(free_port("0.0.0.0"))

@@ -92,8 +92,8 @@ class RunningApp:
 def kvtide_app(short_tmp: Path) -> Iterator[RunningApp]:
     """The embedded default app, deployed once for all engine-tier tests."""
     from orchestrator import runtime
+    from orchestrator.cluster.ports import free_port
     from orchestrator.config import parse_config
-    from orchestrator.serve.engine_host import free_port
 
     os.environ.setdefault("KVTIDE_HOME", str(short_tmp / "home"))
     port = free_port()

@@ -7,7 +7,10 @@ answer to the session's KV):
 
 - first sight of a key: the turn runs (``begin`` returns ``RUN``);
 - the key's turn is still running: ``IN_PROGRESS`` (HTTP 409 ``turn_in_progress``, with
-  ``Retry-After``);
+  ``Retry-After``) -- unless the asker is the attempt that began it: each HTTP attempt
+  names itself (``attempt``), and a ``begin`` that Ray delivers again on a restarted
+  service, after the dead instance had stored the key running, is told to run (no
+  ingress runs that turn: the attempt that began it is the one asking);
 - the key's turn completed: its stored response is replayed;
 - the key's turn failed: the key is free again, so the retry runs the turn;
 - the key was first sent with another request: ``MISMATCH`` (HTTP 422
@@ -54,12 +57,13 @@ class Replay(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Stored(msgspec.Struct, frozen=True, kw_only=True):
-    """A book entry as the durable store holds it (``body`` None: running;
-    ``fingerprint`` empty: stored without one, matches any request)."""
+    """A book entry as the durable store holds it (``body`` None: running, begun by
+    ``attempt``; ``fingerprint`` empty: stored without one, matches any request)."""
 
     key: str
     body: dict[str, Any] | None = None
     fingerprint: str = ""
+    attempt: str = ""
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -94,6 +98,8 @@ class TurnReplayBook:
         )
         # key -> the fingerprint of the request it was first sent with.
         self._fingerprints: dict[str, str] = {}
+        # running key -> the attempt that began it.
+        self._attempts: dict[str, str] = {}
         self.num_duplicates = 0
         self._load()
 
@@ -104,19 +110,22 @@ class TurnReplayBook:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def begin(self, key: str, fingerprints: Sequence[str] = ()) -> Replay:
+    def begin(self, key: str, fingerprints: Sequence[str] = (), attempt: str = "") -> Replay:
         """What to do with a request under ``key`` whose fingerprints are
-        ``fingerprints`` (the first is stored when the turn runs; none: any request)."""
+        ``fingerprints`` (the first is stored when the turn runs; none: any request),
+        asked by ``attempt`` (one id per HTTP attempt; empty: anonymous)."""
         now = self.clock()
         self._prune(now)
         if key not in self._entries:
-            self._put(key, now, None, fingerprints[0] if fingerprints else "")
+            self._put(key, now, None, fingerprints[0] if fingerprints else "", attempt)
             return Replay(action="run")
         stored = self._fingerprints.get(key, "")
         if stored and fingerprints and stored not in fingerprints:
             return Replay(action="mismatch")
         body = self._entries.get(key)
         if body is None:
+            if attempt and self._attempts.get(key) == attempt:
+                return Replay(action="run")  # its own begin, delivered again
             return Replay(action="in_progress")
         return Replay(action="replay", body=body)
 
@@ -127,42 +136,53 @@ class TurnReplayBook:
             self.num_duplicates += 1
         self._put(key, self.clock(), body, self._fingerprints.get(key, ""))
 
-    def fail(self, key: str) -> None:
-        """The turn failed or was cancelled: a retry may run it."""
+    def fail(self, key: str, attempt: str = "") -> None:
+        """The turn failed or was cancelled: a retry may run it. With ``attempt``: only
+        if that attempt began it (an attempt taking back a ``begin`` it does not know
+        reached the book)."""
         if key in self._entries and self._entries.get(key) is None:
-            self._drop(key)
+            if not attempt or self._attempts.get(key) == attempt:
+                self._drop(key)
 
-    def _put(self, key: str, now: float, body: dict[str, Any] | None, fingerprint: str) -> None:
-        data = _encode(_Stored(key=key, body=body, fingerprint=fingerprint))
+    def _put(
+        self,
+        key: str,
+        now: float,
+        body: dict[str, Any] | None,
+        fingerprint: str,
+        attempt: str = "",
+    ) -> None:
+        stored = _Stored(key=key, body=body, fingerprint=fingerprint, attempt=attempt)
+        data = _encode(stored)
         if key in self._entries:
             self._drop(key)
         if len(data) > self.max_bytes:
             return  # a response larger than the whole book is not kept: a retry runs
         self.store.put(_store_key(key), data)
-        self._keep(key, now + self.ttl_s, body, len(data), fingerprint)
+        self._keep(stored, now + self.ttl_s, len(data))
 
-    def _keep(
-        self,
-        key: str,
-        expires_s: float,
-        body: dict[str, Any] | None,
-        size: int,
-        fingerprint: str,
-    ) -> None:
-        self._fingerprints[key] = fingerprint
-        for old, _ in self._entries.put(key, body, expires_s=expires_s, size=size):
-            self._fingerprints.pop(old, None)
+    def _keep(self, stored: _Stored, expires_s: float, size: int) -> None:
+        key = stored.key
+        self._fingerprints[key] = stored.fingerprint
+        if stored.body is None and stored.attempt:
+            self._attempts[key] = stored.attempt
+        for old, _ in self._entries.put(key, stored.body, expires_s=expires_s, size=size):
+            self._forget(old)
             self.store.delete(_store_key(old))
+
+    def _forget(self, key: str) -> None:
+        self._fingerprints.pop(key, None)
+        self._attempts.pop(key, None)
 
     def _drop(self, key: str) -> None:
         self._entries.pop(key)
-        self._fingerprints.pop(key, None)
+        self._forget(key)
         self.store.delete(_store_key(key))
 
     def _prune(self, now: float) -> None:
         # A turn running longer than ttl_s is forgotten too (its ingress may be gone).
         for key, _ in self._entries.expire(now):
-            self._fingerprints.pop(key, None)
+            self._forget(key)
             self.store.delete(_store_key(key))
 
     def _load(self) -> None:
@@ -185,4 +205,4 @@ class TurnReplayBook:
                 since = now - max(0.0, self.ttl_s - self.running_grace_s)
             loaded.append((since, stored, len(raw)))
         for since, stored, size in sorted(loaded, key=lambda e: e[0]):  # oldest first
-            self._keep(stored.key, since + self.ttl_s, stored.body, size, stored.fingerprint)
+            self._keep(stored, since + self.ttl_s, size)

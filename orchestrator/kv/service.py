@@ -106,11 +106,13 @@ class KVServiceAPI(Protocol):
 
     async def turn_abandoned(self, session_id: str | None) -> None: ...
 
-    async def replay_begin(self, key: str, fingerprints: Sequence[str] = ()) -> Replay: ...
+    async def replay_begin(
+        self, key: str, fingerprints: Sequence[str] = (), attempt: str = ""
+    ) -> Replay: ...
 
     async def replay_complete(self, key: str, body: dict[str, Any]) -> None: ...
 
-    async def replay_fail(self, key: str) -> None: ...
+    async def replay_fail(self, key: str, attempt: str = "") -> None: ...
 
     async def session(self, session_id: str) -> SessionInfo: ...
 
@@ -344,14 +346,16 @@ class KVService:
 
     # ---- idempotent turns (shared by every ingress replica) --------------------------
 
-    async def replay_begin(self, key: str, fingerprints: Sequence[str] = ()) -> Replay:
-        return self.replays.begin(key, fingerprints)
+    async def replay_begin(
+        self, key: str, fingerprints: Sequence[str] = (), attempt: str = ""
+    ) -> Replay:
+        return self.replays.begin(key, fingerprints, attempt)
 
     async def replay_complete(self, key: str, body: dict[str, Any]) -> None:
         self.replays.complete(key, body)
 
-    async def replay_fail(self, key: str) -> None:
-        self.replays.fail(key)
+    async def replay_fail(self, key: str, attempt: str = "") -> None:
+        self.replays.fail(key, attempt)
 
     # ---- sessions ---------------------------------------------------------------------
 

@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import socket
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -37,6 +36,7 @@ from engines.registry import create_engine
 from orchestrator.cluster.kv_events import forget_endpoint, register_endpoint
 from orchestrator.cluster.placed_engine import ray_executor_spec, with_cluster_address
 from orchestrator.cluster.pool_layout import PoolDeployment, pool_deployment_name
+from orchestrator.cluster.ports import free_port
 from orchestrator.cluster.prefix_router import prefill_router_config
 from orchestrator.cluster.step_router import step_router_config
 from orchestrator.cluster.step_streams import StepOutboxes, StepsOpen
@@ -46,16 +46,9 @@ from orchestrator.serve.coalesce import coalesce
 from orchestrator.serve.ledger import EngineLedger
 from orchestrator.serve.warm_up import WarmUp, warm_up_prompt_tokens, warm_up_transfers
 
-__all__ = ["EngineHost", "deployment_name", "engine_deployment_options", "free_port"]
+__all__ = ["EngineHost", "deployment_name", "engine_deployment_options"]
 
 log = logging.getLogger("kvtide.engine")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free now on ``host`` (the engine binds it moments later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def engine_deployment_options(

@@ -181,7 +181,9 @@ class OwnLayer(VLLMRoutes):
             http,
             principal,
             run,
-            lambda key: begin_replay(self.kv, key, req.kind, request_fingerprints(req)),
+            lambda key, attempt: begin_replay(
+                self.kv, key, attempt, req.kind, request_fingerprints(req)
+            ),
             lambda body: self._replayed(req, body),
         )
 

@@ -116,14 +116,15 @@ def request_fingerprints(req: api.ApiRequest) -> tuple[str, ...]:
 
 
 async def begin_replay(
-    kv: KVServiceAPI, key: str, kind: str, fingerprints: tuple[str, ...]
+    kv: KVServiceAPI, key: str, attempt: str, kind: str, fingerprints: tuple[str, ...]
 ) -> dict[str, Any] | None:
-    """Look ``key`` up in the replay book: the stored response to replay, or None when
-    the turn is to run now. Raises ``TurnInProgress`` (409) while the key's turn runs and
-    ``IdempotencyKeyReused`` (422) when the key came with another request first (another
-    endpoint or body: ``fingerprints``, from ``request_fingerprints`` or
-    ``body_fingerprints``): a key names one turn, and a replay has its endpoint's shape."""
-    replay = await kv.replay_begin(key, fingerprints)
+    """Look ``key`` up in the replay book for the HTTP attempt ``attempt``: the stored
+    response to replay, or None when the turn is to run now. Raises ``TurnInProgress``
+    (409) while the key's turn runs and ``IdempotencyKeyReused`` (422) when the key came
+    with another request first (another endpoint or body: ``fingerprints``, from
+    ``request_fingerprints`` or ``body_fingerprints``): a key names one turn, and a
+    replay has its endpoint's shape."""
+    replay = await kv.replay_begin(key, fingerprints, attempt)
     if replay.action == "in_progress":
         raise TurnInProgress(
             "a turn with this Idempotency-Key is still running; retry after it "

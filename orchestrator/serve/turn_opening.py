@@ -10,7 +10,9 @@ A mixin of ``Ingress`` (the attributes are the ingress's).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -23,6 +25,7 @@ from orchestrator.errors import (
     EngineUnavailable,
     LimitExceeded,
     NotFound,
+    ServiceUnavailable,
     TurnInProgress,
 )
 from orchestrator.kv.messages import KVDecision
@@ -140,14 +143,20 @@ class TurnOpening:
         http: Request,
         principal: Principal,
         run: Callable[[Ticket, str | None], Awaitable[Any]],
-        begin: Callable[[str], Awaitable[dict[str, Any] | None]],
+        begin: Callable[[str, str], Awaitable[dict[str, Any] | None]],
         replayed: Callable[[dict[str, Any]], Any],
     ) -> Any:
         """``run(ticket, replay_key)`` under the key's concurrency ticket, once per
-        Idempotency-Key: ``begin(replay_key)`` looks the key up (the stored response of
-        an earlier run, which is ``replayed``; 409 while it runs, 422 when the key came
-        with another request; None: run now, as after a failed run). The ticket is
-        released when the response ends (a stream's own end releases it)."""
+        Idempotency-Key: ``begin(replay_key, attempt)`` looks the key up (the stored
+        response of an earlier run, which is ``replayed``; 409 while it runs, 422 when
+        the key came with another request; None: run now, as after a failed run). The
+        ticket is released when the response ends (a stream's own end releases it).
+
+        ``attempt`` names this HTTP attempt in the book. A ``begin`` that fails here
+        (the service did not answer in time) may still reach the service later (Ray
+        delivers it to a restarted instance) and book the key running for nobody: the
+        attempt takes back what it may have booked, and only that, so the client's
+        retry runs instead of waiting out a turn that never runs."""
         replay_key = replay_key_of(
             http.headers.get("idempotency-key"),
             principal.name,
@@ -157,7 +166,12 @@ class TurnOpening:
         streaming = False
         try:
             if replay_key is not None:
-                stored = await begin(replay_key)
+                attempt = uuid.uuid4().hex
+                try:
+                    stored = await begin(replay_key, attempt)
+                except ServiceUnavailable:
+                    await asyncio.shield(self._take_back(replay_key, attempt))
+                    raise
                 if stored is not None:
                     return replayed(stored)
             try:
@@ -171,6 +185,12 @@ class TurnOpening:
         finally:
             if not streaming:  # a stream releases its ticket when it ends
                 self.gate.release(ticket)
+
+    async def _take_back(self, replay_key: str, attempt: str) -> None:
+        """Free ``replay_key`` if ``attempt`` booked it running (sent even when the
+        service does not answer: Ray delivers it after the ``begin`` it follows)."""
+        with contextlib.suppress(ServiceUnavailable):
+            await self.kv.replay_fail(replay_key, attempt)
 
     def _session_for(self, turn: OpenTurn) -> tuple[str | None, str | None]:
         """The turn's session and, without a header, its conversation's state: the

@@ -108,7 +108,9 @@ class VLLMRoutes:
             http,
             principal,
             run,
-            lambda key: begin_replay(self.kv, key, kind, body_fingerprints(kind, sent)),
+            lambda key, attempt: begin_replay(
+                self.kv, key, attempt, kind, body_fingerprints(kind, sent)
+            ),
             lambda stored: _replayed(stored, stream),
         )
 

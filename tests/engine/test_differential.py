@@ -23,7 +23,7 @@ import httpx
 import pytest
 from corpus import Case, corpus
 
-from orchestrator.serve.engine_host import free_port
+from orchestrator.cluster.ports import free_port
 
 pytestmark = pytest.mark.engine
 

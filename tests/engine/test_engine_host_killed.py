@@ -17,7 +17,7 @@ import pytest
 from polling import wait_for
 from procs import alive, descendants
 
-from orchestrator.serve.engine_host import free_port
+from orchestrator.cluster.ports import free_port
 
 pytestmark = pytest.mark.engine
 

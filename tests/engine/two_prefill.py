@@ -77,8 +77,8 @@ def main(tmp: Path) -> dict[str, Any]:
 
     from engines.tiny_model import generate_tiny_model
     from orchestrator import runtime
+    from orchestrator.cluster.ports import free_port
     from orchestrator.config import parse_config
-    from orchestrator.serve.engine_host import free_port
 
     config = parse_config(
         {

@@ -70,7 +70,7 @@ def serve_on_head(hosts: NetnsCluster) -> int:
     new proxy ("killed by `ray.kill`", "never ran")."""
     from ray import serve
 
-    from orchestrator.serve.engine_host import free_port
+    from orchestrator.cluster.ports import free_port
 
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})

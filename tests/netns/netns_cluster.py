@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.cluster.ports import free_port
+
 __all__ = ["HostSpec", "NetnsCluster", "unavailable_reason"]
 
 START_TIMEOUT_S = 120.0
@@ -101,14 +103,6 @@ def _free_subnet() -> ipaddress.IPv4Network:
         if prefix not in used:
             return net
     raise RuntimeError("no free 10.x.y.0/24 subnet for the fake hosts' bridge")
-
-
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 _AUTH_MODE = "RAY_AUTH_MODE"
@@ -228,7 +222,7 @@ class NetnsCluster:
         try:
             self._make_network()
             head = self._hosts[self.head_name]
-            self.port = _free_port(head.ip)
+            self.port = free_port(head.ip)
             self._start_host(head)
             self._wait_started(head)
             workers = [h for h in self._hosts.values() if h.netns is not None]

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.ray
 @pytest.fixture(scope="module")
 def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, int]]:
     from orchestrator import runtime
-    from orchestrator.serve.engine_host import free_port
+    from orchestrator.cluster.ports import free_port
 
     tmp, port = tmp_path_factory.mktemp("prefix"), free_port()
     with runtime.running(app_config(tmp, prefix_aware=True, port=port), say=lambda _: None) as url:

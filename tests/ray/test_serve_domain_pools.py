@@ -38,11 +38,11 @@ from engines.tiny_model import TinyModelShape, generate_tiny_model
 from orchestrator import runtime
 from orchestrator.cli.inspect import format_engine_groups
 from orchestrator.cluster.pool_layout import PoolLayout
+from orchestrator.cluster.ports import free_port
 from orchestrator.cluster.ray_nodes import read_ray_nodes
 from orchestrator.cluster.supervisor import EnginesNotPlaced
 from orchestrator.config import KVTideConfig, parse_config
 from orchestrator.kv.actor import lookup_service
-from orchestrator.serve.engine_host import free_port
 
 pytestmark = pytest.mark.ray
 

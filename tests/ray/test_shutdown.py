@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.serve.engine_host import free_port
+from orchestrator.cluster.ports import free_port
 
 pytestmark = pytest.mark.ray
 

@@ -98,3 +98,42 @@ def test_the_binding_survives_a_restart_of_the_book() -> None:
     again = TurnReplayBook(clock=lambda: 0.0, store=book.store)
     assert again.begin("k", ("completion:bb",)).action == "mismatch"
     assert again.begin("k", ("chat:zz", "chat:aa")).action == "replay"
+
+
+class _AnswerLost:
+    """The KV service, whose first ``replay_begin`` answer is lost: the call reaches
+    the book (as a call Ray delivers to a restarted service after the caller's deadline
+    passed) but the caller gets ``ServiceUnavailable``."""
+
+    def __init__(self, kv: Any) -> None:
+        self._kv = kv
+        self.lost = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kv, name)
+
+    async def replay_begin(self, *args: Any) -> Any:
+        from orchestrator.errors import ServiceUnavailable
+
+        answer = await self._kv.replay_begin(*args)
+        if self.lost == 0:
+            self.lost += 1
+            raise ServiceUnavailable("the KV lifecycle service did not answer in time")
+        return answer
+
+
+def test_a_begin_whose_answer_was_lost_does_not_hold_the_key(tiny_tokenizer: Any) -> None:
+    """The attempt that got a 503 takes back what its ``begin`` booked: the client's
+    retry runs the turn (a 409 until the book's running grace, before)."""
+    ingress = bare_ingress(tiny_tokenizer)
+    ingress.kv = _AnswerLost(ingress.kv)
+
+    async def run() -> None:
+        status, body = await handle(ingress, CHAT, _body(messages=MESSAGES), idempotency_key="k")
+        assert status == 503, body
+        status, body = await handle(ingress, CHAT, _body(messages=MESSAGES), idempotency_key="k")
+        assert status == 200, body
+        status, again = await handle(ingress, CHAT, _body(messages=MESSAGES), idempotency_key="k")
+        assert status == 200 and again == body  # replayed: it ran once
+
+    asyncio.run(run())

@@ -14,7 +14,7 @@ import pytest
 
 from engines import kv_events as wire
 from orchestrator.cluster.kv_events import KVEventsSubscriber, apply_kv_events
-from orchestrator.serve.engine_host import free_port
+from orchestrator.cluster.ports import free_port
 from policies.prefix_routing import (
     EngineBlocks,
     PrefixRouter,

@@ -82,6 +82,27 @@ def test_a_retried_turn_is_replayed_or_refused_after_a_restart_never_run_twice()
     asyncio.run(run())
 
 
+def test_a_begin_delivered_again_on_the_restarted_service_runs_its_turn() -> None:
+    """The service stores the key running and dies before answering; Ray delivers the
+    same call to the restarted instance. Nobody runs that turn: the asker is told to run
+    it, not to wait (a 409 its retries would get until running_grace_s)."""
+    c, store = Cluster(), MemoryStore()
+    restarted(c, store)
+
+    async def run() -> None:
+        assert (await c.service.replay_begin("k", ("fp",), "attempt-1")).action == "run"
+        service = restarted(c, store)
+        assert (await service.replay_begin("k", ("fp",), "attempt-1")).action == "run"
+        # Any other attempt of the key still waits for it, and it completes once.
+        assert (await service.replay_begin("k", ("fp",), "attempt-2")).action == "in_progress"
+        await service.replay_complete("k", {"id": "chatcmpl-1"})
+        replay = await service.replay_begin("k", ("fp",), "attempt-1")
+        assert (replay.action, replay.body) == ("replay", {"id": "chatcmpl-1"})
+        assert service.replays.num_duplicates == 0
+
+    asyncio.run(run())
+
+
 def test_a_second_concurrent_turn_of_a_session_is_refused_until_the_first_ends() -> None:
     c = Cluster()
 

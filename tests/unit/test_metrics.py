@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import tempfile
 import time
 import urllib.request
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 from fresh_python import printed_by_fresh_python
 
+from orchestrator.cluster.ports import free_port
 from orchestrator.config import parse_config
 from orchestrator.kv.service import merge_counters
 from orchestrator.observability.metrics import (
@@ -180,12 +180,6 @@ def test_without_ray_or_with_metrics_off_the_facade_is_local_and_ray_stays_unimp
 # ---- with Ray ---------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def local_ray() -> Iterator[int]:
     """A one-CPU local Ray with a Prometheus export port; yields the port."""
@@ -194,7 +188,7 @@ def local_ray() -> Iterator[int]:
     if ray.is_initialized():
         pytest.skip("this process is already connected to a Ray; run the ray tier on its own")
     tmp = tempfile.mkdtemp(prefix="kvt-")  # short: Ray's socket paths must stay < ~100 chars
-    port = _free_port()
+    port = free_port()
     try:
         ray.init(
             num_cpus=1,
