@@ -90,13 +90,23 @@ def local_ray_env(config: KVTideConfig) -> dict[str, str]:
         atexit.register(shutil.rmtree, files, ignore_errors=True)  # goes with this Ray
         for name, file in HAPROXY_FILES.items():
             env[f"RAY_SERVE_HAPROXY_{name}"] = os.path.join(files, file)
-        # HAProxy's stats page and Prometheus endpoint listen on every interface, at
-        # fixed ports by default (8404, 9101): a second Ray on the machine would fail
-        # to start its HAProxy. Free ports of this Ray's own.
+        # HAProxy's stats page and Prometheus endpoint listen at fixed ports by default
+        # (8404, 9101): a second Ray on the machine would fail to start its HAProxy.
+        # Free ports of this Ray's own.
+        from orchestrator.cluster.haproxy_front import haproxy_binary, write_wrapper
         from orchestrator.cluster.ports import free_port
 
-        env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(free_port("0.0.0.0"))
-        env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(free_port("0.0.0.0"))
+        admin_ports = (free_port("0.0.0.0"), free_port("0.0.0.0"))
+        env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(admin_ports[0])
+        env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(admin_ports[1])
+        # Those two on loopback, and a deadline for a request to arrive (Ray has no
+        # setting for either: orchestrator.cluster.haproxy_front).
+        env["RAY_SERVE_HAPROXY_BINARY_PATH"] = write_wrapper(
+            files,
+            real_binary=haproxy_binary(),
+            admin_ports=admin_ports,
+            request_body_timeout_s=config.server.request_body_timeout_s,
+        )
     return env
 
 

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,11 +40,54 @@ DRIVER = textwrap.dedent(
     from orchestrator import runtime
     from orchestrator.config import parse_config
 
+    def haproxy_listeners(files):
+        # ip:port of every listening TCP socket of the HAProxy whose files are in
+        # `files` (from /proc, as `ss -ltnp` reads it).
+        inodes = set()
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
+                if not any(files.encode() in a for a in cmd) or b"haproxy" not in cmd[0]:
+                    continue
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        inodes.add(link[8:-1])
+            except OSError:
+                continue
+        found = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for line in open(table).read().splitlines()[1:]:
+                f = line.split()
+                if f[3] == "0A" and f[9] in inodes:  # LISTEN
+                    addr, port = f[1].split(":")
+                    ip = addr
+                    if len(addr) == 8:
+                        ip = ".".join(str(b) for b in bytes.fromhex(addr)[::-1])
+                    found.append(f"{ip}:{int(port, 16)}")
+        return sorted(found)
+
+    def stalled_request(port):
+        # A request that declares 100 bytes of body and sends 10: what comes back, and
+        # after how long.
+        import socket
+        import time
+
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            start = time.monotonic()
+            head = b"POST /settings HTTP/1.1\\r\\nHost: x\\r\\nContent-Length: 100\\r\\n\\r\\n"
+            sock.sendall(head + b"0123456789")
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+            after_s = time.monotonic() - start
+            return {"after_s": after_s, "response": data.decode(errors="replace")}
+
     config = parse_config(
         {
             "ray": {"num_cpus": 2, "temp_dir": sys.argv[1], "serve_in_loop": sys.argv[3] == "1",
                     "direct_ingress": sys.argv[4] == "1"},
-            "server": {"port": int(sys.argv[2])},
+            "server": {"port": int(sys.argv[2]), "request_body_timeout_s": 1.0},
         }
     )
     runtime.start_ray(config, say=lambda _: None)
@@ -70,13 +114,17 @@ DRIVER = textwrap.dedent(
     keys = {**runtime.SERVE_IN_LOOP_ENV, **runtime.DIRECT_INGRESS_ENV}
     driver_env = {k: os.environ.get(k) for k in keys}
     result = {"replica": replica, "via_handle": via_handle, "driver_env": driver_env}
+    if replica["haproxy"]:
+        files = os.path.dirname(replica["haproxy_socket"])
+        result["haproxy_listeners"] = haproxy_listeners(files)
+        result["stalled"] = stalled_request(config.server.port)
     print("RESULT " + json.dumps(result))
     runtime.shutdown()
     """
 )
 
 
-def _run(serve_in_loop: bool, direct_ingress: bool) -> dict[str, dict[str, object]]:
+def _run(serve_in_loop: bool, direct_ingress: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvt-") as tmp:
         done = subprocess.run(
             [
@@ -96,7 +144,7 @@ def _run(serve_in_loop: bool, direct_ingress: bool) -> dict[str, dict[str, objec
         )
     assert done.returncode == 0, done.stdout[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    result: dict[str, dict[str, object]] = json.loads(line.removeprefix("RESULT "))
+    result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
     return result
 
 
@@ -135,3 +183,14 @@ def test_by_default_the_ingress_replica_serves_http_behind_a_private_haproxy() -
     }
     assert admin.startswith("/tmp/kvth-") and admin.endswith("/admin.sock")
     assert set(got["driver_env"].values()) == {None}
+    # HAProxy's stats page and Prometheus endpoint listen on loopback, as the front
+    # does here (server.host 127.0.0.1): nothing of it on another interface.
+    listeners = got["haproxy_listeners"]
+    assert len(listeners) == 3 and all(x.startswith("127.0.0.1:") for x in listeners), listeners
+    # A request whose body stops coming is answered with kvtide's JSON 408 within about
+    # server.request_body_timeout_s (1 s here), not held for HAProxy's hour.
+    stalled = got["stalled"]
+    head, _, body = str(stalled["response"]).partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 408"), stalled
+    assert json.loads(body)["error"]["param"] == "server.request_body_timeout_s"
+    assert float(stalled["after_s"]) < 10
