@@ -311,6 +311,8 @@ def shutdown() -> None:
 
     from orchestrator.kv.actor import lookup_service
 
+    if not ray.is_initialized():
+        return  # stopped before Ray was up: nothing of kvtide's runs
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # not "Deleting app ..."
     try:
         try:

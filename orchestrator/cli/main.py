@@ -22,14 +22,31 @@ from collections.abc import Sequence
 __all__ = ["main"]
 
 
+class _Terminated(Exception):
+    """SIGTERM while ``kvtide up`` starts: unwinds the start like Ctrl-C does."""
+
+
+def _terminated(*_: object) -> None:
+    raise _Terminated
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     from orchestrator import runtime
     from orchestrator.config import load_config
 
     config = load_config(args.config)
-    runtime.start_ray(config)
     try:
-        layout = runtime.deploy(config)
+        try:
+            runtime.start_ray(config)
+            # Until it serves, SIGTERM stops the start where it is (Ray's waits check
+            # for signals) and the app and Ray are taken down as after it. Set after
+            # ray.init, which installs Ray's own handler: a C++ stack trace, and the
+            # process gone with its Ray left to itself.
+            signal.signal(signal.SIGTERM, _terminated)
+            layout = runtime.deploy(config)
+        except (KeyboardInterrupt, _Terminated) as exc:
+            print("stopped while starting", file=sys.stderr, flush=True)
+            return 143 if isinstance(exc, _Terminated) else 130
         if args.demo:
             from orchestrator.cli.demo import format_turns, run_demo
 
@@ -45,6 +62,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             pass
         return 0
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the shutdown is under way
         runtime.shutdown()
 
 

@@ -7,6 +7,8 @@ The driver runs in a subprocess of its own, as `kvtide up` does, with a private 
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -14,6 +16,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
+from polling import wait_for
 
 from orchestrator.cluster.ports import free_port
 
@@ -80,3 +84,76 @@ def test_shutdown_prints_nothing_after_the_callers_output() -> None:
     assert done.returncode == 0, out[-2000:]
     after = out[out.index("=== the caller's last line") :].splitlines()[1:]
     assert [line for line in after if line.strip()] == []
+
+
+def _processes_with(text: str) -> list[str]:
+    """The command lines of running processes that mention ``text``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd:
+            found.append(cmd)
+    return found
+
+
+def test_sigterm_while_the_engines_start_stops_cleanly() -> None:
+    """`kvtide up` sent SIGTERM while it deploys (as a service manager stopping it
+    does) takes the app and Ray down and exits 143, without Ray's C++ stack trace and
+    SIGABRT."""
+    with tempfile.TemporaryDirectory(prefix="kvt-") as tmp:  # short: Ray's socket paths
+        _sigterm_while_starting(Path(tmp))
+
+
+def _sigterm_while_starting(tmp_path: Path) -> None:
+    from engines.tiny_model import generate_tiny_model
+
+    generate_tiny_model(tmp_path / "tiny")
+    ray_dir = tmp_path / "ray"
+    config = tmp_path / "kvtide.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "backend": "simulated",
+                "model": {"path": str(tmp_path / "tiny")},
+                "prefill": {"cpu_threads_bind": None},
+                "decode": {"cpu_threads_bind": None},
+                "server": {"port": free_port()},
+                "ray": {"temp_dir": str(ray_dir), "num_cpus": 4},
+            }
+        )
+    )
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from orchestrator.cli.main import main; sys.exit(main())",
+            "up",
+            str(config),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        # Serve's controller has started: the deploy is under way.
+        wait_for(
+            lambda: any((ray_dir / "session_latest" / "logs" / "serve").glob("controller_*")),
+            timeout_s=120,
+            what="Serve's controller to start",
+        )
+        up.send_signal(signal.SIGTERM)
+        out, _ = up.communicate(timeout=120)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 143, out[-3000:]
+    assert "stopped while starting" in out
+    for crash in ("SIGABRT", "*** SIGTERM", "Traceback", "Aborted"):
+        assert crash not in out, out[-3000:]
+    # Ray went with it: no process of this Ray is left.
+    wait_for(lambda: not _processes_with(str(ray_dir)), timeout_s=30, what="Ray to stop")
