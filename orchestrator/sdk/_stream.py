@@ -238,8 +238,19 @@ class StreamCollector:
             self.kvtide = dict(chunk["kvtide"])
         if chunk.get("usage") is not None:
             self.usage = chunk["usage"]
+        text = self._choice_text(chunk.get("choices") or ())
+        if text and self._skip:
+            text = self._skipped(text)
+        if text:
+            self.num_deltas += 1
+            self.parts.append(text)
+        return text
+
+    def _choice_text(self, choices: Any) -> str | None:
+        """Choice 0's new text in an event's ``choices``; its tool calls, logprobs and
+        finish reason noted on the way."""
         text: str | None = None
-        for choice in chunk.get("choices") or ():
+        for choice in choices:
             if not isinstance(choice, Mapping) or choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta") or {}
@@ -250,11 +261,6 @@ class StreamCollector:
             self._add_logprobs(choice.get("logprobs"))
             if choice.get("finish_reason") is not None:
                 self.finish_reason = str(choice["finish_reason"])
-        if text and self._skip:
-            text = self._skipped(text)
-        if text:
-            self.num_deltas += 1
-            self.parts.append(text)
         return text
 
     def _add_tool_calls(self, deltas: Any) -> None:

@@ -73,59 +73,93 @@ async def coalesce(
         finally:
             await _close(source)
         return
-    queue: asyncio.Queue[object] = asyncio.Queue()
-
-    async def read() -> None:
-        try:
-            async for chunk in source:
-                queue.put_nowait(chunk)
-        except Exception as exc:
-            queue.put_nowait(_Failed(exc))
-        else:
-            queue.put_nowait(_END)
-
-    reader = asyncio.get_running_loop().create_task(read())
-    pending: GenerateChunk | None = None
-    deadline = 0.0
-    first = True
+    window = _Window(source, max_tokens=max_tokens, window_s=window_s, clock=clock)
     try:
+        async for chunk in window.chunks():
+            yield chunk
+    finally:
+        await window.close()
+
+
+_WINDOW_CLOSED = object()
+
+
+class _Window:
+    """The windowed stream: ``source`` read by a task of its own into a queue, and the
+    chunk that waits for company (``pending``) until its window closes."""
+
+    def __init__(
+        self,
+        source: AsyncIterator[GenerateChunk],
+        *,
+        max_tokens: int,
+        window_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.source = source
+        self.max_tokens = max_tokens
+        self.window_s = window_s
+        self.clock = clock
+        self.queue: asyncio.Queue[object] = asyncio.Queue()
+        self.reader = asyncio.get_running_loop().create_task(self._read())
+        self.pending: GenerateChunk | None = None
+        self.deadline = 0.0
+
+    async def _read(self) -> None:
+        try:
+            async for chunk in self.source:
+                self.queue.put_nowait(chunk)
+        except Exception as exc:
+            self.queue.put_nowait(_Failed(exc))
+        else:
+            self.queue.put_nowait(_END)
+
+    async def _next(self) -> object:
+        """The next item from the engine, or ``_WINDOW_CLOSED`` when the waiting chunk's
+        window closed first."""
+        if self.pending is None:
+            return await self.queue.get()
+        if not self.queue.empty():
+            return self.queue.get_nowait()
+        left = self.deadline - self.clock()
+        if left <= 0:
+            return _WINDOW_CLOSED
+        try:
+            return await asyncio.wait_for(self.queue.get(), left)
+        except TimeoutError:
+            return _WINDOW_CLOSED
+
+    def _take(self) -> list[GenerateChunk]:
+        pending, self.pending = self.pending, None
+        return [] if pending is None else [pending]
+
+    async def chunks(self) -> AsyncGenerator[GenerateChunk, None]:
+        first = True
         while True:
-            item: object
-            if pending is None:
-                item = await queue.get()
-            elif not queue.empty():
-                item = queue.get_nowait()
-            else:
-                left = deadline - clock()
-                try:
-                    if left <= 0:
-                        raise TimeoutError
-                    item = await asyncio.wait_for(queue.get(), left)
-                except TimeoutError:
-                    yield pending  # the window closed: what waited leaves
-                    pending = None
-                    continue
-            if item is _END:
-                if pending is not None:
-                    yield pending
-                return
-            if isinstance(item, _Failed):
-                if pending is not None:
-                    yield pending
-                raise item.exc
+            item = await self._next()
+            if item is _WINDOW_CLOSED or item is _END or isinstance(item, _Failed):
+                for chunk in self._take():  # what waited leaves
+                    yield chunk
+                if isinstance(item, _Failed):
+                    raise item.exc
+                if item is _END:
+                    return
+                continue
             assert isinstance(item, GenerateChunk)
-            chunk = item if pending is None else merge_chunks(pending, item)
-            pending = None
-            if first or chunk.finished or len(chunk.token_ids) >= max_tokens:
+            waiting, self.pending = self.pending, None
+            chunk = item if waiting is None else merge_chunks(waiting, item)
+            if first or chunk.finished or len(chunk.token_ids) >= self.max_tokens:
                 first = False
                 yield chunk
                 continue
-            pending = chunk
-            deadline = clock() + window_s
-    finally:
-        reader.cancel()
-        await asyncio.wait([reader])  # its end, not its exception (it was cancelled)
-        await _close(source)
+            self.pending = chunk
+            if waiting is None:  # the window runs from the first token waiting
+                self.deadline = self.clock() + self.window_s
+
+    async def close(self) -> None:
+        self.reader.cancel()
+        await asyncio.wait([self.reader])  # its end, not its exception (it was cancelled)
+        await _close(self.source)
 
 
 async def _close(source: AsyncIterator[GenerateChunk]) -> None:
