@@ -29,7 +29,7 @@ service expires it there), so a use reaches the service while the record is stil
 session's. Leases are granted only to a lessee whose watch is running.
 
 This module is the service's side (its grants go through ``orchestrator.kv.lease_desk``);
-the lessee's, in each ingress replica, is ``orchestrator.kv.held_leases``.
+the lessee's, in each ingress replica, is ``orchestrator.router.held_leases``.
 """
 
 from __future__ import annotations

@@ -38,13 +38,13 @@ from orchestrator.errors import (
 )
 from orchestrator.kv.actor import get_or_create_service, service_client
 from orchestrator.kv.decider import kv_lifecycle_config
-from orchestrator.kv.held_leases import WATCH_WAIT_S, HeldLeases
 from orchestrator.kv.ownership import Principal, session_not_found
 from orchestrator.kv.service import engine_pool
 from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import http_status, make_metrics, render_prometheus
 from orchestrator.router import Router
+from orchestrator.router.held_leases import WATCH_WAIT_S, HeldLeases
 from orchestrator.serve import openai_api as api
 from orchestrator.serve import vllm_api
 from orchestrator.serve.admission import AdmissionGate

@@ -1,5 +1,5 @@
 """One KV decision: the KV service's plan (``policies.kv_cost.decide_turn``) and a turn
-lease's plan made at the ingress (``orchestrator.kv.held_leases.leased_decision``) run
+lease's plan made at the ingress (``orchestrator.router.held_leases.leased_decision``) run
 the same checks in the same order (``policies.kv_cost.offer_refused``), so a turn is
 pulled or recomputed, and for the same reason, wherever it is planned."""
 
@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from kv_stories import CONFIG, tokens
 
 from engines.kv_params import KVTransferParams
-from orchestrator.kv.held_leases import leased_decision
 from orchestrator.kv.messages import LeasedRecord
+from orchestrator.router.held_leases import leased_decision
 from policies.kv_cost import decide_turn, worth_pulling
 from policies.kv_records import KVRecord, TurnAction, prefix_hash
 

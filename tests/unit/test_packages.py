@@ -81,4 +81,6 @@ def test_public_names_are_pinned() -> None:
         "PoolClient",
         "Router",
         "TurnReport",
+        "abort_stream",
+        "bounded",
     ]

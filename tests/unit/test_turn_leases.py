@@ -18,10 +18,10 @@ from test_kv_service import S1_T1, S1_T2, Cluster
 from test_turn_calls import CallLog, two_ingresses
 
 from orchestrator.kv.durable import MemoryStore
-from orchestrator.kv.held_leases import HeldLeases
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.session_tokens import prefix_digest
 from orchestrator.router import Router
+from orchestrator.router.held_leases import HeldLeases
 
 CHAT = "/v1/chat/completions"
 ANYONE = Principal(name="anonymous", is_anonymous=True)

@@ -39,8 +39,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 from opentelemetry.trace import Span, SpanKind
@@ -53,13 +52,21 @@ from orchestrator.errors import (
     RequestError,
     ServiceUnavailable,
 )
-from orchestrator.kv.conversations import is_unnamed
-from orchestrator.kv.held_leases import HeldLeases
-from orchestrator.kv.messages import KVDecision, TurnDone
+from orchestrator.kv.messages import KVDecision
 from orchestrator.kv.service import KVServiceAPI
-from orchestrator.kv.session_tokens import SessionTokens, prefix_digest
+from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import Metrics
+from orchestrator.router.handover import HandOver
+from orchestrator.router.held_leases import HeldLeases
+from orchestrator.router.streams import bounded
+from orchestrator.router.turn_report import (
+    KV_SOURCES,
+    LeaseRefused,
+    PoolClient,
+    Streamed,
+    TurnReport,
+)
 from policies.kv_records import RecomputeReason
 from policies.prefix_routing import RouteChoice
 
@@ -67,157 +74,9 @@ __all__ = ["KV_SOURCES", "LeaseRefused", "PoolClient", "Router", "TurnReport"]
 
 log = logging.getLogger("kvtide.router")
 
-# Where a turn's prompt KV came from, as reported to clients.
-KV_SOURCES = {
-    "sent_back": "pulled back from the decode engine (previous turn)",
-    "prefix_cache": "prefix cache on the prefill engine",
-    "recomputed": "computed on the prefill engine",
-}
-
 
 def _bytes(attrs: Mapping[str, Any]) -> int:
     return int(attrs[tr.KV_TRANSFER_BYTES])
-
-
-class PoolClient(Protocol):
-    """How the router reaches a pool. ``generate`` streams one engine's output; ending
-    the stream early (``aclose``, or ``cancel`` on a Serve generator: ``abort_stream``)
-    aborts the engine's request."""
-
-    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]: ...
-
-
-@dataclass(slots=True, kw_only=True)
-class TurnReport:
-    """Per-turn facts, returned to the client in the response's ``kvtide`` object."""
-
-    request_id: str
-    session_id: str | None
-    num_prompt_tokens: int
-    num_completion_tokens: int = 0
-    num_cached_tokens: int = 0
-    kv_source: str = "recomputed"
-    kv_plan: str = "recompute"
-    kv_plan_reason: str = ""
-    pull_fallback: bool = False
-    decode_pool: str = "decode"
-    prefill_s: float = 0.0
-    ttft_s: float = 0.0
-    total_s: float = 0.0
-    # The decode engine's mean time per step for this turn, by its own clock (None where
-    # it did not say): what a client's gaps between stream events are measured against.
-    decode_step_s: float | None = None
-    router_s: float = 0.0
-    # The ingress's time before the router: parsing, the chat template, tokenizing and
-    # the KV service's begin_turn (set by the ingress).
-    ingress_s: float = 0.0
-    # Of ``ingress_s``: waiting for the KV service: its begin_turn (a session turn), or
-    # under a turn lease the hand-over of the session's last turn here, when it is on its way.
-    service_s: float = 0.0
-    # Of ``ingress_s``: rendering the chat template and tokenizing the prompt (work any
-    # OpenAI server does; a prompt sent as token ids has none).
-    tokenize_s: float = 0.0
-    finish_reason: str | None = None
-    migrations: int = 0
-    prefill_retries: int = 0
-    # The prefill engine that computed the prompt, and why it was chosen: a prefix
-    # router's reason (``policies.prefix_routing``), or "pow2" (Serve's load balancing).
-    prefill_replica: str | None = None
-    prefill_route_reason: str = "pow2"
-    prefill_matched_tokens: int = 0
-    # A request without x-session-id: "started" (it carries history: an unnamed session
-    # keeps its KV), "continued" (it extends one), "unmatched" (that session was busy:
-    # served without one); None otherwise (``orchestrator.kv.conversations``).
-    conversation: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "session_id": None if is_unnamed(self.session_id) else self.session_id,
-            "conversation": self.conversation,
-            "kv_source": self.kv_source,
-            "kv_plan": self.kv_plan,
-            "kv_plan_reason": self.kv_plan_reason,
-            "pull_fallback": self.pull_fallback,
-            "decode_pool": self.decode_pool,
-            "num_cached_tokens": self.num_cached_tokens,
-            "prefill_s": round(self.prefill_s, 6),
-            "ttft_s": round(self.ttft_s, 6),
-            "total_s": round(self.total_s, 6),
-            "decode_step_s": None if self.decode_step_s is None else round(self.decode_step_s, 6),
-            "router_s": round(self.router_s, 6),
-            "ingress_s": round(self.ingress_s, 6),
-            "service_s": round(self.service_s, 6),
-            "tokenize_s": round(self.tokenize_s, 6),
-            "migrations": self.migrations,
-            "prefill_retries": self.prefill_retries,
-            "prefill_replica": self.prefill_replica,
-            "prefill_route_reason": self.prefill_route_reason,
-            "prefill_matched_tokens": self.prefill_matched_tokens,
-        }
-
-
-async def abort_stream(stream: object) -> None:
-    """End an engine stream that has not finished, so that its engine aborts the request
-    (and frees its KV blocks, or stops its pull): an async generator is closed (the
-    engine host aborts in its ``finally``); a Serve ``DeploymentResponseGenerator``, which
-    has no ``aclose``, is cancelled (Serve cancels the call on the replica, which closes
-    the host's stream). Dropping either unread would leave the request queued."""
-    close = getattr(stream, "aclose", None)
-    if close is not None:
-        await close()
-        return
-    cancel = getattr(stream, "cancel", None)
-    if cancel is not None:
-        cancel()
-
-
-async def bounded(
-    stream: AsyncIterator[GenerateChunk], deadline_s: float, clock: Callable[[], float], what: str
-) -> AsyncGenerator[GenerateChunk, None]:
-    """``stream``'s items, each awaited only until ``deadline_s`` (on ``clock``). Past it:
-    ``DeadlineExceeded``; a failure that is not kvtide's own error: ``EngineUnavailable``
-    naming ``what`` (the details are logged). Unless the stream ended (or gave its
-    finished chunk), its engine request is aborted when this generator ends: past the
-    deadline, on a failure, a cancellation, or a consumer that stopped reading."""
-    it = aiter(stream)
-    ended = False
-    try:
-        while True:
-            left = deadline_s - clock()
-            if left <= 0:
-                raise TimeoutError
-            try:
-                item = await asyncio.wait_for(anext(it), left)
-            except StopAsyncIteration:
-                ended = True
-                return
-            ended = item.finished
-            yield item
-    except TimeoutError:
-        raise DeadlineExceeded(
-            f"the request did not finish within its deadline ({what} was still running); "
-            "retry it, or raise server.request_timeout_s"
-        ) from None
-    except (RequestError, asyncio.CancelledError):
-        raise
-    except Exception as exc:
-        log.warning("%s failed: %s: %s", what, type(exc).__name__, exc)
-        raise EngineUnavailable(f"the {what} failed; retry the request") from exc
-    finally:
-        if not ended:
-            await abort_stream(it)  # the engine's request ends with the stream
-        elif (close := getattr(it, "aclose", None)) is not None:
-            await close()  # a finished generator's own cleanup: now, not at GC
-
-
-@dataclass(slots=True)
-class _Streamed:
-    """What a turn has streamed to its client so far, across decode engines."""
-
-    ids: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
 
 
 def _plain_prefill(request_id: str, fields: Mapping[str, Any]) -> GenerateRequest:
@@ -236,11 +95,6 @@ async def _last(stream: AsyncIterator[GenerateChunk]) -> GenerateChunk:
         return await final_chunk(stream)
     except RequestFailed as exc:
         raise EngineUnavailable(f"the prefill engine {exc}") from None
-
-
-class LeaseRefused(Exception):
-    """The service refused a turn's lease use: the turn ended before any output; run it
-    again through ``begin_turn``."""
 
 
 class Router:
@@ -282,24 +136,63 @@ class Router:
         # For the transfer spans' byte counts (blocks x block size x bytes per token).
         self.block_size_tokens = block_size_tokens
         self.kv_bytes_per_token = kv_bytes_per_token
-        self.kv = kv
         self.pull_timeout_s = pull_timeout_s
         self.request_timeout_s = request_timeout_s
         # A turn whose decode engine dies continues on another, this many times at most.
         self.max_migrations = max_migrations
-        self.eos_token_id = eos_token_id
         self.clock = clock
         # With prefix-aware prefill routing: where the request router sent a prefill
         # request (by request id) and why (``orchestrator.cluster.route_notes``).
         self.prefill_routes = prefill_routes
-        # The caller's copy of each session's last turn (the ingress tokenizes the next
-        # one from it): written once the service has booked the turn.
-        self.session_tokens = session_tokens
-        # Finished turns on their way to the service (``_hand_over``), by session too.
-        self._handovers: set[asyncio.Task[None]] = set()
-        self._handing: dict[str, asyncio.Task[None]] = {}
-        # This replica's turn leases (``orchestrator.kv.turn_leases``); None: none asked.
-        self.leases = leases
+        # Finished turns on their way to the service; this replica's turn leases
+        # (``orchestrator.kv.turn_leases``; None: none asked) go with them.
+        self.handover = HandOver(
+            kv=kv,
+            metrics=self.metrics,
+            clock=clock,
+            eos_token_id=eos_token_id,
+            session_tokens=session_tokens,
+            leases=leases,
+        )
+
+    # The service, the caller's copy of each session's last turn (the ingress tokenizes
+    # the next one from it; written once the service has booked the turn) and the turn
+    # leases: the hand-over's, read and set through the router.
+    @property
+    def kv(self) -> KVServiceAPI:
+        return self.handover.kv
+
+    @kv.setter
+    def kv(self, kv: KVServiceAPI) -> None:
+        self.handover.kv = kv
+
+    @property
+    def session_tokens(self) -> SessionTokens | None:
+        return self.handover.session_tokens
+
+    @session_tokens.setter
+    def session_tokens(self, tokens: SessionTokens | None) -> None:
+        self.handover.session_tokens = tokens
+
+    @property
+    def leases(self) -> HeldLeases | None:
+        return self.handover.leases
+
+    @leases.setter
+    def leases(self, leases: HeldLeases | None) -> None:
+        self.handover.leases = leases
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.handover.eos_token_id
+
+    async def handed_over(self, session_id: str) -> float:
+        """Wait for the hand-over of the session's last turn here (``HandOver``)."""
+        return await self.handover.handed_over(session_id)
+
+    async def settled(self) -> None:
+        """Wait until every turn that finished here has been handed to the service."""
+        await self.handover.settled()
 
     def decode_pool_for(self, num_prompt_tokens: int) -> tuple[str, PoolClient]:
         """The decode pool of a prompt: the long-context pool (TP+DCP) above the pool
@@ -535,7 +428,7 @@ class Router:
         # Only a session's decode keeps its blocks for the next turn to pull back; a
         # sessionless one frees them when it finishes (engines/kv_connector.py).
         keep = report.session_id is not None
-        out = _Streamed()
+        out = Streamed()
         while True:
             decode_req = GenerateRequest(
                 request_id=f"{rid}-d" if not report.migrations else f"{rid}-d{report.migrations}",
@@ -659,7 +552,7 @@ class Router:
         pre: GenerateChunk,
         report: TurnReport,
         t0: float,
-        out: _Streamed,
+        out: Streamed,
         prompt_text: str | None,
     ) -> AsyncIterator[tuple[GenerateChunk, TurnReport]]:
         """Stream one decode request; ``out`` holds what the turn streamed so far (also
@@ -709,152 +602,9 @@ class Router:
                     # A sessionless turn whose decode kept nothing leaves nothing to book
                     # or drain: no call to the service.
                     if session_id is not None or (kept is not None and kept.kept_blocks()):
-                        done = self._turn_done_message(
+                        done = self.handover.message(
                             report, chunk, prompt_token_ids, out, prompt_text
                         )
-                        self._hand_over(route, report, done)
+                        self.handover.give(route, report, done)
                     report.router_s += self.clock() - now
                 yield chunk, report
-
-    def _turn_done_message(
-        self,
-        report: TurnReport,
-        chunk: GenerateChunk,
-        prompt_token_ids: list[int],
-        out: _Streamed,
-        prompt_text: str | None,
-    ) -> tuple[TurnDone, TurnDone]:
-        """The decode's kept blocks and the session's next tokens, for the service: as
-        sent (what the turn added) and whole. This replica's copy of the session's last
-        turn is updated at once (a next turn here tokenizes from it; ``begin_turn``
-        checks it against the service's)."""
-        next_text, next_ids = self._continuation(
-            prompt_text, list(prompt_token_ids), out.text, out.ids, chunk.finish_reason
-        )
-        sid, tokens = report.session_id, self.session_tokens
-        ids = [*prompt_token_ids, *out.ids]
-        # Only what the turn added travels: the prompt starts with the session's last
-        # turn (this replica's copy, which begin_turn checked), the next turn's ids are
-        # this turn's, cut (``TurnDone``).
-        prefix_len, digest = 0, None
-        if sid is not None and tokens is not None:
-            last, digest = tokens.token_ids(sid), tokens.digest(sid)
-            if last and len(last) <= len(prompt_token_ids):
-                if prefix_digest(prompt_token_ids[: len(last)]) == digest:
-                    prefix_len = len(last)
-            if next_ids is None:
-                tokens.forget(sid)
-            else:
-                tokens.remember(sid, next_text, next_ids, self.clock())
-        next_len = None
-        if next_ids is not None and len(next_ids) <= len(ids) and next_ids == ids[: len(next_ids)]:
-            next_len = len(next_ids)
-        whole = TurnDone(
-            session_id=sid,
-            token_ids=ids,
-            kv_transfer_params=chunk.kv_transfer_params,
-            kv_expires_in_s=chunk.kv_expires_in_s,
-            next_text=next_text,
-            next_token_ids=next_ids,
-            owner=report.extra.get("owner"),
-            holder=None if sid is None or self.leases is None else self.leases.holder,
-            lease_id=report.extra.get("lease_id"),
-        )
-        sent = msgspec.structs.replace(
-            whole,
-            token_ids=ids[prefix_len:],
-            next_token_ids=None if next_len is not None else next_ids,
-            prefix_len=prefix_len,
-            prefix_digest=digest if prefix_len else None,
-            next_len=next_len,
-        )
-        return sent, whole
-
-    def _hand_over(self, route: Span, report: TurnReport, done: tuple[TurnDone, TurnDone]) -> None:
-        """Give the finished turn to the service off the turn's path: the client gets its
-        last tokens without waiting for the booking. The session's next turn waits for it
-        in ``begin_turn`` (the service holds a turn's claim until its ``turn_done``)."""
-        task = asyncio.get_running_loop().create_task(self._turn_done(route, report, *done))
-        self._handovers.add(task)
-        task.add_done_callback(self._handovers.discard)
-        sid = report.session_id
-        if sid is not None:
-            self._handing[sid] = task
-            task.add_done_callback(
-                lambda t: self._handing.pop(sid, None) if self._handing.get(sid) is t else None
-            )
-
-    async def handed_over(self, session_id: str) -> float:
-        """Wait for the hand-over of the session's last turn here, if one is on its way
-        (its answer may hold the next turn's lease); the seconds waited."""
-        task = self._handing.get(session_id)
-        if task is None:
-            return 0.0
-        t0 = self.clock()
-        await asyncio.shield(task)
-        return self.clock() - t0
-
-    async def _turn_done(
-        self, route: Span, report: TurnReport, done: TurnDone, whole: TurnDone
-    ) -> None:
-        kept = done.kv_transfer_params
-        with tr.span(
-            tr.SPAN_SEND_BACK,
-            {
-                tr.ENGINE_ID: kept.remote_engine_id if kept is not None else None,
-                tr.KV_TRANSFER_BLOCKS: kept.num_blocks if kept is not None else 0,
-            },
-            parent=route,
-        ):
-            sid, lease_id = done.session_id, done.lease_id
-            if sid is not None and lease_id is not None and self.leases is not None:
-                self.leases.ended(sid, lease_id)  # the service ends it with the turn
-            # On the one clock the leases share: a lease's times count from here.
-            asked_s = self.clock()
-            try:
-                answer = await self.kv.turn_done(done)
-                if not answer.accepted:
-                    # The service holds another last turn (it restarted meanwhile, or
-                    # this replica's copy was stale): the turn, whole.
-                    answer = await self.kv.turn_done(whole)
-                if answer.lease is not None and self.leases is not None:
-                    self.leases.add(answer.lease, asked_s)
-            except RequestError as exc:
-                # The service is unreachable (its client's deadline passed): end the
-                # claim if it can be reached now; otherwise its tick ends it. The kept
-                # blocks stay with their engine until its TTL.
-                self.metrics.inc("kvtide_turn_handover_failures_total")
-                log.warning(
-                    "turn %s: could not hand over to the service: %s", report.request_id, exc
-                )
-                if done.session_id is not None:
-                    try:
-                        await self.kv.turn_abandoned(done.session_id)
-                    except RequestError:
-                        pass
-
-    async def settled(self) -> None:
-        """Wait until every turn that finished here before this call has been handed to
-        the service (a read of the books after a turn sees it; shutdown). Each hand-over
-        is bounded by the service client's deadline."""
-        if self._handovers:
-            await asyncio.gather(*list(self._handovers), return_exceptions=True)
-
-    def _continuation(
-        self,
-        prompt_text: str | None,
-        prompt_ids: list[int],
-        output_text: list[str],
-        output_ids: list[int],
-        finish_reason: str | None,
-    ) -> tuple[str | None, list[int] | None]:
-        """What the session's next turn continues tokenizing from: this turn's text and
-        exact ids (see ``orchestrator.kv.session_tokens``). A stop string cuts text and
-        tokens apart: then nothing (the next turn tokenizes from scratch)."""
-        ids = list(output_ids)
-        if finish_reason == "stop":
-            if not ids or ids[-1] != self.eos_token_id:
-                return None, None
-            ids.pop()  # the chat template writes the end-of-turn token itself
-        text = None if prompt_text is None else prompt_text + "".join(output_text)
-        return text, prompt_ids + ids

@@ -1,0 +1,17 @@
+"""The disaggregated turn (``core.Router``): prefill → NIXL → decode, with the session's
+KV reused; its report (``turn_report``), its engine streams (``streams``), its hand-over
+to the KV service (``handover``) and this replica's turn leases (``held_leases``)."""
+
+from orchestrator.router.core import Router
+from orchestrator.router.streams import abort_stream, bounded
+from orchestrator.router.turn_report import KV_SOURCES, LeaseRefused, PoolClient, TurnReport
+
+__all__ = [
+    "KV_SOURCES",
+    "LeaseRefused",
+    "PoolClient",
+    "Router",
+    "TurnReport",
+    "abort_stream",
+    "bounded",
+]
