@@ -15,11 +15,13 @@ import os
 import random
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from app_calls import complete, kvtide_stats
 from polling import wait_for
 from procs import descendants
 from ray import serve
@@ -61,26 +63,10 @@ def _run(pool: str, prompt: list[int], max_tokens: int, params: KVTransferParams
 
 
 def _kv(app: Any) -> dict[str, Any]:
-    body: dict[str, Any] = httpx.get(app.base_url + "/kvtide/stats", timeout=30).json()
-    return body["kv"]  # type: ignore[no-any-return]
+    return kvtide_stats(app)["kv"]  # type: ignore[no-any-return]
 
 
-def _complete(app: Any, prompt: list[int], session: str | None) -> dict[str, Any]:
-    resp = httpx.post(
-        app.base_url + "/v1/completions",
-        json={
-            "model": app.model,
-            "prompt": prompt,
-            "max_tokens": 4,
-            "temperature": 0,
-            "return_token_ids": True,
-        },
-        headers={"x-session-id": session} if session else {},
-        timeout=300,
-    )
-    assert resp.status_code == 200, resp.text
-    body: dict[str, Any] = resp.json()
-    return body
+_complete = partial(complete, max_tokens=4)
 
 
 def test_decode_keeps_blocks_only_when_asked_and_a_drain_keeps_no_copy(kvtide_app: Any) -> None:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import random
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import httpx
 import pytest
+from app_calls import complete, kvtide_stats
 from polling import wait_for
 from ray import serve
 
@@ -22,9 +24,7 @@ pytestmark = pytest.mark.engine
 TINY_KV_BYTES_PER_TOKEN = 4096
 
 
-def _stats(app: Any) -> dict[str, Any]:
-    body: dict[str, Any] = httpx.get(app.base_url + "/kvtide/stats", timeout=30).json()
-    return body
+_stats = kvtide_stats
 
 
 def _decode() -> tuple[EngineInfo, EngineStats]:
@@ -37,17 +37,7 @@ def _decode_kv_bytes_in_use() -> float:
     return stats.kv_cache_usage * info.num_kv_blocks * info.block_size * TINY_KV_BYTES_PER_TOKEN
 
 
-def _complete(app: Any, prompt: list[int], session: str | None, **extra: Any) -> dict[str, Any]:
-    headers = {"x-session-id": session} if session else {}
-    resp = httpx.post(
-        app.base_url + "/v1/completions",
-        json={"model": app.model, "prompt": prompt, "max_tokens": 2, "temperature": 0, **extra},
-        headers=headers,
-        timeout=300,
-    )
-    assert resp.status_code == 200, resp.text
-    body: dict[str, Any] = resp.json()
-    return body
+_complete = partial(complete, max_tokens=2)
 
 
 def test_96_idle_sessions_never_hold_more_decode_kv_than_the_budget(kvtide_app: Any) -> None:

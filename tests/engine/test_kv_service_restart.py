@@ -5,11 +5,13 @@ back from decode (nothing leaked), and no block is read twice (nothing double-fr
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 import httpx
 import pytest
 import ray
+from app_calls import complete, kvtide_stats
 
 from orchestrator.kv.actor import SERVICE_NAMESPACE, service_name
 from orchestrator.runtime import APP_NAME
@@ -17,29 +19,11 @@ from orchestrator.runtime import APP_NAME
 pytestmark = pytest.mark.engine
 
 
-def _complete(app: Any, prompt: list[int], session: str) -> dict[str, Any]:
-    resp = httpx.post(
-        app.base_url + "/v1/completions",
-        json={
-            "model": app.model,
-            "prompt": prompt,
-            "max_tokens": 8,
-            "temperature": 0,
-            "return_token_ids": True,
-        },
-        headers={"x-session-id": session},
-        timeout=300,
-    )
-    assert resp.status_code == 200, resp.text
-    body: dict[str, Any] = resp.json()
-    return body
+_complete = partial(complete, max_tokens=8)
 
 
 def _kv_stats(app: Any) -> dict[str, Any]:
-    resp = httpx.get(app.base_url + "/kvtide/stats", timeout=60)
-    assert resp.status_code == 200, resp.text
-    kv: dict[str, Any] = resp.json()["kv"]
-    return kv
+    return kvtide_stats(app)["kv"]  # type: ignore[no-any-return]
 
 
 def _next_prompt(turn: dict[str, Any], new: list[int]) -> list[int]:

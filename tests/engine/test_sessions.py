@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import random
+from functools import partial
 from typing import Any
 
-import httpx
 import pytest
+from app_calls import chat
 from ray import serve
 
 from engines.base import EngineStats, GenerateRequest
@@ -22,23 +23,7 @@ def _stats(pool: str) -> EngineStats:
     return stats
 
 
-def _chat(app: Any, messages: list[dict[str, str]], session: str | None) -> dict[str, Any]:
-    headers = {"x-session-id": session} if session else {}
-    resp = httpx.post(
-        app.base_url + "/v1/chat/completions",
-        json={
-            "model": app.model,
-            "messages": messages,
-            "max_tokens": 16,
-            "temperature": 0,
-            "return_token_ids": True,
-        },
-        headers=headers,
-        timeout=300,
-    )
-    assert resp.status_code == 200, resp.text
-    body: dict[str, Any] = resp.json()
-    return body
+_chat = partial(chat, max_tokens=16)
 
 
 def _single_engine(prompt_ids: list[int], max_tokens: int) -> list[int]:
