@@ -428,6 +428,11 @@ _PHRASES = {
     "literal_error": "must be one of {expected}",
     "string_unicode": "holds a key or string that is not valid Unicode (a lone UTF-16 "
     "surrogate escape, \\ud800-\\udfff); send valid Unicode",
+    "bool_parsing": "must be true or false",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer, not a fraction",
+    "float_parsing": "must be a number",
+    "enum": "must be one of {expected}",
 }
 _NO_INPUT = {"missing", "extra_forbidden", "too_long", "too_short", "string_unicode"}
 
@@ -445,13 +450,24 @@ def _param(loc: tuple[int | str, ...]) -> str | None:
     return out or None
 
 
+def _own(msg: str) -> str:
+    """A validation message kvtide has no phrase for, in kvtide's wording: pydantic's
+    "Input should be ..." as "must be ...", its "Value error, " prefix dropped."""
+    msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    if msg.startswith("Input should"):
+        msg = "must" + msg.removeprefix("Input should")
+    return msg
+
+
 def invalid_request(exc: ValidationError) -> InvalidRequest:
     """The first of pydantic's errors as a 400 naming the field."""
     errors = exc.errors(include_url=False)
     first = errors[0]
     param = _param(first["loc"])
     kind = first["type"]
-    phrase = _PHRASES[kind].format(**first.get("ctx", {})) if kind in _PHRASES else first["msg"]
+    phrase = (
+        _PHRASES[kind].format(**first.get("ctx", {})) if kind in _PHRASES else _own(first["msg"])
+    )
     message = f"{param or 'the request body'} {phrase}"
     if kind not in _NO_INPUT:
         message += f", got {shown(first['input'])}"
