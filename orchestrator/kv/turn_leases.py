@@ -138,11 +138,12 @@ class LeaseBook:
             del self._holders[name]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Restored:
     session_id: str
     holder: str | None
     lapses_s: float
+    vouched: bool = False
 
 
 class RestoredLeases:
@@ -170,16 +171,23 @@ class RestoredLeases:
 
     def vouched(self, holder: str, held: Collection[int]) -> list[str]:
         """``holder`` holds exactly the leases ``held``: its restored leases not among
-        them are over (returned); those among them are now its running turns."""
+        them are over (returned), unless it vouched for them before (they ended since,
+        with their turn or given back: their marks went then); those among them are now
+        its running turns, kept here until they end, so that the lessee's giving one
+        back, or its use refused, still ends the mark (``pop``)."""
         over = []
         for lease_id, restored in list(self._by_id.items()):
-            if restored.holder == holder:
-                del self._by_id[lease_id]
-                if lease_id not in held:
-                    over.append(restored.session_id)
+            if restored.holder != holder:
+                continue
+            if lease_id in held:
+                restored.vouched = True
+                continue
+            del self._by_id[lease_id]
+            if not restored.vouched:
+                over.append(restored.session_id)
         return over
 
     def lapsed(self, now: float) -> list[str]:
         """Sessions of the leases nobody vouched for that are past their lapse time."""
-        over = [lid for lid, r in self._by_id.items() if now >= r.lapses_s]
+        over = [lid for lid, r in self._by_id.items() if not r.vouched and now >= r.lapses_s]
         return [self._by_id.pop(lid).session_id for lid in over]

@@ -171,3 +171,36 @@ def test_a_used_lease_mark_is_a_plain_running_mark_after_a_restart() -> None:
         assert (await after.claim_session("s1", BOB)).outcome == "turn_in_progress"
 
     asyncio.run(run())
+
+
+def test_a_restored_lease_its_holder_vouches_for_then_gives_back_frees_the_session() -> None:
+    """The holder's first watch after the restart vouches for its unused lease, learns
+    of the new instance and gives the lease back with its next call: the session is free
+    at once (the mark used to stay, every turn of the session a 409 until the running
+    grace ran out)."""
+    c, store = Cluster(), MemoryStore()
+
+    async def run() -> None:
+        service = await leased_then_lost(c, store)
+        (lease_id,) = [int(store.get("running/s1").split()[1])]  # type: ignore[union-attr]
+        await service.lease_watch("replica-a", [], 0.0, [lease_id])
+        await service.lease_watch("replica-a", [lease_id], 0.0, [])
+        assert (await service.claim_session("s1", BOB)).outcome == "claimed"
+
+    asyncio.run(run())
+
+
+def test_a_refused_use_of_a_vouched_restored_lease_frees_the_session() -> None:
+    """The holder vouched for its lease, then its client's turn comes and uses it: the
+    restarted service refuses the use (it never granted it) and the turn asks again with
+    begin_turn, which finds the session free."""
+    c, store = Cluster(), MemoryStore()
+
+    async def run() -> None:
+        service = await leased_then_lost(c, store)
+        (lease_id,) = [int(store.get("running/s1").split()[1])]  # type: ignore[union-attr]
+        await service.lease_watch("replica-a", [], 0.0, [lease_id])
+        assert not await service.lease_used("s1", lease_id, None)
+        assert (await service.claim_session("s1", BOB)).outcome == "claimed"
+
+    asyncio.run(run())
