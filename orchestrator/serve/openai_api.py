@@ -194,25 +194,31 @@ def stream_chunk(
     use: dict[str, Any] | None = None,
     ext: dict[str, Any] | None = None,
     use_so_far: dict[str, Any] | None = None,
+    token_ids: list[int] | None = None,
+    prompt_token_ids: list[int] | None = None,
 ) -> str:
     """One SSE ``data:`` line. ``use`` alone makes the usage-only final chunk;
-    ``use_so_far`` is a content chunk's usage up to it (``continuous_usage_stats``)."""
+    ``use_so_far`` is a content chunk's usage up to it (``continuous_usage_stats``).
+    ``token_ids`` (the chunk's) and ``prompt_token_ids`` (the first chunk's) where the
+    request asked ``return_token_ids``, placed as vLLM's server places them."""
     chunk: dict[str, Any] = {"id": rid, "created": int(time.time()), "model": model}
+    choice: dict[str, Any]
     if kind == "chat":
         chunk["object"] = "chat.completion.chunk"
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:
             delta["content"] = text
-        chunk["choices"] = (
-            [] if use is not None else [{"index": 0, "delta": delta, "finish_reason": finish}]
-        )
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        if prompt_token_ids is not None:
+            chunk["prompt_token_ids"] = prompt_token_ids
     else:
         chunk["object"] = "text_completion"
-        chunk["choices"] = (
-            []
-            if use is not None
-            else [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]
-        )
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        if prompt_token_ids is not None:
+            choice["prompt_token_ids"] = prompt_token_ids
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    chunk["choices"] = [] if use is not None else [choice]
     if use is not None:
         chunk["usage"] = use
     elif use_so_far is not None:

@@ -244,7 +244,10 @@ class OwnLayer(VLLMRoutes):
             while True:
                 chunk, report = item
                 out.add(chunk)
-                if chunk.text or is_first or chunk.finished:
+                # With return_token_ids a chunk whose tokens made no text yet (part of a
+                # UTF-8 character) still goes, for its ids (as vLLM's server sends it).
+                with_ids = req.return_token_ids and bool(chunk.token_ids)
+                if chunk.text or is_first or chunk.finished or with_ids:
                     yield api.stream_chunk(
                         req.kind,
                         rid,
@@ -258,6 +261,8 @@ class OwnLayer(VLLMRoutes):
                             if req.continuous_usage
                             else None
                         ),
+                        token_ids=list(chunk.token_ids) if req.return_token_ids else None,
+                        prompt_token_ids=ids if req.return_token_ids and is_first else None,
                     )
                     is_first = False
                 if chunk.finished:

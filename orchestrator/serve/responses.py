@@ -162,7 +162,15 @@ async def replay_sse(req: api.ApiRequest, body: dict[str, Any]) -> AsyncIterator
     choice = body["choices"][0]
     text = choice["message"]["content"] if req.kind == "chat" else choice["text"]
     rid, ext = str(body["id"]), body.get("kvtide")
-    yield api.stream_chunk(req.kind, rid, req.model, text=text, first=True)
+    yield api.stream_chunk(
+        req.kind,
+        rid,
+        req.model,
+        text=text,
+        first=True,
+        token_ids=choice.get("token_ids") if req.return_token_ids else None,
+        prompt_token_ids=body.get("prompt_token_ids") if req.return_token_ids else None,
+    )
     yield api.stream_chunk(
         req.kind, rid, req.model, text="", finish=choice["finish_reason"], ext=ext
     )
