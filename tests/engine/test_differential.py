@@ -11,10 +11,6 @@ Every difference fails the suite unless it is one of ``ALLOWED``, each with its 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +19,7 @@ import httpx
 import pytest
 from corpus import Case, corpus
 
-from orchestrator.cluster.ports import free_port
+from benchmarks.common import vllm_server as serve_vllm
 
 pytestmark = pytest.mark.engine
 
@@ -56,64 +52,23 @@ ALLOWED = {
 @pytest.fixture(scope="module")
 def vllm_server(kvtide_app: Any, short_tmp: Path) -> Iterator[str]:
     """``vllm serve`` on the app's model, configured as kvtide's engines and API are."""
-    port = free_port()
-    log = (short_tmp / "vllm-serve.log").open("w")
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_ENFORCE_STRICT_TOOL_CALLING": "0",  # as kvtide's config for the tiny model
-    }
-    # vLLM's API server module (vllm-cpu's ``vllm`` command looks for the ``vllm``
-    # distribution's metadata, which vllm-cpu does not have).
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
+    with serve_vllm(
         kvtide_app.model_path,
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-        "--served-model-name",
         kvtide_app.model,
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        str(kvtide_app.config.model.max_model_len),
-        "--enforce-eager",
-        "--seed",
-        "0",
-        "--tool-call-parser",
-        "hermes",
-        "--enable-auto-tool-choice",
-        "--enable-prompt-tokens-details",
-        "--structured-outputs-config",
-        json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
-    ]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"vllm serve exited: see {log.name}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"vllm serve not ready in 240 s: see {log.name}")
-            time.sleep(1)
+        max_model_len=kvtide_app.config.model.max_model_len,
+        args=[
+            "--tool-call-parser",
+            "hermes",
+            "--enable-auto-tool-choice",
+            "--enable-prompt-tokens-details",
+            "--structured-outputs-config",
+            json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
+        ],
+        # As kvtide's config for the tiny model.
+        env={"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"},
+        log_path=short_tmp / "vllm-serve.log",
+    ) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def _send(client: httpx.Client, case: Case, body: dict[str, Any], headers: dict[str, str]) -> Any:

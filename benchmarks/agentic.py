@@ -1,0 +1,427 @@
+"""Many agent sessions on scarce memory: the same generated agentic workload against
+kvtide and against the simple alternatives, on the same cores, one after another.
+
+The workload (from parameters, seeded): ``--sessions`` conversations of ``--turns``
+turns, all forking from one shared prefix (a system prompt and tool definitions, as
+subagents of one agent do), each with a first task of its own. Every later turn adds
+``--new-tokens`` (a tool's result and the next user message) to the whole history and
+asks for ``--output-tokens``; between turns a session pauses a random think time (a
+tool call running), so sessions interleave and go idle. At most ``--concurrency``
+requests run at once. Prompts are token ids, the history extended with the exact ids
+the server streamed back (``return_token_ids``), so every setup sees the same tokens.
+
+The setups, each deployed fresh on this box:
+
+* ``kvtide`` — sessions (``x-session-id``): the decode engine keeps a session's KV and
+  sends it back to prefill for its next turn, within ``kv.idle_budget_mib_per_engine``;
+* ``plain-pd`` — the same P/D engines without sessions or reuse across turns (vLLM's
+  own P/D flow: only the prefill engine's prefix cache helps a later turn);
+* ``prefix-routing`` — ``plain-pd`` with two prefill engines and prefix-aware routing
+  (off by default: on two cores a second prefill engine only competes for them);
+* ``vllm`` — one aggregated vLLM engine with prefix caching (``vllm serve``), with the
+  KV blocks of both P/D engines together.
+
+Memory is made scarce on purpose: each engine gets ``--kv-blocks`` KV blocks (and kvtide
+``--budget-mib`` for idle sessions), fewer than every session's history needs, so kept
+KV is evicted and turns fall back to recompute.
+
+Printed per setup: TTFT p50 by turn index and p90 over turns >= 4, ITL p90, output
+throughput, goodput (turns within ``--ttft-target-s`` per second), kvtide's KV sources
+and recompute reasons, and the KV bytes moved per turn (as the engines measured them,
+where the report carries them) against the new tokens' KV. Then the ratios the issue's
+targets are stated in. Not measured here: a host-memory tier (kvtide has none yet) and
+the KV integrity check (not built yet): the table says so.
+
+    python benchmarks/agentic.py [--sessions 16] [--turns 6] [--concurrency 8]
+                                 [--modes kvtide,plain-pd,vllm] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import random
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
+
+from benchmarks.common import embedded_app, token_gaps, vllm_server
+from orchestrator.cli.table import format_table
+
+BLOCK_TOKENS = 16
+
+
+def kv_bytes_per_token() -> int:
+    """One token's KV on one engine, for the embedded default's tiny model."""
+    from engines.tiny_model import generate_tiny_model
+    from orchestrator.config import parse_config
+    from orchestrator.serve.model_info import kv_bytes_per_token_of
+
+    config = parse_config({})
+    path = generate_tiny_model(config.model.resolved_path())
+    return kv_bytes_per_token_of(str(path), config.model.dtype)
+
+
+@dataclass(frozen=True)
+class Workload:
+    sessions: int
+    turns: int
+    shared_tokens: int
+    first_tokens: int
+    new_tokens: int
+    output_tokens: int
+    think_s: tuple[float, float]
+    concurrency: int
+    seed: int
+
+    def shared(self) -> list[int]:
+        return random.Random(self.seed).choices(range(10, 1000), k=self.shared_tokens)
+
+    def additions(self, session: int) -> list[list[int]]:
+        """What each turn of ``session`` adds before the model speaks: its first task,
+        then a tool result and the next message per later turn."""
+        rng = random.Random(self.seed * 1_000_003 + session)
+        first = rng.choices(range(10, 1000), k=self.first_tokens)
+        later = [rng.choices(range(10, 1000), k=self.new_tokens) for _ in range(self.turns - 1)]
+        return [first, *later]
+
+    def think(self, session: int, turn: int) -> float:
+        lo, hi = self.think_s
+        return random.Random(f"{self.seed}/{session}/{turn}").uniform(lo, hi)
+
+
+@dataclass
+class Turn:
+    session: int
+    index: int  # 1-based
+    prompt_tokens: int
+    new_tokens: int  # what this turn added to the history (its own KV to compute)
+    ttft_s: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    report: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class Run:
+    mode: str
+    turns: list[Turn]
+    wall_s: float
+
+
+async def _turn(
+    client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, session: str | None
+) -> tuple[float, list[float], list[int], dict[str, Any]]:
+    """One streamed greedy completion: TTFT, inter-token gaps, the output's ids and the
+    ``kvtide`` report (empty from vLLM's server)."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"x-session-id": session} if session else {}
+    t0 = time.monotonic()
+    times: list[float] = []
+    counts: list[int] = []
+    ids: list[int] = []
+    report: dict[str, Any] = {}
+    async with client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"{resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(str(event["error"])[:300])
+            for choice in event.get("choices") or ():
+                new = choice.get("token_ids") or []
+                if new:
+                    ids.extend(new)
+                    times.append(time.monotonic())
+                    counts.append(len(ids))
+            report = event.get("kvtide") or report
+    if not times:
+        raise RuntimeError("no tokens streamed")
+    return times[0] - t0, token_gaps(times, counts), ids, report
+
+
+async def run_workload(base_url: str, model: str, work: Workload, *, sessions: bool) -> Run:
+    """Every session of ``work`` against ``base_url``; ``sessions``: with x-session-id
+    (kvtide's session turns; each session closed after its last turn)."""
+    gate = asyncio.Semaphore(work.concurrency)
+    shared = work.shared()
+    turns: list[Turn] = []
+    limits = httpx.Limits(max_connections=work.concurrency * 2)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+
+        async def one_session(s: int) -> None:
+            sid = f"agentic-{uuid.uuid4().hex[:12]}" if sessions else None
+            history = list(shared)
+            await asyncio.sleep(work.think(s, 0))  # staggered starts
+            for t, added in enumerate(work.additions(s), start=1):
+                history += added
+                turn = Turn(s, t, len(history), len(added) if t > 1 else len(history))
+                turns.append(turn)
+                try:
+                    async with gate:
+                        ttft, gaps, ids, report = await _turn(
+                            client, model, history, work.output_tokens, sid
+                        )
+                except Exception as exc:  # counted: the point of the run
+                    turn.error = f"{type(exc).__name__}: {exc}"
+                    return
+                turn.ttft_s, turn.gaps, turn.report = ttft, gaps, report
+                turn.output_tokens = len(ids)
+                history += ids
+                if t < work.turns:
+                    await asyncio.sleep(work.think(s, t))  # the tool call
+            if sid is not None:
+                await client.delete(f"/kvtide/sessions/{sid}")
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(one_session(s) for s in range(work.sessions)))
+        return Run("", turns, time.monotonic() - t0)
+
+
+# ---- the setups ---------------------------------------------------------------------------
+
+
+@contextmanager
+def setup(mode: str, args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+    """Deploy ``mode``; yield (base URL, model name)."""
+    pools = {"num_kv_blocks": args.kv_blocks}
+    if mode == "vllm":
+        from engines.tiny_model import generate_tiny_model
+        from orchestrator.config import parse_config
+
+        config = parse_config({})
+        path = str(generate_tiny_model(config.model.resolved_path()))
+        blocks = 2 * args.kv_blocks  # both P/D engines' blocks in one engine
+        with vllm_server(
+            path,
+            config.model.name,
+            max_model_len=config.model.max_model_len,
+            args=["--num-gpu-blocks-override", str(blocks), "--enable-prefix-caching"],
+        ) as base:
+            yield base, config.model.name
+        return
+    kv: dict[str, Any] = {"idle_budget_mib_per_engine": args.budget_mib}
+    routing: dict[str, Any] = {"reuse_without_session": False}
+    num_prefill = 1
+    if mode == "prefix-routing":
+        routing["prefix_aware"] = True
+        num_prefill = 2
+    with embedded_app(kv, routing=routing, num_prefill=num_prefill, pools=pools) as app:
+        base_url, model, _, _ = app
+        yield base_url, model
+
+
+# ---- the table ----------------------------------------------------------------------------
+
+
+def _p(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.0f}"
+
+
+def _moved(turn: Turn) -> int | None:
+    """The KV bytes the engines moved for the turn, both directions, when reported."""
+    moved = turn.report.get("kv_transfer_bytes")
+    if not isinstance(moved, dict) or any(v is None for v in moved.values()):
+        return None
+    return int(sum(moved.values()))
+
+
+@dataclass
+class Summary:
+    mode: str
+    ok: int
+    failed: int
+    ttft_by_turn: dict[int, float | None]
+    ttft_p50_late: float | None
+    ttft_p90_late: float | None
+    itl_p90: float | None
+    tokens_per_s: float
+    goodput: float
+    sources: dict[str, int]
+    reasons: dict[str, int]
+    moved_ratio: float | None
+    errors: list[str]
+
+
+def summarize(
+    run: Run, work: Workload, ttft_target_s: float, late_from: int, token_kv_bytes: int
+) -> Summary:
+    done = [t for t in run.turns if t.error is None]
+    late = [t.ttft_s for t in done if t.index >= late_from]
+    by_turn = {
+        i: _p([t.ttft_s for t in done if t.index == i], 0.5) for i in range(1, work.turns + 1)
+    }
+    gaps = [g for t in done for g in t.gaps]
+    moved = [(m, t.new_tokens) for t in done if t.index > 1 and (m := _moved(t)) is not None]
+    ratio = None
+    if moved:
+        ratio = sum(m for m, _ in moved) / (sum(n for _, n in moved) * token_kv_bytes)
+    return Summary(
+        mode=run.mode,
+        ok=len(done),
+        failed=len(run.turns) - len(done),
+        ttft_by_turn=by_turn,
+        ttft_p50_late=_p(late, 0.5),
+        ttft_p90_late=_p(late, 0.9),
+        itl_p90=_p(gaps, 0.9),
+        tokens_per_s=sum(t.output_tokens for t in done) / run.wall_s,
+        goodput=sum(1 for t in done if t.ttft_s <= ttft_target_s) / run.wall_s,
+        sources=collections.Counter(
+            str(t.report.get("kv_source")) for t in done if t.index > 1 and t.report
+        ),
+        reasons=collections.Counter(
+            str(t.report.get("kv_plan_reason") or "-")
+            for t in done
+            if t.index > 1 and t.report and t.report.get("kv_source") != "sent_back"
+        ),
+        moved_ratio=ratio,
+        errors=[t.error for t in run.turns if t.error][:3],
+    )
+
+
+def format_summaries(summaries: list[Summary], work: Workload, args: argparse.Namespace) -> str:
+    turns = list(range(1, work.turns + 1))
+    head = ["setup", "ok/failed", *[f"TTFT t{i} ms" for i in turns]]
+    head += [f"TTFT p50 t>={args.late_from}", f"p90 t>={args.late_from}", "ITL p90 ms"]
+    head += ["out tok/s", f"goodput/s @{args.ttft_target_s:g}s", "moved/new KV"]
+    rows = []
+    for s in summaries:
+        rows.append(
+            [
+                s.mode,
+                f"{s.ok}/{s.failed}",
+                *[_ms(s.ttft_by_turn[i]) for i in turns],
+                _ms(s.ttft_p50_late),
+                _ms(s.ttft_p90_late),
+                _ms(s.itl_p90),
+                f"{s.tokens_per_s:.1f}",
+                f"{s.goodput:.2f}",
+                "-" if s.moved_ratio is None else f"{s.moved_ratio:.2f}x",
+            ]
+        )
+    lines = [format_table(head, rows), ""]
+    for s in summaries:
+        if s.sources:
+            src = ", ".join(f"{k} {v}" for k, v in sorted(s.sources.items()))
+            why = ", ".join(f"{k} {v}" for k, v in sorted(s.reasons.items()))
+            lines.append(f"{s.mode}: later turns' KV: {src}; not sent back, by reason: {why}")
+        for e in s.errors:
+            lines.append(f"{s.mode}: failed turn: {e}")
+    by = {s.mode: s for s in summaries}
+    k = by.get("kvtide")
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return "-" if a is None or b is None or a == 0 else f"{b / a:.2f}x"
+
+    if k is not None:
+        lines.append("")
+        if "plain-pd" in by:
+            p = by["plain-pd"]
+            lines.append(
+                f"TTFT p50 at turns >= {args.late_from}: plain P/D / kvtide = "
+                f"{ratio(k.ttft_p50_late, p.ttft_p50_late)} (target >= 5x); throughput "
+                f"kvtide / plain P/D = {ratio(p.tokens_per_s, k.tokens_per_s)} (target >= 1x)"
+            )
+        last, second = k.ttft_by_turn.get(work.turns), k.ttft_by_turn.get(2)
+        lines.append(
+            f"kvtide TTFT p50 turn {work.turns} / turn 2 = {ratio(second, last)} "
+            "(target <= 1.5x at the same new-token count)"
+        )
+        if "vllm" in by:
+            v = by["vllm"]
+            lines.append(
+                f"against one aggregated vLLM engine: ITL p90 vLLM / kvtide = "
+                f"{ratio(k.itl_p90, v.itl_p90)} (target > 1x); TTFT p50 at turns >= "
+                f"{args.late_from} kvtide / vLLM = {ratio(v.ttft_p50_late, k.ttft_p50_late)} "
+                "(target <= 1.5x)"
+            )
+        if k.moved_ratio is not None:
+            lines.append(
+                f"KV bytes moved per later turn / the new tokens' KV: {k.moved_ratio:.2f}x "
+                "(target <= 1.2x)"
+            )
+    lines.append("not measured: a host-memory tier (none yet), the KV integrity check (none yet)")
+    lines.append(
+        f"workload: {work.sessions} sessions x {work.turns} turns, shared prefix "
+        f"{work.shared_tokens}, first task {work.first_tokens}, +{work.new_tokens} tokens "
+        f"a later turn, {work.output_tokens} out, think {work.think_s[0]:g}-"
+        f"{work.think_s[1]:g} s, concurrency {work.concurrency}; {args.kv_blocks} KV blocks "
+        f"per engine ({args.kv_blocks * BLOCK_TOKENS} tokens), kvtide idle budget "
+        f"{args.budget_mib:g} MiB per engine"
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sessions", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--shared-tokens", type=int, default=256)
+    parser.add_argument("--first-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--output-tokens", type=int, default=24)
+    parser.add_argument("--think-s", default="0.2,1.0", help="min,max pause between turns")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--kv-blocks", type=int, default=768, help="KV blocks per engine")
+    parser.add_argument("--budget-mib", type=float, default=8.0)
+    parser.add_argument("--ttft-target-s", type=float, default=0.5)
+    parser.add_argument("--late-from", type=int, default=4)
+    parser.add_argument("--modes", default="kvtide,plain-pd,vllm")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    lo, hi = (float(x) for x in args.think_s.split(","))
+    work = Workload(
+        sessions=args.sessions,
+        turns=args.turns,
+        shared_tokens=args.shared_tokens,
+        first_tokens=args.first_tokens,
+        new_tokens=args.new_tokens,
+        output_tokens=args.output_tokens,
+        think_s=(lo, hi),
+        concurrency=args.concurrency,
+        seed=args.seed,
+    )
+    summaries = []
+    for mode in args.modes.split(","):
+        with setup(mode, args) as (base_url, model):
+            run = asyncio.run(run_workload(base_url, model, work, sessions=mode == "kvtide"))
+        run.mode = mode
+        summaries.append(
+            summarize(run, work, args.ttft_target_s, args.late_from, kv_bytes_per_token())
+        )
+        print(f"[agentic] {mode}: {summaries[-1].ok} turns in {run.wall_s:.1f} s", flush=True)
+    print(format_summaries(summaries, work, args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""``benchmarks/agentic.py``'s workload and its summary, without a server: every setup
+sees the same tokens, and the table's figures are what the turns say."""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks.agentic import Run, Turn, Workload, format_summaries, summarize
+
+WORK = Workload(
+    sessions=3,
+    turns=4,
+    shared_tokens=32,
+    first_tokens=8,
+    new_tokens=5,
+    output_tokens=4,
+    think_s=(0.0, 0.1),
+    concurrency=2,
+    seed=7,
+)
+
+
+def test_the_workload_is_the_same_tokens_every_time_and_sessions_share_their_prefix() -> None:
+    again = Workload(**{**WORK.__dict__})
+    assert WORK.shared() == again.shared() and len(WORK.shared()) == 32
+    for s in range(WORK.sessions):
+        assert WORK.additions(s) == again.additions(s)
+        first, *later = WORK.additions(s)
+        assert len(first) == 8 and [len(x) for x in later] == [5, 5, 5]
+    assert WORK.additions(0) != WORK.additions(1)  # each session its own task
+    assert WORK.think(1, 2) == again.think(1, 2) and 0.0 <= WORK.think(1, 2) <= 0.1
+
+
+def _turn(index: int, ttft_s: float, moved: int | None, source: str = "sent_back") -> Turn:
+    report = {"kv_source": source, "kv_plan_reason": "" if source == "sent_back" else "evicted"}
+    if moved is not None:
+        report["kv_transfer_bytes"] = {"prefill_to_decode": moved, "decode_to_prefill": 0}
+    turn = Turn(session=0, index=index, prompt_tokens=100, new_tokens=5, ttft_s=ttft_s)
+    turn.gaps, turn.output_tokens, turn.report = [0.01, 0.02], 4, report
+    return turn
+
+
+def test_the_summary_reads_the_turns() -> None:
+    turns = [
+        _turn(1, 1.0, None, "recomputed"),
+        _turn(2, 0.2, 5 * 4096),
+        _turn(3, 0.3, 10 * 4096),
+        _turn(4, 0.4, 5 * 4096, "recomputed"),
+    ]
+    failed = Turn(session=1, index=1, prompt_tokens=40, new_tokens=40, error="RuntimeError: 503")
+    s = summarize(Run("kvtide", [*turns, failed], wall_s=2.0), WORK, 0.5, 4, 4096)
+    assert (s.ok, s.failed) == (3 + 1, 1)
+    assert s.ttft_by_turn == {1: 1.0, 2: 0.2, 3: 0.3, 4: 0.4}
+    assert s.ttft_p50_late == 0.4
+    assert s.tokens_per_s == 16 / 2.0
+    assert s.goodput == 3 / 2.0  # turns 2-4 within 0.5 s
+    assert s.moved_ratio == 20 / 15  # 20 tokens' KV moved for 15 new tokens
+    assert s.sources == {"sent_back": 2, "recomputed": 1}
+    assert s.reasons == {"evicted": 1}
+    table = format_summaries(
+        [s],
+        WORK,
+        argparse.Namespace(late_from=4, ttft_target_s=0.5, kv_blocks=64, budget_mib=1.0),
+    )
+    assert "kvtide" in table and "1.33x" in table and "RuntimeError: 503" in table
