@@ -40,15 +40,42 @@ DRIVER = textwrap.dedent(
     from orchestrator import runtime
     from orchestrator.config import parse_config
 
+    def descendants():
+        # This driver's process tree: the local Ray it started is below it.
+        kids = {}
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            kids.setdefault(int(stat[1]), []).append(pid)
+        out, todo = [], [str(os.getpid())]
+        while todo:
+            pid = todo.pop()
+            out.append(pid)
+            todo += kids.get(int(pid), [])
+        return out
+
     def haproxy_listeners(files):
         # ip:port of every listening TCP socket of the HAProxy whose files are in
         # `files` (from /proc, as `ss -ltnp` reads it).
+        return listeners(
+            pid
+            for pid in filter(str.isdigit, os.listdir("/proc"))
+            if is_haproxy(pid, files)
+        )
+
+    def is_haproxy(pid, files):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
+        except OSError:
+            return False
+        return any(files.encode() in a for a in cmd) and b"haproxy" in cmd[0]
+
+    def listeners(pids):
         inodes = set()
-        for pid in filter(str.isdigit, os.listdir("/proc")):
+        for pid in pids:
             try:
-                cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
-                if not any(files.encode() in a for a in cmd) or b"haproxy" not in cmd[0]:
-                    continue
                 for fd in os.listdir(f"/proc/{pid}/fd"):
                     link = os.readlink(f"/proc/{pid}/fd/{fd}")
                     if link.startswith("socket:["):
@@ -117,6 +144,9 @@ DRIVER = textwrap.dedent(
     if replica["haproxy"]:
         files = os.path.dirname(replica["haproxy_socket"])
         result["haproxy_listeners"] = haproxy_listeners(files)
+        result["ingress_listeners"] = [
+            x for x in listeners(descendants()) if 30000 <= int(x.rsplit(":", 1)[1]) <= 31000
+        ]
         result["stalled"] = stalled_request(config.server.port)
     print("RESULT " + json.dumps(result))
     runtime.shutdown()
@@ -187,6 +217,9 @@ def test_by_default_the_ingress_replica_serves_http_behind_a_private_haproxy() -
     # does here (server.host 127.0.0.1): nothing of it on another interface.
     listeners = got["haproxy_listeners"]
     assert len(listeners) == 3 and all(x.startswith("127.0.0.1:") for x in listeners), listeners
+    # So does the ingress replica's own HTTP port (Serve's direct ingress, 30000-31000).
+    ingress = got["ingress_listeners"]
+    assert ingress and all(x.startswith("127.0.0.1:") for x in ingress), ingress
     # A request whose body stops coming is answered with kvtide's JSON 408 within about
     # server.request_body_timeout_s (1 s here), not held for HAProxy's hour.
     stalled = got["stalled"]
