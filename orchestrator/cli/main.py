@@ -18,16 +18,57 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["main"]
 
 
-class _Terminated(Exception):
-    """SIGTERM while ``kvtide up`` starts: unwinds the start like Ctrl-C does."""
+class _Stopped(Exception):
+    """SIGTERM (exit code 143) or Ctrl-C (130) while ``kvtide up`` starts."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
 
 
-def _terminated(*_: object) -> None:
-    raise _Terminated
+def _deploy_unless_stopped(config: Any) -> Any:
+    """``runtime.deploy(config)`` in a thread of its own, the main thread waiting for it
+    or for SIGTERM or Ctrl-C; the layout, or ``_Stopped`` when stopped first (the caller
+    shuts the app and Ray down under the deploy, which then ends on its own). Called
+    after ``ray.init``, which installs Ray's own SIGTERM handler (a C++ stack trace, and
+    the process gone with its Ray left to itself).
+
+    A signal's exception raised into Ray's code (as a handler that raises would) can
+    surface anywhere in it, wrapped or logged with a trace; here the handler only wakes
+    the main thread, which waits in code of kvtide's own."""
+    from orchestrator import runtime
+
+    wake = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def deploy() -> None:
+        try:
+            outcome["layout"] = runtime.deploy(config)
+        except BaseException as exc:  # handed to the main thread
+            outcome["error"] = exc
+        finally:
+            wake.set()
+
+    def stop(*_: object) -> None:
+        outcome["stopped"] = True
+        wake.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    threading.Thread(target=deploy, name="kvtide-deploy", daemon=True).start()
+    try:
+        wake.wait()
+    except KeyboardInterrupt:
+        raise _Stopped(130) from None
+    if outcome.get("stopped"):
+        raise _Stopped(143)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["layout"]
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -36,17 +77,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     try:
+        runtime.start_ray(config)
         try:
-            runtime.start_ray(config)
-            # Until it serves, SIGTERM stops the start where it is (Ray's waits check
-            # for signals) and the app and Ray are taken down as after it. Set after
-            # ray.init, which installs Ray's own handler: a C++ stack trace, and the
-            # process gone with its Ray left to itself.
-            signal.signal(signal.SIGTERM, _terminated)
-            layout = runtime.deploy(config)
-        except (KeyboardInterrupt, _Terminated) as exc:
+            layout = _deploy_unless_stopped(config)
+        except _Stopped as stopped:
             print("stopped while starting", file=sys.stderr, flush=True)
-            return 143 if isinstance(exc, _Terminated) else 130
+            return stopped.code
         if args.demo:
             from orchestrator.cli.demo import format_turns, run_demo
 
