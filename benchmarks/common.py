@@ -53,7 +53,8 @@ def embedded_app(
             "kv": kv or {},
             "routing": routing or {},
             "prefill": {"num_engines": num_prefill, "cpu_threads_bind": "0", **(pools or {})},
-            "decode": dict(pools or {}),
+            # The decode section's defaults (its cores) hold unless fields are given.
+            "decode": {"cpu_threads_bind": "1", **(pools or {})},
         }
     )
     with runtime.running(config) as base_url:
