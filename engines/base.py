@@ -179,6 +179,12 @@ class GenerateChunk(msgspec.Struct, frozen=True, kw_only=True):
     stop_reason: int | str | None = None
     # With ``prompt_logprobs`` asked: one list per prompt position (None at the first).
     prompt_logprobs: list[list[TokenLogprob] | None] | None = None
+    # On the first chunk: the KV bytes this engine read over NIXL for this request (its
+    # pull: the prompt from a prefill engine, or a previous turn sent back from a decode
+    # engine), as NIXL measured them; 0 when it read nothing (no pull, or every block
+    # found in its own prefix cache); None where the engine cannot say whose its reads
+    # were. The read ends before the engine's first output, so the first chunk has it.
+    kv_read_bytes: int | None = None
     # On the finished chunk: the engine's mean time per decode step for this request,
     # from its own clock (first token to last, over the steps between); None where the
     # engine did not say or made fewer than two tokens.

@@ -16,6 +16,16 @@ request without a peer, when its ``kv_transfer_params`` say ``kvtide_keep: false
 (``KVTransferParams.frees_at_once``). Everything else, the pulls included, is vLLM's.
 The router asks for keeping on a session's turns only; drains never keep.
 
+It also says which request each NIXL read belonged to. vLLM's connector worker records
+every finished read's bytes (NIXL's transfer telemetry, ``NixlKVConnectorStats``) but not
+whose they were; kvtide's worker side runs vLLM's ``_pop_done_transfers`` one request at a time,
+so that its stats (``NixlStats``) list each read's request id beside its bytes
+(``READ_REQUESTS_KEY``, ``READ_BYTES_KEY`` in the stats' data). The stats reach the
+engine's front end with the scheduler stats, where ``engines.vllm_engine``'s stat logger
+gives each request the bytes its engine read for it. Reads are pulled by the engine
+that receives the KV, so a decode engine's stats carry what moved prefill to decode,
+and a prefill engine's what moved back (send-back, drains).
+
 It also sets how long NIXL's UCX progress thread waits in ``poll()`` between rounds
 (``kvtide_progress_wait_ms`` in the connector's extra config; ``kv.nixl_progress_wait_ms``).
 NIXL's Python API creates every agent with a wait of 0, so that thread progresses its
@@ -34,20 +44,25 @@ does not import vLLM; the class is built on first access, in vLLM's processes.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engines.kv_params import KVTransferParams
 
 if TYPE_CHECKING:
     NixlConnector: type  # built by __getattr__
+    NixlStats: type
 
 __all__ = [
     "CONNECTOR_MODULE",
     "CPU_PROGRESS_WAIT_MS",
     "PROGRESS_WAIT_KEY",
+    "READ_BYTES_KEY",
+    "READ_REQUESTS_KEY",
     "NixlConnector",
+    "NixlStats",
+    "pop_done_per_request",
     "progress_wait",
 ]
 
@@ -56,7 +71,48 @@ PROGRESS_WAIT_KEY = "kvtide_progress_wait_ms"
 """The connector's extra-config key for NIXL's progress-thread wait, in ms."""
 CPU_PROGRESS_WAIT_MS = 10.0
 """The wait vLLM engines get on CPU (measured there: ``benchmarks/nixl_progress.py``)."""
+READ_REQUESTS_KEY = "kvtide_read_request_ids"
+"""The stats' list of the (engine-internal) request id of each finished NIXL read."""
+READ_BYTES_KEY = "kvtide_read_bytes"
+"""The stats' list of each finished read's bytes, beside ``READ_REQUESTS_KEY``: NIXL's
+telemetry (``totalBytes``), or None where NIXL gave none."""
 _classes: dict[str, Any] = {}
+
+DoneTransfers = tuple[set[str], set[str]]
+
+
+class ReadNotes(Protocol):
+    """What ``pop_done_per_request`` tells the stats: whose reads are being polled."""
+
+    reading: str | None
+
+
+def pop_done_per_request(
+    pop: Callable[[dict[str, list[int]]], DoneTransfers],
+    transfers: dict[str, list[int]],
+    notes: ReadNotes,
+) -> DoneTransfers:
+    """vLLM's ``_pop_done_transfers`` (``pop``), run on one request's handles at a time
+    with ``notes.reading`` set to that request: what ``pop`` records then is that
+    request's. ``transfers`` is updated in place as ``pop`` would (a request whose
+    handles are all released leaves it), and the same done and failed ids come back:
+    ``pop`` treats each request's handles on their own."""
+    done: set[str] = set()
+    failed: set[str] = set()
+    for req_id in list(transfers):
+        one = {req_id: transfers[req_id]}
+        notes.reading = req_id
+        try:
+            one_done, one_failed = pop(one)
+        finally:
+            notes.reading = None
+        if req_id in one:
+            transfers[req_id] = one[req_id]
+        else:
+            del transfers[req_id]
+        done |= one_done
+        failed |= one_failed
+    return done, failed
 
 
 @contextmanager
@@ -93,12 +149,49 @@ def progress_wait(wait_ms: float, bindings: Any = None) -> Iterator[None]:
         bindings.nixlAgentConfig = base
 
 
-def _build() -> Any:
-    from engines._vllm import require_vllm
+def _stats_and_worker() -> tuple[type, type]:
+    """vLLM's NIXL stats and pull worker, saying which request each read was for."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+        NixlPullConnectorWorker,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
 
-    require_vllm()
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
+    class KVTideNixlStats(NixlKVConnectorStats):  # type: ignore[misc]
+        """vLLM's NIXL stats, plus each finished read's request id and bytes."""
+
+        reading: str | None = None  # the request whose reads are being polled
+
+        def reset(self) -> None:
+            super().reset()
+            self.data[READ_REQUESTS_KEY] = []
+            self.data[READ_BYTES_KEY] = []
+
+        def record_transfer(self, res: Any) -> None:
+            super().record_transfer(res)
+            if self.reading is not None:
+                self.data[READ_REQUESTS_KEY].append(self.reading)
+                self.data[READ_BYTES_KEY].append(None if res is None else int(res.totalBytes))
+
+        def is_empty(self) -> bool:
+            # A read NIXL gave no telemetry for is still news.
+            empty: bool = super().is_empty()
+            return empty and not self.data.get(READ_REQUESTS_KEY)
+
+    class KVTideNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
+        """vLLM's pull worker, whose stats say which request each read was for."""
+
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self.xfer_stats = KVTideNixlStats()
+
+        def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> DoneTransfers:
+            return pop_done_per_request(super()._pop_done_transfers, transfers, self.xfer_stats)
+
+    return KVTideNixlStats, KVTideNixlWorker
+
+
+def _scheduler() -> type:
+    """vLLM's pull scheduler, whose ``request_finished`` honours ``kvtide_keep``."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
         NixlPullConnectorScheduler,
     )
@@ -122,31 +215,61 @@ def _build() -> Any:
             self._reqs_need_save.pop(req_id, None)
             return False, None
 
+    return KVTideNixlScheduler
+
+
+def _build() -> dict[str, Any]:
+    from engines._vllm import require_vllm
+
+    require_vllm()
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+        NixlBaseConnector,
+        NixlPullConnector,
+    )
+
+    KVTideNixlStats, KVTideNixlWorker = _stats_and_worker()
+    KVTideNixlScheduler = _scheduler()
+
     class KVTideNixlConnector(NixlPullConnector):  # type: ignore[misc]
         """vLLM's pull connector with ``KVTideNixlScheduler`` on the scheduler side and
-        NIXL's progress-thread wait on the worker side."""
+        ``KVTideNixlWorker``, whose NIXL agent's progress thread waits, on the worker
+        side. It makes its sides as ``NixlPullConnector.__init__`` does, with kvtide's
+        classes (the worker is not made twice: it starts a NIXL agent)."""
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
-            wait_ms = float(
-                vllm_config.kv_transfer_config.get_from_extra_config(PROGRESS_WAIT_KEY, 0.0)
-            )
-            # The worker side makes the NIXL agent.
-            with progress_wait(wait_ms if role == KVConnectorRole.WORKER else 0.0):
-                super().__init__(vllm_config, role, kv_cache_config)
+            # vLLM's base leaves both sides to its subclasses.
+            NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
             if role == KVConnectorRole.SCHEDULER:
                 self.connector_scheduler = KVTideNixlScheduler(
                     vllm_config, self.engine_id, kv_cache_config
                 )
+            elif role == KVConnectorRole.WORKER:
+                wait_ms = float(
+                    vllm_config.kv_transfer_config.get_from_extra_config(PROGRESS_WAIT_KEY, 0.0)
+                )
+                with progress_wait(wait_ms):  # the worker makes the NIXL agent
+                    self.connector_worker = KVTideNixlWorker(
+                        vllm_config, self.engine_id, kv_cache_config
+                    )
 
-    # vLLM (and pickle) find it as engines.kv_connector.NixlConnector.
-    KVTideNixlConnector.__module__ = __name__
-    KVTideNixlConnector.__qualname__ = "NixlConnector"
-    return KVTideNixlConnector
+        @classmethod
+        def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+            # The front end's loggers rebuild the stats from their data: with kvtide's
+            # keys, so that aggregating them finds those lists.
+            return KVTideNixlStats(data=data) if data is not None else KVTideNixlStats()
+
+    # vLLM (and pickle) find them as engines.kv_connector.NixlConnector and
+    # engines.kv_connector.NixlStats: the stats cross from TP workers to the engine core.
+    built = {"NixlConnector": KVTideNixlConnector, "NixlStats": KVTideNixlStats}
+    for name, cls in built.items():
+        cls.__module__, cls.__qualname__ = __name__, name
+    return built
 
 
 def __getattr__(name: str) -> Any:
-    if name != "NixlConnector":
+    if name not in ("NixlConnector", "NixlStats"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if name not in _classes:
-        _classes[name] = _build()
+    if not _classes:
+        _classes.update(_build())
     return _classes[name]

@@ -16,7 +16,9 @@ in ``EngineSpec.model_path``) on a catalog device (``engines/simulated_config.py
   prefill with ``do_remote_decode`` keeps its blocks for ``prefill_lease_s`` (vLLM's
   ``kv_lease_duration``: unread, they are freed then) and returns params
   naming them; a decode given them pulls the prompt's KV (transfer time from
-  ``kv_transfer_gbps``; ``num_cached_tokens`` reports it) and, with
+  ``kv_transfer_gbps``; ``num_cached_tokens`` reports it, the first chunk's
+  ``kv_read_bytes`` the bytes it copies: every token it reads, as pulls do not
+  consult its prefix cache) and, with
   ``bidirectional_kv_xfer``, keeps its own blocks for ``decoder_kv_blocks_ttl_s`` and
   returns params for the send-back; a prefill given those reads them back, except
   within 5 s of their expiry or under ``kv_recompute_threshold_tokens``. With
@@ -117,6 +119,7 @@ class _Request:
     num_cached: int = 0  # prompt tokens whose KV was pulled or found in the prefix cache
     num_output: int = 0
     ready_s: float = 0.0  # when its pull completes
+    read_bytes: int = 0  # the KV bytes its pull copies (reported on its first chunk)
     pull_from: tuple[SimulatedEngine, str] | None = None  # peer, and its request id
 
     @property
@@ -384,8 +387,9 @@ class SimulatedEngine(EngineAdapter):
         req.pull_from = (peer, remote_id)
         per_gpu = count * self.config.kv_bytes_per_token_per_gpu
         req.ready_s = now + per_gpu / (self.config.kv_transfer_gbps * 1e9)
+        req.read_bytes = round(per_gpu * self.config.num_gpus)
         self._count("kv_transfers")
-        self._count("kv_bytes", round(per_gpu * self.config.num_gpus))
+        self._count("kv_bytes", req.read_bytes)
         self._pulling.append(req)
         return True
 
@@ -406,6 +410,7 @@ class SimulatedEngine(EngineAdapter):
             token_ids=[token],
             num_prompt_tokens=req.prompt_len,
             num_cached_tokens=req.num_cached,
+            kv_read_bytes=req.read_bytes if req.num_output == 1 else None,
         )
         if req.num_output < req.request.max_tokens:
             req.out.put_nowait(chunk)
@@ -444,6 +449,7 @@ class SimulatedEngine(EngineAdapter):
                 num_prompt_tokens=req.prompt_len,
                 num_cached_tokens=req.num_cached,
                 kv_transfer_params=params,
+                kv_read_bytes=last.kv_read_bytes if last else None,
             )
         )
 

@@ -38,7 +38,12 @@ from engines.base import (
     GenerateRequest,
 )
 from engines.decode_path import check_decode_backend, decode_path_settings
-from engines.kv_connector import CONNECTOR_MODULE, PROGRESS_WAIT_KEY
+from engines.kv_connector import (
+    CONNECTOR_MODULE,
+    PROGRESS_WAIT_KEY,
+    READ_BYTES_KEY,
+    READ_REQUESTS_KEY,
+)
 from engines.kv_events import kv_events_config
 from engines.kv_params import KVTransferParams
 from engines.lifeline import ENV_VAR as LIFELINE_ENV
@@ -50,9 +55,23 @@ from engines.vllm_sampling import (
 )
 from kernels.gate import VALIDATED, ValidatedScope
 
-__all__ = ["VLLMEngine", "engine_args_for", "engine_step_s", "sampling_args_for"]
+__all__ = [
+    "VLLMEngine",
+    "add_reads",
+    "engine_args_for",
+    "engine_step_s",
+    "runs_kvtide_connector",
+    "sampling_args_for",
+]
 
 log = logging.getLogger("kvtide.engine")
+
+
+def runs_kvtide_connector(spec: EngineSpec) -> bool:
+    """Whether the engine runs kvtide's connector (``engines/kv_connector.py``): it keeps
+    blocks per request and says which request each NIXL read was for."""
+    kv = spec.kv_transfer
+    return kv is not None and kv.per_request_keep and kv.connector == "NixlConnector"
 
 
 def engine_args_for(
@@ -102,7 +121,7 @@ def engine_args_for(
                 PROGRESS_WAIT_KEY: kv.progress_wait_ms,
             },
         }
-        if kv.per_request_keep and kv.connector == "NixlConnector":
+        if runs_kvtide_connector(spec):
             # kvtide's subclass, under vLLM's name (see engines/kv_connector.py).
             args["kv_transfer_config"]["kv_connector_module_path"] = CONNECTOR_MODULE
     if spec.kv_events_port is not None and spec.enable_prefix_caching:
@@ -116,16 +135,43 @@ def engine_args_for(
 
 
 class _Counters:
-    """Engine counters fed by vLLM's stat-logger hook (engine-core thread) and read by
-    ``stats()``; a lock keeps the snapshot consistent."""
+    """Engine counters fed by vLLM's stat-logger hook and read by ``stats()``, and the
+    bytes read for each running request, read by ``generate``; a lock keeps them
+    consistent."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.values: dict[str, float] = {}
         self.gauges: dict[str, float] = {}
+        # Requests running here (kvtide's ids), and the NIXL bytes read for each so far.
+        self.live: set[str] = set()
+        self.read: dict[str, int | None] = {}
 
     def add(self, key: str, amount: float) -> None:
         self.values[key] = self.values.get(key, 0) + amount
+
+
+def add_reads(
+    read: dict[str, int | None],
+    request_ids: list[str],
+    num_bytes: list[int | None],
+    live: set[str],
+) -> None:
+    """Add each finished NIXL read's bytes (``num_bytes``, beside ``request_ids``: the
+    connector's stats, ``engines/kv_connector.py``) to ``read``, by kvtide's request id.
+
+    The connector knows a request by vLLM's internal id: kvtide's (the id ``generate``
+    gave vLLM) with ``-`` and 8 random characters appended
+    (``InputProcessor.assign_request_id``), or kvtide's itself where vLLM's
+    randomisation is off. Reads of requests not in ``live`` (ended here meanwhile) are
+    dropped. A read NIXL gave no bytes for makes its request's total None: unknown,
+    not smaller."""
+    for internal, moved in zip(request_ids, num_bytes, strict=True):
+        rid = internal if internal in live else internal.rpartition("-")[0]
+        if rid not in live:
+            continue
+        total = read.get(rid, 0)
+        read[rid] = None if total is None or moved is None else total + int(moved)
 
 
 def _make_stat_logger(counters: _Counters) -> Any:
@@ -165,6 +211,12 @@ def _make_stat_logger(counters: _Counters) -> Any:
                     counters.add("kv_transfers", len(moved))
                     counters.add("kv_failures", len(data.get("num_failed_transfers") or []))
                     counters.add("kv_expired", len(data.get("num_kv_expired_reqs") or []))
+                    add_reads(
+                        counters.read,
+                        data.get(READ_REQUESTS_KEY) or [],
+                        data.get(READ_BYTES_KEY) or [],
+                        counters.live,
+                    )
 
         def log_engine_initialized(self) -> None:
             pass
@@ -300,25 +352,50 @@ class VLLMEngine(EngineAdapter):
 
         params = sampling_params_for(request, RequestOutputKind.DELTA)
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
-        async for out in self._llm.generate(prompt, params, request.request_id):
-            completion = out.outputs[0] if out.outputs else None
-            kv_params = KVTransferParams.from_vllm(out.kv_transfer_params) if out.finished else None
-            yield GenerateChunk(
-                request_id=request.request_id,
-                text=completion.text if completion else "",
-                token_ids=list(completion.token_ids) if completion else [],
-                finished=out.finished,
-                finish_reason=completion.finish_reason if completion else None,
-                num_prompt_tokens=len(out.prompt_token_ids or ()),
-                num_cached_tokens=int(out.num_cached_tokens or 0),
-                kv_transfer_params=kv_params,
-                kv_expires_in_s=_expires_in_s(kv_params),
-                logprobs=logprobs_of(completion.logprobs) if completion else None,
-                cumulative_logprob=completion.cumulative_logprob if completion else None,
-                stop_reason=completion.stop_reason if completion else None,
-                prompt_logprobs=prompt_logprobs_of(out.prompt_logprobs),
-                engine_step_s=engine_step_s(out.metrics) if out.finished else None,
-            )
+        rid, counters = request.request_id, self._counters
+        with counters.lock:
+            counters.live.add(rid)
+        try:
+            first = True
+            async for out in self._llm.generate(prompt, params, rid):
+                read_bytes = self._read_bytes(rid) if first else None
+                first = False
+                yield self._chunk(request, out, read_bytes)
+        finally:
+            with counters.lock:
+                counters.live.discard(rid)
+                counters.read.pop(rid, None)
+
+    def _read_bytes(self, rid: str) -> int | None:
+        """What this engine read for ``rid`` over NIXL, on its first output: the read is
+        done before the request runs, and its stats were recorded with the engine step
+        it ended in, which vLLM's front end hands to the stat loggers before the next
+        step's outputs (``AsyncLLM``'s output handler)."""
+        if not runs_kvtide_connector(self.spec):
+            return None
+        with self._counters.lock:
+            return self._counters.read.pop(rid, 0)
+
+    def _chunk(self, request: GenerateRequest, out: Any, read_bytes: int | None) -> GenerateChunk:
+        completion = out.outputs[0] if out.outputs else None
+        kv_params = KVTransferParams.from_vllm(out.kv_transfer_params) if out.finished else None
+        return GenerateChunk(
+            request_id=request.request_id,
+            text=completion.text if completion else "",
+            token_ids=list(completion.token_ids) if completion else [],
+            finished=out.finished,
+            finish_reason=completion.finish_reason if completion else None,
+            num_prompt_tokens=len(out.prompt_token_ids or ()),
+            num_cached_tokens=int(out.num_cached_tokens or 0),
+            kv_transfer_params=kv_params,
+            kv_expires_in_s=_expires_in_s(kv_params),
+            logprobs=logprobs_of(completion.logprobs) if completion else None,
+            cumulative_logprob=completion.cumulative_logprob if completion else None,
+            stop_reason=completion.stop_reason if completion else None,
+            prompt_logprobs=prompt_logprobs_of(out.prompt_logprobs),
+            engine_step_s=engine_step_s(out.metrics) if out.finished else None,
+            kv_read_bytes=read_bytes,
+        )
 
     async def abort(self, request_id: str) -> None:
         if self._llm is not None:

@@ -124,7 +124,16 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         name="kvtide_kv_transfer_bytes_total",
         kind="counter",
-        description="KV bytes moved over NIXL, computed from the block counts engines report.",
+        description="KV bytes turns moved over NIXL, as the reading engines measured them "
+        "(NIXL's transfer telemetry).",
+        tag_keys=("direction",),
+    ),
+    MetricSpec(
+        name="kvtide_kv_transfer_offered_bytes_total",
+        kind="counter",
+        description="KV bytes offered to turns' NIXL reads: the blocks the sending engine "
+        "named x block size x KV bytes per token (the reader moves only what its prefix "
+        "cache lacks).",
         tag_keys=("direction",),
     ),
     MetricSpec(
@@ -301,10 +310,18 @@ class Metrics:
         self.set_gauge("kvtide_sessions_live", num_sessions)
 
     def add_transfer_bytes(self, direction: str, num_bytes: int) -> None:
-        """``direction``: "prefill_to_decode" or "decode_to_prefill" (as in the spans)."""
+        """KV bytes a transfer moved. ``direction``: "prefill_to_decode" or
+        "decode_to_prefill" (as in the spans)."""
+        self._add_bytes("kvtide_kv_transfer_bytes_total", direction, num_bytes)
+
+    def add_offered_bytes(self, direction: str, num_bytes: int) -> None:
+        """KV bytes offered to a transfer (its blocks, as bytes); see ``add_transfer_bytes``."""
+        self._add_bytes("kvtide_kv_transfer_offered_bytes_total", direction, num_bytes)
+
+    def _add_bytes(self, name: str, direction: str, num_bytes: int) -> None:
         if direction not in ("prefill_to_decode", "decode_to_prefill"):
             raise ValueError(f"unknown KV transfer direction {direction!r}")
-        self.inc("kvtide_kv_transfer_bytes_total", num_bytes, direction=direction)
+        self.inc(name, num_bytes, direction=direction)
 
     def snapshot(self) -> dict[str, float]:
         """Current values by ``series_key`` (histograms as ``name_count{..}``/``name_sum{..}``).

@@ -76,6 +76,7 @@ __all__ = [
     "KV_TRANSFER_BLOCKS",
     "KV_TRANSFER_BYTES",
     "KV_TRANSFER_DIRECTION",
+    "KV_TRANSFER_OFFERED_BYTES",
     "PULL_FALLBACK",
     "SPAN_DECODE",
     "SPAN_INGRESS",
@@ -132,7 +133,8 @@ KV_PLAN = "kvtide.kv.plan"  # the KV decider's choice: "pull" | "recompute" | ..
 KV_PLAN_REASON = "kvtide.kv.plan_reason"
 KV_SOURCE = "kvtide.kv.source"  # where the prompt's KV came from (router.KV_SOURCES)
 KV_CACHED_TOKENS = "kvtide.kv.cached_tokens"
-KV_TRANSFER_BYTES = "kvtide.kv.transfer.bytes"
+KV_TRANSFER_BYTES = "kvtide.kv.transfer.bytes"  # moved, as the reading engine measured
+KV_TRANSFER_OFFERED_BYTES = "kvtide.kv.transfer.offered_bytes"  # blocks offered, as bytes
 KV_TRANSFER_BLOCKS = "kvtide.kv.transfer.blocks"
 KV_TRANSFER_BACKEND = "kvtide.kv.transfer.backend"  # "nixl"
 KV_TRANSFER_DIRECTION = "kvtide.kv.transfer.direction"  # see Direction
@@ -407,26 +409,36 @@ def _clean(attrs: Mapping[str, AttrValue | None] | None) -> dict[str, AttrValue]
 
 
 def kv_transfer_attrs(
-    num_blocks: int, block_size_tokens: int, kv_bytes_per_token: int, direction: Direction
+    num_blocks: int,
+    block_size_tokens: int,
+    kv_bytes_per_token: int,
+    direction: Direction,
+    moved_bytes: int | None,
 ) -> dict[str, AttrValue]:
     """Attributes of a ``kvtide.kv_transfer`` span: blocks, bytes, backend, direction.
 
-    The bytes are *computed* from the block counts the engines report (the offered
-    ``remote_block_ids``, ``KVTransferParams.num_blocks``): ``num_blocks *
-    block_size_tokens * kv_bytes_per_token``. vLLM does not report what NIXL moved per
-    request, and the reading engine may find some blocks in its own prefix cache, so
-    this is an upper bound of the bytes on the wire.
+    ``KV_TRANSFER_BYTES`` is ``moved_bytes``: what the reading engine's NIXL reads moved
+    for the request (``GenerateChunk.kv_read_bytes``), absent when the engine did not
+    say. ``KV_TRANSFER_BLOCKS`` and ``KV_TRANSFER_OFFERED_BYTES`` are what was offered to
+    the read: the blocks the sending engine named (``KVTransferParams.num_blocks``) and
+    ``num_blocks * block_size_tokens * kv_bytes_per_token``. The reading engine finds
+    most of a session's history in its own prefix cache and reads only the rest, so the
+    offered figure grows with the session while the moved one follows the new tokens.
     """
     if direction not in DIRECTIONS:
         raise ValueError(f"direction {direction!r} is not one of {DIRECTIONS}")
-    if min(num_blocks, block_size_tokens, kv_bytes_per_token) < 0:
+    if min(num_blocks, block_size_tokens, kv_bytes_per_token, moved_bytes or 0) < 0:
         raise ValueError(
             f"negative KV size: num_blocks={num_blocks}, block_size_tokens="
-            f"{block_size_tokens}, kv_bytes_per_token={kv_bytes_per_token}"
+            f"{block_size_tokens}, kv_bytes_per_token={kv_bytes_per_token}, "
+            f"moved_bytes={moved_bytes}"
         )
-    return {
-        KV_TRANSFER_BLOCKS: num_blocks,
-        KV_TRANSFER_BYTES: num_blocks * block_size_tokens * kv_bytes_per_token,
-        KV_TRANSFER_BACKEND: "nixl",
-        KV_TRANSFER_DIRECTION: direction,
-    }
+    return _clean(
+        {
+            KV_TRANSFER_BLOCKS: num_blocks,
+            KV_TRANSFER_BYTES: moved_bytes,
+            KV_TRANSFER_OFFERED_BYTES: num_blocks * block_size_tokens * kv_bytes_per_token,
+            KV_TRANSFER_BACKEND: "nixl",
+            KV_TRANSFER_DIRECTION: direction,
+        }
+    )

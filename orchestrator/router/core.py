@@ -75,10 +75,6 @@ __all__ = ["KV_SOURCES", "LeaseRefused", "PoolClient", "Router", "TurnReport"]
 log = logging.getLogger("kvtide.router")
 
 
-def _bytes(attrs: Mapping[str, Any]) -> int:
-    return int(attrs[tr.KV_TRANSFER_BYTES])
-
-
 def _plain_prefill(request_id: str, fields: Mapping[str, Any]) -> GenerateRequest:
     """A prefill that computes the prompt (nothing pulled back) and keeps its KV for the
     decode engine to read."""
@@ -133,7 +129,7 @@ class Router:
         self.decode_long = decode_long
         self.long_context_threshold_tokens = long_context_threshold_tokens
         self.metrics = metrics if metrics is not None else Metrics()
-        # For the transfer spans' byte counts (blocks x block size x bytes per token).
+        # For the bytes offered to a transfer (blocks x block size x bytes per token).
         self.block_size_tokens = block_size_tokens
         self.kv_bytes_per_token = kv_bytes_per_token
         self.pull_timeout_s = pull_timeout_s
@@ -497,7 +493,9 @@ class Router:
                         tr.SPAN_KV_TRANSFER,
                         t_start,
                         tr.now_ns(),
-                        self._transfer_attrs(decision.kv_transfer_params, "decode_to_prefill"),
+                        self._transfer_attrs(
+                            decision.kv_transfer_params, "decode_to_prefill", None
+                        ),
                         parent=span,
                     ),
                     exc,
@@ -510,10 +508,14 @@ class Router:
                     deadline_s,
                 )
             else:
-                attrs = self._transfer_attrs(decision.kv_transfer_params, "decode_to_prefill")
+                # The prefill engine pulled the previous turn's KV back: its own count of
+                # what the pull moved is on its output.
+                attrs = self._transfer_attrs(
+                    decision.kv_transfer_params, "decode_to_prefill", pre.kv_read_bytes
+                )
                 tr.record_span(tr.SPAN_KV_TRANSFER, t_start, tr.now_ns(), attrs, parent=span)
                 self.metrics.inc("kvtide_kv_send_backs_total")
-                self.metrics.add_transfer_bytes("decode_to_prefill", _bytes(attrs))
+                self._count_transfer(report, "decode_to_prefill", attrs)
         if decision.kind != "pull" or report.pull_fallback:
             self.metrics.inc("kvtide_kv_recomputes_total")
         tr.set_attrs(
@@ -536,12 +538,24 @@ class Router:
         report.prefill_matched_tokens = route.num_matched_tokens
 
     def _transfer_attrs(
-        self, params: KVTransferParams | None, direction: tr.Direction
+        self, params: KVTransferParams | None, direction: tr.Direction, moved: int | None
     ) -> dict[str, Any]:
         num_blocks = params.num_blocks if params is not None else 0
         return tr.kv_transfer_attrs(
-            num_blocks, self.block_size_tokens, self.kv_bytes_per_token, direction
+            num_blocks, self.block_size_tokens, self.kv_bytes_per_token, direction, moved
         )
+
+    def _count_transfer(
+        self, report: TurnReport, direction: tr.Direction, attrs: Mapping[str, Any]
+    ) -> None:
+        """A finished transfer into the metrics and the turn's report: the bytes it
+        moved (where the reading engine measured them) and those offered."""
+        moved: int | None = attrs.get(tr.KV_TRANSFER_BYTES)
+        offered = int(attrs[tr.KV_TRANSFER_OFFERED_BYTES])
+        if moved is not None:
+            self.metrics.add_transfer_bytes(direction, moved)
+        self.metrics.add_offered_bytes(direction, offered)
+        report.add_transfer(direction, moved, offered)
 
     async def _decode(
         self,
@@ -561,6 +575,10 @@ class Router:
         prompt_token_ids = decode_req.prompt_token_ids[: report.num_prompt_tokens]
         output_ids, output_text = out.ids, out.text
         first = not output_ids and report.ttft_s == 0.0
+        # What this decode engine read for the request: its first chunk says. Each decode
+        # request's read is the turn's, also after a migration (a new prompt read).
+        read_bytes: int | None = None
+        said = pulled = False
         prev = self.clock()
         t_start = tr.now_ns()
         deadline_s: float = report.extra["deadline_s"]
@@ -570,13 +588,19 @@ class Router:
         async with contextlib.aclosing(stream):
             async for chunk in stream:
                 now = self.clock()
+                if not said:
+                    read_bytes, said = chunk.kv_read_bytes, True
+                if not pulled and (chunk.token_ids or chunk.finished):
+                    pulled = True
+                    # The decode engine pulled the prompt's KV before its first token.
+                    attrs = self._transfer_attrs(
+                        pre.kv_transfer_params, "prefill_to_decode", read_bytes
+                    )
+                    tr.record_span(tr.SPAN_KV_TRANSFER, t_start, tr.now_ns(), attrs, parent=span)
+                    self._count_transfer(report, "prefill_to_decode", attrs)
                 if first and (chunk.token_ids or chunk.finished):
                     report.ttft_s = now - t0
                     first = False
-                    # The decode engine pulled the prompt's KV before its first token.
-                    attrs = self._transfer_attrs(pre.kv_transfer_params, "prefill_to_decode")
-                    tr.record_span(tr.SPAN_KV_TRANSFER, t_start, tr.now_ns(), attrs, parent=span)
-                    self.metrics.add_transfer_bytes("prefill_to_decode", _bytes(attrs))
                     self.metrics.observe_ttft(report.decode_pool, report.ttft_s)
                 elif chunk.token_ids:  # a stream item may carry several tokens
                     self.metrics.observe_itl(

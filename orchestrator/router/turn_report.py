@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from engines.base import GenerateChunk, GenerateRequest
 from orchestrator.kv.conversations import is_unnamed
+from orchestrator.observability import tracing as tr
 
 __all__ = ["KV_SOURCES", "LeaseRefused", "PoolClient", "Streamed", "TurnReport"]
 
@@ -71,7 +72,24 @@ class TurnReport:
     # keeps its KV), "continued" (it extends one), "unmatched" (that session was busy:
     # served without one); None otherwise (``orchestrator.kv.conversations``).
     conversation: str | None = None
+    # The turn's KV transfers, by direction (``tr.DIRECTIONS``): the bytes they moved, as
+    # the reading engine measured them (None: it did not say; 0: nothing moved), and the
+    # bytes offered to them (the blocks the sending engine named, as bytes).
+    kv_transfer_bytes: dict[str, int | None] = field(
+        default_factory=lambda: dict.fromkeys(tr.DIRECTIONS, 0)
+    )
+    kv_offered_bytes: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(tr.DIRECTIONS, 0)
+    )
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def add_transfer(self, direction: tr.Direction, moved: int | None, offered: int) -> None:
+        """A KV transfer of this turn: what it moved (None: not measured) and was offered."""
+        before = self.kv_transfer_bytes[direction]
+        self.kv_transfer_bytes[direction] = (
+            None if before is None or moved is None else before + moved
+        )
+        self.kv_offered_bytes[direction] += offered
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -97,6 +115,8 @@ class TurnReport:
             "prefill_replica": self.prefill_replica,
             "prefill_route_reason": self.prefill_route_reason,
             "prefill_matched_tokens": self.prefill_matched_tokens,
+            "kv_transfer_bytes": dict(self.kv_transfer_bytes),
+            "kv_offered_bytes": dict(self.kv_offered_bytes),
         }
 
 

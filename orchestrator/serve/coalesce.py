@@ -39,16 +39,21 @@ class _Failed:
 
 
 def merge_chunks(first: GenerateChunk, then: GenerateChunk) -> GenerateChunk:
-    """``then`` with ``first``'s text, tokens and their log probabilities in front (its
-    other fields are the later chunk's: a finished chunk keeps its accounting)."""
+    """``then`` with ``first``'s text, tokens and their log probabilities in front, and
+    the KV bytes either read (its other fields are the later chunk's: a finished chunk
+    keeps its accounting)."""
     logprobs = first.logprobs
     if then.logprobs is not None:
         logprobs = [*(logprobs or ()), *then.logprobs]
+    read_bytes = first.kv_read_bytes
+    if then.kv_read_bytes is not None:
+        read_bytes = then.kv_read_bytes + (read_bytes or 0)
     return msgspec.structs.replace(
         then,
         text=first.text + then.text,
         token_ids=[*first.token_ids, *then.token_ids],
         logprobs=logprobs,
+        kv_read_bytes=read_bytes,
         prompt_logprobs=(
             first.prompt_logprobs if then.prompt_logprobs is None else then.prompt_logprobs
         ),

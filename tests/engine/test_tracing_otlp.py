@@ -147,6 +147,11 @@ def test_a_chat_turn_is_one_trace_from_ingress_to_decode(traced: tuple[str, Rece
     for span in spans:
         if span.name == tr.SPAN_KV_TRANSFER:
             attrs = {a.key: a.value for a in span.attributes}
-            assert attrs[tr.KV_TRANSFER_BYTES].int_value > 0
+            # What moved, as the reading engine measured it: the decode engine reads
+            # at least the prompt's last (partial) block; the prefill engine may find
+            # every block sent back in its prefix cache and read none.
+            moved = attrs[tr.KV_TRANSFER_BYTES].int_value
+            assert moved > 0 if by_id[span.parent_span_id].name == tr.SPAN_DECODE else moved >= 0
+            assert attrs[tr.KV_TRANSFER_OFFERED_BYTES].int_value > 0
             assert attrs[tr.KV_TRANSFER_BLOCKS].int_value > 0
             assert attrs[tr.KV_TRANSFER_BACKEND].string_value == "nixl"

@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 
 from engines.base import GenerateChunk
-from orchestrator.serve.coalesce import coalesce
+from orchestrator.serve.coalesce import coalesce, merge_chunks
 
 
 def tok(i: int, finished: bool = False) -> GenerateChunk:
@@ -157,3 +158,12 @@ def test_one_token_chunks_pass_through_unchanged() -> None:
         return [ids(c) async for c in coalesce(engine.stream(), max_tokens=1, window_s=60.0)]
 
     assert asyncio.run(story()) == [[0], [1], [2]]
+
+
+def test_merged_chunks_keep_the_kv_bytes_either_read() -> None:
+    # The first chunk of an engine's request says what it read; a merge keeps it.
+    first = msgspec.structs.replace(tok(1), kv_read_bytes=4096)
+    assert merge_chunks(first, tok(2)).kv_read_bytes == 4096
+    assert merge_chunks(tok(1), tok(2, finished=True)).kv_read_bytes is None
+    then = msgspec.structs.replace(tok(2), kv_read_bytes=1)
+    assert merge_chunks(first, then).kv_read_bytes == 4097

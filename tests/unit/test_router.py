@@ -53,7 +53,12 @@ class FakeClock:
         return self.now_s
 
 
-def prefill_script(cached: int = 0, fail_pulls: bool = False) -> Script:
+def prefill_script(
+    cached: int = 0, fail_pulls: bool = False, read_bytes: int | None = None
+) -> Script:
+    """``read_bytes``: what the engine says a pull read (``kv_read_bytes``; None: it does
+    not say); a prefill that pulls nothing reads 0."""
+
     def run(req: GenerateRequest) -> list[GenerateChunk]:
         params = req.kv_transfer_params or KVTransferParams()
         if fail_pulls and params.remote_block_ids:
@@ -69,6 +74,7 @@ def prefill_script(cached: int = 0, fail_pulls: bool = False) -> Script:
                 kv_transfer_params=KVTransferParams(
                     do_remote_prefill=True, remote_engine_id="P", remote_block_ids=((1, 2),)
                 ),
+                kv_read_bytes=read_bytes if params.remote_block_ids else 0,
             )
         ]
 
@@ -428,6 +434,8 @@ def test_a_turn_whose_decode_engine_dies_continues_on_another_without_repeating(
         chunks = [
             GenerateChunk(request_id=req.request_id, text=f"<{i}>", token_ids=[i]) for i in ids
         ]
+        # Its engine read 10 B per prompt token (on the first chunk, as engines say).
+        chunks[0] = msgspec.structs.replace(chunks[0], kv_read_bytes=10 * n)
         last = chunks[-1]
         chunks[-1] = GenerateChunk(
             request_id=req.request_id,
@@ -468,6 +476,8 @@ def test_a_turn_whose_decode_engine_dies_continues_on_another_without_repeating(
     assert seen == [11, 12, 11, 12, 13]
     assert report.migrations == 1 and report.num_completion_tokens == 5
     assert [r.request_id.rsplit("-", 1)[1] for r in prefill.requests] == ["p", "m1"]
+    # Both decode engines read a prompt: the turn moved both reads.
+    assert report.kv_transfer_bytes["prefill_to_decode"] == 10 * 100 + 10 * 102
     # The session's record is the surviving engine's, covering the whole turn.
     record = service_of(router).decider.lifecycle.record("s")
     assert record is not None and record.engine_id == "D2"

@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from test_router import FakePool, decode_script, make_router, prefill_script
+from test_router import FakePool, Script, decode_script, make_router, prefill_script
 
+from engines.base import GenerateChunk, GenerateRequest
 from orchestrator.config import parse_config
 from orchestrator.observability import tracing as tr
 from orchestrator.router import Router
@@ -54,10 +56,29 @@ def tree(spans: list[ReadableSpan]) -> dict[str, list[str]]:
     return children
 
 
+BLOCK_BYTES = 16 * 4096  # a block of 16 tokens at 4096 B per token
+
+
+def reading_decode_script(read_bytes: int | None) -> Script:
+    """``decode_script``, whose engine says on its first chunk what its pull read."""
+
+    def run(req: GenerateRequest) -> list[GenerateChunk]:
+        chunks = decode_script(req)
+        chunks[0] = msgspec.structs.replace(chunks[0], kv_read_bytes=read_bytes)
+        return chunks
+
+    return run
+
+
 def test_a_pulled_back_turn_is_one_trace_with_transfer_bytes(
     spans: InMemorySpanExporter,
 ) -> None:
-    router = make_router(FakePool(prefill_script(cached=101)), FakePool(decode_script))
+    # The engines offer whole histories but read only what their prefix caches lack:
+    # the prefill engine one block of the 3 decode kept, the decode engine one of 2.
+    router = make_router(
+        FakePool(prefill_script(cached=101, read_bytes=BLOCK_BYTES)),
+        FakePool(reading_decode_script(BLOCK_BYTES)),
+    )
     router.block_size_tokens, router.kv_bytes_per_token = 16, 4096
     asyncio.run(traced_turn(router, PROMPT, {}))  # turn 1: keeps KV on decode
     spans.clear()
@@ -83,22 +104,101 @@ def test_a_pulled_back_turn_is_one_trace_with_transfer_bytes(
         for s in finished
         if s.name == tr.SPAN_KV_TRANSFER
     }
-    # The fake decode engine kept 3 blocks (pulled back); the prefill engine 2 blocks.
+    # The fake decode engine kept 3 blocks (pulled back); the prefill engine 2 blocks:
+    # offered. Each engine read one block: moved.
     back, forth = transfers["decode_to_prefill"], transfers["prefill_to_decode"]
-    assert (back[tr.KV_TRANSFER_BLOCKS], back[tr.KV_TRANSFER_BYTES]) == (3, 3 * 16 * 4096)
-    assert (forth[tr.KV_TRANSFER_BLOCKS], forth[tr.KV_TRANSFER_BYTES]) == (2, 2 * 16 * 4096)
+    assert (
+        back[tr.KV_TRANSFER_BLOCKS],
+        back[tr.KV_TRANSFER_OFFERED_BYTES],
+        back[tr.KV_TRANSFER_BYTES],
+    ) == (3, 3 * BLOCK_BYTES, BLOCK_BYTES)
+    assert (
+        forth[tr.KV_TRANSFER_BLOCKS],
+        forth[tr.KV_TRANSFER_OFFERED_BYTES],
+        forth[tr.KV_TRANSFER_BYTES],
+    ) == (2, 2 * BLOCK_BYTES, BLOCK_BYTES)
     assert back[tr.KV_TRANSFER_BACKEND] == "nixl"
     decode = by_name[tr.SPAN_DECODE].attributes or {}
     assert decode[tr.DECODE_TOKENS] == 3 and decode[tr.DECODE_TTFT_S] > 0
 
 
 def test_metrics_count_what_the_turns_did(spans: InMemorySpanExporter) -> None:
-    router = make_router(FakePool(prefill_script(cached=101)), FakePool(decode_script))
+    router = make_router(
+        FakePool(prefill_script(cached=101, read_bytes=BLOCK_BYTES)),
+        FakePool(reading_decode_script(BLOCK_BYTES)),
+    )
     router.block_size_tokens, router.kv_bytes_per_token = 16, 4096
     asyncio.run(traced_turn(router, PROMPT, {}))
     asyncio.run(traced_turn(router, [*PROMPT, 11, 12, 13, 50], {}))
     snap = router.metrics.snapshot()
     assert snap["kvtide_kv_recomputes_total"] == 1
     assert snap["kvtide_kv_send_backs_total"] == 1
-    assert snap['kvtide_kv_transfer_bytes_total{direction="decode_to_prefill"}'] == 3 * 16 * 4096
+    # Moved: what the engines read (one send-back, two forward reads of a block each);
+    # offered, apart: the blocks named (3 sent back; 2 offered to each decode).
+    assert snap['kvtide_kv_transfer_bytes_total{direction="decode_to_prefill"}'] == BLOCK_BYTES
+    assert snap['kvtide_kv_transfer_bytes_total{direction="prefill_to_decode"}'] == (
+        2 * BLOCK_BYTES
+    )
+    offered = "kvtide_kv_transfer_offered_bytes_total"
+    assert snap[f'{offered}{{direction="decode_to_prefill"}}'] == 3 * BLOCK_BYTES
+    assert snap[f'{offered}{{direction="prefill_to_decode"}}'] == 2 * 2 * BLOCK_BYTES
     assert snap['kvtide_ttft_seconds_count{pool="decode"}'] == 2
+
+
+async def reports(router: Router, prompt: list[int]) -> dict[str, object]:
+    """The turn's ``kvtide`` object, as the client gets it."""
+    last = None
+    async for _, report in router.run_turn(prompt_token_ids=prompt, max_tokens=3, session_id="s1"):
+        last = report
+    await router.settled()
+    assert last is not None
+    return last.as_dict()
+
+
+def test_the_turn_reports_the_bytes_moved_and_offered_apart() -> None:
+    router = make_router(
+        FakePool(prefill_script(cached=101, read_bytes=BLOCK_BYTES)),
+        FakePool(reading_decode_script(2 * BLOCK_BYTES)),
+    )
+    router.block_size_tokens, router.kv_bytes_per_token = 16, 4096
+    first = asyncio.run(reports(router, PROMPT))
+    # Turn 1: nothing sent back; decode read both blocks prefill offered.
+    assert first["kv_transfer_bytes"] == {
+        "prefill_to_decode": 2 * BLOCK_BYTES,
+        "decode_to_prefill": 0,
+    }
+    assert first["kv_offered_bytes"] == {
+        "prefill_to_decode": 2 * BLOCK_BYTES,
+        "decode_to_prefill": 0,
+    }
+    second = asyncio.run(reports(router, [*PROMPT, 11, 12, 13, 50]))
+    # Turn 2: 3 blocks offered back, one read; the forward read as before.
+    assert second["kv_transfer_bytes"] == {
+        "prefill_to_decode": 2 * BLOCK_BYTES,
+        "decode_to_prefill": BLOCK_BYTES,
+    }
+    assert second["kv_offered_bytes"] == {
+        "prefill_to_decode": 2 * BLOCK_BYTES,
+        "decode_to_prefill": 3 * BLOCK_BYTES,
+    }
+
+
+def test_bytes_an_engine_does_not_measure_are_null_never_the_offered_figure() -> None:
+    # Engines that cannot say whose their reads were (vLLM's own connector).
+    router = make_router(
+        FakePool(prefill_script(cached=101, read_bytes=None)),
+        FakePool(reading_decode_script(None)),
+    )
+    router.block_size_tokens, router.kv_bytes_per_token = 16, 4096
+    asyncio.run(reports(router, PROMPT))
+    second = asyncio.run(reports(router, [*PROMPT, 11, 12, 13, 50]))
+    assert second["kv_transfer_bytes"] == {"prefill_to_decode": None, "decode_to_prefill": None}
+    assert second["kv_offered_bytes"] == {
+        "prefill_to_decode": 2 * BLOCK_BYTES,
+        "decode_to_prefill": 3 * BLOCK_BYTES,
+    }
+    snap = router.metrics.snapshot()
+    assert not [key for key in snap if key.startswith("kvtide_kv_transfer_bytes_total")]
+    assert snap['kvtide_kv_transfer_offered_bytes_total{direction="decode_to_prefill"}'] == (
+        3 * BLOCK_BYTES
+    )

@@ -108,6 +108,11 @@ def test_prefill_hands_its_blocks_to_decode_which_pulls_them_and_decodes_like_on
             stats = d.stats()
             assert stats.num_kv_transfers == 1
             assert stats.kv_transfer_bytes == 200 * LLAMA_KV_BYTES_PER_TOKEN
+            # The request's own read, on its first chunk only; the prefill read nothing.
+            assert [c.kv_read_bytes for c in out_d] == [200 * LLAMA_KV_BYTES_PER_TOKEN] + [None] * (
+                len(out_d) - 1
+            )
+            assert out[-1].kv_read_bytes == 0
             # The first token is the one prefill sampled, and the whole output is what a
             # single engine produces for the prompt.
             assert out_d[0].token_ids == out[-1].token_ids
@@ -140,6 +145,8 @@ def test_decode_keeps_its_blocks_and_the_next_prefill_pulls_them_back() -> None:
             out2 = await collect(p, req("t2-p", turn2, 1, params))
             assert out2[-1].num_cached_tokens == 207
             assert p.stats().num_kv_transfers == 1
+            # The read back, on the prefill's one (finished) chunk.
+            assert out2[-1].kv_read_bytes == 207 * LLAMA_KV_BYTES_PER_TOKEN
             assert d.stats().kv_cache_usage == 0  # read back, so decode freed them
             # And prefill hands turn 2 on as in turn 1: 255 tokens in 16 blocks.
             assert out2[-1].kv_transfer_params is not None

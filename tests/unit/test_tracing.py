@@ -67,10 +67,15 @@ def serve_turn(headers: dict[str, str]) -> None:
                 tr.SPAN_PREFILL, {tr.ENGINE_POOL: "prefill"}, parent=route, kind=SpanKind.CLIENT
             ) as prefill:
                 start = tr.now_ns()
-                # The prefill engine pulled the 4 blocks decode kept (64 tokens).
+                # Decode offered the 4 blocks it kept (64 tokens); the prefill engine
+                # had 3 in its prefix cache and read one.
                 params = KVTransferParams(remote_block_ids=((5, 6, 7, 8),), remote_engine_id="D0")
                 pull = tr.kv_transfer_attrs(
-                    params.num_blocks, BLOCK_SIZE, KV_BYTES_PER_TOKEN, "decode_to_prefill"
+                    params.num_blocks,
+                    BLOCK_SIZE,
+                    KV_BYTES_PER_TOKEN,
+                    "decode_to_prefill",
+                    1 * BLOCK_SIZE * KV_BYTES_PER_TOKEN,
                 )
                 tr.record_span(tr.SPAN_KV_TRANSFER, start, tr.now_ns(), pull, parent=prefill)
                 tr.set_attrs(prefill, {tr.KV_CACHED_TOKENS: 64, tr.PULL_FALLBACK: False})
@@ -79,8 +84,11 @@ def serve_turn(headers: dict[str, str]) -> None:
             ) as decode:
                 start = tr.now_ns()
                 first_token = start + 2_000_000  # decode's first token 2 ms after its start
-                # Decode reads the whole 80-token prompt (5 blocks) from prefill.
-                fwd = tr.kv_transfer_attrs(5, BLOCK_SIZE, KV_BYTES_PER_TOKEN, "prefill_to_decode")
+                # Decode reads the whole 80-token prompt (5 blocks) from prefill; its
+                # engine did not say what moved.
+                fwd = tr.kv_transfer_attrs(
+                    5, BLOCK_SIZE, KV_BYTES_PER_TOKEN, "prefill_to_decode", None
+                )
                 tr.record_span(tr.SPAN_KV_TRANSFER, start, first_token, fwd, parent=decode)
                 tr.set_attrs(decode, {tr.DECODE_TTFT_S: 0.002, tr.DECODE_TOKENS: 3})
             with tr.span(tr.SPAN_SEND_BACK, {tr.ENGINE_ID: "D0"}, parent=route) as send_back:
@@ -145,18 +153,21 @@ def test_a_turn_is_one_trace_continuing_the_callers_traceparent(
     transfers = {parent_of(s): s for s in named[tr.SPAN_KV_TRANSFER]}
     assert set(transfers) == {prefill.context.span_id, decode.context.span_id}
     pull, fwd = transfers[prefill.context.span_id], transfers[decode.context.span_id]
-    # 4 blocks x 16 tokens x 4096 B back to prefill; 5 blocks forward to decode.
+    # Back to prefill: 4 blocks x 16 tokens x 4096 B offered, one block's bytes moved.
     assert dict(pull.attributes or {}) == {
         tr.KV_TRANSFER_BLOCKS: 4,
-        tr.KV_TRANSFER_BYTES: 4 * 16 * 4096,
+        tr.KV_TRANSFER_BYTES: 1 * 16 * 4096,
+        tr.KV_TRANSFER_OFFERED_BYTES: 4 * 16 * 4096,
         tr.KV_TRANSFER_BACKEND: "nixl",
         tr.KV_TRANSFER_DIRECTION: "decode_to_prefill",
     }
+    # Forward to decode: 5 blocks offered; what moved unknown, so no moved bytes at all.
     assert fwd.attributes is not None
-    assert (fwd.attributes[tr.KV_TRANSFER_BLOCKS], fwd.attributes[tr.KV_TRANSFER_BYTES]) == (
-        5,
-        5 * 16 * 4096,
-    )
+    assert (
+        fwd.attributes[tr.KV_TRANSFER_BLOCKS],
+        fwd.attributes[tr.KV_TRANSFER_OFFERED_BYTES],
+    ) == (5, 5 * 16 * 4096)
+    assert tr.KV_TRANSFER_BYTES not in fwd.attributes
     # The forward transfer covers decode's start until its first token, inside decode.
     assert fwd.start_time is not None and fwd.end_time is not None
     assert fwd.end_time - fwd.start_time == 2_000_000
@@ -307,4 +318,6 @@ def test_config_rejects_an_unknown_mode_and_a_non_http_endpoint() -> None:
 def test_a_transfer_has_a_known_direction() -> None:
     # (Blocks are counted by KVTransferParams.num_blocks: tests/unit/test_kv_params.py.)
     with pytest.raises(ValueError, match="direction"):
-        tr.kv_transfer_attrs(1, 16, 1, "sideways")  # type: ignore[arg-type]
+        tr.kv_transfer_attrs(1, 16, 1, "sideways", 16)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="moved_bytes=-1"):
+        tr.kv_transfer_attrs(1, 16, 1, "decode_to_prefill", -1)
