@@ -41,14 +41,11 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
-import msgspec
-from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace import Span
 
-from engines.base import GenerateChunk, GenerateRequest, RequestFailed, final_chunk
+from engines.base import GenerateChunk
 from engines.kv_params import KVTransferParams
 from orchestrator.errors import (
-    DeadlineExceeded,
-    EngineUnavailable,
     RequestError,
     ServiceUnavailable,
 )
@@ -57,14 +54,14 @@ from orchestrator.kv.service import KVServiceAPI
 from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import Metrics
+from orchestrator.router.decode_side import DecodeSide
 from orchestrator.router.handover import HandOver
 from orchestrator.router.held_leases import HeldLeases
-from orchestrator.router.streams import bounded
+from orchestrator.router.prefill_side import PrefillSide
 from orchestrator.router.turn_report import (
     KV_SOURCES,
     LeaseRefused,
     PoolClient,
-    Streamed,
     TurnReport,
 )
 from policies.kv_records import RecomputeReason
@@ -75,25 +72,7 @@ __all__ = ["KV_SOURCES", "LeaseRefused", "PoolClient", "Router", "TurnReport"]
 log = logging.getLogger("kvtide.router")
 
 
-def _plain_prefill(request_id: str, fields: Mapping[str, Any]) -> GenerateRequest:
-    """A prefill that computes the prompt (nothing pulled back) and keeps its KV for the
-    decode engine to read."""
-    return GenerateRequest(
-        request_id=request_id,
-        max_tokens=1,
-        kv_transfer_params=KVTransferParams.keep_for_decode(),
-        **fields,
-    )
-
-
-async def _last(stream: AsyncIterator[GenerateChunk]) -> GenerateChunk:
-    try:
-        return await final_chunk(stream)
-    except RequestFailed as exc:
-        raise EngineUnavailable(f"the prefill engine {exc}") from None
-
-
-class Router:
+class Router(PrefillSide, DecodeSide):
     def __init__(
         self,
         *,
@@ -199,44 +178,6 @@ class Router:
             if num_prompt_tokens > threshold:
                 return "decode_long", self.decode_long
         return "decode", self.decode
-
-    async def _prefill(
-        self, req: GenerateRequest, deadline_s: float, pull_timeout_s: float | None = None
-    ) -> GenerateChunk:
-        """The prefill's last chunk. With ``pull_timeout_s`` (a pull) a timeout within the
-        request's deadline raises ``TimeoutError`` (the caller recomputes)."""
-        limit = deadline_s
-        if pull_timeout_s is not None:
-            limit = min(deadline_s, self.clock() + pull_timeout_s)
-        try:
-            return await _last(bounded(self.prefill.generate(req), limit, self.clock, "prefill"))
-        except DeadlineExceeded:
-            if limit < deadline_s:
-                raise TimeoutError from None  # the pull's own bound, not the request's
-            raise
-
-    async def _recompute(
-        self, req: GenerateRequest, report: TurnReport, deadline_s: float
-    ) -> GenerateChunk:
-        """A plain prefill (nothing pulled back); when its engine fails, the prompt is
-        prefilled again on another, ``max_migrations`` times at most (the pool's
-        balancing sends the retry elsewhere; a dead replica leaves Serve's routing)."""
-        attempt = req
-        while True:
-            try:
-                return await self._prefill(attempt, deadline_s)
-            except EngineUnavailable:
-                if report.prefill_retries >= self.max_migrations:
-                    raise
-            report.prefill_retries += 1
-            log.warning("turn %s: prefill failed; prefilling again", report.request_id)
-            attempt = msgspec.structs.replace(
-                req, request_id=f"{req.request_id}{report.prefill_retries}"
-            )
-            # A moment for Serve to see the replica gone (bounded by the deadline).
-            await asyncio.sleep(
-                max(0.0, min(0.1 * report.prefill_retries, deadline_s - self.clock()))
-            )
 
     async def run_turn(
         self,
@@ -387,248 +328,3 @@ class Router:
         if not ok:
             report.extra["lease_refused"] = True
             raise LeaseRefused(report.session_id or "")
-
-    async def _stream(
-        self,
-        route: Span,
-        decision: KVDecision,
-        params: KVTransferParams,
-        base: dict[str, Any],
-        rid: str,
-        max_tokens: int,
-        report: TurnReport,
-        t0: float,
-        t_engine: float,
-        prompt_text: str | None,
-    ) -> AsyncIterator[tuple[GenerateChunk, TurnReport]]:
-        prompt_token_ids: list[int] = base["prompt_token_ids"]
-        with tr.span(
-            tr.SPAN_PREFILL, {tr.ENGINE_POOL: "prefill"}, parent=route, kind=SpanKind.CLIENT
-        ) as prefill_span:
-            pre = await self._prefill_turn(prefill_span, decision, params, base, rid, report)
-        report.prefill_s = self.clock() - t_engine
-        # kvtide's own work: deciding before the engines, booking after them.
-        report.router_s = t_engine - t0
-        report.num_cached_tokens = pre.num_cached_tokens
-        # The prompt's log probabilities, when asked: the prefill computed them.
-        report.extra["prompt_logprobs"] = pre.prompt_logprobs
-        if pre.num_cached_tokens > 0:
-            pulled = decision.kind == "pull" and not report.pull_fallback
-            report.kv_source = "sent_back" if pulled else "prefix_cache"
-        if pre.kv_transfer_params is None:
-            raise EngineUnavailable(
-                "the prefill engine returned no kv_transfer_params; is it configured with "
-                "a KV connector (kv_transfer_config)?"
-            )
-        report.decode_pool, decode = self.decode_pool_for(len(prompt_token_ids))
-        # Only a session's decode keeps its blocks for the next turn to pull back; a
-        # sessionless one frees them when it finishes (engines/kv_connector.py).
-        keep = report.session_id is not None
-        out = Streamed()
-        while True:
-            decode_req = GenerateRequest(
-                request_id=f"{rid}-d" if not report.migrations else f"{rid}-d{report.migrations}",
-                max_tokens=max_tokens - len(out.ids),
-                kv_transfer_params=pre.kv_transfer_params.for_decode(keep=keep),
-                sampling_params=report.extra["sampling_params"],
-                **{
-                    **base,
-                    "prompt_token_ids": [*prompt_token_ids, *out.ids],
-                    "prompt_logprobs": None,
-                },
-            )
-            try:
-                with tr.span(
-                    tr.SPAN_DECODE,
-                    {tr.ENGINE_POOL: report.decode_pool},
-                    parent=route,
-                    kind=SpanKind.CLIENT,
-                ) as decode_span:
-                    async for item in self._decode(
-                        route, decode_span, decode, decode_req, pre, report, t0, out, prompt_text
-                    ):
-                        yield item
-                return
-            except EngineUnavailable:
-                if report.migrations >= self.max_migrations or len(out.ids) >= max_tokens:
-                    raise
-            # The decode engine died mid-turn: continue on another. Prefill the prompt
-            # and the tokens already streamed, decode the rest; nothing is sent twice.
-            report.migrations += 1
-            log.warning("turn %s: decode failed after %d tokens; migrating", rid, len(out.ids))
-            resumed = {**base, "prompt_token_ids": [*prompt_token_ids, *out.ids]}
-            pre = await self._recompute(
-                _plain_prefill(f"{rid}-m{report.migrations}", resumed),
-                report,
-                report.extra["deadline_s"],
-            )
-
-    async def _prefill_turn(
-        self,
-        span: Span,
-        decision: KVDecision,
-        params: KVTransferParams,
-        base: dict[str, Any],
-        rid: str,
-        report: TurnReport,
-    ) -> GenerateChunk:
-        """The prefill, pulling the kept KV back when decided; a failed or hung pull
-        becomes a plain prefill."""
-        t_start = tr.now_ns()
-        deadline_s: float = report.extra["deadline_s"]
-        first = GenerateRequest(
-            request_id=f"{rid}-p", max_tokens=1, kv_transfer_params=params, **base
-        )
-        if decision.kind != "pull":
-            pre = await self._recompute(first, report, deadline_s)
-        else:
-            try:
-                pre = await self._prefill(first, deadline_s, self.pull_timeout_s)
-            except (TimeoutError, EngineUnavailable) as exc:
-                # The pull hung or failed: forget those blocks and prefill from scratch.
-                assert report.session_id is not None
-                self.metrics.inc("kvtide_kv_transfer_failures_total")
-                tr.record_error(
-                    tr.record_span(
-                        tr.SPAN_KV_TRANSFER,
-                        t_start,
-                        tr.now_ns(),
-                        self._transfer_attrs(
-                            decision.kv_transfer_params, "decode_to_prefill", None
-                        ),
-                        parent=span,
-                    ),
-                    exc,
-                )
-                await self.kv.pull_failed(report.session_id)
-                report.pull_fallback = True
-                pre = await self._recompute(
-                    _plain_prefill(f"{rid}-r", base),
-                    report,
-                    deadline_s,
-                )
-            else:
-                # The prefill engine pulled the previous turn's KV back: its own count of
-                # what the pull moved is on its output.
-                attrs = self._transfer_attrs(
-                    decision.kv_transfer_params, "decode_to_prefill", pre.kv_read_bytes
-                )
-                tr.record_span(tr.SPAN_KV_TRANSFER, t_start, tr.now_ns(), attrs, parent=span)
-                self.metrics.inc("kvtide_kv_send_backs_total")
-                self._count_transfer(report, "decode_to_prefill", attrs)
-        if decision.kind != "pull" or report.pull_fallback:
-            self.metrics.inc("kvtide_kv_recomputes_total")
-        tr.set_attrs(
-            span,
-            {tr.KV_CACHED_TOKENS: pre.num_cached_tokens, tr.PULL_FALLBACK: report.pull_fallback},
-        )
-        self._note_route(pre, report)
-        return pre
-
-    def _note_route(self, pre: GenerateChunk, report: TurnReport) -> None:
-        """Which prefill engine computed the turn's prompt, and why it was chosen."""
-        report.prefill_replica = pre.engine_id
-        if self.prefill_routes is None:
-            return
-        route = self.prefill_routes(pre.request_id)
-        if route is None:
-            report.prefill_route_reason = "unrecorded"
-            return
-        report.prefill_route_reason = route.reason
-        report.prefill_matched_tokens = route.num_matched_tokens
-
-    def _transfer_attrs(
-        self, params: KVTransferParams | None, direction: tr.Direction, moved: int | None
-    ) -> dict[str, Any]:
-        num_blocks = params.num_blocks if params is not None else 0
-        return tr.kv_transfer_attrs(
-            num_blocks, self.block_size_tokens, self.kv_bytes_per_token, direction, moved
-        )
-
-    def _count_transfer(
-        self, report: TurnReport, direction: tr.Direction, attrs: Mapping[str, Any]
-    ) -> None:
-        """A finished transfer into the metrics and the turn's report: the bytes it
-        moved (where the reading engine measured them) and those offered."""
-        moved: int | None = attrs.get(tr.KV_TRANSFER_BYTES)
-        offered = int(attrs[tr.KV_TRANSFER_OFFERED_BYTES])
-        if moved is not None:
-            self.metrics.add_transfer_bytes(direction, moved)
-        self.metrics.add_offered_bytes(direction, offered)
-        report.add_transfer(direction, moved, offered)
-
-    async def _decode(
-        self,
-        route: Span,
-        span: Span,
-        decode: PoolClient,
-        decode_req: GenerateRequest,
-        pre: GenerateChunk,
-        report: TurnReport,
-        t0: float,
-        out: Streamed,
-        prompt_text: str | None,
-    ) -> AsyncIterator[tuple[GenerateChunk, TurnReport]]:
-        """Stream one decode request; ``out`` holds what the turn streamed so far (also
-        from engines before this one, when the turn migrated)."""
-        session_id = report.session_id
-        prompt_token_ids = decode_req.prompt_token_ids[: report.num_prompt_tokens]
-        output_ids, output_text = out.ids, out.text
-        first = not output_ids and report.ttft_s == 0.0
-        # What this decode engine read for the request: its first chunk says. Each decode
-        # request's read is the turn's, also after a migration (a new prompt read).
-        read_bytes: int | None = None
-        said = pulled = False
-        prev = self.clock()
-        t_start = tr.now_ns()
-        deadline_s: float = report.extra["deadline_s"]
-        # Closed with the turn: a consumer that stops reading (the client went away)
-        # aborts the decode request now, not when the generator is collected.
-        stream = bounded(decode.generate(decode_req), deadline_s, self.clock, report.decode_pool)
-        async with contextlib.aclosing(stream):
-            async for chunk in stream:
-                now = self.clock()
-                if not said:
-                    read_bytes, said = chunk.kv_read_bytes, True
-                if not pulled and (chunk.token_ids or chunk.finished):
-                    pulled = True
-                    # The decode engine pulled the prompt's KV before its first token.
-                    attrs = self._transfer_attrs(
-                        pre.kv_transfer_params, "prefill_to_decode", read_bytes
-                    )
-                    tr.record_span(tr.SPAN_KV_TRANSFER, t_start, tr.now_ns(), attrs, parent=span)
-                    self._count_transfer(report, "prefill_to_decode", attrs)
-                if first and (chunk.token_ids or chunk.finished):
-                    report.ttft_s = now - t0
-                    first = False
-                    self.metrics.observe_ttft(report.decode_pool, report.ttft_s)
-                elif chunk.token_ids:  # a stream item may carry several tokens
-                    self.metrics.observe_itl(
-                        report.decode_pool, (now - prev) / len(chunk.token_ids)
-                    )
-                prev = now
-                output_ids.extend(chunk.token_ids)
-                output_text.append(chunk.text)
-                report.num_completion_tokens = len(output_ids)
-                if chunk.finished:
-                    report.finish_reason = chunk.finish_reason
-                    report.total_s = now - t0
-                    report.decode_step_s = chunk.engine_step_s
-                    tr.set_attrs(
-                        span,
-                        {
-                            tr.DECODE_TTFT_S: report.ttft_s,
-                            tr.DECODE_TOKENS: len(output_ids),
-                            tr.GEN_AI_RESPONSE_FINISH_REASONS: (chunk.finish_reason or "",),
-                        },
-                    )
-                    kept = chunk.kv_transfer_params
-                    # A sessionless turn whose decode kept nothing leaves nothing to book
-                    # or drain: no call to the service.
-                    if session_id is not None or (kept is not None and kept.kept_blocks()):
-                        done = self.handover.message(
-                            report, chunk, prompt_token_ids, out, prompt_text
-                        )
-                        self.handover.give(route, report, done)
-                    report.router_s += self.clock() - now
-                yield chunk, report
