@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from app_calls import complete
 from polling import wait_for
 from ray import serve
 
@@ -65,24 +66,9 @@ def _quiet(app: Any) -> None:
 
 
 def _turn(app: Any, prompt: list[int], session: str) -> dict[str, Any]:
-    resp = httpx.post(
-        app.base_url + "/v1/completions",
-        json={
-            "model": app.model,
-            "prompt": prompt,
-            # An answer longer than a block (128 tokens): each turn's send-back has a
-            # full block the prefill engine lacks (reads move whole blocks).
-            "max_tokens": 160,
-            "ignore_eos": True,
-            "temperature": 0,
-            "return_token_ids": True,
-        },
-        headers={"x-session-id": session},
-        timeout=300,
-    )
-    assert resp.status_code == 200, resp.text
-    body: dict[str, Any] = resp.json()
-    return body
+    # An answer longer than a block (128 tokens): each turn's send-back has a full block
+    # the prefill engine lacks (reads move whole blocks).
+    return complete(app, prompt, session, max_tokens=160, ignore_eos=True)
 
 
 def test_a_sessions_turns_report_the_bytes_their_engines_moved(kvtide_app: Any) -> None:
