@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import random
 import sys
 import time
@@ -56,21 +55,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
 
-from benchmarks.common import embedded_app, token_gaps, vllm_server
+from benchmarks.common import embedded_app, stream_completion, token_gaps, vllm_server
 from orchestrator.cli.table import format_table
 
 BLOCK_TOKENS = 16
+TOKEN_IDS = {"return_token_ids": True}
+"""Each turn's answer comes back as ids, which the next turn's history extends with."""
+
+
+def tiny_model() -> tuple[Any, str]:
+    """The embedded default's config and its tiny model's path (generated if missing)."""
+    from engines.tiny_model import generate_tiny_model
+    from orchestrator.config import parse_config
+
+    config = parse_config({})
+    return config, str(generate_tiny_model(config.model.resolved_path()))
 
 
 def kv_bytes_per_token() -> int:
     """One token's KV on one engine, for the embedded default's tiny model."""
-    from engines.tiny_model import generate_tiny_model
-    from orchestrator.config import parse_config
     from orchestrator.serve.model_info import kv_bytes_per_token_of
 
-    config = parse_config({})
-    path = generate_tiny_model(config.model.resolved_path())
-    return kv_bytes_per_token_of(str(path), config.model.dtype)
+    config, path = tiny_model()
+    return kv_bytes_per_token_of(path, config.model.dtype)
 
 
 @dataclass(frozen=True)
@@ -121,48 +128,6 @@ class Run:
     wall_s: float
 
 
-async def _turn(
-    client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, session: str | None
-) -> tuple[float, list[float], list[int], dict[str, Any]]:
-    """One streamed greedy completion: TTFT, inter-token gaps, the output's ids and the
-    ``kvtide`` report (empty from vLLM's server)."""
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "return_token_ids": True,
-        "stream_options": {"include_usage": True},
-    }
-    headers = {"x-session-id": session} if session else {}
-    t0 = time.monotonic()
-    times: list[float] = []
-    counts: list[int] = []
-    ids: list[int] = []
-    report: dict[str, Any] = {}
-    async with client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"{resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(str(event["error"])[:300])
-            for choice in event.get("choices") or ():
-                new = choice.get("token_ids") or []
-                if new:
-                    ids.extend(new)
-                    times.append(time.monotonic())
-                    counts.append(len(ids))
-            report = event.get("kvtide") or report
-    if not times:
-        raise RuntimeError("no tokens streamed")
-    return times[0] - t0, token_gaps(times, counts), ids, report
-
-
 async def run_workload(base_url: str, model: str, work: Workload, *, sessions: bool) -> Run:
     """Every session of ``work`` against ``base_url``; ``sessions``: with x-session-id
     (kvtide's session turns; each session closed after its last turn)."""
@@ -182,15 +147,16 @@ async def run_workload(base_url: str, model: str, work: Workload, *, sessions: b
                 turns.append(turn)
                 try:
                     async with gate:
-                        ttft, gaps, ids, report = await _turn(
-                            client, model, history, work.output_tokens, sid
+                        got = await stream_completion(
+                            client, model, history, work.output_tokens, sid, TOKEN_IDS
                         )
                 except Exception as exc:  # counted: the point of the run
                     turn.error = f"{type(exc).__name__}: {exc}"
                     return
-                turn.ttft_s, turn.gaps, turn.report = ttft, gaps, report
-                turn.output_tokens = len(ids)
-                history += ids
+                turn.ttft_s, turn.report = got.ttft_s, got.report
+                turn.gaps = token_gaps(got.token_times, got.token_counts)
+                turn.output_tokens = len(got.token_ids)
+                history += got.token_ids
                 if t < work.turns:
                     await asyncio.sleep(work.think(s, t))  # the tool call
             if sid is not None:
@@ -209,11 +175,7 @@ def setup(mode: str, args: argparse.Namespace) -> Iterator[tuple[str, str]]:
     """Deploy ``mode``; yield (base URL, model name)."""
     pools = {"num_kv_blocks": args.kv_blocks}
     if mode == "vllm":
-        from engines.tiny_model import generate_tiny_model
-        from orchestrator.config import parse_config
-
-        config = parse_config({})
-        path = str(generate_tiny_model(config.model.resolved_path()))
+        config, path = tiny_model()
         blocks = 2 * args.kv_blocks  # both P/D engines' blocks in one engine
         with vllm_server(
             path,

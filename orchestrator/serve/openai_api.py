@@ -23,7 +23,8 @@ from orchestrator.errors import (
     RequestTimeout,
     UnsupportedMediaType,
 )
-from orchestrator.serve.requests import ApiRequest, parse_chat, parse_completion, shown
+from orchestrator.serve.refusals import shown
+from orchestrator.serve.requests import ApiRequest, parse_chat, parse_completion
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",

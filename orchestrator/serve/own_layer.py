@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -60,15 +60,35 @@ class OwnLayer(VLLMRoutes):
     _guarded: Callable[..., Awaitable[Any]]
     _open_turn: Callable[[OpenTurn], Awaitable[OpenedTurn]]
 
-    async def _chat(self, request: Request, root: Span) -> Any:
+    async def _layer_for(
+        self,
+        kind: Literal["chat", "completion"],
+        request: Request,
+        root: Span,
+        own: Callable[[api.ApiRequest, Request, Principal, Span, float], Awaitable[Any]],
+    ) -> Any:
+        """A request for kvtide's own layer (``own``) when its parser takes it; one that
+        asks for more of what vLLM's server honours goes to vLLM's layer."""
         principal = self._principal(request)
         body = await self._body(request)
         t_in = time.monotonic()
+        parse = api.parse_chat if kind == "chat" else api.parse_completion
         try:
-            req = api.parse_chat(body, self.config.model.name)
+            req = parse(body, self.config.model.name)
         except UnsupportedParameter:
-            vllm_api.check_fields("chat", body)
-            return await self._vllm_request("chat", body, request, principal, root, t_in)
+            vllm_api.check_fields(kind, body)
+            return await self._vllm_request(kind, body, request, principal, root, t_in)
+        return await own(req, request, principal, root, t_in)
+
+    async def _chat(self, request: Request, root: Span) -> Any:
+        return await self._layer_for("chat", request, root, self._own_chat)
+
+    async def _completion(self, request: Request, root: Span) -> Any:
+        return await self._layer_for("completion", request, root, self._own_completion)
+
+    async def _own_chat(
+        self, req: api.ApiRequest, request: Request, principal: Principal, root: Span, t_in: float
+    ) -> Any:
         self.prompts.check_length(req)
         # A long history takes a while to render: off the event loop, as tokenizing is.
         # A short one costs less than the thread hop.
@@ -83,15 +103,9 @@ class OwnLayer(VLLMRoutes):
         render_s = time.monotonic() - t_render
         return await self._serve(req, text, None, request, principal, root, t_in, render_s)
 
-    async def _completion(self, request: Request, root: Span) -> Any:
-        principal = self._principal(request)
-        body = await self._body(request)
-        t_in = time.monotonic()
-        try:
-            req = api.parse_completion(body, self.config.model.name)
-        except UnsupportedParameter:
-            vllm_api.check_fields("completion", body)
-            return await self._vllm_request("completion", body, request, principal, root, t_in)
+    async def _own_completion(
+        self, req: api.ApiRequest, request: Request, principal: Principal, root: Span, t_in: float
+    ) -> Any:
         if req.prompt_token_ids is not None:
             ids: list[int] | None = list(req.prompt_token_ids)
             self.prompts.check_token_ids(req.prompt_token_ids)

@@ -31,7 +31,7 @@ from orchestrator.errors import (
     ServingLayerRefused,
     UnsupportedParameter,
 )
-from orchestrator.serve.requests import invalid_request, shown
+from orchestrator.serve.refusals import invalid_request, shown
 from orchestrator.serve.turn_client import TurnRunner, make_turn_client
 
 __all__ = [

@@ -43,7 +43,7 @@ MAX_SECONDS_PER_REQUEST = 5.0  # a loaded CI box; a request takes milliseconds h
 INTERNALS = re.compile(
     r"Traceback|\b\w+(Error|Exception)\b(?!\w)|pydantic|Input should|File \"", re.IGNORECASE
 )
-# The client's own value, as an error message quotes it (``requests.shown``: JSON
+# The client's own value, as an error message quotes it (``refusals.shown``: JSON
 # spelling after "got"): what it says is the client's, not kvtide's internals.
 ECHOED = re.compile(r'got "(?:[^"\\]|\\.)*"')
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
