@@ -173,6 +173,14 @@ class TurnInProgress(RequestError):
     status_code = 409
     code = "turn_in_progress"
 
+    @staticmethod
+    def words(session_id: str) -> str:
+        """The refusal's message (the service's ``Claim`` carries it too)."""
+        return (
+            f"session {session_id!r} already has a turn running; send the next turn after "
+            "it has finished"
+        )
+
     def headers(self) -> dict[str, str]:
         return {"Retry-After": "1"}
 

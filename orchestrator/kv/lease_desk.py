@@ -6,6 +6,7 @@ Single event loop; the clock is the service's."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from orchestrator.kv.decider import KVDecider, params_of
@@ -116,17 +117,26 @@ class LeaseDesk:
             return False
         grant.used = True
         # The turn's grace counts from now; its mark no longer names an unused lease.
-        self.running.mark(session_id, now)
+        self.running.mark(session_id, now, holder=grant.holder)
         self.owners.touch(session_id, self.owners.owners.owner(session_id, now), now)
         return True
 
     async def watch(
-        self, holder: str, released: list[int], wait_s: float, held: list[int] | None
+        self,
+        holder: str,
+        released: list[int],
+        wait_s: float,
+        held: list[int] | None,
+        answers: dict[str, bool] | None = None,
     ) -> LeaseWatch:
         """A lessee's standing call: take back the unused leases it gives back
-        (``released``), then wait up to ``wait_s`` for leases to revoke from it.
-        ``held``: every lease it still holds, used or not (None: not said): a previous
-        instance's lease of this holder not among them is over, and its mark cleared."""
+        (``released``), then wait up to ``wait_s`` for leases to revoke from it or
+        sessions to ask it about. ``held``: every lease it still holds, used or not
+        (None: not said): a previous instance's lease of this holder not among them is
+        over, and its mark cleared. ``answers``: whether its turn of each session it was
+        asked about is still generating."""
+        if answers:
+            self.book.answered(holder, [s for s, g in answers.items() if g], answers)
         for lease_id in released:
             restored = self.restored.pop(lease_id)
             if restored is not None:
@@ -138,8 +148,16 @@ class LeaseDesk:
         for grant in [g for g in self.book.grants.values() if g.lease_id in wanted]:
             if grant.holder == holder and not grant.used:
                 self.end(grant)
-        revoked = await self.book.watch(holder, wait_s)
-        return LeaseWatch(epoch=self.epoch, revoked=revoked)
+        revoked, asked = await self.book.watch(holder, wait_s)
+        return LeaseWatch(epoch=self.epoch, revoked=revoked, asked=asked)
+
+    def still_running(self, session_id: str, caller: str | None) -> asyncio.Future[bool] | None:
+        """Ask the replica running the session's turn, when it is another than
+        ``caller`` and watching, whether that turn is still generating (``LeaseBook.ask``)."""
+        holder = self.running.holders.get(session_id)
+        if holder is None or holder == caller:
+            return None
+        return self.book.ask(holder, session_id)
 
     async def give_back(self, session_id: str) -> None:
         """Revoke an unused lease on the session and wait (``handover_wait_s``) for its

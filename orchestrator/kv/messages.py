@@ -133,10 +133,13 @@ class Handover(msgspec.Struct, frozen=True, kw_only=True):
 
 class LeaseWatch(msgspec.Struct, frozen=True, kw_only=True):
     """The answer to a lessee's ``lease_watch``: the leases to give back (unused ones
-    are released with the next watch; a used one ends with its turn)."""
+    are released with the next watch; a used one ends with its turn), and the sessions
+    it is asked about: is its turn of each still generating (answered with the next
+    watch, at once)."""
 
     epoch: str
     revoked: list[int] = []
+    asked: list[str] = []
 
 
 class KeptBlocks(msgspec.Struct, frozen=True, kw_only=True):

@@ -92,6 +92,7 @@ class KVServiceAPI(Protocol):
         prompt_token_ids: list[int],
         prefix_digest: int | None = None,
         prefix_len: int = 0,
+        holder: str | None = None,
     ) -> Claim: ...
 
     async def pull_failed(self, session_id: str) -> None: ...
@@ -101,7 +102,12 @@ class KVServiceAPI(Protocol):
     async def lease_used(self, session_id: str, lease_id: int, reason: str | None) -> bool: ...
 
     async def lease_watch(
-        self, holder: str, released: list[int], wait_s: float, held: list[int] | None = None
+        self,
+        holder: str,
+        released: list[int],
+        wait_s: float,
+        held: list[int] | None = None,
+        answers: dict[str, bool] | None = None,
     ) -> LeaseWatch: ...
 
     async def turn_abandoned(self, session_id: str | None) -> None: ...
@@ -307,12 +313,14 @@ class KVService:
         prompt_token_ids: list[int],
         prefix_digest: int | None = None,
         prefix_len: int = 0,
+        holder: str | None = None,
     ) -> Claim:
         """A turn's one call before it runs: ``claim_session`` and ``decide_turn`` at
         once (``SessionTurns.begin``: a prompt tokenized from a stale last turn, a turn
-        still running or held by a lease)."""
+        still running or held by a lease). ``holder``: the calling ingress replica's
+        lessee id (its watch is asked whether the turn is still generating there)."""
         return await self.turns.begin(
-            session_id, principal, prompt_token_ids, prefix_digest, prefix_len
+            session_id, principal, prompt_token_ids, prefix_digest, prefix_len, holder
         )
 
     async def pull_failed(self, session_id: str) -> None:
@@ -339,10 +347,15 @@ class KVService:
         return self.lease_desk.used(session_id, lease_id, reason)
 
     async def lease_watch(
-        self, holder: str, released: list[int], wait_s: float, held: list[int] | None = None
+        self,
+        holder: str,
+        released: list[int],
+        wait_s: float,
+        held: list[int] | None = None,
+        answers: dict[str, bool] | None = None,
     ) -> LeaseWatch:
         """A lessee's standing call (``LeaseDesk.watch``)."""
-        return await self.lease_desk.watch(holder, released, wait_s, held)
+        return await self.lease_desk.watch(holder, released, wait_s, held, answers)
 
     # ---- idempotent turns (shared by every ingress replica) --------------------------
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from orchestrator.errors import LimitExceeded, SessionNotFound
+from orchestrator.errors import LimitExceeded, SessionNotFound, TurnInProgress
 from orchestrator.kv.decider import KVDecider
 from orchestrator.kv.drains import Drains
 from orchestrator.kv.durable import WriteBehind
@@ -88,7 +88,9 @@ class SessionTurns:
             return False
         return True
 
-    async def claim(self, session_id: str, principal: Principal) -> Claim:
+    async def claim(
+        self, session_id: str, principal: Principal, holder: str | None = None
+    ) -> Claim:
         """Make ``principal`` the session's owner and mark its turn running, just before
         the turn runs (see ``Claim``). Sessions whose ownership ended are closed first,
         so no key inherits another's KV or tokens. The turn must end with ``turn_done``
@@ -101,8 +103,7 @@ class SessionTurns:
                 return Claim(outcome="not_found")
             return Claim(
                 outcome="turn_in_progress",
-                message=f"session {session_id!r} already has a turn running; send the next "
-                "turn after it has finished",
+                message=TurnInProgress.words(session_id),
             )
         was_owner = owners.owner(session_id, now)
         try:
@@ -119,7 +120,7 @@ class SessionTurns:
         for sid in ended:
             self.owners.delete(sid)  # the owners book has forgotten it
             await self.close(sid)
-        self.running.mark(session_id, now)
+        self.running.mark(session_id, now, holder=holder)
         if not principal.is_anonymous and was_owner != principal.name:
             # Written before the answer (behind the writes queued before it, so that a
             # queued delete of an earlier owner cannot land after it).
@@ -135,6 +136,7 @@ class SessionTurns:
         prompt_token_ids: list[int],
         prefix_digest: int | None,
         prefix_len: int,
+        holder: str | None = None,
     ) -> Claim:
         """A turn's one call before it runs: ``claim_session`` and ``decide_turn`` at once.
 
@@ -149,13 +151,17 @@ class SessionTurns:
 
         A turn of the session still running is waited for (``handover_wait_s``) before
         anything is compared: a finished turn is handed over after its last token. So is a
-        turn held for an ingress replica (a turn lease), which is revoked first."""
+        turn held for an ingress replica (a turn lease), which is revoked first. The
+        replica running it, when another than ``holder`` (the caller) and known, is asked
+        whether it is still generating: then the turn is refused at once."""
         if self.leases.unused(session_id) is not None:
             # Another key learns nothing and revokes nothing.
             if not self.owned(session_id, principal):
                 return Claim(outcome="not_found")
             await self.leases.give_back(session_id)  # a silent lessee's lease lapses now
-        await self.running.wait_ended(session_id)
+        if session_id in self.running and not self.owned(session_id, principal):
+            return Claim(outcome="not_found")  # not waited for: another key learns nothing
+        await self.running.wait_ended(session_id, self.leases.still_running(session_id, holder))
         now = self.clock()
         if prefix_digest is not None and prefix_digest != self.tokens.last_digest(session_id, now):
             if not self.owned(session_id, principal):
@@ -169,7 +175,7 @@ class SessionTurns:
                     f"prefix_len {prefix_len} needs the digest of a last turn of that length"
                 )
             prompt_token_ids = [*last, *prompt_token_ids]
-        claim = await self.claim(session_id, principal)
+        claim = await self.claim(session_id, principal, holder)
         if claim.outcome != "claimed":
             return claim
         decision = self.decider.decide_turn(session_id, prompt_token_ids, now)

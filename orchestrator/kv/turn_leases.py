@@ -23,6 +23,10 @@ answer to the last one's ``turn_done``:
   ends with its turn. Until then ``begin_turn`` waits (``handover_wait_s``), as for any
   running turn. A lease not used within ``lasts_s`` is released by its lessee; one whose
   lessee went silent lapses at the service ``grace_s`` later.
+* the watch also carries the service's questions: a turn of a session whose turn runs on
+  another replica asks that replica whether the turn is still generating (``ask``); the
+  answer comes with its next watch call, at once. Still generating: the turn is refused
+  (409) without waiting; its last token already sent: the turn waits for the hand-over.
 
 The lessee never starts a pull within ``grace_s`` of the end of the record's offer (the
 service expires it there), so a use reaches the service while the record is still the
@@ -64,6 +68,9 @@ class _Holder:
     last_seen_s: float
     revoked: set[int] = field(default_factory=set)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    # Sessions asked about (their answer awaited), and those not yet sent with a watch.
+    asked: dict[str, asyncio.Future[bool]] = field(default_factory=dict)
+    to_ask: set[str] = field(default_factory=set)
 
 
 class LeaseBook:
@@ -116,13 +123,14 @@ class LeaseBook:
         """Unused grants past their lapse time (their lessee went silent)."""
         return [g for g in self.grants.values() if not g.used and now >= g.lapses_s]
 
-    async def watch(self, holder: str, wait_s: float) -> list[int]:
-        """The leases ``holder`` is asked to give back, waiting up to ``wait_s`` for one."""
+    async def watch(self, holder: str, wait_s: float) -> tuple[list[int], list[str]]:
+        """The leases ``holder`` is asked to give back and the sessions it is asked
+        about (``ask``), waiting up to ``wait_s`` for one."""
         state = self._holders.get(holder)
         if state is None:
             state = self._holders[holder] = _Holder(last_seen_s=self.clock())
         state.last_seen_s = self.clock()
-        if not state.revoked:
+        if not state.revoked and not state.to_ask:
             state.wake.clear()
             try:
                 await asyncio.wait_for(state.wake.wait(), wait_s)
@@ -131,7 +139,33 @@ class LeaseBook:
         state.last_seen_s = self.clock()
         revoked = sorted(state.revoked & {g.lease_id for g in self.grants.values()})
         state.revoked.clear()
-        return revoked
+        asked = sorted(state.to_ask)
+        state.to_ask.clear()
+        return revoked, asked
+
+    def ask(self, holder: str, session_id: str) -> asyncio.Future[bool] | None:
+        """Ask ``holder`` (through its watch) whether its turn of the session is still
+        generating; None when its watch is not running (nobody to ask)."""
+        state = self._holders.get(holder)
+        if state is None or not self.watching(holder, self.clock()):
+            return None
+        asked = state.asked.get(session_id)
+        if asked is None or asked.done():
+            asked = state.asked[session_id] = asyncio.get_running_loop().create_future()
+            state.to_ask.add(session_id)
+            state.wake.set()
+        return asked
+
+    def answered(self, holder: str, generating: Collection[str], asked: Collection[str]) -> None:
+        """``holder``'s answers: of the sessions it was ``asked`` about, those in
+        ``generating`` are."""
+        state = self._holders.get(holder)
+        if state is None:
+            return
+        for session_id in asked:
+            waiting = state.asked.pop(session_id, None)
+            if waiting is not None and not waiting.done():
+                waiting.set_result(session_id in generating)
 
     def forget_silent(self, now: float) -> None:
         for name in [h for h, s in self._holders.items() if now - s.last_seen_s > 60.0]:

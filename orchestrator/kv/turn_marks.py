@@ -17,7 +17,8 @@ Single event loop; the clocks' readings come in.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from orchestrator.kv.durable import DurableStore, WriteBehind
 from orchestrator.kv.marks import OWNER_PREFIX, RUNNING_PREFIX, owner_entry, running_mark
@@ -44,6 +45,8 @@ class RunningTurns:
         self.handover_wait_s = handover_wait_s
         self.wall_clock = wall_clock
         self.started: dict[str, float] = {}
+        # The ingress replica running the session's turn, where it said (a lessee's id).
+        self.holders: dict[str, str] = {}
         self._ended: dict[str, asyncio.Event] = {}
 
     def __contains__(self, session_id: object) -> bool:
@@ -59,10 +62,17 @@ class RunningTurns:
         """A turn a previous instance marked (its mark is already in the store)."""
         self.started[session_id] = started_s
 
-    def mark(self, session_id: str, now: float, grant: Grant | None = None) -> None:
+    def mark(
+        self, session_id: str, now: float, grant: Grant | None = None, holder: str | None = None
+    ) -> None:
         """Mark the session's turn running from ``now`` (for ``grant``'s lessee: a turn
-        held by an unused lease, whose mark names the lease)."""
+        held by an unused lease, whose mark names the lease), on ``holder`` when known."""
         self.started[session_id] = now
+        holder = grant.holder if grant is not None else holder
+        if holder is None:
+            self.holders.pop(session_id, None)
+        else:
+            self.holders[session_id] = holder
         mark = (
             running_mark(self.wall_clock())
             if grant is None
@@ -72,6 +82,7 @@ class RunningTurns:
 
     def clear(self, session_id: str) -> None:
         """The session's turn ended: its mark goes and a next turn waiting on it runs."""
+        self.holders.pop(session_id, None)
         if self.started.pop(session_id, None) is not None:
             self.marks.delete(RUNNING_PREFIX + session_id)
         ended = self._ended.pop(session_id, None)
@@ -82,16 +93,32 @@ class RunningTurns:
         """The sessions whose running mark is past ``grace_s``."""
         return [s for s, t in self.started.items() if now - t >= self.grace_s]
 
-    async def wait_ended(self, session_id: str) -> None:
+    async def wait_ended(
+        self, session_id: str, still_running: Awaitable[bool] | None = None
+    ) -> None:
         """Wait (``handover_wait_s`` at most) for the session's running turn to end: its
-        client may send the next turn before the finished one's ``turn_done`` lands."""
+        client may send the next turn before the finished one's ``turn_done`` lands.
+        ``still_running``: its replica's answer whether it is still generating; True ends
+        the wait at once (the turn is refused, not waited for)."""
         if session_id not in self.started or self.handover_wait_s <= 0:
             return
         ended = self._ended.setdefault(session_id, asyncio.Event())
+        waits: set[asyncio.Future[Any]] = {asyncio.ensure_future(ended.wait())}
+        asked = None if still_running is None else asyncio.ensure_future(still_running)
+        if asked is not None:
+            waits.add(asked)
+        deadline = asyncio.get_running_loop().time() + self.handover_wait_s
         try:
-            await asyncio.wait_for(ended.wait(), self.handover_wait_s)
-        except TimeoutError:
-            pass  # still running: claim_session refuses the turn
+            while waits:
+                left = deadline - asyncio.get_running_loop().time()
+                done, waits = await asyncio.wait(
+                    waits, timeout=max(left, 0.0), return_when=asyncio.FIRST_COMPLETED
+                )
+                if not done or asked not in done or asked.result():
+                    return  # ended, out of time (claim_session refuses it), or running
+        finally:
+            for waiting in waits:
+                waiting.cancel()
 
 
 class OwnerMarks:

@@ -129,6 +129,9 @@ class Router(PrefillSide, DecodeSide):
             session_tokens=session_tokens,
             leases=leases,
         )
+        # The sessions with a turn generating here: session id -> (request id, owner).
+        # From the turn's start to its last item (or its end otherwise).
+        self._generating: dict[str, tuple[str, str | None]] = {}
 
     # The service, the caller's copy of each session's last turn (the ingress tokenizes
     # the next one from it; written once the service has booked the turn) and the turn
@@ -168,6 +171,25 @@ class Router(PrefillSide, DecodeSide):
     async def settled(self) -> None:
         """Wait until every turn that finished here has been handed to the service."""
         await self.handover.settled()
+
+    def generating(self, session_id: str) -> bool:
+        """Whether a turn of the session is generating here (not yet at its last item):
+        the service's question when a turn of it arrives at another replica."""
+        return session_id in self._generating
+
+    def generating_for(self, session_id: str, owner: str | None) -> bool:
+        """Whether ``owner``'s (a key's name, None for anonymous) turn of the session is
+        generating here: a second turn of it is refused at once, with no call to the
+        service and no hand-over wait."""
+        running = self._generating.get(session_id)
+        return running is not None and running[1] == owner
+
+    def _generated(self, session_id: str | None, request_id: str) -> None:
+        """The turn ``request_id`` of the session is at its last item (or ended)."""
+        if session_id is not None:
+            running = self._generating.get(session_id)
+            if running is not None and running[0] == request_id:
+                del self._generating[session_id]
 
     def decode_pool_for(self, num_prompt_tokens: int) -> tuple[str, PoolClient]:
         """The decode pool of a prompt: the long-context pool (TP+DCP) above the pool
@@ -269,6 +291,8 @@ class Router(PrefillSide, DecodeSide):
         rid = report.request_id
         t0 = self.clock()
         done = False
+        if session_id is not None:
+            self._generating[session_id] = (rid, report.extra.get("owner"))
         try:
             with tr.span(tr.SPAN_KV_DECISION, parent=route) as decision_span:
                 if given is not None:
@@ -295,22 +319,32 @@ class Router(PrefillSide, DecodeSide):
                     await self._lease_confirmed(report)
                 if item[0].finished:
                     done = True
+                    # Before the client's last token: its next turn is not refused here.
+                    self._generated(session_id, rid)
                 yield item
         finally:
-            lease_id = report.extra.get("lease_id")
-            if lease_id is not None and not done:
-                assert session_id is not None
-                if self.leases is not None:
-                    self.leases.ended(session_id, lease_id)
-                if report.extra["lease_used"] is not None:  # ended before its first item
-                    with contextlib.suppress(LeaseRefused, RequestError):
-                        await asyncio.shield(self._lease_confirmed(report))
-            if not done and session_id is not None and not report.extra.get("lease_refused"):
-                # Failed, cancelled or the client went away: no record kept.
-                try:
-                    await asyncio.shield(self.kv.turn_abandoned(session_id))
-                except RequestError:  # the service is unreachable: its tick ends the turn
-                    log.warning("could not report turn %s of %s abandoned", rid, session_id)
+            self._generated(session_id, rid)
+            if not done:
+                await self._turn_unfinished(report, session_id)
+
+    async def _turn_unfinished(self, report: TurnReport, session_id: str | None) -> None:
+        """A turn that failed, was cancelled or whose client went away: its lease ends,
+        and the service hears it was abandoned (no record kept)."""
+        lease_id = report.extra.get("lease_id")
+        if lease_id is not None:
+            assert session_id is not None
+            if self.leases is not None:
+                self.leases.ended(session_id, lease_id)
+            if report.extra["lease_used"] is not None:  # ended before its first item
+                with contextlib.suppress(LeaseRefused, RequestError):
+                    await asyncio.shield(self._lease_confirmed(report))
+        if session_id is not None and not report.extra.get("lease_refused"):
+            try:
+                await asyncio.shield(self.kv.turn_abandoned(session_id))
+            except RequestError:  # the service is unreachable: its tick ends the turn
+                log.warning(
+                    "could not report turn %s of %s abandoned", report.request_id, session_id
+                )
 
     async def _lease_confirmed(self, report: TurnReport) -> None:
         """Wait for the service's answer to the turn's lease use; ``LeaseRefused`` when it

@@ -235,12 +235,13 @@ class Ingress(TurnOpening, OwnLayer, ResponsesRoutes, OperatorViews):
         (``orchestrator.kv.turn_leases``): gives back the unused ones it is asked for or
         that ran out, and learns of a restarted service (whose leases are gone)."""
         wait_s = min(WATCH_WAIT_S, self.config.kv.service_timeout_s / 2)
+        answers: dict[str, bool] = {}
         while True:
             leases.expire()
             released = leases.take_released()
             try:
                 answer = await self.kv.lease_watch(
-                    leases.holder, released, wait_s, leases.held_ids()
+                    leases.holder, released, wait_s, leases.held_ids(), answers
                 )
             except RequestError:  # the service is restarting: again in a second
                 leases.requeue(released)
@@ -248,6 +249,8 @@ class Ingress(TurnOpening, OwnLayer, ResponsesRoutes, OperatorViews):
                 continue
             leases.new_epoch(answer.epoch)
             leases.revoke(answer.revoked)
+            # Is this replica's turn of each still generating? Answered with the next call.
+            answers = {sid: self.router.generating(sid) for sid in answer.asked}
 
     async def __del__(self) -> None:
         """Serve's replica shutdown: the turns that finished here reach the service

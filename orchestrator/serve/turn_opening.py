@@ -112,13 +112,17 @@ class TurnOpening:
         Returns the prompt's ids, its max_tokens, the plan, the seconds spent waiting
         for the service and those spent tokenizing again."""
         waited = tokenized = 0.0
+        leases = self.router.leases
+        holder = None if leases is None else leases.holder
         for attempt in range(3):
             # A third try (another replica finished a turn between ours) skips the check:
             # the plan then compares the ids with the kept record itself.
             checked = digest if attempt < 2 else None
             skip = len(last_ids) if checked is not None and _extends(ids, last_ids) else 0
             t0 = time.monotonic()
-            claim = await self.kv.begin_turn(session_id, principal, ids[skip:], checked, skip)
+            claim = await self.kv.begin_turn(
+                session_id, principal, ids[skip:], checked, skip, holder
+            )
             waited += time.monotonic() - t0
             if claim.outcome != "retokenize":
                 break
@@ -233,6 +237,21 @@ class TurnOpening:
             tokenize_s += time.monotonic() - t_tokenize
         return ids, digest, last_ids, tokenize_s
 
+    def _not_generating_here(
+        self, turn: OpenTurn, session_id: str | None, conversation: str | None
+    ) -> tuple[str | None, str | None]:
+        """A session whose turn is still generating here: a turn named by header is
+        refused now (409), not after the service's hand-over wait; one found by its text
+        runs without a session. (Another key's turn goes to the service: its 404.)"""
+        principal = turn.principal
+        owner = None if principal.is_anonymous else principal.name
+        if session_id is None or not self.router.generating_for(session_id, owner):
+            return session_id, conversation
+        if conversation is None:
+            raise TurnInProgress(TurnInProgress.words(session_id), param="x-session-id")
+        self.metrics.inc("kvtide_conversation_turns_total", outcome="unmatched")
+        return None, "unmatched"
+
     async def _open_turn(self, turn: OpenTurn) -> OpenedTurn:
         """The turn started: its session found (by header, or the unnamed one its text
         continues), its prompt tokenized from this replica's copy of the session's last
@@ -247,6 +266,7 @@ class TurnOpening:
         self.admission.check(("prefill", self.router.decode_pool_for(len(ids))[0]))
         decision, service_s = None, 0.0
         lease, lease_used = None, None
+        session_id, conversation = self._not_generating_here(turn, session_id, conversation)
         if session_id is not None and self.router.leases is not None:
             # Held for this replica since its last turn here: claimed and planned
             # without a service call on the path (``orchestrator.kv.turn_leases``).

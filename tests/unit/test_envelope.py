@@ -72,7 +72,7 @@ def test_arguments_and_answers_keep_their_types() -> None:
 
     class Echo:
         async def begin_turn(self, *args: Any) -> Claim:
-            assert args == ("s", alice, [1, 2, 3], NO_PREFIX, 0)  # defaults filled in
+            assert args == ("s", alice, [1, 2, 3], NO_PREFIX, 0, None)  # defaults filled in
             assert type(args[1]) is Principal
             return Claim(outcome="claimed", decision=KVDecision(kind="recompute", reason="r"))
 

@@ -173,20 +173,13 @@ def test_a_leased_session_still_runs_one_turn_at_a_time(tiny_tokenizer: Any) -> 
     service = first.kv.service
     service.handover_wait_s = 0.2
     gate = asyncio.Event()
-    script = first.router.decode.script
 
     async def story() -> None:
         async with leasing(first, second):
-            chat = Chat("s3")
-            await chat.turn(first, "What is kept?")
             # Turn 2 runs under the lease and hangs in decode...
-            slow = asyncio.ensure_future(hanging_turn(first, chat, gate, script))
-            for _ in range(50):
-                await asyncio.sleep(0)
+            _chat, other, slow = await second_turn_hanging(first, "s3", gate)
             # ...so a turn of the session elsewhere is refused, and so is one on the
             # same replica (its lease is in use): 409, as without leases.
-            other = Chat("s3")
-            other.messages = list(chat.messages[:-1])
             reply = await other.turn(second, "Meanwhile?", expect=409)
             assert reply["error"]["code"] == "turn_in_progress"
             reply = await other.turn(first, "Meanwhile here?", expect=409)
@@ -195,6 +188,21 @@ def test_a_leased_session_still_runs_one_turn_at_a_time(tiny_tokenizer: Any) -> 
             await slow
 
     asyncio.run(story())
+
+
+async def second_turn_hanging(
+    ingress: Any, session: str, gate: asyncio.Event
+) -> tuple[Chat, Chat, asyncio.Future[None]]:
+    """The session's first turn on ``ingress``, then its second, hanging in decode until
+    ``gate`` (a task); and another client of the session holding the first turn only."""
+    chat = Chat(session)
+    await chat.turn(ingress, "What is kept?")
+    slow = asyncio.ensure_future(hanging_turn(ingress, chat, gate, ingress.router.decode.script))
+    for _ in range(50):
+        await asyncio.sleep(0)
+    other = Chat(session)
+    other.messages = list(chat.messages[:-1])
+    return chat, other, slow
 
 
 async def hanging_turn(ingress: Any, chat: Chat, gate: asyncio.Event, script: Any) -> None:
@@ -264,7 +272,7 @@ def test_a_lease_serves_its_owner_key_only() -> None:
         # Another key neither uses the lease here nor learns or revokes anything there.
         assert leases.take("s4", mallory, digest) is None
         assert (await svc.begin_turn("s4", mallory, [1])).outcome == "not_found"
-        assert await svc.leases.watch("replica-a", 0.0) == []
+        assert await svc.leases.watch("replica-a", 0.0) == ([], [])
         # The owner's key, from the last turn the lease names, runs under it: the
         # kept KV pulled back, the pull booked once.
         lease = leases.take("s4", alice, digest)
@@ -350,7 +358,7 @@ def test_a_lease_whose_kv_is_lost_is_revoked_and_the_turn_asks_the_service() -> 
         # watch answers) and gives the lease back, so the session's next turn is decided
         # by the service (a recompute), not by the lessee from KV that is gone.
         assert await svc.engines_lost([grant.record.engine_id]) == 1
-        revoked = await svc.leases.watch("replica-a", 0.0)
+        revoked, _ = await svc.leases.watch("replica-a", 0.0)
         assert revoked == [grant.lease_id]
         leases.revoke(revoked)
         await svc.lease_watch("replica-a", leases.take_released(), 0.0)
