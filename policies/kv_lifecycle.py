@@ -65,8 +65,38 @@ __all__ = [
     "ReleaseReason",
     "TurnAction",
     "TurnDecision",
+    "kept_record",
     "prefix_hash",
 ]
+
+
+def kept_record(
+    session_id: str,
+    *,
+    engine_id: str,
+    token_ids_covered: Sequence[int],
+    block_ids: Sequence[int],
+    transfer_params: object,
+    expiry_s: float,
+    last_used_s: float,
+    config: KVLifecycleConfig,
+    pool_id: str = "decode",
+) -> KVRecord:
+    """The record of the KV an engine kept for exactly ``token_ids_covered``, as the
+    lifecycle books it (``on_turn_finished``; ``adopt`` and ``rebuild`` take one; a turn
+    lease's lessee builds the same one from its own copy)."""
+    return KVRecord(
+        session_id=session_id,
+        engine_id=engine_id,
+        pool_id=pool_id,
+        block_ids=tuple(block_ids),
+        num_tokens=len(token_ids_covered),
+        prefix_hash=prefix_hash(token_ids_covered),
+        expiry_s=expiry_s,
+        last_used_s=last_used_s,
+        bytes_held=kv_bytes(len(token_ids_covered), config),
+        transfer_params=transfer_params,
+    )
 
 
 class KVLifecycle:
@@ -203,8 +233,12 @@ class KVLifecycle:
         expiry_s: float | None,
         now_s: float,
         pool_id: str = "decode",
+        hold: bool = False,
     ) -> list[Effect]:
         """Record the KV the turn's engine kept, replacing the session's previous record.
+        ``hold``: the session's next turn is held at once (``hold``), before the idle
+        budget is enforced, so the new record is not the one evicted (its lessee may be
+        pulling it already).
 
         ``token_ids_covered``: exactly the tokens whose KV the blocks hold (vLLM's
         ``remote_num_tokens`` first tokens of prompt + output). ``expiry_s``: the
@@ -223,7 +257,7 @@ class KVLifecycle:
                 "call on_turn_abandoned when the engine kept no KV"
             )
         config = self._config
-        record = self.new_record(
+        record = kept_record(
             session_id,
             engine_id=engine_id,
             token_ids_covered=token_ids_covered,
@@ -231,6 +265,7 @@ class KVLifecycle:
             transfer_params=transfer_params,
             expiry_s=now_s + config.ttl_s if expiry_s is None else expiry_s,
             last_used_s=now_s,
+            config=config,
             pool_id=pool_id,
         )
         books = self._books
@@ -247,6 +282,8 @@ class KVLifecycle:
         books.end_turn(session_id, session, now_s)
         if now_s >= record.offer_deadline_s(config.safety_margin_s):
             effects.append(self._expire(session_id, session))
+        if hold:
+            books.hold(session_id, session)
         effects.extend(self._enforce_budget(engine_id))
         return effects
 
@@ -405,33 +442,12 @@ class KVLifecycle:
             return [self._expire(record.session_id, session)]
         return self._enforce_budget(record.engine_id)
 
-    def new_record(
-        self,
-        session_id: str,
-        *,
-        engine_id: str,
-        token_ids_covered: Sequence[int],
-        block_ids: Sequence[int],
-        transfer_params: object,
-        expiry_s: float,
-        last_used_s: float,
-        pool_id: str = "decode",
-    ) -> KVRecord:
-        """A record as ``on_turn_finished`` would book it (for ``adopt`` and ``rebuild``)."""
-        return KVRecord(
-            session_id=session_id,
-            engine_id=engine_id,
-            pool_id=pool_id,
-            block_ids=tuple(block_ids),
-            num_tokens=len(token_ids_covered),
-            prefix_hash=prefix_hash(token_ids_covered),
-            expiry_s=expiry_s,
-            last_used_s=last_used_s,
-            bytes_held=kv_bytes(len(token_ids_covered), self._config),
-            transfer_params=transfer_params,
-        )
-
     # -- queries (side-effect free) ---------------------------------------------------
+
+    def held(self, session_id: str) -> bool:
+        """Whether the session's next turn is held (``hold``) and not yet running."""
+        session = self._books.sessions.get(session_id)
+        return session is not None and session.held
 
     def record(self, session_id: str) -> KVRecord | None:
         """The session's current record (not one handed to a pull), if any."""

@@ -25,6 +25,7 @@ from orchestrator.kv.ownership import SessionOwners
 from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.kv.turn_leases import RestoredLeases
 from orchestrator.kv.turn_marks import RunningTurns
+from policies.kv_lifecycle import kept_record
 
 __all__ = ["LedgerAdoption", "adopt_owners", "rebuild_from_marks", "restore_running"]
 
@@ -170,7 +171,7 @@ class LedgerAdoption:
 
     def _adopt(self, k: KeptBlocks, session_id: str, now: float) -> None:
         lifecycle = self.decider.lifecycle
-        record = lifecycle.new_record(
+        record = kept_record(
             session_id,
             engine_id=k.engine_id,
             token_ids_covered=k.token_ids[: k.num_tokens],
@@ -178,6 +179,7 @@ class LedgerAdoption:
             transfer_params=k.kv_transfer_params,
             expiry_s=now + k.expires_in_s,
             last_used_s=now - k.age_s,
+            config=lifecycle.config,
         )
         effects = lifecycle.adopt(record, now)
         if effects and effects[0].record is record:

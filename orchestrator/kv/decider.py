@@ -86,11 +86,13 @@ class KVDecider:
         now_s: float,
         *,
         expiry_s: float | None = None,
+        hold: bool = False,
     ) -> list[Effect]:
         """Record the blocks the decode engine kept (its final ``kv_transfer_params``).
 
         ``expiry_s``: the engine's expiry converted to this clock (None: ``now_s`` +
-        TTL, a few ms late, which the safety margin covers)."""
+        TTL, a few ms late, which the safety margin covers). ``hold``: the session's
+        next turn held at once (``KVLifecycle.on_turn_finished``)."""
         if session_id is None:
             return []
         if kv_transfer_params is None or (kept := kv_transfer_params.kept_blocks()) is None:
@@ -105,6 +107,7 @@ class KVDecider:
             transfer_params=kv_transfer_params,
             expiry_s=expiry_s,
             now_s=now_s,
+            hold=hold,
         )
 
     def abandon(self, session_id: str | None, now_s: float) -> list[Effect]:

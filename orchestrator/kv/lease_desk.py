@@ -9,13 +9,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from orchestrator.kv.decider import KVDecider, params_of
+from orchestrator.kv.decider import KVDecider
 from orchestrator.kv.drains import Drains
-from orchestrator.kv.messages import LeasedRecord, LeaseWatch, TurnLease
+from orchestrator.kv.messages import LeaseWatch, TurnLease
 from orchestrator.kv.session_tokens import SessionTokens
-from orchestrator.kv.turn_leases import Grant, LeaseBook, RestoredLeases
+from orchestrator.kv.turn_leases import Grant, LeaseBook, RestoredLeases, offer_of
 from orchestrator.kv.turn_marks import OwnerMarks, RunningTurns
-from policies.kv_cost import worth_pulling
 from policies.kv_lifecycle import RecomputeReason
 
 __all__ = ["LeaseDesk"]
@@ -47,30 +46,36 @@ class LeaseDesk:
         self.epoch = epoch
         self.clock = clock
 
-    def grant(self, session_id: str, holder: str | None, now: float) -> TurnLease | None:
+    def grant(
+        self,
+        session_id: str,
+        holder: str | None,
+        now: float,
+        proposed: int | None = None,
+        digest: int | None = None,
+    ) -> TurnLease | None:
         """Hold the session's next turn for ``holder``: claimed (a running mark) and
-        held in the books until it runs there, is given back, or lapses."""
+        held in the books until it runs there, is given back, or lapses. ``proposed``:
+        the lease id the lessee proposed with its hand-over (a provisional lease it may
+        be using already: granted whether or not its watch runs, with ``digest``, that
+        of the tokens the hand-over gave, when the service keeps no tokens for it; its
+        record was held when the turn was booked)."""
         book = self.book
-        if holder is None or book.lasts_s <= 0 or not book.watching(holder, now):
+        if holder is None or book.lasts_s <= 0:
             return None
-        digest = self.tokens.last_digest(session_id, now)
+        if proposed is None and not book.watching(holder, now):
+            return None
+        kept = self.tokens.last_digest(session_id, now)
+        digest = kept if kept is not None or proposed is None else digest
         if digest is None or session_id in self.running:
             return None  # nothing to check a next turn's tokens against
         lifecycle = self.decider.lifecycle
-        record = lifecycle.hold(session_id, now)
-        grant = book.grant(session_id, holder, record, now)
+        if lifecycle.held(session_id):
+            record = lifecycle.record(session_id)
+        else:
+            record = lifecycle.hold(session_id, now)
+        grant = book.grant(session_id, holder, record, now, proposed)
         self.running.mark(session_id, now, grant)
-        leased = None
-        if record is not None:
-            margin = lifecycle.config.safety_margin_s + book.grace_s
-            not_worth = worth_pulling(record, lifecycle.config)
-            leased = LeasedRecord(
-                kv_transfer_params=params_of(record),
-                num_tokens=record.num_tokens,
-                prefix_hash=record.prefix_hash,
-                offer_in_s=record.expiry_s - margin - now,
-                not_worth=None if not_worth is None else not_worth.value,
-            )
         return TurnLease(
             session_id=session_id,
             lease_id=grant.lease_id,
@@ -78,8 +83,17 @@ class LeaseDesk:
             lasts_s=book.lasts_s,
             owner=self.owners.owners.owner(session_id, now),
             digest=digest,
-            record=leased,
+            record=None
+            if record is None
+            else offer_of(record, lifecycle.config, book.grace_s, now),
         )
+
+    def proposal(self, proposed: int | None, holder: str | None) -> int | None:
+        """The proposed lease id a hand-over may be granted (None: none, or leases are
+        off, or a provisional use of it was refused already)."""
+        if proposed is None or holder is None or self.book.lasts_s <= 0:
+            return None
+        return None if self.book.refused(proposed) else proposed
 
     def end(self, grant: Grant) -> None:
         """Give a lease's turn back unused: the session is idle and free again."""
@@ -97,11 +111,17 @@ class LeaseDesk:
         grant = self.book.grants.get(session_id)
         return grant if grant is not None and not grant.used else None
 
-    def used(self, session_id: str, lease_id: int, reason: str | None) -> bool:
+    async def used(
+        self, session_id: str, lease_id: int, reason: str | None, provisional: bool = False
+    ) -> bool:
         """The lessee runs the held turn: it pulls the leased record (``reason`` None) or
         recomputes for ``reason``. False when the lease is no longer held (revoked and
         given back, lapsed, or granted by an instance before a restart): the lessee ends
-        the turn before its client sees it and asks again with ``begin_turn``."""
+        the turn before its client sees it and asks again with ``begin_turn``.
+        ``provisional``: a lease the lessee proposed with its hand-over, used before the
+        answer; a use that overtook the hand-over waits for it (``LeaseBook.granted``)."""
+        if provisional:
+            await self.book.granted(session_id, lease_id)
         now = self.clock()
         grant = self.book.find(session_id, lease_id)
         if grant is None or grant.used:
@@ -166,7 +186,8 @@ class LeaseDesk:
         if grant is None:
             return
         self.book.revoke(grant)
-        await self.running.wait_ended(session_id)
+        # Its lessee may be running the turn under it already: then it says so.
+        await self.running.wait_ended(session_id, self.book.ask(grant.holder, session_id))
         grant = self.unused(session_id)
         if grant is not None:
             self.end(grant)

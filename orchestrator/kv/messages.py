@@ -92,6 +92,9 @@ class TurnDone(msgspec.Struct, frozen=True, kw_only=True):
     next_len: int | None = None
     holder: str | None = None  # the ingress replica that asks to hold the next turn
     lease_id: int | None = None  # the turn ran under this lease (TurnLease)
+    # The id the holder proposes for the next turn's lease: it may already run that
+    # turn under a provisional lease of its own (``orchestrator.kv.turn_leases``).
+    next_lease_id: int | None = None
 
 
 class LeasedRecord(msgspec.Struct, frozen=True, kw_only=True):

@@ -52,7 +52,7 @@ from orchestrator.kv.ownership import Principal, SessionOwners
 from orchestrator.kv.replay import Replay, TurnReplayBook
 from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.kv.session_turns import SessionTurns, whole_turn_done
-from orchestrator.kv.turn_leases import LeaseBook
+from orchestrator.kv.turn_leases import HANDOVER_WAIT_S, LeaseBook
 from orchestrator.kv.turn_marks import OwnerMarks, RunningTurns
 from policies.kv_lifecycle import KVLifecycleConfig
 
@@ -99,7 +99,9 @@ class KVServiceAPI(Protocol):
 
     async def turn_done(self, done: TurnDone) -> Handover: ...
 
-    async def lease_used(self, session_id: str, lease_id: int, reason: str | None) -> bool: ...
+    async def lease_used(
+        self, session_id: str, lease_id: int, reason: str | None, provisional: bool = False
+    ) -> bool: ...
 
     async def lease_watch(
         self,
@@ -165,7 +167,7 @@ class KVService:
         replay_max_bytes: int = 64 * 2**20,
         session_state_max_bytes: int | None = None,
         running_grace_s: float = 600.0,
-        handover_wait_s: float = 5.0,
+        handover_wait_s: float = HANDOVER_WAIT_S,
         turn_lease_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
@@ -341,10 +343,13 @@ class KVService:
 
     # ---- turn leases (orchestrator.kv.lease_desk) ------------------------------------
 
-    async def lease_used(self, session_id: str, lease_id: int, reason: str | None) -> bool:
-        """The lessee runs the held turn (``LeaseDesk.used``); False: the lease is no
-        longer held, ask again with ``begin_turn``."""
-        return self.lease_desk.used(session_id, lease_id, reason)
+    async def lease_used(
+        self, session_id: str, lease_id: int, reason: str | None, provisional: bool = False
+    ) -> bool:
+        """The lessee runs the held turn (``LeaseDesk.used``; ``provisional``: under the
+        lease it proposed with the last turn's hand-over); False: the lease is no longer
+        held, ask again with ``begin_turn``."""
+        return await self.lease_desk.used(session_id, lease_id, reason, provisional)
 
     async def lease_watch(
         self,

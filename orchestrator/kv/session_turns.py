@@ -20,7 +20,7 @@ from orchestrator.kv.durable import WriteBehind
 from orchestrator.kv.lease_desk import LeaseDesk
 from orchestrator.kv.messages import Claim, Handover, SessionInfo, SessionPrefix, TurnDone
 from orchestrator.kv.ownership import Principal
-from orchestrator.kv.session_tokens import SessionTokens
+from orchestrator.kv.session_tokens import SessionTokens, prefix_digest
 from orchestrator.kv.turn_marks import OwnerMarks, RunningTurns
 
 __all__ = ["SessionTurns", "whole_turn_done"]
@@ -154,14 +154,8 @@ class SessionTurns:
         turn held for an ingress replica (a turn lease), which is revoked first. The
         replica running it, when another than ``holder`` (the caller) and known, is asked
         whether it is still generating: then the turn is refused at once."""
-        if self.leases.unused(session_id) is not None:
-            # Another key learns nothing and revokes nothing.
-            if not self.owned(session_id, principal):
-                return Claim(outcome="not_found")
-            await self.leases.give_back(session_id)  # a silent lessee's lease lapses now
-        if session_id in self.running and not self.owned(session_id, principal):
+        if not await self._waited(session_id, principal, holder):
             return Claim(outcome="not_found")  # not waited for: another key learns nothing
-        await self.running.wait_ended(session_id, self.leases.still_running(session_id, holder))
         now = self.clock()
         if prefix_digest is not None and prefix_digest != self.tokens.last_digest(session_id, now):
             if not self.owned(session_id, principal):
@@ -180,6 +174,21 @@ class SessionTurns:
             return claim
         decision = self.decider.decide_turn(session_id, prompt_token_ids, now)
         return msgspec.structs.replace(claim, decision=decision)
+
+    async def _waited(self, session_id: str, principal: Principal, holder: str | None) -> bool:
+        """Wait for the session's running turn, or its lease, to end (see ``begin``);
+        False at once for another key's session (it learns nothing, revokes nothing)."""
+        for _ in range(2):  # a hand-over waited for may hold the next turn for its replica
+            if self.leases.unused(session_id) is not None:
+                if not self.owned(session_id, principal):
+                    return False
+                await self.leases.give_back(session_id)  # a silent lessee's lapses now
+            if session_id not in self.running:
+                return True
+            if not self.owned(session_id, principal):
+                return False
+            await self.running.wait_ended(session_id, self.leases.still_running(session_id, holder))
+        return True
 
     def done(self, done: TurnDone) -> Handover:
         """Book the kept blocks and the session's tokens together (one step: a record is
@@ -208,13 +217,26 @@ class SessionTurns:
         else:
             self.tokens.remember(sid, done.next_text, done.next_token_ids, now)
         expiry = None if done.kv_expires_in_s is None else now + done.kv_expires_in_s
+        # A proposed lease's record is held from its booking: its lessee may be pulling
+        # it already (``orchestrator.kv.turn_leases``, provisional leases).
+        proposed = self.leases.proposal(done.next_lease_id, done.holder)
         self.drains.apply(
             self.decider.turn_finished(
-                sid, done.token_ids, done.kv_transfer_params, now, expiry_s=expiry
+                sid,
+                done.token_ids,
+                done.kv_transfer_params,
+                now,
+                expiry_s=expiry,
+                hold=proposed is not None,
             ),
             candidates=(previous, done.token_ids),
         )
-        return Handover(accepted=True, lease=self.leases.grant(sid, done.holder, now))
+        digest = None if done.next_token_ids is None else prefix_digest(done.next_token_ids)
+        lease = self.leases.grant(sid, done.holder, now, proposed, digest)
+        lifecycle = self.decider.lifecycle
+        if lease is None and lifecycle.held(sid):  # held for a proposal not granted
+            self.drains.apply(lifecycle.unhold(sid, now))
+        return Handover(accepted=True, lease=lease)
 
     def abandoned(self, session_id: str) -> None:
         self.leases.drop(session_id)

@@ -32,6 +32,19 @@ The lessee never starts a pull within ``grace_s`` of the end of the record's off
 service expires it there), so a use reaches the service while the record is still the
 session's. Leases are granted only to a lessee whose watch is running.
 
+**Provisional leases.** The lessee does not wait for the hand-over's answer to run the
+session's next turn: with the hand-over it proposes the next lease's id
+(``TurnDone.next_lease_id``) and holds a provisional lease built from its own copy of
+the kept record (``offer_of`` on ``policies.kv_lifecycle.kept_record``: what the
+service's grant would carry). A turn arriving before the answer runs under it at once;
+its use (``lease_used(..., provisional=True)``) follows the hand-over from the same
+caller and, should it overtake it, waits for it (``handover_wait_s``). The service
+grants a proposed lease whenever leases are on, watch or not, and holds the record from
+the booking on (``on_turn_finished(hold=True)``: before the idle budget is enforced), so
+no drain or eviction frees the blocks a provisional pull may be reading; an unused
+proposed lease lapses like any. A use that found no grant within the wait is refused,
+and its id is never granted later.
+
 This module is the service's side (its grants go through ``orchestrator.kv.lease_desk``);
 the lessee's, in each ingress replica, is ``orchestrator.router.held_leases``.
 """
@@ -43,12 +56,50 @@ import secrets
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from policies.kv_records import KVRecord
+from engines.kv_params import KVTransferParams
+from orchestrator.kv.messages import LeasedRecord
+from policies.kv_cost import worth_pulling
+from policies.kv_records import KVLifecycleConfig, KVRecord
 
-__all__ = ["WATCH_WAIT_S", "Grant", "LeaseBook", "RestoredLeases"]
+__all__ = [
+    "HANDOVER_WAIT_S",
+    "WATCH_WAIT_S",
+    "Grant",
+    "LeaseBook",
+    "RestoredLeases",
+    "offer_of",
+]
+
+HANDOVER_WAIT_S = 5.0
+"""How long a session's next turn waits at the service for the running one's hand-over
+(and a provisional lease's use for its grant); the lease's margin before an offer ends."""
+
+
+REFUSED_KEPT = 4096
+"""How many refused proposals the book remembers (their hand-overs come within
+``grace_s`` of the refusal, or never)."""
 
 WATCH_WAIT_S = 2.0
 """How long a lessee's ``lease_watch`` call waits at the service for a revocation."""
+
+
+def offer_of(
+    record: KVRecord, config: KVLifecycleConfig, grace_s: float, now_s: float
+) -> LeasedRecord:
+    """The kept record as a lease carries it: its pull parameters, the tokens it covers,
+    when its offer ends less the lease's margin (``safety_margin_s`` + ``grace_s``), and
+    the recompute reason the record alone gives (None: worth pulling)."""
+    params = record.transfer_params
+    if not isinstance(params, KVTransferParams):
+        raise TypeError(f"a lease carries KVTransferParams, not {type(params).__name__}")
+    not_worth = worth_pulling(record, config)
+    return LeasedRecord(
+        kv_transfer_params=params,
+        num_tokens=record.num_tokens,
+        prefix_hash=record.prefix_hash,
+        offer_in_s=record.expiry_s - config.safety_margin_s - grace_s - now_s,
+        not_worth=None if not_worth is None else not_worth.value,
+    )
 
 
 @dataclass(slots=True)
@@ -82,21 +133,61 @@ class LeaseBook:
         self.clock = clock
         self.grants: dict[str, Grant] = {}
         self._holders: dict[str, _Holder] = {}
+        # Provisional uses waiting for their proposed lease's grant, by lease id; and the
+        # proposals whose use was refused (never granted later), oldest first.
+        self._awaited: dict[int, asyncio.Event] = {}
+        self._refused: dict[int, None] = {}
 
     def watching(self, holder: str, now: float) -> bool:
         """Whether ``holder``'s watch is running (it called within the last few waits)."""
         seen = self._holders.get(holder)
         return seen is not None and now - seen.last_seen_s <= 3 * WATCH_WAIT_S
 
-    def grant(self, session_id: str, holder: str, record: KVRecord | None, now: float) -> Grant:
+    def grant(
+        self,
+        session_id: str,
+        holder: str,
+        record: KVRecord | None,
+        now: float,
+        lease_id: int | None = None,
+    ) -> Grant:
+        """Book a lease: ``lease_id`` the lessee proposed, or a new one."""
         grant = Grant(
             session_id=session_id,
             holder=holder,
-            lease_id=secrets.randbits(62),  # unique across service instances
+            # Unique across service instances.
+            lease_id=secrets.randbits(62) if lease_id is None else lease_id,
             record=record,
             lapses_s=now + self.lasts_s + self.grace_s,
         )
         self.grants[session_id] = grant
+        awaited = self._awaited.pop(grant.lease_id, None)
+        if awaited is not None:
+            awaited.set()
+        return grant
+
+    def refused(self, lease_id: int) -> bool:
+        """Whether a provisional use of the proposed ``lease_id`` was refused (it is not
+        granted any more)."""
+        return lease_id in self._refused
+
+    async def granted(self, session_id: str, lease_id: int) -> Grant | None:
+        """The lease, waiting up to ``grace_s`` for the hand-over that proposes it; a use
+        that finds none is refused for good."""
+        grant = self.find(session_id, lease_id)
+        if grant is None and lease_id not in self._refused:
+            awaited = self._awaited.setdefault(lease_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(awaited.wait(), self.grace_s)
+            except TimeoutError:
+                pass
+            finally:
+                self._awaited.pop(lease_id, None)
+            grant = self.find(session_id, lease_id)
+        if grant is None:
+            self._refused[lease_id] = None
+            while len(self._refused) > REFUSED_KEPT:
+                del self._refused[next(iter(self._refused))]
         return grant
 
     def find(self, session_id: str, lease_id: int) -> Grant | None:

@@ -3,9 +3,12 @@
 ``HandOver.message`` builds the turn's ``TurnDone`` (the decode's kept blocks and the
 session's next tokens: as sent, only what the turn added, and whole) and updates this
 replica's copy of the session's last turn; ``give`` sends it in a task of its own, so the
-client's last tokens do not wait for the booking. The session's next turn waits for it
-here (``handed_over``) or in the service's ``begin_turn``; ``settled`` waits for every
-hand-over under way (a read of the books after a turn, shutdown).
+client's last tokens do not wait for the booking. With turn leases the hand-over
+proposes the next turn's lease and holds it here at once (``HeldLeases.propose``): the
+session's next turn here runs under it without waiting for the answer. Otherwise it
+waits for the hand-over here (``handed_over``) or in the service's ``begin_turn``;
+``settled`` waits for every hand-over under way (a read of the books after a turn,
+shutdown).
 """
 
 from __future__ import annotations
@@ -88,6 +91,19 @@ class HandOver:
         next_len = None
         if next_ids is not None and len(next_ids) <= len(ids) and next_ids == ids[: len(next_ids)]:
             next_len = len(next_ids)
+        owner = report.extra.get("owner")
+        proposed = None
+        if sid is not None and next_ids is not None and self.leases is not None:
+            # The next turn here runs under this before the service answers.
+            next_digest = tokens.digest(sid) if tokens is not None else None
+            proposed = self.leases.propose(
+                sid,
+                owner,
+                prefix_digest(next_ids) if next_digest is None else next_digest,
+                chunk.kv_transfer_params,
+                ids,
+                chunk.kv_expires_in_s,
+            )
         whole = TurnDone(
             session_id=sid,
             token_ids=ids,
@@ -95,9 +111,10 @@ class HandOver:
             kv_expires_in_s=chunk.kv_expires_in_s,
             next_text=next_text,
             next_token_ids=next_ids,
-            owner=report.extra.get("owner"),
+            owner=owner,
             holder=None if sid is None or self.leases is None else self.leases.holder,
             lease_id=report.extra.get("lease_id"),
+            next_lease_id=proposed,
         )
         sent = msgspec.structs.replace(
             whole,
@@ -156,9 +173,14 @@ class HandOver:
                     # The service holds another last turn (it restarted meanwhile, or
                     # this replica's copy was stale): the turn, whole.
                     answer = await self.kv.turn_done(whole)
-                if answer.lease is not None and self.leases is not None:
-                    self.leases.add(answer.lease, asked_s)
+                if self.leases is not None:
+                    if answer.lease is not None:
+                        self.leases.add(answer.lease, asked_s)
+                    elif sid is not None and done.next_lease_id is not None:
+                        self.leases.unconfirmed(sid, done.next_lease_id)
             except RequestError as exc:
+                if sid is not None and done.next_lease_id is not None and self.leases:
+                    self.leases.unconfirmed(sid, done.next_lease_id)
                 # The service is unreachable (its client's deadline passed): end the
                 # claim if it can be reached now; otherwise its tick ends it. The kept
                 # blocks stay with their engine until its TTL.

@@ -7,14 +7,17 @@ turns take and plan from (``leased_decision``: the checks of
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from engines.kv_params import KVTransferParams
 from orchestrator.kv.messages import KVDecision, LeasedRecord, TurnLease
 from orchestrator.kv.ownership import Principal
-from orchestrator.kv.turn_leases import WATCH_WAIT_S
+from orchestrator.kv.turn_leases import HANDOVER_WAIT_S, WATCH_WAIT_S, offer_of
 from policies.kv_cost import offer_refused
-from policies.kv_records import RecomputeReason
+from policies.kv_lifecycle import kept_record
+from policies.kv_records import KVLifecycleConfig, RecomputeReason
 
 __all__ = ["WATCH_WAIT_S", "HeldLeases", "leased_decision"]
 
@@ -25,16 +28,28 @@ class _Held:
     until_s: float  # lessee clock: usable before this
     offer_until_s: float | None  # lessee clock: pull the record before this
     in_use: bool = False
+    provisional: bool = False  # proposed with a hand-over not yet answered
 
 
 class HeldLeases:
     """An ingress replica's leases (the lessee's side; see the module doc)."""
 
-    def __init__(self, holder: str, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        holder: str,
+        clock: Callable[[], float],
+        *,
+        lifecycle: KVLifecycleConfig | None = None,
+        lasts_s: float = 0.0,
+    ) -> None:
         # The clock of the router these leases serve (``Router`` checks it is its own):
         # a lease's ``until_s`` and the turn that takes it must be read on one clock.
         self.holder = holder
         self.clock = clock
+        # The service's lifecycle config and lease length: with both, a hand-over
+        # proposes the next turn's lease and holds it provisionally (``propose``).
+        self.lifecycle = lifecycle
+        self.lasts_s = lasts_s
         self._held: dict[str, _Held] = {}
         self._released: list[int] = []
         self.epoch: str | None = None
@@ -42,21 +57,84 @@ class HeldLeases:
     def __len__(self) -> int:
         return len(self._held)
 
-    def add(self, lease: TurnLease, asked_s: float) -> None:
+    def add(self, lease: TurnLease, asked_s: float, *, provisional: bool = False) -> None:
         """A lease granted in answer to a hand-over sent at ``asked_s`` (this clock):
-        its times count from then, before the grant (so they end early, never late)."""
+        its times count from then, before the grant (so they end early, never late).
+        The grant of a provisional lease (the same id) confirms it, in use or not."""
         if self.epoch is not None and lease.epoch != self.epoch:
             self.new_epoch(lease.epoch)
         self.epoch = lease.epoch
         old = self._held.get(lease.session_id)
-        if old is not None and not old.in_use:
+        in_use = False
+        if old is not None and old.lease.lease_id == lease.lease_id:
+            in_use = old.in_use  # the provisional lease, confirmed
+        elif old is not None and not old.in_use and not old.provisional:
             self._released.append(old.lease.lease_id)
         record = lease.record
         self._held[lease.session_id] = _Held(
             lease=lease,
             until_s=asked_s + lease.lasts_s,
             offer_until_s=None if record is None else asked_s + record.offer_in_s,
+            in_use=in_use,
+            provisional=provisional,
         )
+
+    def propose(
+        self,
+        session_id: str,
+        owner: str | None,
+        digest: int,
+        kept: KVTransferParams | None,
+        token_ids: Sequence[int],
+        kept_for_s: float | None,
+    ) -> int | None:
+        """A hand-over's proposal: hold the session's next turn here provisionally,
+        under a new lease id (returned; None: no proposal, leases or the service's
+        instance unknown), from this replica's copy of what the service will book —
+        the owner, the digest of the next turn's tokens, the decode's ``kept`` blocks
+        for the first of ``token_ids``, offered for ``kept_for_s`` (None: the TTL)."""
+        config, epoch = self.lifecycle, self.epoch
+        if config is None or epoch is None or self.lasts_s <= 0:
+            return None
+        now = self.clock()
+        offer = None
+        blocks = None if kept is None else kept.kept_blocks()
+        if blocks is not None:
+            engine_id, _, block_ids, num_tokens = blocks
+            record = kept_record(
+                session_id,
+                engine_id=engine_id,
+                token_ids_covered=token_ids[:num_tokens],
+                block_ids=block_ids,
+                transfer_params=kept,
+                expiry_s=now + (config.ttl_s if kept_for_s is None else kept_for_s),
+                last_used_s=now,
+                config=config,
+            )
+            offer = offer_of(record, config, HANDOVER_WAIT_S, now)
+        lease = TurnLease(
+            session_id=session_id,
+            lease_id=secrets.randbits(62),
+            epoch=epoch,
+            lasts_s=self.lasts_s,
+            owner=owner,
+            digest=digest,
+            record=offer,
+        )
+        self.add(lease, now, provisional=True)
+        return lease.lease_id
+
+    def unconfirmed(self, session_id: str, lease_id: int) -> None:
+        """The hand-over proposing ``lease_id`` got no lease: an unused provisional lease
+        goes (the service never held it); one in use has its use refused."""
+        held = self._held.get(session_id)
+        if held is not None and held.lease.lease_id == lease_id and not held.in_use:
+            del self._held[session_id]
+
+    def provisional(self, lease: TurnLease) -> bool:
+        """Whether ``lease`` is still provisional (its hand-over not yet answered)."""
+        held = self._held.get(lease.session_id)
+        return held is not None and held.lease.lease_id == lease.lease_id and held.provisional
 
     def take(self, session_id: str, principal: Principal, digest: int | None) -> TurnLease | None:
         """The session's lease, now in use, when this turn may run under it: ``principal``

@@ -178,7 +178,13 @@ class Ingress(TurnOpening, OwnLayer, ResponsesRoutes, OperatorViews):
             prefill_routes=route_notes.take if config.routing.prefix_aware else None,
             session_tokens=self.session_tokens,
             clock=time.monotonic,
-            leases=HeldLeases(self.replica_id, time.monotonic) if kv.turn_lease_s > 0 else None,
+            leases=(
+                HeldLeases(
+                    self.replica_id, time.monotonic, lifecycle=lifecycle, lasts_s=kv.turn_lease_s
+                )
+                if kv.turn_lease_s > 0
+                else None
+            ),
         )
         # vLLM's OpenAI serving layer for what kvtide's own does not serve (tools,
         # structured outputs, logprobs, n, ...): its config and tokenizer, no engine.

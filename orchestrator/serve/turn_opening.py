@@ -28,7 +28,7 @@ from orchestrator.errors import (
     ServiceUnavailable,
     TurnInProgress,
 )
-from orchestrator.kv.messages import KVDecision
+from orchestrator.kv.messages import KVDecision, TurnLease
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.service import KVServiceAPI
 from orchestrator.kv.session_tokens import SessionTokens, prefix_digest
@@ -252,6 +252,34 @@ class TurnOpening:
         self.metrics.inc("kvtide_conversation_turns_total", outcome="unmatched")
         return None, "unmatched"
 
+    async def _under_lease(
+        self, session_id: str | None, principal: Principal, ids: list[int], digest: int | None
+    ) -> tuple[TurnLease | None, KVDecision | None, asyncio.Task[bool] | None, float]:
+        """The session's turn lease held here, taken for this turn, with its plan and
+        its use reported to the service (a task, awaited before the first token), and
+        the seconds waited for a hand-over; or nothing.
+
+        Held since its last turn here: claimed and planned without a service call on the
+        path (``orchestrator.kv.turn_leases``), provisionally while the last turn's
+        hand-over is still on its way."""
+        leases = self.router.leases
+        if session_id is None or leases is None:
+            return None, None, None, 0.0
+        waited_s = 0.0
+        lease = leases.take(session_id, principal, digest)
+        if lease is None:  # a hand-over on its way may yet bring one
+            waited_s = await self.router.handed_over(session_id)
+            lease = leases.take(session_id, principal, digest)
+        if lease is None:
+            return None, None, None, waited_s
+        decision = leases.decide(lease, ids)
+        reason = None if decision.kind == "pull" else decision.reason
+        self.metrics.inc("kvtide_turn_leases_total", outcome="used")
+        used = asyncio.get_running_loop().create_task(
+            self.kv.lease_used(session_id, lease.lease_id, reason, leases.provisional(lease))
+        )
+        return lease, decision, used, waited_s
+
     async def _open_turn(self, turn: OpenTurn) -> OpenedTurn:
         """The turn started: its session found (by header, or the unnamed one its text
         continues), its prompt tokenized from this replica's copy of the session's last
@@ -264,23 +292,11 @@ class TurnOpening:
         max_tokens = turn.limits(ids)
         # Refused now (503 overloaded) rather than queued past its deadline.
         self.admission.check(("prefill", self.router.decode_pool_for(len(ids))[0]))
-        decision, service_s = None, 0.0
-        lease, lease_used = None, None
         session_id, conversation = self._not_generating_here(turn, session_id, conversation)
-        if session_id is not None and self.router.leases is not None:
-            # Held for this replica since its last turn here: claimed and planned
-            # without a service call on the path (``orchestrator.kv.turn_leases``).
-            service_s = await self.router.handed_over(session_id)
-            lease = self.router.leases.take(session_id, principal, digest)
-        if lease is not None:
-            assert session_id is not None and self.router.leases is not None
-            decision = self.router.leases.decide(lease, ids)
-            reason = None if decision.kind == "pull" else decision.reason
-            self.metrics.inc("kvtide_turn_leases_total", outcome="used")
-            lease_used = asyncio.get_running_loop().create_task(
-                self.kv.lease_used(session_id, lease.lease_id, reason)
-            )
-        elif session_id is not None:
+        lease, decision, lease_used, service_s = await self._under_lease(
+            session_id, principal, ids, digest
+        )
+        if lease is None and session_id is not None:
             try:
                 ids, max_tokens, decision, begun_s, again_s = await self._begin_turn(
                     session_id, principal, text, ids, max_tokens, digest, last_ids, turn.limits

@@ -126,6 +126,7 @@ def test_public_names_are_pinned() -> None:
         "ReleaseReason",
         "TurnAction",
         "TurnDecision",
+        "kept_record",
         "prefix_hash",
     ]
 

@@ -62,7 +62,12 @@ class Cluster:
         self.num_requests = 0
         self.service = self.new_service()
 
-    def new_service(self, cls: type[KVService] = KVService, **kwargs: Any) -> KVService:
+    def new_service(
+        self,
+        cls: type[KVService] = KVService,
+        idle_budget_bytes: int | None = None,
+        **kwargs: Any,
+    ) -> KVService:
         """A service (``cls``, with ``kwargs`` for its constructor) on these engines."""
         self.service = cls(
             kv_lifecycle_config(
@@ -71,6 +76,7 @@ class Cluster:
                 recompute_threshold_tokens=4,
                 kv_bytes_per_token=100,
                 block_size_tokens=16,
+                idle_budget_bytes_per_engine=idle_budget_bytes,
             ),
             prefill=self.prefill,
             drain_timeout_s=5.0,

@@ -57,7 +57,12 @@ async def leasing(*ingresses: Any) -> AsyncIterator[None]:
     service.leases.lasts_s = 30.0
     tasks = []
     for n, ingress in enumerate(ingresses):
-        leases = HeldLeases(f"replica-{n}", clock=ingress.router.clock)
+        leases = HeldLeases(
+            f"replica-{n}",
+            clock=ingress.router.clock,
+            lifecycle=service.decider.lifecycle.config,
+            lasts_s=30.0,
+        )
         ingress.router.leases = leases
         tasks.append(asyncio.ensure_future(ingress._watch_leases_forever(leases)))
     for _ in range(20):
