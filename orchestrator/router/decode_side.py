@@ -75,8 +75,10 @@ class DecodeSide:
         # The prompt's log probabilities, when asked: the prefill computed them.
         report.extra["prompt_logprobs"] = pre.prompt_logprobs
         if pre.num_cached_tokens > 0:
+            # A pull whose engine says it read nothing found every block in its own
+            # prefix cache: the KV came from there, not back from decode.
             pulled = decision.kind == "pull" and not report.pull_fallback
-            report.kv_source = "sent_back" if pulled else "prefix_cache"
+            report.kv_source = "sent_back" if pulled and pre.kv_read_bytes != 0 else "prefix_cache"
         if pre.kv_transfer_params is None:
             raise EngineUnavailable(
                 "the prefill engine returned no kv_transfer_params; is it configured with "

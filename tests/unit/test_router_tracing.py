@@ -183,6 +183,20 @@ def test_the_turn_reports_the_bytes_moved_and_offered_apart() -> None:
     }
 
 
+def test_a_send_back_that_moved_nothing_reports_the_prefix_cache_as_the_source() -> None:
+    # The prefill engine had every block of the history already: its pull read 0 bytes.
+    router = make_router(
+        FakePool(prefill_script(cached=101, read_bytes=0)),
+        FakePool(reading_decode_script(2 * BLOCK_BYTES)),
+    )
+    router.block_size_tokens, router.kv_bytes_per_token = 16, 4096
+    asyncio.run(reports(router, PROMPT))
+    second = asyncio.run(reports(router, [*PROMPT, 11, 12, 13, 50]))
+    assert second["kv_plan"] == "pull"
+    assert second["kv_source"] == "prefix_cache"
+    assert second["kv_transfer_bytes"]["decode_to_prefill"] == 0
+
+
 def test_bytes_an_engine_does_not_measure_are_null_never_the_offered_figure() -> None:
     # Engines that cannot say whose their reads were (vLLM's own connector).
     router = make_router(
