@@ -8,10 +8,12 @@ work (``GET /v1/models``):
 
 * ``models`` — ``GET /v1/models`` on a kept-alive connection: proxy + uvicorn +
   FastAPI routing, no turn;
-* ``models, new conn`` — the same with a new TCP connection each time;
-* ``body 4k`` — ``POST /v1/completions`` with a 4,096-token prompt as token ids (~20 KB
-  of JSON) and ``max_tokens`` 1, unstreamed: the body through the proxy, parsed, and a
-  one-token turn (the engines' time is the same on both routes);
+* ``models, new conn`` — the same with a new TCP connection each time (``Connection:
+  close``);
+* ``body 4k tokens, refused`` — ``POST /v1/completions`` of a 4,096-token prompt as
+  token ids (~20 KB of JSON) naming an unknown model: the body through the proxy and
+  parsed, then a 404, no turn;
+* ``turn, 1 token, unstreamed`` — a one-token completion of a fresh 64-token prompt;
 * ``stream`` — a streamed 64-token completion: time to the first token and the gaps
   between events (the proxy forwarding each SSE event as it comes, or holding it).
 
@@ -25,7 +27,9 @@ import asyncio
 import random
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -53,6 +57,10 @@ def replica_url() -> str:
     return f"http://127.0.0.1:{min(ports)}"
 
 
+def firsts(results: list[list[float]]) -> list[float]:
+    return [r[0] for r in results]
+
+
 def ms(values: list[float], q: float = 0.5) -> float:
     if not values:
         return float("nan")
@@ -60,44 +68,65 @@ def ms(values: list[float], q: float = 0.5) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
 
 
-async def timed_gets(base: str, n: int, *, new_conn: bool) -> list[float]:
-    out: list[float] = []
-    async with httpx.AsyncClient(base_url=base, timeout=30) as kept:
+Probe = Callable[[httpx.AsyncClient], Awaitable[list[float]]]
+
+
+async def paired(
+    base: str, replica: str, n: int, probe: Probe
+) -> tuple[list[list[float]], list[list[float]]]:
+    """``probe`` ``n`` times on each route, the routes alternating (one kept-alive
+    client each), so that both see the same machine: what each call returned, by
+    route."""
+    front: list[list[float]] = []
+    own: list[list[float]] = []
+    async with (
+        httpx.AsyncClient(base_url=base, timeout=60) as via,
+        httpx.AsyncClient(base_url=replica, timeout=60) as direct,
+    ):
         for _ in range(n):
-            t0 = time.monotonic()
-            if new_conn:
-                async with httpx.AsyncClient(base_url=base, timeout=30) as fresh:
-                    (await fresh.get("/v1/models")).raise_for_status()
-            else:
-                (await kept.get("/v1/models")).raise_for_status()
-            out.append(time.monotonic() - t0)
-    return out
+            front.append(await probe(via))
+            own.append(await probe(direct))
+    return front, own
 
 
-async def timed_bodies(base: str, model: str, n: int, rng: random.Random) -> list[float]:
-    out: list[float] = []
-    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
-        for _ in range(n):
-            prompt = [rng.randrange(100, 1000) for _ in range(4096)]
-            body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
-            t0 = time.monotonic()
-            (await client.post("/v1/completions", json=body)).raise_for_status()
-            out.append(time.monotonic() - t0)
-    return out
+def get_models(close: bool) -> Probe:
+    """``GET /v1/models``, on a kept-alive connection or a new one each time (the
+    server closes it after each answer: ``Connection: close``)."""
+    headers = {"connection": "close"} if close else {}
+
+    async def probe(client: httpx.AsyncClient) -> list[float]:
+        t0 = time.monotonic()
+        (await client.get("/v1/models", headers=headers)).raise_for_status()
+        return [time.monotonic() - t0]
+
+    return probe
 
 
-async def timed_streams(
-    base: str, model: str, n: int, rng: random.Random
-) -> tuple[list[float], list[float]]:
-    ttfts: list[float] = []
-    gaps: list[float] = []
-    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
-        for _ in range(n):
-            prompt = [rng.randrange(100, 1000) for _ in range(256)]
-            turn = await stream_completion(client, model, prompt, 64)
-            ttfts.append(turn.ttft_s)
-            gaps.extend(token_gaps(turn.token_times, turn.token_counts))
-    return ttfts, gaps
+def post(body: dict[str, Any], status: int, prompt_tokens: int, rng: random.Random) -> Probe:
+    """``POST /v1/completions`` of ``body`` with a fresh prompt each time (no prefix
+    cache hits), answered with ``status``."""
+
+    async def probe(client: httpx.AsyncClient) -> list[float]:
+        prompt = [rng.randrange(100, 1000) for _ in range(prompt_tokens)]
+        t0 = time.monotonic()
+        resp = await client.post("/v1/completions", json={**body, "prompt": prompt})
+        elapsed = time.monotonic() - t0
+        assert resp.status_code == status, resp.text[:300]
+        return [elapsed]
+
+    return probe
+
+
+def stream(model: str, rng: random.Random) -> Probe:
+    """A streamed 64-token completion of a fresh 64-token prompt: its TTFT, then the
+    gaps between its events."""
+
+    async def probe(client: httpx.AsyncClient) -> list[float]:
+        prompt = [rng.randrange(100, 1000) for _ in range(64)]
+        turn = await stream_completion(client, model, prompt, 64)
+        return [turn.ttft_s, *token_gaps(turn.token_times, turn.token_counts)]
+
+    return probe
 
 
 async def measure(base: str, replica: str, model: str, n: int) -> list[list[str]]:
@@ -106,17 +135,22 @@ async def measure(base: str, replica: str, model: str, n: int) -> list[list[str]
     def row(name: str, front: float, own: float) -> None:
         rows.append([name, f"{front:.2f}", f"{own:.2f}", f"{front - own:+.2f}"])
 
-    for new_conn in (False, True):
-        front = await timed_gets(base, n, new_conn=new_conn)
-        own = await timed_gets(replica, n, new_conn=new_conn)
-        row("models, new conn" if new_conn else "models", ms(front), ms(own))
-    # The same prompts on both routes (fresh ones each request: no prefix cache hits).
-    front_b = await timed_bodies(base, model, n // 4, random.Random(1))
-    own_b = await timed_bodies(replica, model, n // 4, random.Random(2))
-    row("body 4k (1 token)", ms(front_b), ms(own_b))
-    f_ttft, f_gaps = await timed_streams(base, model, n // 4, random.Random(3))
-    o_ttft, o_gaps = await timed_streams(replica, model, n // 4, random.Random(4))
-    row("stream: TTFT", ms(f_ttft), ms(o_ttft))
+    for close in (False, True):
+        front, own = await paired(base, replica, n, get_models(close))
+        row("models, new conn" if close else "models", ms(firsts(front)), ms(firsts(own)))
+    rng = random.Random(1)
+    # ~20 KB of JSON read and parsed, refused before any turn (an unknown model: 404).
+    refused = {"model": "no-such-model", "max_tokens": 1}
+    front, own = await paired(base, replica, n, post(refused, 404, 4096, rng))
+    row("body 4k tokens, refused", ms(firsts(front)), ms(firsts(own)))
+    turn = {"model": model, "max_tokens": 1, "temperature": 0}
+    front, own = await paired(base, replica, n, post(turn, 200, 64, rng))
+    row("turn, 1 token, unstreamed", ms(firsts(front)), ms(firsts(own)))
+    # Each stream's TTFT, then its gaps.
+    front, own = await paired(base, replica, n // 2, stream(model, rng))
+    row("stream: TTFT", ms(firsts(front)), ms(firsts(own)))
+    f_gaps = [g for s in front for g in s[1:]]
+    o_gaps = [g for s in own for g in s[1:]]
     row("stream: gap p50", ms(f_gaps), ms(o_gaps))
     row("stream: gap p99", ms(f_gaps, 0.99), ms(o_gaps, 0.99))
     return rows
@@ -137,8 +171,8 @@ def main() -> None:
     )
     print(
         "HAProxy = Serve's proxy in front of the ingress replica (kvtide up's default); "
-        f"the replica = its own uvicorn port. {args.requests} requests a row "
-        "(a quarter for the turns); one run, this machine."
+        f"the replica = its own uvicorn port. {args.requests} requests a row on each "
+        "route, the routes alternating (half as many streams); one run, this machine."
     )
 
 
