@@ -264,7 +264,7 @@ def summarize(
         reasons=collections.Counter(
             str(t.report.get("kv_plan_reason") or "-")
             for t in done
-            if t.index > 1 and t.report and t.report.get("kv_source") != "sent_back"
+            if t.index > 1 and t.report and t.report.get("kv_plan") != "pull"
         ),
         moved_ratio=ratio,
         errors=[t.error for t in run.turns if t.error][:3],

@@ -227,7 +227,13 @@ def format_turns(rows: list[TurnRow]) -> str:
                 f"turn {r.turn} called {r.tool_call}; turn {after.turn} sent the call and its "
                 f"result back: prompt KV {labels.get(after.kv_source, after.kv_source)}"
             )
-    reused = [r for r in rows if r.kv_source == "sent_back"]
+    # A turn that pulled the previous turn's KV: sent back, or already in the prefill
+    # engine's prefix cache (the pull then read nothing).
+    reused = [
+        r
+        for r in rows
+        if r.kv_source in ("sent_back", "prefix_cache") and r.turn not in ("1", "fresh")
+    ]
     fresh = [r for r in rows if r.turn == "fresh"]
     if reused and fresh:
         ratio = fresh[0].ttft_s / max(1e-9, reused[-1].ttft_s)

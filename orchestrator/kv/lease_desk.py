@@ -181,13 +181,18 @@ class LeaseDesk:
 
     async def give_back(self, session_id: str) -> None:
         """Revoke an unused lease on the session and wait (``handover_wait_s``) for its
-        lessee to give it back; one still unused then lapses now."""
+        lessee to give it back; one still unused then lapses now, unless its lessee says
+        it runs the turn under it (its use not yet here)."""
         grant = self.unused(session_id)
         if grant is None:
             return
         self.book.revoke(grant)
-        # Its lessee may be running the turn under it already: then it says so.
-        await self.running.wait_ended(session_id, self.book.ask(grant.holder, session_id))
+        # Its lessee may be running the turn under it already (its use on the way):
+        # then it says so, and the lease stays.
+        asked = self.book.ask(grant.holder, session_id)
+        await self.running.wait_ended(session_id, asked)
+        if asked is not None and asked.done() and not asked.cancelled() and asked.result():
+            return
         grant = self.unused(session_id)
         if grant is not None:
             self.end(grant)

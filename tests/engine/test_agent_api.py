@@ -16,6 +16,7 @@ from typing import Any, Literal
 import httpx
 import openai
 import pytest
+from app_calls import PULLED
 from pydantic import BaseModel
 
 pytestmark = pytest.mark.engine
@@ -78,7 +79,7 @@ def test_a_tool_using_session_sends_its_kv_back_every_turn(kvtide_app: Any) -> N
     # Closed as a client that is done does: the tests after this one share the decode
     # engine's idle budget (kv.idle_budget_mib_per_engine).
     assert httpx.delete(f"{kvtide_app.base_url}/kvtide/sessions/{session}").status_code == 200
-    assert [s["kv_source"] for s in seen[1:]] == ["sent_back"] * 3, seen
+    assert all(s["kv_source"] in PULLED for s in seen[1:]) and len(seen) == 4, seen
     # Each later turn reused the whole previous turn: its prompt and the tool call.
     assert all(s["num_cached_tokens"] > seen[0]["num_cached_tokens"] for s in seen[1:])
 
@@ -87,7 +88,7 @@ def test_a_tool_using_conversation_without_a_header_sends_its_kv_back(kvtide_app
     seen = _agent_loop(kvtide_app, {}, 4)
     # As for any history-only client: the unnamed session starts with turn 2.
     assert [s["conversation"] for s in seen] == [None, "started", "continued", "continued"]
-    assert [s["kv_source"] for s in seen[2:]] == ["sent_back"] * 2, [
+    assert [s["kv_source"] in PULLED for s in seen[2:]] == [True] * 2, [
         (s["conversation"], s["kv_plan"], s["kv_plan_reason"], s["kv_source"]) for s in seen
     ]
 
@@ -199,7 +200,7 @@ def test_the_responses_api_holds_the_conversation_and_its_kv(kvtide_app: Any) ->
         assert ext["session_id"] == first.id
         assert reply.usage.input_tokens > first.usage.input_tokens
         previous = reply.id
-    assert seen == ["sent_back", "sent_back"], seen
+    assert len(seen) == 2 and all(source in PULLED for source in seen), seen
     assert client.responses.retrieve(previous).id == previous
     # Streamed, as the openai client reads it.
     with client.responses.stream(

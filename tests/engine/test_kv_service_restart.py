@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 import ray
-from app_calls import complete, kvtide_stats
+from app_calls import PULLED, complete, kvtide_stats
 
 from orchestrator.kv.actor import SERVICE_NAMESPACE, service_name
 from orchestrator.runtime import APP_NAME
@@ -34,7 +34,7 @@ def test_a_restarted_service_keeps_the_conversation_reusing_its_kv(kvtide_app: A
     session = "it-service-restart"
     t1 = _complete(kvtide_app, [(7 * i) % 1000 + 3 for i in range(1500)], session)
     t2 = _complete(kvtide_app, _next_prompt(t1, [11, 12, 13]), session)
-    assert t2["kvtide"]["kv_source"] == "sent_back"
+    assert t2["kvtide"]["kv_source"] in PULLED
     before = _kv_stats(kvtide_app)
     held_before = sum(before["bytes_held"].values())
 
@@ -85,6 +85,6 @@ def test_a_restarted_service_keeps_the_conversation_reusing_its_kv(kvtide_app: A
         time.sleep(0.5)
     assert resp.status_code == 200, resp.text
     t3 = resp.json()
-    assert t3["kvtide"]["kv_source"] == "sent_back", t3["kvtide"]
+    assert t3["kvtide"]["kv_source"] in PULLED, t3["kvtide"]
     assert t3["kvtide"]["pull_fallback"] is False
     assert _kv_stats(kvtide_app)["num_drain_failures"] == 0

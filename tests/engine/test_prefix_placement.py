@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from app_calls import PULLED
 
 pytestmark = pytest.mark.engine
 
@@ -51,7 +52,8 @@ def test_a_conversations_turns_stay_on_the_prefill_engine_that_holds_its_history
             # At least the previous prompt's whole blocks were reused (128-token blocks).
             assert turn["cached_tokens"] >= previous["prompt_tokens"] // 128 * 128 > 0, where
         assert [t["conversation"] for t in turns] == [None, "started", "continued", "continued"]
-        assert [t["kv_source"] for t in turns[1:]] == ["prefix_cache", "sent_back", "sent_back"]
+        assert turns[1]["kv_source"] == "prefix_cache", turns
+        assert all(t["kv_source"] in PULLED for t in turns[2:]), turns
 
     # The closed session's history (its last answer included) was drained into a prefill
     # engine by the KV service; the ingress never sent that prompt, yet its router

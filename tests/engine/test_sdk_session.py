@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+from app_calls import PULLED
 
 from orchestrator.sdk import AsyncClient, Client, format_turns
 
@@ -37,14 +38,15 @@ def test_a_three_turn_session_reports_where_its_kv_came_from(kvtide_app: Any) ->
         rec2 = _record(kvtide_app, s.id)
         t3 = s.send("And after the TTL?", max_tokens=12, temperature=0)
         sources = [t.kv_source for t in s.turns]
-        assert sources == ["recomputed", "sent_back", "sent_back"], [t.kvtide for t in s.turns]
+        assert sources[0] == "recomputed", [t.kvtide for t in s.turns]
+        assert all(source in PULLED for source in sources[1:]), [t.kvtide for t in s.turns]
         # What the SDK reports is what the server booked: turn n+1 reused turn n's record.
         assert rec1 is not None and rec2 is not None
         assert t2.cached_tokens >= rec1["num_tokens"] - 128  # whole blocks
         assert t3.cached_tokens >= rec2["num_tokens"] - 128
         assert t1.prompt_tokens < t2.prompt_tokens < t3.prompt_tokens
         assert len(s.messages) == 6 and all(t.ttft_s and t.ttft_s > 0 for t in s.turns)
-        assert "sent_back" in format_turns(s.turns)
+        assert sources[-1] in format_turns(s.turns)
 
 
 def test_closing_a_session_releases_its_kv(kvtide_app: Any) -> None:
@@ -101,4 +103,5 @@ def test_the_async_client_runs_a_session(kvtide_app: Any) -> None:
                 assert "".join(deltas) == stream.result.text
                 return [t.kv_source for t in session.turns]
 
-    assert asyncio.run(run()) == ["recomputed", "sent_back"]
+    first, second = asyncio.run(run())
+    assert first == "recomputed" and second in PULLED

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from app_calls import PULLED
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -113,7 +114,7 @@ def test_a_chat_turn_is_one_trace_from_ingress_to_decode(traced: tuple[str, Rece
         {"role": "user", "content": "and then?"},
     ]
     second = _chat(url, messages, TRACEPARENT)  # pulls turn 1's KV back
-    assert second["kvtide"]["kv_source"] == "sent_back", second["kvtide"]
+    assert second["kvtide"]["kv_source"] in PULLED, second["kvtide"]
 
     # The exporter sends in batches (every few seconds): wait for the whole trace.
     deadline = time.monotonic() + 60

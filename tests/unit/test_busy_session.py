@@ -16,6 +16,7 @@ from test_kv_service import S1_T1, S1_T2, Cluster
 from test_turn_calls import two_ingresses
 from test_turn_leases import leasing, second_turn_hanging
 
+from orchestrator.kv.messages import TurnDone
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.service import KVService
 
@@ -116,3 +117,29 @@ def test_a_turn_after_the_last_token_waits_for_the_hand_over_and_runs() -> None:
             return waited, (await second).outcome
 
     assert asyncio.run(asyncio.wait_for(story(), BOUND_S)) == (True, "claimed")
+
+
+def test_a_lease_its_lessee_runs_under_is_not_taken_back_by_a_turn_elsewhere() -> None:
+    async def story() -> tuple[str, bool]:
+        svc = Cluster().service
+        svc.leases.lasts_s = 30.0
+        svc.handover_wait_s = HOUR_S
+        # replica-a holds s1's next turn and has started it (its use not yet sent).
+        async with watching(svc, "replica-a", {"s1"}):
+            claim = await svc.begin_turn("s1", ALICE, S1_T1, None, 0, "replica-a")
+            assert claim.outcome == "claimed"
+            done = TurnDone(
+                session_id="s1",
+                token_ids=S1_T1,
+                next_token_ids=S1_T1,
+                owner="alice",
+                holder="replica-a",
+            )
+            lease = (await svc.turn_done(done)).lease
+            assert lease is not None
+            second = await svc.begin_turn("s1", ALICE, S1_T2, None, 0, "replica-b")
+            used = await svc.lease_used("s1", lease.lease_id, "no_record")
+        return second.outcome, used
+
+    # The turn elsewhere is refused at once; the lessee's use still finds its lease.
+    assert asyncio.run(asyncio.wait_for(story(), BOUND_S)) == ("turn_in_progress", True)

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from orchestrator.cli.demo import stream_chat
+from orchestrator.cli.demo import TurnRow, format_turns, stream_chat
 
 
 def _sse(*events: object) -> bytes:
@@ -50,3 +50,27 @@ def test_an_error_event_names_the_turn() -> None:
     body = _sse({"error": {"message": "deadline exceeded", "code": "deadline_exceeded"}})
     with _client(body) as client, pytest.raises(RuntimeError, match=r"turn 3: .*deadline"):
         stream_chat(client, "m", [], max_tokens=3, session_id="s1", turn="3")
+
+
+def _row(turn: str, source: str, ttft_s: float) -> TurnRow:
+    return TurnRow(
+        turn=turn,
+        num_prompt_tokens=300,
+        num_cached_tokens=0 if source == "recomputed" else 256,
+        num_completion_tokens=8,
+        ttft_s=ttft_s,
+        tokens_per_s=100.0,
+        kv_source=source,
+        answer="",
+    )
+
+
+def test_a_later_turn_whose_pull_found_the_prefix_cache_still_shows_its_reuse() -> None:
+    # Turn 3 pulled turn 2's KV, but the prefill engine had every block (0 bytes read).
+    rows = [
+        _row("1", "recomputed", 0.5),
+        _row("2", "sent_back", 0.2),
+        _row("3", "prefix_cache", 0.1),
+        _row("fresh", "recomputed", 0.4),
+    ]
+    assert "turn 3 reused 256 prompt tokens: TTFT 4.0x lower" in format_turns(rows)
