@@ -32,7 +32,12 @@ def test_the_workload_is_the_same_tokens_every_time_and_sessions_share_their_pre
 
 
 def _turn(index: int, ttft_s: float, moved: int | None, source: str = "sent_back") -> Turn:
-    report = {"kv_source": source, "kv_plan_reason": "" if source == "sent_back" else "evicted"}
+    pulled = source == "sent_back"
+    report = {
+        "kv_source": source,
+        "kv_plan": "pull" if pulled else "recompute",
+        "kv_plan_reason": "reuse" if pulled else "evicted",
+    }
     if moved is not None:
         report["kv_transfer_bytes"] = {"prefill_to_decode": moved, "decode_to_prefill": 0}
     turn = Turn(session=0, index=index, prompt_tokens=100, new_tokens=5, ttft_s=ttft_s)
