@@ -15,7 +15,6 @@ from orchestrator.kv.messages import LeasedRecord, LeaseWatch, TurnLease
 from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.kv.turn_leases import Grant, LeaseBook, RestoredLeases
 from orchestrator.kv.turn_marks import OwnerMarks, RunningTurns
-from policies.kv_cost import worth_pulling
 from policies.kv_lifecycle import RecomputeReason
 
 __all__ = ["LeaseDesk"]
@@ -63,7 +62,7 @@ class LeaseDesk:
         leased = None
         if record is not None:
             margin = lifecycle.config.safety_margin_s + book.grace_s
-            not_worth = worth_pulling(record, lifecycle.config)
+            not_worth = lifecycle.not_worth(record)
             leased = LeasedRecord(
                 kv_transfer_params=params_of(record),
                 num_tokens=record.num_tokens,
