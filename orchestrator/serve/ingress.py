@@ -40,6 +40,7 @@ from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import http_status, make_metrics
 from orchestrator.router import Router
 from orchestrator.router.held_leases import WATCH_WAIT_S, HeldLeases
+from orchestrator.router.integrity import IntegritySettings
 from orchestrator.serve import openai_api as api
 from orchestrator.serve import vllm_api
 from orchestrator.serve.admission import AdmissionGate
@@ -179,6 +180,12 @@ class Ingress(TurnOpening, OwnLayer, ResponsesRoutes, OperatorViews):
             session_tokens=self.session_tokens,
             clock=time.monotonic,
             leases=HeldLeases(self.replica_id, time.monotonic) if kv.turn_lease_s > 0 else None,
+            integrity=IntegritySettings(
+                sample_fraction=kv.integrity_sample_fraction,
+                logprob_tolerance=kv.integrity_logprob_tolerance,
+                num_tokens=kv.integrity_num_tokens,
+                timeout_s=config.server.request_timeout_s,
+            ),
         )
         # vLLM's OpenAI serving layer for what kvtide's own does not serve (tools,
         # structured outputs, logprobs, n, ...): its config and tokenizer, no engine.
@@ -297,6 +304,10 @@ class Ingress(TurnOpening, OwnLayer, ResponsesRoutes, OperatorViews):
     @fastapi_app.get("/kvtide/stats")
     async def stats(self, request: Request) -> dict[str, Any]:
         return await self._stats(request)
+
+    @fastapi_app.post("/kvtide/integrity/reuse")
+    async def reuse_on(self, request: Request) -> dict[str, Any]:
+        return await self._reuse_on(request)
 
     @fastapi_app.get("/kvtide/sessions/{session_id}")
     async def get_session(self, session_id: str, request: Request) -> dict[str, Any]:
