@@ -214,7 +214,11 @@ class KVService:
         # (``orchestrator.kv.turn_leases``); the lease's margin is the handover wait.
         self.leases = LeaseBook(lasts_s=turn_lease_s, grace_s=handover_wait_s, clock=clock)
         self.drains = Drains(
-            prefill=prefill, timeout_s=drain_timeout_s, tokens=self.tokens, leases=self.leases
+            prefill=prefill,
+            timeout_s=drain_timeout_s,
+            tokens=self.tokens,
+            leases=self.leases,
+            reuse_off=lambda: self.decider.lifecycle.reuse_off,
         )
         self.lease_desk = LeaseDesk(
             book=self.leases,

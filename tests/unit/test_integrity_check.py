@@ -112,11 +112,12 @@ def make_router(
     *,
     fraction: float = 1.0,
     store: MemoryStore | None = None,
+    drains: bool = False,
 ) -> Router:
     clock = FakeClock()
     service = KVService(
         lifecycle_config(),
-        prefill=None,
+        prefill=prefill if drains else None,
         drain_timeout_s=5.0,
         clock=clock,
         store=store,
@@ -255,6 +256,31 @@ def test_turned_back_on_the_next_extending_turn_pulls() -> None:
     report, _ = asyncio.run(turn(router, prompt))
     assert (report.kv_plan, report.kv_source) == ("pull", "sent_back")
     assert checks(router) == {"mismatch": 1.0, "match": 1.0}
+
+
+@pytest.mark.parametrize("shift", [0.0, 0.5])
+def test_kept_kv_on_a_distrusted_engine_is_not_read_back(shift: float) -> None:
+    """A drain is the read a mismatch found wrong, into the prefill engine's prefix
+    cache: with reuse off for its engine the blocks wait for their TTL instead."""
+    prefill, decode = Prefill(), Decode()
+    prefill.shift = shift
+    router = make_router(prefill, decode, drains=True)
+    conversation(router, 2)
+    service = service_of(router)
+
+    async def close() -> None:
+        assert await service.close("s")
+        await service.wait_drains()
+
+    asyncio.run(close())
+    drains = [r for r in prefill.requests if r.request_id.startswith("drain-")]
+    stats = service.drains.stats()
+    if shift:  # the check failed: D is distrusted
+        assert drains == [] and stats["num_drains_withheld"] == 1
+    else:
+        assert len(drains) == 1 and stats["num_drains_withheld"] == 0
+        assert drains[0].kv_transfer_params is not None
+        assert drains[0].kv_transfer_params.remote_engine_id == "D"
 
 
 def test_reuse_off_outlives_a_service_restart() -> None:
