@@ -87,6 +87,15 @@ class ReuseOff:
         self._pairs[pair] = entry
         self.store.put(pair_key(*pair), msgspec.json.encode(entry))
         self._apply()
+        log.error(
+            "reuse off for prefill engine %s and source engine %s: turn %s failed its KV "
+            "integrity check (log probabilities off by up to %.4g); no turn pulls from %s "
+            "until an operator turns it back on (POST /kvtide/integrity/reuse)",
+            *pair,
+            mismatch.request_id,
+            mismatch.max_abs_diff,
+            mismatch.source_engine_id,
+        )
         return True
 
     def turn_on(self, prefill_engine_id: str, source_engine_id: str) -> bool:
@@ -95,6 +104,11 @@ class ReuseOff:
             return False
         self.store.delete(pair_key(prefill_engine_id, source_engine_id))
         self._apply()
+        log.warning(
+            "reuse turned back on for prefill engine %s and source engine %s",
+            prefill_engine_id,
+            source_engine_id,
+        )
         return True
 
     def _apply(self) -> None:
