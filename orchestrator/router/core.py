@@ -132,13 +132,13 @@ class Router(PrefillSide, DecodeSide):
             leases=leases,
         )
         # A sample of the turns that pull KV back, computed again without reuse off the
-        # turn's path (``orchestrator.router.integrity``).
+        # turn's path (``orchestrator.router.integrity``); none without ``integrity``.
         self.integrity = IntegrityCheck(
             prefill=prefill,
             service=lambda: self.kv,
             metrics=self.metrics,
             clock=clock,
-            settings=integrity if integrity is not None else IntegritySettings(),
+            settings=integrity if integrity is not None else IntegritySettings(sample_fraction=0),
         )
         # The sessions with a turn generating here: session id -> (request id, owner).
         # From the turn's start to its last item (or its end otherwise).

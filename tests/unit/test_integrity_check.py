@@ -353,6 +353,24 @@ def test_unsampled_turns_ask_nothing_more() -> None:
     assert checks(router) == {}
 
 
+def test_a_router_given_no_settings_checks_nothing() -> None:
+    prefill, decode = Prefill(), Decode()
+    service = service_of(make_router(prefill, decode))
+    router = Router(prefill=prefill, decode=decode, kv=service, pull_timeout_s=5.0)
+    conversation(router, 3)
+    assert [r.logprobs for r in decode.requests] == [None] * 3
+    assert checks(router) == {}
+
+
+def test_checks_past_the_running_limit_are_skipped() -> None:
+    prefill, decode = Prefill(), Decode()
+    router = make_router(prefill, decode)
+    router.integrity.settings = IntegritySettings(sample_fraction=1.0, max_running=0)
+    conversation(router, 2)
+    assert checks(router) == {"skipped": 1.0}
+    assert [r.prompt_logprobs for r in prefill.requests] == [None, None]
+
+
 def test_a_decode_that_gives_no_logprobs_is_skipped_not_passed() -> None:
     prefill, decode = Prefill(), Decode(gives_logprobs=False)
     router = make_router(prefill, decode)
