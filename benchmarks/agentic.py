@@ -29,8 +29,11 @@ Printed per setup: TTFT p50 by turn index and p90 over turns >= 4, ITL p90, outp
 throughput, goodput (turns within ``--ttft-target-s`` per second), kvtide's KV sources
 and recompute reasons, and the KV bytes moved per turn (as the engines measured them,
 where the report carries them) against the new tokens' KV. Then the ratios the issue's
-targets are stated in. Not measured here: a host-memory tier (kvtide has none yet) and
-the KV integrity check (not built yet): the table says so.
+targets are stated in, and kvtide's KV integrity checks (``--integrity-fraction`` of the
+turns that pull KV back, computed again without reuse off the client's path, on the same
+prefill engine: docs/kv_lifecycle.md#integrity-check): matches, mismatches (target 0),
+skipped, and the engine pairs whose reuse a mismatch turned off. Not measured here: a
+host-memory tier (kvtide has none yet).
 
     python benchmarks/agentic.py [--sessions 16] [--turns 6] [--concurrency 8]
                                  [--modes kvtide,plain-pd,vllm] [--seed 0]
@@ -185,7 +188,10 @@ def setup(mode: str, args: argparse.Namespace) -> Iterator[tuple[str, str]]:
         ) as base:
             yield base, config.model.name
         return
-    kv: dict[str, Any] = {"idle_budget_mib_per_engine": args.budget_mib}
+    kv: dict[str, Any] = {
+        "idle_budget_mib_per_engine": args.budget_mib,
+        "integrity_sample_fraction": args.integrity_fraction,
+    }
     routing: dict[str, Any] = {"reuse_without_session": False}
     num_prefill = 1
     if mode == "prefix-routing":
@@ -194,6 +200,45 @@ def setup(mode: str, args: argparse.Namespace) -> Iterator[tuple[str, str]]:
     with embedded_app(kv, routing=routing, num_prefill=num_prefill, pools=pools) as app:
         base_url, model, _, _ = app
         yield base_url, model
+
+
+# ---- integrity checks ---------------------------------------------------------------------
+
+INTEGRITY_OUTCOMES = ("match", "mismatch", "skipped")
+SETTLE_S = 3.0
+"""The checks' counters unchanged this long (the ingress reports its metrics each
+second): every check of the run's last turns has ended."""
+
+
+@dataclass
+class Integrity:
+    checks: dict[str, int]
+    reuse_off: list[dict[str, Any]]
+
+
+def _integrity_now(base_url: str) -> Integrity:
+    stats = httpx.get(base_url + "/kvtide/stats", timeout=60).json()
+    metrics = stats.get("metrics", {})
+    checks = {
+        o: int(metrics.get(f'kvtide_kv_integrity_checks_total{{outcome="{o}"}}', 0))
+        for o in INTEGRITY_OUTCOMES
+    }
+    return Integrity(checks=checks, reuse_off=list(stats.get("kv", {}).get("reuse_off", [])))
+
+
+def integrity_results(base_url: str, timeout_s: float = 120.0) -> Integrity:
+    """kvtide's integrity checks after the run: the checks run after each turn, off its
+    path, so the last turns' may still run; read until the counts hold for ``SETTLE_S``
+    (at most ``timeout_s``)."""
+    last = _integrity_now(base_url)
+    held_since = time.monotonic()
+    deadline = held_since + timeout_s
+    while time.monotonic() - held_since < SETTLE_S and time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = _integrity_now(base_url)
+        if now.checks != last.checks:
+            last, held_since = now, time.monotonic()
+    return last
 
 
 # ---- the table ----------------------------------------------------------------------------
@@ -271,7 +316,12 @@ def summarize(
     )
 
 
-def format_summaries(summaries: list[Summary], work: Workload, args: argparse.Namespace) -> str:
+def format_summaries(
+    summaries: list[Summary],
+    work: Workload,
+    args: argparse.Namespace,
+    integrity: Integrity | None = None,
+) -> str:
     turns = list(range(1, work.turns + 1))
     head = ["setup", "ok/failed", *[f"TTFT t{i} ms" for i in turns]]
     head += [f"TTFT p50 t>={args.late_from}", f"p90 t>={args.late_from}", "ITL p90 ms"]
@@ -332,7 +382,17 @@ def format_summaries(summaries: list[Summary], work: Workload, args: argparse.Na
                 f"KV bytes moved per later turn / the new tokens' KV: {k.moved_ratio:.2f}x "
                 "(target <= 1.2x)"
             )
-    lines.append("not measured: a host-memory tier (none yet), the KV integrity check (none yet)")
+    if integrity is not None:
+        c = integrity.checks
+        pairs = ", ".join(
+            f"{p['prefill_engine_id']} <- {p['source_engine_id']}" for p in integrity.reuse_off
+        )
+        lines.append(
+            f"kvtide KV integrity checks ({args.integrity_fraction:g} of pulled turns): "
+            f"{sum(c.values())}: match {c['match']}, mismatch {c['mismatch']} (target 0), "
+            f"skipped {c['skipped']}; reuse off for: {pairs or 'no engine pair'}"
+        )
+    lines.append("not measured: a host-memory tier (none yet)")
     lines.append(
         f"workload: {work.sessions} sessions x {work.turns} turns, shared prefix "
         f"{work.shared_tokens}, first task {work.first_tokens}, +{work.new_tokens} tokens "
@@ -360,6 +420,12 @@ def main() -> None:
     parser.add_argument("--late-from", type=int, default=4)
     parser.add_argument("--modes", default="kvtide,plain-pd,vllm")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--integrity-fraction",
+        type=float,
+        default=0.1,
+        help="kvtide's kv.integrity_sample_fraction (the default config's is 0.01)",
+    )
     args = parser.parse_args()
     lo, hi = (float(x) for x in args.think_s.split(","))
     work = Workload(
@@ -374,15 +440,18 @@ def main() -> None:
         seed=args.seed,
     )
     summaries = []
+    integrity = None
     for mode in args.modes.split(","):
         with setup(mode, args) as (base_url, model):
             run = asyncio.run(run_workload(base_url, model, work, sessions=mode == "kvtide"))
+            if mode == "kvtide":
+                integrity = integrity_results(base_url)
         run.mode = mode
         summaries.append(
             summarize(run, work, args.ttft_target_s, args.late_from, kv_bytes_per_token())
         )
         print(f"[agentic] {mode}: {summaries[-1].ok} turns in {run.wall_s:.1f} s", flush=True)
-    print(format_summaries(summaries, work, args))
+    print(format_summaries(summaries, work, args, integrity))
 
 
 if __name__ == "__main__":

@@ -140,6 +140,10 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     # Log probabilities of this many of the most likely tokens at each prompt position
     # (vLLM's ``prompt_logprobs``; a turn's prefill computes them); None: none.
     prompt_logprobs: int | None = None
+    # Log probabilities of each sampled token (and of this many more candidates): vLLM's
+    # ``logprobs``. With ``sampling_params`` given, asked only where those do not ask
+    # for any (a turn's integrity check, ``orchestrator.router.integrity``); None: none.
+    logprobs: int | None = None
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):

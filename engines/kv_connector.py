@@ -34,6 +34,13 @@ the 2-core development box, two idle agents in one process held both cores). Wit
 wait, the thread sleeps until UCX signals its event fd (armed workers) or the wait
 ends; a read there was as fast (``benchmarks/nixl_progress.py``).
 
+**Fault injection, for tests only** (``FAULT_CORRUPT_ENV``, unset by default): when the
+engine's environment sets ``KVTIDE_FAULT_CORRUPT_PULLED_KV`` to a request id prefix, the
+worker scrambles the first block of every finished NIXL read whose request id starts
+with it (``corrupt_blocks``): a pulled block whose KV is wrong, as a faulty transfer would
+leave it. The engine tier's integrity test (``tests/engine/test_kv_integrity.py``) sets
+it on its prefill engine only; nothing else in kvtide sets it.
+
 vLLM loads it from ``kv_transfer_config``: ``kv_connector: NixlConnector`` and
 ``kv_connector_module_path: engines.kv_connector`` (``engines.vllm_engine.engine_args_for``
 writes both). The class is exported under vLLM's name, ``NixlConnector``, so that vLLM's
@@ -43,6 +50,8 @@ does not import vLLM; the class is built on first access, in vLLM's processes.
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -57,11 +66,13 @@ if TYPE_CHECKING:
 __all__ = [
     "CONNECTOR_MODULE",
     "CPU_PROGRESS_WAIT_MS",
+    "FAULT_CORRUPT_ENV",
     "PROGRESS_WAIT_KEY",
     "READ_BYTES_KEY",
     "READ_REQUESTS_KEY",
     "NixlConnector",
     "NixlStats",
+    "corrupt_blocks",
     "pop_done_per_request",
     "progress_wait",
 ]
@@ -76,7 +87,10 @@ READ_REQUESTS_KEY = "kvtide_read_request_ids"
 READ_BYTES_KEY = "kvtide_read_bytes"
 """The stats' list of each finished read's bytes, beside ``READ_REQUESTS_KEY``: NIXL's
 telemetry (``totalBytes``), or None where NIXL gave none."""
+FAULT_CORRUPT_ENV = "KVTIDE_FAULT_CORRUPT_PULLED_KV"
+"""Fault injection (tests only): the request id prefix whose pulled KV is scrambled."""
 _classes: dict[str, Any] = {}
+log = logging.getLogger("kvtide.engine")
 
 DoneTransfers = tuple[set[str], set[str]]
 
@@ -149,6 +163,48 @@ def progress_wait(wait_ms: float, bindings: Any = None) -> Iterator[None]:
         bindings.nixlAgentConfig = base
 
 
+def corrupt_blocks(pages: Any, block_ids: list[int], dtype: Any) -> None:
+    """Scramble the KV of ``block_ids`` in one region (``pages``: one row of bytes per
+    block, as vLLM's connector views a region): every value negated and scaled, so the
+    block still holds finite numbers, but not the ones read. Fault injection only."""
+    for block in block_ids:
+        pages[block].view(dtype).mul_(-4.0)
+
+
+def _results_with_fault(worker: Any, get_results: Callable[[], Any]) -> Any:
+    """vLLM's worker's ``get_transfer_results``, with ``FAULT_CORRUPT_ENV``'s reads
+    scrambled once they finished (fault injection; unset, just vLLM's)."""
+    prefix = os.environ.get(FAULT_CORRUPT_ENV)
+    if not prefix:
+        return get_results()
+    reading = {rid: m for rid, m in worker._recving_metadata.items() if rid.startswith(prefix)}
+    results = get_results()
+    for rid in set(results.finished_recving) - set(results.failed_recving):
+        if rid in reading:
+            _scramble_read(worker, rid, reading[rid])
+    return results
+
+
+def _scramble_read(worker: Any, rid: str, meta: Any) -> None:
+    """Scramble the first block a finished read filled, in every region, viewed as vLLM's
+    connector views them (``_zero_region_blocks``). Fault injection only."""
+    import torch
+
+    first = [group[0] for group in meta.local_physical_block_ids[:1] if group]
+    bases = worker.kv_caches_base_addr[worker.engine_id][worker.tp_rank]
+    for region, name in enumerate(worker.region_names):
+        cache = worker.device_kv_caches[name]
+        storage = cache.untyped_storage()
+        pages = torch.empty(0, dtype=torch.uint8, device=cache.device).set_(
+            storage,
+            bases[region] - storage.data_ptr(),
+            (worker.region_num_blocks[region], worker.block_len_per_layer[region]),
+            (worker.block_stride_per_layer[region], 1),
+        )
+        corrupt_blocks(pages, first, cache.dtype)
+    log.warning("fault injection: scrambled pulled block %s of request %s", first, rid)
+
+
 def _stats_and_worker() -> tuple[type, type]:
     """vLLM's NIXL stats and pull worker, saying which request each read was for."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
@@ -186,6 +242,9 @@ def _stats_and_worker() -> tuple[type, type]:
 
         def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> DoneTransfers:
             return pop_done_per_request(super()._pop_done_transfers, transfers, self.xfer_stats)
+
+        def get_transfer_results(self) -> Any:
+            return _results_with_fault(self, super().get_transfer_results)
 
     return KVTideNixlStats, KVTideNixlWorker
 

@@ -41,6 +41,7 @@ def sampling_args_for(request: GenerateRequest) -> dict[str, Any]:
         # vLLM refuses min_tokens > max_tokens; a turn's prefill asks for one token.
         "min_tokens": min(request.min_tokens, request.max_tokens),
         "prompt_logprobs": request.prompt_logprobs,
+        "logprobs": request.logprobs,
         "extra_args": _extra_args(request, None),
     }
 
@@ -69,6 +70,8 @@ def sampling_params_for(request: GenerateRequest, output_kind: Any) -> Any:
     params.extra_args = _extra_args(request, params.extra_args)
     # The prefill computes the prompt's; a decode's prompt KV is pulled, not computed.
     params.prompt_logprobs = request.prompt_logprobs
+    if params.logprobs is None:
+        params.logprobs = request.logprobs
     return params
 
 

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Sequence
 
 from policies.errors import InvalidTurn
 from policies.kv_books import KVBooks, SessionState
-from policies.kv_cost import decide_turn, kv_bytes
+from policies.kv_cost import decide_turn, kv_bytes, worth_pulling
 from policies.kv_records import (
     Effect,
     Evict,
@@ -113,10 +113,30 @@ class KVLifecycle:
         self._num_evictions = 0
         self._num_releases = 0
         self._recomputes = dict.fromkeys(RecomputeReason, 0)
+        self._reuse_off: frozenset[str] = frozenset()
 
     @property
     def config(self) -> KVLifecycleConfig:
         return self._config
+
+    # -- reuse turned off (an integrity check failed) -----------------------------------
+
+    def set_reuse_off(self, engine_ids: Iterable[str]) -> None:
+        """The engines whose kept KV no turn may pull: each turn that would pull from one
+        recomputes (``INTEGRITY_CHECK_FAILED``), and a held turn that pulls from one is
+        refused (``use_held``). Replaces the previous set."""
+        self._reuse_off = frozenset(engine_ids)
+
+    @property
+    def reuse_off(self) -> frozenset[str]:
+        return self._reuse_off
+
+    def not_worth(self, record: KVRecord) -> RecomputeReason | None:
+        """Why a prompt that extends ``record`` would not pull it, from the record alone
+        (reuse from its engine off, then ``worth_pulling``); None: it would."""
+        if record.engine_id in self._reuse_off:
+            return RecomputeReason.INTEGRITY_CHECK_FAILED
+        return worth_pulling(record, self._config)
 
     # -- turns -------------------------------------------------------------------
 
@@ -143,6 +163,15 @@ class KVLifecycle:
             )
         else:
             decision = decide_turn(session.record, prompt_token_ids, now_s, self._config)
+            if (
+                decision.action is TurnAction.PULL_FROM_DECODE
+                and session.record.engine_id in self._reuse_off
+            ):
+                decision = TurnDecision(
+                    session_id=session_id,
+                    action=TurnAction.RECOMPUTE,
+                    reason=RecomputeReason.INTEGRITY_CHECK_FAILED,
+                )
         if decision.action is TurnAction.PULL_FROM_DECODE:
             books.begin_pull(session_id, session)
             self._num_pulls += 1
@@ -176,7 +205,8 @@ class KVLifecycle:
     ) -> bool:
         """The held turn runs: it pulls ``record`` (``reason`` None) or recomputes for
         ``reason``. False (nothing changed) when the pull's record is no longer the
-        session's (the turn must not read it)."""
+        session's, or reuse from its engine was turned off since (the turn must not read
+        it)."""
         session = self._books.sessions.get(session_id)
         if session is None or not session.held:
             return False
@@ -184,6 +214,8 @@ class KVLifecycle:
             current = session.record
             if record is None or current is None or current.block_ids != record.block_ids:
                 return False
+            if record.engine_id in self._reuse_off:
+                return False  # reuse from its engine was turned off after the grant
             self._books.run_held(session)
             self._books.begin_pull(session_id, session)
             self._num_pulls += 1

@@ -214,6 +214,9 @@ class RecomputeReason(enum.StrEnum):
     CHEAPER_TO_RECOMPUTE = "cheaper_to_recompute"  # the cost model says so
     EVICTED = "evicted"  # dropped under the idle budget or with its engine
     FAILED_PULL = "failed_pull"  # the last pull of this record failed or hung
+    # An integrity check found a pull from the record's engine gave wrong KV: reuse from
+    # it is off until an operator turns it back on (``KVLifecycle.set_reuse_off``).
+    INTEGRITY_CHECK_FAILED = "integrity_check_failed"
 
 
 class ReleaseReason(enum.StrEnum):

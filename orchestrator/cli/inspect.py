@@ -30,12 +30,18 @@ if TYPE_CHECKING:
     from orchestrator.cluster.ray_nodes import RayNode
 
 __all__ = [
+    "DEFAULT_URL",
+    "InspectFailed",
+    "add_http_options",
     "add_inspect_parser",
+    "base_url",
     "cmd_inspect",
+    "error_of",
     "format_domains",
     "format_engine_groups",
     "format_session",
     "format_stats",
+    "request_json",
 ]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -60,19 +66,7 @@ def add_inspect_parser(subparsers: Any) -> None:
     session = sub.add_parser("session", help="where a session's KV is held, and its lease")
     session.add_argument("session_id", metavar="ID", help="the session id (x-session-id)")
     for command in (health, stats, session):
-        command.add_argument(
-            "--url",
-            default=os.environ.get("KVTIDE_URL") or DEFAULT_URL,
-            help=f"kvtide's base URL (default $KVTIDE_URL or {DEFAULT_URL})",
-        )
-        command.add_argument(
-            "--api-key",
-            default=os.environ.get("KVTIDE_API_KEY"),
-            help="API key, sent as 'Authorization: Bearer <key>' (default $KVTIDE_API_KEY)",
-        )
-        command.add_argument(
-            "--timeout", type=float, default=30.0, help="seconds per request (default 30)"
-        )
+        add_http_options(command)
     domains = sub.add_parser("domains", help="NVLink domains, their nodes and free GPUs (Ray)")
     domains.add_argument(
         "--address",
@@ -80,6 +74,23 @@ def add_inspect_parser(subparsers: Any) -> None:
         help="Ray cluster address, host:port of its GCS (default $RAY_ADDRESS or 'auto')",
     )
     inspect.set_defaults(func=cmd_inspect)
+
+
+def add_http_options(command: argparse.ArgumentParser) -> None:
+    """``--url``, ``--api-key`` and ``--timeout``: how a subcommand reaches kvtide."""
+    command.add_argument(
+        "--url",
+        default=os.environ.get("KVTIDE_URL") or DEFAULT_URL,
+        help=f"kvtide's base URL (default $KVTIDE_URL or {DEFAULT_URL})",
+    )
+    command.add_argument(
+        "--api-key",
+        default=os.environ.get("KVTIDE_API_KEY"),
+        help="API key, sent as 'Authorization: Bearer <key>' (default $KVTIDE_API_KEY)",
+    )
+    command.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds per request (default 30)"
+    )
 
 
 def cmd_inspect(args: argparse.Namespace, *, transport: httpx.BaseTransport | None = None) -> int:
@@ -91,9 +102,9 @@ def cmd_inspect(args: argparse.Namespace, *, transport: httpx.BaseTransport | No
         if args.inspect_command == "domains":
             print(_domains(args.address))
             return 0
-        body = _get(args, _path(args), transport)
+        body = request_json(args, _path(args), transport)
         if args.inspect_command == "health":
-            print(f"ok: kvtide at {_base_url(args.url)} is healthy (every pool's engine answered)")
+            print(f"ok: kvtide at {base_url(args.url)} is healthy (every pool's engine answered)")
         elif args.inspect_command == "stats":
             out = json.dumps(body, indent=2, sort_keys=True) if args.json else format_stats(body)
             print(out)
@@ -116,40 +127,47 @@ def _path(args: argparse.Namespace) -> str:
     return "/kvtide/sessions/" + quote(args.session_id, safe="")
 
 
-def _base_url(url: str) -> str:
+def base_url(url: str) -> str:
     """The server root; a trailing ``/v1`` (what OpenAI clients are given) is dropped."""
     url = url.rstrip("/")
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-def _get(
-    args: argparse.Namespace, path: str, transport: httpx.BaseTransport | None
+def request_json(
+    args: argparse.Namespace,
+    path: str,
+    transport: httpx.BaseTransport | None,
+    *,
+    method: str = "GET",
+    body: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    base = _base_url(args.url)
+    """``method path`` (with the JSON ``body``) against ``args.url`` with ``args.api_key``
+    within ``args.timeout``: the answer's JSON object; ``InspectFailed`` otherwise."""
+    base = base_url(args.url)
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
         with httpx.Client(
             base_url=base, headers=headers, timeout=args.timeout, transport=transport
         ) as client:
-            response = client.get(path)
+            response = client.request(method, path, json=body)
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         raise InspectFailed(
             f"cannot reach kvtide at {base}: {type(exc).__name__}: {exc or 'no detail'}; "
             "is it running? (set --url or $KVTIDE_URL)"
         ) from None
     if response.status_code != 200:
-        raise InspectFailed(f"GET {path}: HTTP {response.status_code}: {_error_of(response)}")
+        raise InspectFailed(f"{method} {path}: HTTP {response.status_code}: {error_of(response)}")
     try:
-        body = response.json()
+        answer = response.json()
     except ValueError:
         text = response.text[:200]
-        raise InspectFailed(f"GET {path}: the answer is not JSON: {text!r}") from None
-    if not isinstance(body, dict):
-        raise InspectFailed(f"GET {path}: expected a JSON object, got {type(body).__name__}")
-    return body
+        raise InspectFailed(f"{method} {path}: the answer is not JSON: {text!r}") from None
+    if not isinstance(answer, dict):
+        raise InspectFailed(f"{method} {path}: expected a JSON object, got {type(answer).__name__}")
+    return answer
 
 
-def _error_of(response: httpx.Response) -> str:
+def error_of(response: httpx.Response) -> str:
     """The server's own message: OpenAI-style ``{"error": {...}}``, FastAPI's
     ``{"detail": ...}``, or the start of the text."""
     try:
@@ -225,6 +243,8 @@ def format_stats(body: Mapping[str, Any]) -> str:
         f"releases {_num(kv.get('num_releases'))}",
         f"  drains {_num(kv.get('num_drains'))}, drain failures "
         f"{_num(kv.get('num_drain_failures'))}, undrainable {_num(kv.get('num_undrainable'))}",
+        f"  engine pairs with reuse off (an integrity check failed): "
+        f"{len(kv.get('reuse_off') or [])} (kvtide integrity list)",
         "  KV bytes held for idle sessions, per decode engine:",
     ]
     held: Mapping[str, Any] = kv.get("bytes_held") or {}

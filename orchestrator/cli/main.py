@@ -9,6 +9,7 @@ kvtide doctor [--fix]           check this environment (and repair what is safe 
 kvtide key new [--name NAME]    print a new API key (once) and its server.api_keys entry
 kvtide inspect health|stats|session ID|domains
                                 read-only views of a running kvtide (docs/runbooks/)
+kvtide integrity list|reuse-on  engine pairs whose KV reuse an integrity check turned off
 """
 
 from __future__ import annotations
@@ -197,6 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from orchestrator.cli.inspect import add_inspect_parser
 
     add_inspect_parser(sub)
+    from orchestrator.cli.integrity import add_integrity_parser
+
+    add_integrity_parser(sub)
     from kernels.cli import add_parser as add_kernels_parser
 
     add_kernels_parser(sub)  # kvtide kernels validate|show|diff|compile

@@ -258,6 +258,30 @@ class KVConfig(StrictSection):
         "it back, before it takes traffic: NIXL's handshakes both ways and each engine's "
         "first request are paid then, not by the first user's turns.",
     )
+    integrity_sample_fraction: float = Field(
+        0.01,
+        ge=0,
+        le=1,
+        description="Fraction of the turns that pull KV back which are checked: after the "
+        "turn, off the client's path, its prompt and first integrity_num_tokens output tokens "
+        "are computed again without reuse on the prefill pool and the log probabilities "
+        "compared; a mismatch turns reuse off for the pull's engine pair until an operator "
+        "turns it back on (docs/kv_lifecycle.md#integrity-check). 0: no check.",
+    )
+    integrity_logprob_tolerance: float = Field(
+        0.1,
+        gt=0,
+        le=100,
+        description="Largest difference (nats) between a checked turn's log probability of "
+        "one of its first tokens and the recomputed one that still counts as a match. fp32 "
+        "engines agree to ~1e-5; bf16 ones differ more between prefill and decode paths.",
+    )
+    integrity_num_tokens: int = Field(
+        4,
+        ge=1,
+        le=256,
+        description="How many of a checked turn's first output tokens are compared.",
+    )
     pull_timeout_s: float = Field(
         30.0,
         gt=0,

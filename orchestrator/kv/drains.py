@@ -7,7 +7,10 @@ A drain needs the exact tokens the blocks hold: the caller's candidates, then th
 session's last turn (``SessionTokens``). A record no known tokens match stays until its
 TTL (counted as undrainable). A record gone from under an unused turn lease revokes the
 lease (``LeaseBook.revoke_record``): its next turn asks ``begin_turn`` instead of reading
-KV that is no longer there.
+KV that is no longer there. A record on an engine whose reuse an integrity check turned
+off (``orchestrator.kv.integrity``) is not drained either: the read-back is the same read
+that check found wrong, and its KV would land in the prefill engine's prefix cache; its
+blocks stay until the TTL (counted as withheld).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 from engines.base import GenerateRequest, final_chunk
@@ -46,13 +49,18 @@ class Drains:
         timeout_s: float,
         tokens: SessionTokens,
         leases: LeaseBook,
+        reuse_off: Callable[[], Collection[str]] = frozenset,
     ) -> None:
         self.prefill = prefill
+        # The engines no read-back may read from (an integrity check failed there).
+        self.reuse_off = reuse_off
         self.timeout_s = timeout_s
         self.tokens = tokens
         self.leases = leases
         self._tasks: set[asyncio.Task[None]] = set()
-        self.counters = dict.fromkeys(("drains", "drain_failures", "undrainable"), 0)
+        self.counters = dict.fromkeys(
+            ("drains", "drain_failures", "undrainable", "drains_withheld"), 0
+        )
 
     def __len__(self) -> int:
         """The drains in flight."""
@@ -66,6 +74,7 @@ class Drains:
             "num_drain_failures": c["drain_failures"],
             "num_drains_running": len(self._tasks),
             "num_undrainable": c["undrainable"],
+            "num_drains_withheld": c["drains_withheld"],
         }
 
     def apply(
@@ -79,6 +88,9 @@ class Drains:
             if not effect.drainable:
                 continue  # expiring anyway: the engine frees the blocks at its TTL
             record = effect.record
+            if record.engine_id in self.reuse_off():
+                self.counters["drains_withheld"] += 1
+                continue
             options = (*candidates, self.tokens.token_ids(record.session_id))
             ids = next(
                 (

@@ -85,7 +85,7 @@ class LeaseDesk:
             digest=digest,
             record=None
             if record is None
-            else offer_of(record, lifecycle.config, book.grace_s, now),
+            else offer_of(record, lifecycle.config, book.grace_s, now, lifecycle.reuse_off),
         )
 
     def proposal(self, proposed: int | None, holder: str | None) -> int | None:
@@ -169,7 +169,8 @@ class LeaseDesk:
             if grant.holder == holder and not grant.used:
                 self.end(grant)
         revoked, asked = await self.book.watch(holder, wait_s)
-        return LeaseWatch(epoch=self.epoch, revoked=revoked, asked=asked)
+        reuse_off = sorted(self.decider.lifecycle.reuse_off)
+        return LeaseWatch(epoch=self.epoch, revoked=revoked, asked=asked, reuse_off=reuse_off)
 
     def still_running(self, session_id: str, caller: str | None) -> asyncio.Future[bool] | None:
         """Ask the replica running the session's turn, when it is another than

@@ -16,6 +16,7 @@ from engines.kv_params import KVTransferParams
 __all__ = [
     "Claim",
     "Handover",
+    "IntegrityMismatch",
     "KVDecision",
     "KeptBlocks",
     "LeaseWatch",
@@ -44,6 +45,26 @@ class KVDecision(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     kv_transfer_params: KVTransferParams | None = None  # a pull: the kept blocks
     num_reusable_tokens: int = 0
+
+
+class IntegrityMismatch(msgspec.Struct, frozen=True, kw_only=True):
+    """A sampled turn that pulled kept KV back, whose first tokens' log probabilities,
+    computed again without reuse, differed from its decode's by more than the tolerance
+    (``orchestrator.router.integrity``): the pull's engines and what was seen.
+
+    ``prefill_engine_id`` pulled the KV back from ``source_engine_id`` (the engine that
+    kept it: the session's previous decode engine); ``decode_engine_id`` decoded the
+    turn from the prefill's KV. ``max_abs_diff`` is the largest difference over the
+    ``num_tokens`` compared (``inf`` where one side was not a number)."""
+
+    prefill_engine_id: str
+    source_engine_id: str
+    decode_engine_id: str | None = None
+    session_id: str | None = None
+    request_id: str = ""
+    num_tokens: int = 0
+    max_abs_diff: float = 0.0
+    tolerance: float = 0.0
 
 
 class Claim(msgspec.Struct, frozen=True, kw_only=True):
@@ -143,6 +164,9 @@ class LeaseWatch(msgspec.Struct, frozen=True, kw_only=True):
     epoch: str
     revoked: list[int] = []
     asked: list[str] = []
+    # The engines no turn pulls from (an integrity check turned their reuse off): the
+    # lessee's provisional leases plan recompute for their records.
+    reuse_off: list[str] = []
 
 
 class KeptBlocks(msgspec.Struct, frozen=True, kw_only=True):

@@ -36,10 +36,12 @@ from orchestrator.kv.decider import KVDecider
 from orchestrator.kv.drains import Drains, PrefillPool
 from orchestrator.kv.durable import DurableStore, MemoryStore, RayKVStore, WriteBehind
 from orchestrator.kv.engines import EngineRegistry, count_decode_paths, engine_pool
+from orchestrator.kv.integrity import ReuseOff
 from orchestrator.kv.lease_desk import LeaseDesk
 from orchestrator.kv.messages import (
     Claim,
     Handover,
+    IntegrityMismatch,
     KVDecision,
     LeaseWatch,
     LedgerReport,
@@ -73,7 +75,8 @@ class KVServiceAPI(Protocol):
     this list: ``API_METHODS``). Callers: the ingress (``begin_turn``: a turn's one call before it
     runs; sessions, ownership, replays, stats), the router (``pull_failed``,
     ``turn_done``, ``turn_abandoned``; ``decide_turn`` for a turn not begun by the
-    ingress) and the engine hosts (``heartbeat``, ``restore``)."""
+    ingress) and the engine hosts (``heartbeat``, ``restore``). ``integrity_mismatch``:
+    the router's integrity check; ``reuse_on``: an operator's."""
 
     async def session_prefix(
         self, session_id: str, principal: Principal | None = None
@@ -113,6 +116,10 @@ class KVServiceAPI(Protocol):
     ) -> LeaseWatch: ...
 
     async def turn_abandoned(self, session_id: str | None) -> None: ...
+
+    async def integrity_mismatch(self, mismatch: IntegrityMismatch) -> bool: ...
+
+    async def reuse_on(self, prefill_engine_id: str, source_engine_id: str) -> bool: ...
 
     async def replay_begin(
         self, key: str, fingerprints: Sequence[str] = (), attempt: str = ""
@@ -209,7 +216,11 @@ class KVService:
         # (``orchestrator.kv.turn_leases``); the lease's margin is the handover wait.
         self.leases = LeaseBook(lasts_s=turn_lease_s, grace_s=handover_wait_s, clock=clock)
         self.drains = Drains(
-            prefill=prefill, timeout_s=drain_timeout_s, tokens=self.tokens, leases=self.leases
+            prefill=prefill,
+            timeout_s=drain_timeout_s,
+            tokens=self.tokens,
+            leases=self.leases,
+            reuse_off=lambda: self.decider.lifecycle.reuse_off,
         )
         self.lease_desk = LeaseDesk(
             book=self.leases,
@@ -256,6 +267,10 @@ class KVService:
             silence_s=engine_silence_s, decider=self.decider, drains=self.drains
         )
         self.metrics = MetricsBook(silence_s=engine_silence_s)
+        # Engine pairs whose reuse an integrity check turned off (``orchestrator.kv.integrity``).
+        self.reuse_off = ReuseOff(
+            store=self.store, lifecycle=self.decider.lifecycle, wall_clock=wall_clock
+        )
 
     @property
     def counters(self) -> dict[str, int]:
@@ -340,6 +355,19 @@ class KVService:
     async def turn_abandoned(self, session_id: str | None) -> None:
         if session_id is not None:
             self.turns.abandoned(session_id)
+
+    # ---- integrity checks (orchestrator.kv.integrity) --------------------------------
+
+    async def integrity_mismatch(self, mismatch: IntegrityMismatch) -> bool:
+        """A sampled turn's pull gave KV whose output differs from a recompute: reuse is
+        off for the pull's engine pair from now on (``ReuseOff.turn_off``); False when it
+        was off already."""
+        return self.reuse_off.turn_off(mismatch)
+
+    async def reuse_on(self, prefill_engine_id: str, source_engine_id: str) -> bool:
+        """An operator turns reuse back on for a pair an integrity check turned off;
+        False when it was not off."""
+        return self.reuse_off.turn_on(prefill_engine_id, source_engine_id)
 
     # ---- turn leases (orchestrator.kv.lease_desk) ------------------------------------
 
@@ -461,6 +489,7 @@ class KVService:
             "replay_bytes": self.replays.num_bytes,
             "num_replay_duplicates": self.replays.num_duplicates,
             "engines": self.engines.stats(),
+            "reuse_off": self.reuse_off.stats(),
             "ingress_metrics": merge_counters(self.recent_metrics()),
             "service": {
                 "epoch": self.epoch,

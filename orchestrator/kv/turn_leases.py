@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from engines.kv_params import KVTransferParams
 from orchestrator.kv.messages import LeasedRecord
 from policies.kv_cost import worth_pulling
-from policies.kv_records import KVLifecycleConfig, KVRecord
+from policies.kv_records import KVLifecycleConfig, KVRecord, RecomputeReason
 
 __all__ = [
     "HANDOVER_WAIT_S",
@@ -84,15 +84,24 @@ WATCH_WAIT_S = 2.0
 
 
 def offer_of(
-    record: KVRecord, config: KVLifecycleConfig, grace_s: float, now_s: float
+    record: KVRecord,
+    config: KVLifecycleConfig,
+    grace_s: float,
+    now_s: float,
+    reuse_off: Collection[str] = (),
 ) -> LeasedRecord:
     """The kept record as a lease carries it: its pull parameters, the tokens it covers,
     when its offer ends less the lease's margin (``safety_margin_s`` + ``grace_s``), and
-    the recompute reason the record alone gives (None: worth pulling)."""
+    the recompute reason the record alone gives (None: worth pulling): reuse from its
+    engine off (``reuse_off``, after an integrity check), then ``worth_pulling``."""
     params = record.transfer_params
     if not isinstance(params, KVTransferParams):
         raise TypeError(f"a lease carries KVTransferParams, not {type(params).__name__}")
-    not_worth = worth_pulling(record, config)
+    not_worth = (
+        RecomputeReason.INTEGRITY_CHECK_FAILED
+        if record.engine_id in reuse_off
+        else worth_pulling(record, config)
+    )
     return LeasedRecord(
         kv_transfer_params=params,
         num_tokens=record.num_tokens,

@@ -142,6 +142,15 @@ METRICS: tuple[MetricSpec, ...] = (
         description="KV pulls that failed or timed out (the turn fell back to recompute).",
     ),
     MetricSpec(
+        name="kvtide_kv_integrity_checks_total",
+        kind="counter",
+        description="Sampled turns that pulled KV back, by their integrity check's outcome: "
+        "match, mismatch (reuse turned off for the pull's engine pair), skipped (not "
+        "checkable: the turn did not decode from the pulled KV, no log probabilities, too "
+        "many checks running, or the check's request failed).",
+        tag_keys=("outcome",),
+    ),
+    MetricSpec(
         name="kvtide_conversation_turns_total",
         kind="counter",
         description="Requests without x-session-id served as turns of an unnamed session "

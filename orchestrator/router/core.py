@@ -57,6 +57,7 @@ from orchestrator.observability.metrics import Metrics
 from orchestrator.router.decode_side import DecodeSide
 from orchestrator.router.handover import HandOver
 from orchestrator.router.held_leases import HeldLeases
+from orchestrator.router.integrity import IntegrityCheck, IntegritySettings
 from orchestrator.router.prefill_side import PrefillSide
 from orchestrator.router.turn_report import (
     KV_SOURCES,
@@ -92,6 +93,7 @@ class Router(PrefillSide, DecodeSide):
         prefill_routes: Callable[[str], RouteChoice | None] | None = None,
         session_tokens: SessionTokens | None = None,
         leases: HeldLeases | None = None,
+        integrity: IntegritySettings | None = None,
     ) -> None:
         if leases is not None and leases.clock is not clock:
             raise ValueError(
@@ -128,6 +130,15 @@ class Router(PrefillSide, DecodeSide):
             eos_token_id=eos_token_id,
             session_tokens=session_tokens,
             leases=leases,
+        )
+        # A sample of the turns that pull KV back, computed again without reuse off the
+        # turn's path (``orchestrator.router.integrity``); none without ``integrity``.
+        self.integrity = IntegrityCheck(
+            prefill=prefill,
+            service=lambda: self.kv,
+            metrics=self.metrics,
+            clock=clock,
+            settings=integrity if integrity is not None else IntegritySettings(sample_fraction=0),
         )
         # The sessions with a turn generating here: session id -> (request id, owner).
         # From the turn's start to its last item (or its end otherwise).
@@ -306,6 +317,7 @@ class Router(PrefillSide, DecodeSide):
                     {tr.KV_PLAN: decision.kind, tr.KV_PLAN_REASON: decision.reason},
                 )
             report.kv_plan, report.kv_plan_reason = decision.kind, decision.reason
+            report.extra["integrity"] = self.integrity.sample(decision)
 
             base = {"prompt_token_ids": prompt_token_ids, "session_id": session_id, **sampling}
             params = KVTransferParams.keep_for_decode()

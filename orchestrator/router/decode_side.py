@@ -24,6 +24,7 @@ from orchestrator.kv.messages import KVDecision
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import Metrics
 from orchestrator.router.handover import HandOver
+from orchestrator.router.integrity import IntegrityCheck, take_logprobs
 from orchestrator.router.prefill_side import plain_prefill
 from orchestrator.router.streams import bounded
 from orchestrator.router.turn_report import (
@@ -44,6 +45,7 @@ class DecodeSide:
     clock: Callable[[], float]
     max_migrations: int
     handover: HandOver
+    integrity: IntegrityCheck
     decode_pool_for: Callable[[int], tuple[str, PoolClient]]
     _prefill_turn: Callable[..., Any]
     _recompute: Callable[..., Any]
@@ -89,6 +91,9 @@ class DecodeSide:
         # sessionless one frees them when it finishes (engines/kv_connector.py).
         keep = report.session_id is not None
         out = Streamed()
+        # A turn sampled for the integrity check: its decode gives each token's log
+        # probability (``orchestrator.router.integrity``).
+        checked = report.extra.get("integrity") is not None
         while True:
             decode_req = GenerateRequest(
                 request_id=f"{rid}-d" if not report.migrations else f"{rid}-d{report.migrations}",
@@ -100,6 +105,7 @@ class DecodeSide:
                     "prompt_token_ids": [*prompt_token_ids, *out.ids],
                     "prompt_logprobs": None,
                 },
+                logprobs=0 if checked else None,
             )
             try:
                 with tr.span(
@@ -156,8 +162,9 @@ class DecodeSide:
         # aborts the decode request now, not when the generator is collected.
         stream = bounded(decode.generate(decode_req), deadline_s, self.clock, report.decode_pool)
         async with contextlib.aclosing(stream):
-            async for chunk in stream:
+            async for engine_chunk in stream:
                 now = self.clock()
+                chunk = take_logprobs(report, engine_chunk)
                 if not said:
                     read_bytes, said = chunk.kv_read_bytes, True
                 if not pulled and (chunk.token_ids or chunk.finished):
@@ -200,5 +207,12 @@ class DecodeSide:
                             report, chunk, prompt_token_ids, out, prompt_text
                         )
                         self.handover.give(route, report, done)
+                    report.extra["decode_engine_id"] = chunk.engine_id
+                    self.integrity.after_turn(
+                        report,
+                        prompt_token_ids,
+                        output_ids,
+                        report.extra.get("integrity_logprobs", []),
+                    )
                     report.router_s += self.clock() - now
                 yield chunk, report

@@ -50,6 +50,9 @@ class HeldLeases:
         # proposes the next turn's lease and holds it provisionally (``propose``).
         self.lifecycle = lifecycle
         self.lasts_s = lasts_s
+        # The engines the service pulls from no more (its watch says; an integrity check
+        # turned their reuse off): a provisional lease plans recompute for their records.
+        self.reuse_off: frozenset[str] = frozenset()
         self._held: dict[str, _Held] = {}
         self._released: list[int] = []
         self.epoch: str | None = None
@@ -111,7 +114,7 @@ class HeldLeases:
                 last_used_s=now,
                 config=config,
             )
-            offer = offer_of(record, config, HANDOVER_WAIT_S, now)
+            offer = offer_of(record, config, HANDOVER_WAIT_S, now, self.reuse_off)
         lease = TurnLease(
             session_id=session_id,
             lease_id=secrets.randbits(62),

@@ -194,7 +194,13 @@ class EngineHost:
             tokens = warm_up_prompt_tokens(
                 self._info.block_size, config.kv.kv_recompute_threshold_tokens
             )
-            await self._warm_up(engine_id, warm_with, tokens, config.kv.pull_timeout_s)
+            await self._warm_up(
+                engine_id,
+                warm_with,
+                tokens,
+                config.kv.pull_timeout_s,
+                prompt_logprobs=config.kv.integrity_sample_fraction > 0,
+            )
         self.ledger = EngineLedger(
             engine_id=engine_id,
             role=role,
@@ -220,10 +226,13 @@ class EngineHost:
         prefill: Sequence[DeploymentHandle],
         num_prompt_tokens: int,
         step_timeout_s: float,
+        *,
+        prompt_logprobs: bool,
     ) -> None:
         """One turn and its send-back with each prefill deployment before this decode
         engine takes traffic (``orchestrator.serve.warm_up``), all at once: a pool placed
-        over many domains has a prefill deployment per domain."""
+        over many domains has a prefill deployment per domain. ``prompt_logprobs``: the
+        prefill's prompt log probabilities too (the KV integrity check's request)."""
         streams = [handle.options(stream=True) for handle in prefill]
         results = await asyncio.gather(
             *(
@@ -234,6 +243,7 @@ class EngineHost:
                     num_prompt_tokens=num_prompt_tokens,
                     vocab_size=self._info.vocab_size,
                     step_timeout_s=step_timeout_s,
+                    prompt_logprobs=prompt_logprobs,
                 )
                 for index, stream in enumerate(streams)
             )

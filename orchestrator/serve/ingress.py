@@ -40,6 +40,7 @@ from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import http_status, make_metrics
 from orchestrator.router import Router
 from orchestrator.router.held_leases import WATCH_WAIT_S, HeldLeases
+from orchestrator.router.integrity import IntegritySettings
 from orchestrator.serve import openai_api as api
 from orchestrator.serve import vllm_api
 from orchestrator.serve.admission import AdmissionGate
@@ -185,6 +186,12 @@ class Ingress(TurnOpening, OwnLayer, ResponsesRoutes, OperatorViews):
                 if kv.turn_lease_s > 0
                 else None
             ),
+            integrity=IntegritySettings(
+                sample_fraction=kv.integrity_sample_fraction,
+                logprob_tolerance=kv.integrity_logprob_tolerance,
+                num_tokens=kv.integrity_num_tokens,
+                timeout_s=config.server.request_timeout_s,
+            ),
         )
         # vLLM's OpenAI serving layer for what kvtide's own does not serve (tools,
         # structured outputs, logprobs, n, ...): its config and tokenizer, no engine.
@@ -255,6 +262,7 @@ class Ingress(TurnOpening, OwnLayer, ResponsesRoutes, OperatorViews):
                 continue
             leases.new_epoch(answer.epoch)
             leases.revoke(answer.revoked)
+            leases.reuse_off = frozenset(answer.reuse_off)
             # Is this replica's turn of each still generating? Answered with the next call.
             answers = {sid: self.router.generating(sid) for sid in answer.asked}
 
@@ -303,6 +311,10 @@ class Ingress(TurnOpening, OwnLayer, ResponsesRoutes, OperatorViews):
     @fastapi_app.get("/kvtide/stats")
     async def stats(self, request: Request) -> dict[str, Any]:
         return await self._stats(request)
+
+    @fastapi_app.post("/kvtide/integrity/reuse")
+    async def reuse_on(self, request: Request) -> dict[str, Any]:
+        return await self._reuse_on(request)
 
     @fastapi_app.get("/kvtide/sessions/{session_id}")
     async def get_session(self, session_id: str, request: Request) -> dict[str, Any]:

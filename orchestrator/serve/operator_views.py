@@ -1,5 +1,6 @@
 """The ingress's routes for operators and the SDK's session calls: ``/health``,
-``/metrics``, ``/kvtide/stats`` and ``/kvtide/sessions/{id}`` (read, renew, close).
+``/metrics``, ``/kvtide/stats``, ``/kvtide/sessions/{id}`` (read, renew, close) and
+``/kvtide/integrity/reuse`` (reuse turned back on for an engine pair).
 
 A mixin of ``Ingress`` (the attributes used are the ingress's; its route decorators
 call these methods).
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -27,6 +28,7 @@ from orchestrator.observability.metrics import render_prometheus
 from orchestrator.router import Router
 from orchestrator.serve import openai_api as api
 from orchestrator.serve.admission import AdmissionGate
+from orchestrator.serve.requests import parse_reuse_on
 from orchestrator.serve.responses import pool_stats, session_body
 
 __all__ = ["PROMETHEUS_CONTENT_TYPE", "OperatorViews"]
@@ -46,6 +48,7 @@ class OperatorViews:
     pool_handles: Mapping[str, DeploymentHandle]
     pools: Mapping[str, HandlePool]
     _principal: Callable[[Request], Principal]
+    _body: Callable[[Request], Awaitable[dict[str, Any]]]
 
     async def _health(self) -> JSONResponse:
         """200 ``ok`` when every pool and the KV service answer within their deadlines;
@@ -166,3 +169,16 @@ class OperatorViews:
         if not await self.kv.close(sid) and not principal.is_anonymous:
             raise session_not_found(sid)
         return {"id": sid, "object": "session.deleted", "deleted": True}
+
+    async def _reuse_on(self, request: Request) -> dict[str, Any]:
+        """Turn reuse back on for an engine pair an integrity check turned off (the pairs
+        are in ``/kvtide/stats``, ``kv.reuse_off``); 404 when it is not off."""
+        self._principal(request)
+        body = parse_reuse_on(await self._body(request))
+        prefill, source = body.prefill_engine_id, body.source_engine_id
+        if not await self.kv.reuse_on(prefill, source):
+            raise NotFound(
+                f"reuse is not off for prefill engine {prefill!r} and source engine "
+                f"{source!r}; /kvtide/stats lists the pairs that are under kv.reuse_off"
+            )
+        return {"prefill_engine_id": prefill, "source_engine_id": source, "reuse": "on"}

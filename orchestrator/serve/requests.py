@@ -43,8 +43,10 @@ __all__ = [
     "ApiRequest",
     "ChatBody",
     "CompletionBody",
+    "ReuseOnBody",
     "parse_chat",
     "parse_completion",
+    "parse_reuse_on",
 ]
 
 INT32_MAX = 2**31 - 1
@@ -380,6 +382,21 @@ class CompletionBody(_Common):
             "logprobs": ((), _NO_LOGPROBS + "; leave it out"),
         }
     )
+
+
+EngineId = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class ReuseOnBody(_Body):
+    """``POST /kvtide/integrity/reuse``: the engine pair whose reuse an integrity check
+    turned off, to turn back on (``orchestrator.kv.integrity``)."""
+
+    prefill_engine_id: EngineId
+    source_engine_id: EngineId
+
+
+def parse_reuse_on(body: dict[str, Any]) -> ReuseOnBody:
+    return _validate(ReuseOnBody, body)
 
 
 # ---- errors --------------------------------------------------------------------------

@@ -13,6 +13,12 @@ deployment, in both directions:
 3. read those blocks back into the prefill engine (the prefill → decode handshake),
    which frees them here; the prefill keeps no copy of them (``pull_back(keep=False)``).
 
+With the KV integrity check on (``kv.integrity_sample_fraction`` above 0) a fourth,
+sessionless request asks the prefill engine for the warm-up prompt's log probabilities:
+vLLM's first such request on an engine costs seconds on CPU (about 2 s, once; later ones
+about 1.3x a plain prefill), which would otherwise land beside the first checked turn's
+neighbours. Its failure is logged and changes nothing else.
+
 A step that fails is tried again (``attempts`` requests in all after the first
 prefill, each bounded by ``step_timeout_s``): a failed turn with a new turn, a failed
 read-back on the same kept blocks. Nothing is booked with the KV service and no blocks stay
@@ -69,6 +75,7 @@ async def warm_up_transfers(
     step_timeout_s: float,
     attempts: int = 3,
     clock: Callable[[], float] = time.monotonic,
+    prompt_logprobs: bool = False,
 ) -> WarmUp:
     """One turn between this decode engine (``decode``) and a prefill pool
     (``prefill``), then its read-back; see the module docstring. The prompt must be
@@ -76,7 +83,10 @@ async def warm_up_transfers(
     vLLM recomputes instead of reading and no handshake is made. Its token ids are drawn
     from the upper half of the model's vocabulary (``vocab_size``): vLLM rejects an id
     past it, and a random run there is one no user prompt is likely to share (it stays in
-    the prefill engine's prefix cache like any prompt)."""
+    the prefill engine's prefix cache like any prompt). ``prompt_logprobs``: also warm the
+    prefill's prompt log probabilities (the integrity check's request)."""
+    if prompt_logprobs:
+        await _warm_prompt_logprobs(prefill, name, vocab_size, step_timeout_s)
     rng = random.Random(name)
     prompt = [rng.randrange(vocab_size // 2, vocab_size) for _ in range(num_prompt_tokens)]
     started = clock()
@@ -109,6 +119,25 @@ async def warm_up_transfers(
             error = f"{type(exc).__name__}: {exc}"
             log.warning("warm-up of %s, attempt %d: %s", name, attempt, error)
     return WarmUp(False, attempts, clock() - started, error)
+
+
+async def _warm_prompt_logprobs(
+    prefill: Generate, name: str, vocab_size: int, timeout_s: float
+) -> None:
+    """One sessionless prefill with prompt log probabilities (no KV kept or read)."""
+    rng = random.Random(f"{name}-i")
+    request = GenerateRequest(
+        request_id=f"warmup-{name}-i",
+        prompt_token_ids=[rng.randrange(vocab_size // 2, vocab_size) for _ in range(16)],
+        max_tokens=1,
+        prompt_logprobs=0,
+    )
+    try:
+        await _last(prefill(request), timeout_s)
+    except Exception as exc:  # a warm-up failure must never stop the engine
+        log.warning(
+            "warm-up of %s: prompt log probabilities: %s: %s", name, type(exc).__name__, exc
+        )
 
 
 async def _turn(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.agentic import Run, Turn, Workload, format_summaries, summarize
+from benchmarks.agentic import Integrity, Run, Turn, Workload, format_summaries, summarize
 
 WORK = Workload(
     sessions=3,
@@ -68,3 +68,17 @@ def test_the_summary_reads_the_turns() -> None:
         argparse.Namespace(late_from=4, ttft_target_s=0.5, kv_blocks=64, budget_mib=1.0),
     )
     assert "kvtide" in table and "1.33x" in table and "RuntimeError: 503" in table
+
+
+def test_the_summary_prints_the_integrity_checks() -> None:
+    s = summarize(Run("kvtide", [_turn(2, 0.2, 5 * 4096)], wall_s=1.0), WORK, 0.5, 4, 4096)
+    args = argparse.Namespace(
+        late_from=4, ttft_target_s=0.5, kv_blocks=64, budget_mib=1.0, integrity_fraction=0.1
+    )
+    pair = {"prefill_engine_id": "prefill-a", "source_engine_id": "decode-b"}
+    checks = {"match": 6, "mismatch": 1, "skipped": 2}
+    table = format_summaries([s], WORK, args, Integrity(checks=checks, reuse_off=[pair]))
+    assert (
+        "kvtide KV integrity checks (0.1 of pulled turns): 9: match 6, mismatch 1 (target 0), "
+        "skipped 2; reuse off for: prefill-a <- decode-b"
+    ) in table

@@ -151,6 +151,11 @@ def test_stats_summary_names_every_counter_an_operator_reads() -> None:
     assert 'mean kvtide_ttft_seconds{pool="decode"}: 0.500 s over 4' in text
 
 
+def test_stats_counts_the_pairs_whose_reuse_is_off() -> None:
+    text = format_stats({"kv": {"reuse_off": [{"prefill_engine_id": "p"}]}})
+    assert "engine pairs with reuse off (an integrity check failed): 1" in text
+
+
 def test_stats_accepts_reasons_as_a_mapping_and_missing_sections() -> None:
     text = format_stats({"kv": {"recomputes_by_reason": {"expired": 3}}})
     assert "recomputes by reason: expired 3" in text

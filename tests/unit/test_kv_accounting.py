@@ -71,8 +71,8 @@ class Model:
         self.now_s += self.rng.choice([0.0, 0.5, 2.0, 10.0, 60.0])
         session_id = self.rng.choice(SESSIONS)
         op = self.rng.choices(
-            ["start", "pull", "finish", "abandon", "renew", "close", "tick", "lost"],
-            weights=[25, 10, 20, 8, 8, 4, 15, 2],
+            ["start", "pull", "finish", "abandon", "renew", "close", "tick", "lost", "reuse"],
+            weights=[25, 10, 20, 8, 8, 4, 15, 2, 2],
         )[0]
         before = self.booked()
         effects: list[Effect] = []
@@ -92,6 +92,11 @@ class Model:
         elif op == "close":
             effects = self.kv.close(session_id, self.now_s)
             self.in_flight.pop(session_id, None)
+        elif op == "reuse":
+            # An integrity check turned reuse off for an engine, or an operator turned it
+            # back on: no booking changes, only later decisions.
+            off = self.rng.random() < 0.5
+            self.kv.set_reuse_off([self.rng.choice(ENGINES)] if off else [])
         elif op == "tick":
             effects = self.kv.on_tick(self.now_s)
             self.check_nothing_due()

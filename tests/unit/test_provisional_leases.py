@@ -200,3 +200,25 @@ def test_a_provisional_use_with_no_hand_over_is_refused_and_its_id_never_granted
 
     refused, granted = asyncio.run(asyncio.wait_for(story(), BOUND_S))
     assert refused is False and granted != 12345
+
+
+def test_a_provisional_lease_plans_recompute_from_an_engine_whose_reuse_is_off() -> None:
+    _, svc, router = cluster()
+    leases = router.leases
+    assert leases is not None
+
+    async def story() -> str | None:
+        # The service's watch said an integrity check turned reuse from decode "D" off.
+        leases.reuse_off = frozenset({"D"})
+        done = await first_turn(svc, router)
+        assert done.kv_transfer_params is not None
+        assert done.kv_transfer_params.remote_engine_id == "D"
+        nxt = done.next_token_ids or done.token_ids[: done.next_len]
+        lease = leases.take("s1", ALICE, prefix_digest(nxt))
+        assert lease is not None and leases.provisional(lease)
+        decision = leases.decide(lease, S1_T2)
+        assert decision.kind == "recompute"
+        svc.release.set()
+        return decision.reason
+
+    assert asyncio.run(asyncio.wait_for(story(), BOUND_S)) == "integrity_check_failed"

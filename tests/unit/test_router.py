@@ -19,6 +19,7 @@ from orchestrator.kv.ownership import ANONYMOUS
 from orchestrator.kv.service import KVService
 from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.router import Router, TurnReport
+from policies.kv_records import KVLifecycleConfig
 from policies.prefix_routing import RouteChoice
 
 Script = Callable[[GenerateRequest], list[GenerateChunk]]
@@ -125,18 +126,23 @@ class CountingService(KVService):
         return await super().turn_done(done)
 
 
+def lifecycle_config() -> KVLifecycleConfig:
+    """The KV books the router tests run on: 4 tokens are worth a pull."""
+    return kv_lifecycle_config(
+        ttl_s=480,
+        safety_margin_s=15,
+        recompute_threshold_tokens=4,
+        kv_bytes_per_token=100,
+        block_size_tokens=16,
+    )
+
+
 def make_router(prefill: FakePool, decode: FakePool, **kw: Any) -> Router:
     """A router and, as ``router.kv``, a KV service in the same process (the service
     drains through the same fake prefill pool)."""
     clock = FakeClock()
     service = CountingService(
-        kv_lifecycle_config(
-            ttl_s=480,
-            safety_margin_s=15,
-            recompute_threshold_tokens=4,
-            kv_bytes_per_token=100,
-            block_size_tokens=16,
-        ),
+        lifecycle_config(),
         prefill=prefill,
         drain_timeout_s=5.0,
         clock=clock,

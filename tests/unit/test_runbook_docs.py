@@ -50,6 +50,7 @@ KV_STATS = set(KVStats.__dataclass_fields__) | {
     "num_drain_failures",
     "num_undrainable",
     "service",
+    "reuse_off",
 }
 
 

