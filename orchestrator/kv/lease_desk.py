@@ -90,8 +90,11 @@ class LeaseDesk:
 
     def proposal(self, proposed: int | None, holder: str | None) -> int | None:
         """The proposed lease id a hand-over may be granted (None: none, or leases are
-        off, or a provisional use of it was refused already)."""
+        off, or a provisional use of it was refused already, or an idle budget is set:
+        holding every proposed record from its booking would keep the engines over it)."""
         if proposed is None or holder is None or self.book.lasts_s <= 0:
+            return None
+        if self.decider.lifecycle.config.idle_budget_bytes_per_engine is not None:
             return None
         return None if self.book.refused(proposed) else proposed
 
@@ -180,17 +183,19 @@ class LeaseDesk:
             return None
         return self.book.ask(holder, session_id)
 
-    async def give_back(self, session_id: str) -> None:
+    async def give_back(self, session_id: str, ask: bool = True) -> None:
         """Revoke an unused lease on the session and wait (``handover_wait_s``) for its
         lessee to give it back; one still unused then lapses now, unless its lessee says
-        it runs the turn under it (its use not yet here)."""
+        it runs the turn under it (its use not yet here; ``ask``: a turn elsewhere, which
+        is then refused). A close does not ask: it waits for the use, so that the record
+        is booked as pulled, not drained under the pull."""
         grant = self.unused(session_id)
         if grant is None:
             return
         self.book.revoke(grant)
         # Its lessee may be running the turn under it already (its use on the way):
         # then it says so, and the lease stays.
-        asked = self.book.ask(grant.holder, session_id)
+        asked = self.book.ask(grant.holder, session_id) if ask else None
         await self.running.wait_ended(session_id, asked)
         if asked is not None and asked.done() and not asked.cancelled() and asked.result():
             return

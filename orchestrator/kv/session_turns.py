@@ -271,7 +271,7 @@ class SessionTurns:
     async def close(self, session_id: str) -> bool:
         """End a session: its kept KV is drained back to prefill (freed on decode now).
         A turn held for an ingress replica is given back first."""
-        await self.leases.give_back(session_id)
+        await self.leases.give_back(session_id, ask=False)
         known = self.decider.lifecycle.lease_expiry(session_id) is not None
         self.drains.apply(self.decider.close(session_id, self.clock()))
         self.tokens.forget(session_id)

@@ -40,10 +40,10 @@ service's grant would carry). A turn arriving before the answer runs under it at
 its use (``lease_used(..., provisional=True)``) follows the hand-over from the same
 caller and, should it overtake it, waits for it (``handover_wait_s``). The service
 grants a proposed lease whenever leases are on, watch or not, and holds the record from
-the booking on (``on_turn_finished(hold=True)``: before the idle budget is enforced), so
-no drain or eviction frees the blocks a provisional pull may be reading; an unused
-proposed lease lapses like any. A use that found no grant within the wait is refused,
-and its id is never granted later.
+the booking on (``on_turn_finished(hold=True)``), so no drain frees the blocks a
+provisional pull may be reading; an unused proposed lease lapses like any. Under an idle
+budget nothing is proposed (a record booked over it is evicted at once). A use that
+found no grant within the wait is refused, and its id is never granted later.
 
 This module is the service's side (its grants go through ``orchestrator.kv.lease_desk``);
 the lessee's, in each ingress replica, is ``orchestrator.router.held_leases``.

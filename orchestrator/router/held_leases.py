@@ -99,6 +99,10 @@ class HeldLeases:
         config, epoch = self.lifecycle, self.epoch
         if config is None or epoch is None or self.lasts_s <= 0:
             return None
+        if config.idle_budget_bytes_per_engine is not None:
+            # Under an idle budget the service may evict the record at its booking:
+            # nothing is pulled before it answers (``LeaseDesk.proposal``).
+            return None
         now = self.clock()
         offer = None
         blocks = None if kept is None else kept.kept_blocks()

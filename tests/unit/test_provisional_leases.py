@@ -145,9 +145,8 @@ def test_the_next_turn_pulls_before_the_hand_over_is_booked_and_is_confirmed_aft
     asyncio.run(asyncio.wait_for(story(), BOUND_S))
 
 
-def test_the_booked_record_is_held_not_drained_while_a_provisional_pull_reads_it() -> None:
-    # An idle budget of one byte: a record booked idle would be evicted (drained) at once.
-    c, svc, router = cluster(idle_budget_bytes=1)
+def test_the_booked_record_is_held_from_its_booking_while_a_provisional_pull_reads_it() -> None:
+    c, svc, router = cluster()
 
     async def story() -> None:
         done = await first_turn(svc, router)
@@ -156,13 +155,12 @@ def test_the_booked_record_is_held_not_drained_while_a_provisional_pull_reads_it
         c.prefill.pool.hang_pulls = True  # the provisional pull is still reading...
         turn, used = second_turn(svc, router, done)
         await settle()
-        svc.release.set()  # ...when the hand-over is booked
+        svc.release.set()  # ...when the hand-over is booked (held, not idle)...
         assert await used is True
+        # ...and the session is closed during the pull: nothing else reads the blocks
+        # (no drain frees them under the pull; the pull's read resolves the record).
+        await svc.close("s1")
         await svc.wait_drains()
-        lifecycle = svc.decider.lifecycle
-        # The record stays the session's (being pulled), nothing evicted or drained:
-        # the only request reading the kept blocks is the turn's own pull.
-        assert lifecycle.stats().num_evictions == 0
         readers = [
             r
             for r in c.prefill.pool.requests
@@ -173,6 +171,20 @@ def test_the_booked_record_is_held_not_drained_while_a_provisional_pull_reads_it
         turn.cancel()
 
     asyncio.run(asyncio.wait_for(story(), BOUND_S))
+
+
+def test_no_lease_is_proposed_under_an_idle_budget() -> None:
+    # A record booked over the budget is evicted at once: nothing may pull it before
+    # the service answers, so the replica proposes nothing and waits for the hand-over.
+    _, svc, router = cluster(idle_budget_bytes=1)
+
+    async def story() -> int | None:
+        done = await first_turn(svc, router)
+        svc.release.set()
+        await router.settled()
+        return done.next_lease_id
+
+    assert asyncio.run(asyncio.wait_for(story(), BOUND_S)) is None
 
 
 def test_a_provisional_use_with_no_hand_over_is_refused_and_its_id_never_granted() -> None:
