@@ -13,7 +13,13 @@ from orchestrator.kv.decider import KVDecider
 from orchestrator.kv.drains import Drains
 from orchestrator.kv.messages import LeaseWatch, TurnLease
 from orchestrator.kv.session_tokens import SessionTokens
-from orchestrator.kv.turn_leases import Grant, LeaseBook, RestoredLeases, offer_of
+from orchestrator.kv.turn_leases import (
+    Grant,
+    LeaseBook,
+    RestoredLeases,
+    offer_of,
+    proposals_allowed,
+)
 from orchestrator.kv.turn_marks import OwnerMarks, RunningTurns
 from policies.kv_lifecycle import RecomputeReason
 
@@ -92,9 +98,9 @@ class LeaseDesk:
         """The proposed lease id a hand-over may be granted (None: none, or leases are
         off, or a provisional use of it was refused already, or an idle budget is set:
         holding every proposed record from its booking would keep the engines over it)."""
-        if proposed is None or holder is None or self.book.lasts_s <= 0:
+        if proposed is None or holder is None:
             return None
-        if self.decider.lifecycle.config.idle_budget_bytes_per_engine is not None:
+        if not proposals_allowed(self.decider.lifecycle.config, self.book.lasts_s):
             return None
         return None if self.book.refused(proposed) else proposed
 

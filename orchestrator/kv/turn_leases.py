@@ -68,6 +68,7 @@ __all__ = [
     "LeaseBook",
     "RestoredLeases",
     "offer_of",
+    "proposals_allowed",
 ]
 
 HANDOVER_WAIT_S = 5.0
@@ -81,6 +82,14 @@ REFUSED_KEPT = 4096
 
 WATCH_WAIT_S = 2.0
 """How long a lessee's ``lease_watch`` call waits at the service for a revocation."""
+
+
+def proposals_allowed(config: KVLifecycleConfig, lasts_s: float) -> bool:
+    """Whether a hand-over may propose its next turn's lease (a provisional lease): leases
+    on and no idle budget (under one, a record booked over it is evicted at once, and
+    holding every proposed record would keep the engines over it). Both sides ask it: the
+    lessee before it proposes, the service before it grants a proposal."""
+    return lasts_s > 0 and config.idle_budget_bytes_per_engine is None
 
 
 def offer_of(

@@ -4,11 +4,11 @@
 session's next tokens: as sent, only what the turn added, and whole) and updates this
 replica's copy of the session's last turn; ``give`` sends it in a task of its own, so the
 client's last tokens do not wait for the booking. With turn leases the hand-over
-proposes the next turn's lease and holds it here at once (``HeldLeases.propose``): the
-session's next turn here runs under it without waiting for the answer. Otherwise it
-waits for the hand-over here (``handed_over``) or in the service's ``begin_turn``;
-``settled`` waits for every hand-over under way (a read of the books after a turn,
-shutdown).
+proposes the next turn's lease, and its task holds that lease here before it sends
+(``HeldLeases.propose``): the session's next turn here runs under it without waiting
+for the answer. Otherwise it waits for the hand-over here (``handed_over``) or in the
+service's ``begin_turn``; ``settled`` waits for every hand-over under way (a read of the
+books after a turn, shutdown).
 """
 
 from __future__ import annotations
@@ -92,18 +92,11 @@ class HandOver:
         if next_ids is not None and len(next_ids) <= len(ids) and next_ids == ids[: len(next_ids)]:
             next_len = len(next_ids)
         owner = report.extra.get("owner")
+        # The next turn's lease, proposed; held here provisionally by the hand-over's task
+        # (``_turn_done``), off the path of this turn's last token.
         proposed = None
         if sid is not None and next_ids is not None and self.leases is not None:
-            # The next turn here runs under this before the service answers.
-            next_digest = tokens.digest(sid) if tokens is not None else None
-            proposed = self.leases.propose(
-                sid,
-                owner,
-                prefix_digest(next_ids) if next_digest is None else next_digest,
-                chunk.kv_transfer_params,
-                ids,
-                chunk.kv_expires_in_s,
-            )
+            proposed = self.leases.proposal_id()
         whole = TurnDone(
             session_id=sid,
             token_ids=ids,
@@ -165,6 +158,9 @@ class HandOver:
             sid, lease_id = done.session_id, done.lease_id
             if sid is not None and lease_id is not None and self.leases is not None:
                 self.leases.ended(sid, lease_id)  # the service ends it with the turn
+            proposed = whole.next_lease_id
+            if sid is not None and proposed is not None and self.leases is not None:
+                self._propose(sid, proposed, whole)
             # On the one clock the leases share: a lease's times count from here.
             asked_s = self.clock()
             try:
@@ -193,6 +189,22 @@ class HandOver:
                         await self.kv.turn_abandoned(done.session_id)
                     except RequestError:
                         pass
+
+    def _propose(self, sid: str, lease_id: int, whole: TurnDone) -> None:
+        """Hold the session's next turn here under the lease ``whole`` proposes, from
+        this replica's copy of what the service will book (``HeldLeases.propose``)."""
+        assert self.leases is not None and whole.next_token_ids is not None
+        tokens = self.session_tokens
+        digest = tokens.digest(sid) if tokens is not None else None
+        self.leases.propose(
+            sid,
+            lease_id,
+            whole.owner,
+            prefix_digest(whole.next_token_ids) if digest is None else digest,
+            whole.kv_transfer_params,
+            whole.token_ids,
+            whole.kv_expires_in_s,
+        )
 
     async def settled(self) -> None:
         """Wait until every turn that finished here before this call has been handed to

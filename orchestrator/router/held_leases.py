@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from engines.kv_params import KVTransferParams
 from orchestrator.kv.messages import KVDecision, LeasedRecord, TurnLease
 from orchestrator.kv.ownership import Principal
-from orchestrator.kv.turn_leases import HANDOVER_WAIT_S, WATCH_WAIT_S, offer_of
+from orchestrator.kv.turn_leases import (
+    HANDOVER_WAIT_S,
+    WATCH_WAIT_S,
+    offer_of,
+    proposals_allowed,
+)
 from policies.kv_cost import offer_refused
 from policies.kv_lifecycle import kept_record
 from policies.kv_records import KVLifecycleConfig, RecomputeReason
@@ -82,27 +87,32 @@ class HeldLeases:
             provisional=provisional,
         )
 
+    def proposal_id(self) -> int | None:
+        """A new lease id for a hand-over to propose (None: no proposal: leases, the
+        lifecycle config or the service's instance unknown, or proposals not allowed)."""
+        config = self.lifecycle
+        if config is None or self.epoch is None or not proposals_allowed(config, self.lasts_s):
+            return None
+        return secrets.randbits(62)
+
     def propose(
         self,
         session_id: str,
+        lease_id: int,
         owner: str | None,
         digest: int,
         kept: KVTransferParams | None,
         token_ids: Sequence[int],
         kept_for_s: float | None,
-    ) -> int | None:
-        """A hand-over's proposal: hold the session's next turn here provisionally,
-        under a new lease id (returned; None: no proposal, leases or the service's
-        instance unknown), from this replica's copy of what the service will book —
-        the owner, the digest of the next turn's tokens, the decode's ``kept`` blocks
-        for the first of ``token_ids``, offered for ``kept_for_s`` (None: the TTL)."""
+    ) -> None:
+        """Hold the session's next turn here provisionally, under ``lease_id`` (a
+        ``proposal_id`` its hand-over proposes), from this replica's copy of what the
+        service will book: the owner, the digest of the next turn's tokens, the decode's
+        ``kept`` blocks for the first of ``token_ids``, offered for ``kept_for_s`` (None:
+        the TTL)."""
         config, epoch = self.lifecycle, self.epoch
-        if config is None or epoch is None or self.lasts_s <= 0:
-            return None
-        if config.idle_budget_bytes_per_engine is not None:
-            # Under an idle budget the service may evict the record at its booking:
-            # nothing is pulled before it answers (``LeaseDesk.proposal``).
-            return None
+        if config is None or epoch is None:
+            return
         now = self.clock()
         offer = None
         blocks = None if kept is None else kept.kept_blocks()
@@ -121,7 +131,7 @@ class HeldLeases:
             offer = offer_of(record, config, HANDOVER_WAIT_S, now, self.reuse_off)
         lease = TurnLease(
             session_id=session_id,
-            lease_id=secrets.randbits(62),
+            lease_id=lease_id,
             epoch=epoch,
             lasts_s=self.lasts_s,
             owner=owner,
@@ -129,7 +139,6 @@ class HeldLeases:
             record=offer,
         )
         self.add(lease, now, provisional=True)
-        return lease.lease_id
 
     def unconfirmed(self, session_id: str, lease_id: int) -> None:
         """The hand-over proposing ``lease_id`` got no lease: an unused provisional lease

@@ -288,11 +288,12 @@ class TurnOpening:
         item, so that a failure before the first token is the response's status."""
         principal, text = turn.principal, turn.text
         session_id, conversation = self._session_for(turn)
+        # A turn of a session still generating here is refused before any work.
+        session_id, conversation = self._not_generating_here(turn, session_id, conversation)
         ids, digest, last_ids, tokenize_s = await self._prompt_ids(turn, session_id)
         max_tokens = turn.limits(ids)
         # Refused now (503 overloaded) rather than queued past its deadline.
         self.admission.check(("prefill", self.router.decode_pool_for(len(ids))[0]))
-        session_id, conversation = self._not_generating_here(turn, session_id, conversation)
         lease, decision, lease_used, service_s = await self._under_lease(
             session_id, principal, ids, digest
         )
