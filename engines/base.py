@@ -237,6 +237,9 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     engine_id: str
     num_running: int = 0
     num_waiting: int = 0
+    # Waiting, but blocked (a decode request until its pull of the prompt's KV lands):
+    # vLLM counts these apart from its waiting requests.
+    num_blocked: int = 0
     kv_cache_usage: float = 0.0
     num_requests: int = 0  # requests finished (a turn is two: prefill, decode; a drain one)
     num_prompt_tokens: int = 0

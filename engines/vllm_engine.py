@@ -197,6 +197,8 @@ def _make_stat_logger(counters: _Counters) -> Any:
                     return
                 counters.gauges["running"] = scheduler_stats.num_running_reqs
                 counters.gauges["waiting"] = scheduler_stats.num_waiting_reqs
+                # Not in vLLM's waiting count: requests blocked, e.g. on a KV pull.
+                counters.gauges["blocked"] = getattr(scheduler_stats, "num_skipped_waiting_reqs", 0)
                 counters.gauges["kv_cache_usage"] = scheduler_stats.kv_cache_usage
                 pcs = scheduler_stats.prefix_cache_stats
                 if pcs is not None:
@@ -331,6 +333,7 @@ class VLLMEngine(EngineAdapter):
             engine_id=self.spec.engine_id,
             num_running=int(g.get("running", 0)),
             num_waiting=int(g.get("waiting", 0)),
+            num_blocked=int(g.get("blocked", 0)),
             kv_cache_usage=float(g.get("kv_cache_usage", 0.0)),
             num_requests=int(v.get("requests", 0)),
             num_prompt_tokens=int(v.get("prompt_tokens", 0)),

@@ -118,12 +118,34 @@ def test_the_plugin_wraps_the_engine_core_process_only_where_the_variable_asks(
     assert Core._kvtide_idle_wait_s == 0.02  # type: ignore[attr-defined]
 
 
-def test_vllms_own_engine_core_process_has_the_step_it_wraps() -> None:
-    """In a process of its own (the wrap is process-wide), as vLLM loads the plugin."""
+class Spin:
+    """vLLM's ``SpinCondition``'s constructor, as its callers use it."""
+
+    def __init__(
+        self, is_reader: bool, context: Any, notify_address: str, busy_loop_s: float = 1
+    ) -> None:
+        self.busy_loop_s = busy_loop_s
+
+
+def test_a_message_queue_reader_spins_2_ms_after_a_message_not_a_second() -> None:
+    # A core stepping every 20 ms (the idle wait) sends its worker a message each time;
+    # with vLLM's 1 s spin after every message, the worker never stopped spinning.
+    assert idle_steps.shorten_reader_spin(Spin, idle_steps.READER_SPIN_S)
+    assert Spin(is_reader=True, context=None, notify_address="x").busy_loop_s == 0.002
+    assert Spin(True, None, "x").busy_loop_s == 0.002
+    assert Spin(True, None, "x", 0.5).busy_loop_s == 0.5  # a caller's own value stands
+    assert not idle_steps.shorten_reader_spin(Spin, 0.1)  # once
+
+
+def test_vllms_own_engine_core_and_message_queue_have_what_the_plugin_changes() -> None:
+    """In a process of its own (the changes are process-wide), as vLLM loads the plugin."""
     code = (
-        "from engines import idle_steps; idle_steps.register(); "
+        "import zmq; from engines import idle_steps; idle_steps.register(); "
         "from vllm.v1.engine.core import EngineCoreProc as C; "
-        "print(getattr(C, '_kvtide_idle_wait_s', None))"
+        "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition; "
+        "reader = SpinCondition(is_reader=True, context=zmq.Context(), "
+        "notify_address='ipc:///tmp/kvtide-spin-test'); "
+        "print(getattr(C, '_kvtide_idle_wait_s', None), reader.busy_loop_s)"
     )
     done = subprocess.run(
         [sys.executable, "-c", code],
@@ -133,4 +155,4 @@ def test_vllms_own_engine_core_process_has_the_step_it_wraps() -> None:
         timeout=300,
         check=True,
     )
-    assert done.stdout.strip().splitlines()[-1] == "0.02"
+    assert done.stdout.strip().splitlines()[-1] == "0.02 0.002"
