@@ -4,15 +4,21 @@ and with kvtide's idle wait (``kv.idle_step_wait_ms``), each in its own app star
 One session turn (its decode keeps the turn's KV for the next turn), then the decode and
 prefill engines' vLLM processes (the engine core and its worker: vLLM's multiprocessing
 executor, always used on CPU) are measured over a few seconds of nothing: CPU time per
-second, in all and per process and thread.
+second, in all and per process and thread. Then, in the same app, a few streamed answers
+one after another: what the wait and the readers' shorter busy wait cost a stream (the
+worker now sleeps on its socket between steps more than 2 ms apart), as the gaps
+between stream events and the first token's latency.
 
-    python benchmarks/idle_steps.py [--waits 0,20] [--seconds 5]
+    python benchmarks/idle_steps.py [--waits 0,20] [--seconds 5] [--streams 8]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import itertools
 import os
+import statistics
 import sys
 import time
 import uuid
@@ -22,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
 
-from benchmarks.common import embedded_app
+from benchmarks.common import embedded_app, stream_completion
 from orchestrator.cli.table import format_table
 from tests.procs import descendants
 
@@ -53,8 +59,31 @@ def _threads(pids: list[int]) -> dict[str, float]:
     return out
 
 
-def measure(wait_ms: float, seconds: float) -> dict[str, dict[str, float]]:
-    """Per engine (prefill, decode): cores used by its vLLM core process, by thread."""
+async def _streams(base_url: str, model: str, n: int) -> dict[str, float]:
+    """``n`` streamed 64-token answers to 512-token prompts, one at a time: TTFT p50
+    and the gaps between events, p50 and p99 (ms)."""
+    ttfts: list[float] = []
+    gaps: list[float] = []
+    async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
+        for i in range(n):
+            prompt = [10 + (i * 7 + j) % 900 for j in range(512)]
+            turn = await stream_completion(client, model, prompt, 64)
+            ttfts.append(turn.token_times[0] - turn.t_start)
+            times = turn.token_times
+            gaps.extend(b - a for a, b in itertools.pairwise(times))
+    gaps.sort()
+    return {
+        "ttft_p50": statistics.median(ttfts) * 1e3,
+        "gap_p50": statistics.median(gaps) * 1e3,
+        "gap_p99": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] * 1e3,
+    }
+
+
+def measure(
+    wait_ms: float, seconds: float, streams: int
+) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """Per engine (prefill, decode): cores used by its vLLM processes, by thread; then
+    the streams' latencies."""
     with embedded_app({"idle_step_wait_ms": wait_ms}) as (base_url, model, prefill, decode):
         session = f"idle-{uuid.uuid4().hex[:8]}"
         body = {"model": model, "prompt": list(range(10, 310)), "max_tokens": 8}
@@ -77,19 +106,23 @@ def measure(wait_ms: float, seconds: float) -> dict[str, dict[str, float]]:
         after = {n: _threads(p) for n, p in cores.items()}
         kept = httpx.get(f"{base_url}/kvtide/sessions/{session}", timeout=30).json()
         assert kept["record"] is not None, "the decode engine no longer keeps the KV"
-    return {
+        latency = asyncio.run(_streams(base_url, model, streams))
+    idle = {
         n: {t: (after[n].get(t, 0.0) - before[n].get(t, 0.0)) / dt for t in after[n]} for n in cores
     }
+    return idle, latency
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--waits", default="0,20")
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--streams", type=int, default=8)
     args = parser.parse_args()
-    results = {float(w): measure(float(w), args.seconds) for w in args.waits.split(",")}
+    waits = [float(w) for w in args.waits.split(",")]
+    results = {w: measure(w, args.seconds, args.streams) for w in waits}
     rows = []
-    for wait, engines in results.items():
+    for wait, (engines, _) in results.items():
         for engine, threads in engines.items():
             busiest = sorted(threads.items(), key=lambda kv: -kv[1])[:3]
             rows.append(
@@ -105,7 +138,18 @@ def main() -> None:
         f"session's KV, {args.seconds:g} s, same box, one app start per wait"
     )
     print(format_table(["wait ms", "engine", "cores", "busiest threads"], rows))
-    print("wait 0 = vLLM's own engine loop (kv.idle_step_wait_ms: 0)")
+    print("wait 0 = vLLM's own engine loop and busy wait (kv.idle_step_wait_ms: 0)")
+    print(
+        f"\n{args.streams} streamed answers one at a time (512-token prompts, 64 out), "
+        "through kvtide, same app start"
+    )
+    base = results[min(results)][1]
+    stream_rows = [
+        [f"{w:g}"]
+        + [f"{lat[k]:.1f} ({lat[k] / base[k]:.2f}x)" for k in ("ttft_p50", "gap_p50", "gap_p99")]
+        for w, (_, lat) in results.items()
+    ]
+    print(format_table(["wait ms", "TTFT p50 ms", "gap p50 ms", "gap p99 ms"], stream_rows))
 
 
 if __name__ == "__main__":
