@@ -37,6 +37,9 @@ class SessionState:
     """A record handed to a prefill: still on its engine until the read resolves."""
     lost_reason: RecomputeReason | None = None
     """Why the last record went away without a successor (the next turn's reason)."""
+    evicted: KVRecord | None = None
+    """The last record evicted, until the session's next turn or record: a host tier's
+    copy of it may still be booked (``KVLifecycle.demote``)."""
     held: bool = False
     """One of the turns in flight is held for an ingress and has not started: the
     record stays idle for the budget but is not evicted (``KVBooks.hold``)."""
@@ -92,6 +95,7 @@ class KVBooks:
         assert session.record is None
         session.record = record
         session.lost_reason = None
+        session.evicted = None
         _add(self.held_bytes, record.engine_id, record.bytes_held)
         self.sessions_by_engine.setdefault(record.engine_id, set()).add(session_id)
         self.offer_deadlines.set(session_id, record.offer_deadline_s(self._safety_margin_s))

@@ -36,6 +36,7 @@ from policies.errors import InvalidTurn
 from policies.kv_books import KVBooks, SessionState
 from policies.kv_cost import decide_turn, kv_bytes, worth_pulling
 from policies.kv_records import (
+    HOST_POOL,
     Effect,
     Evict,
     EvictReason,
@@ -52,6 +53,7 @@ from policies.kv_records import (
 )
 
 __all__ = [
+    "HOST_POOL",
     "Effect",
     "Evict",
     "EvictReason",
@@ -114,6 +116,8 @@ class KVLifecycle:
         self._num_releases = 0
         self._recomputes = dict.fromkeys(RecomputeReason, 0)
         self._reuse_off: frozenset[str] = frozenset()
+        self._num_demotions = 0
+        self._host_engines: set[str] = set()  # engines of HOST_POOL records: no idle budget
 
     @property
     def config(self) -> KVLifecycleConfig:
@@ -150,6 +154,7 @@ class KVLifecycle:
         """
         books = self._books
         session = books.session(session_id, now_s)
+        session.evicted = None  # a copy made from now on would be of an older turn
         books.begin_turn(session_id, session)
         books.extend_lease(session_id, session, now_s)
         if session.record is None:
@@ -340,6 +345,40 @@ class KVLifecycle:
             effects.extend(self._enforce_budget(session.record.engine_id))
         return effects
 
+    def demote(self, evicted: KVRecord, record: KVRecord, now_s: float) -> bool:
+        """Book ``record``, a host-memory tier's copy (``pool_id`` ``HOST_POOL``) of the
+        ``evicted`` record, as the session's record, offered like any other. Only while
+        ``evicted`` is still the session's last record (evicted, and no turn started or
+        record kept since) and the copy is not within the safety margin of its expiry;
+        False: not booked, and the caller frees the copy. A session held for an ingress
+        (``hold``) gets the copy too: the lessee planned its turn without a record, and
+        its lease is taken back (the caller's part) so the next turn finds the copy. The
+        host tier's engines are bounded by their own capacity, not by the idle budget."""
+        if record.pool_id != HOST_POOL:
+            raise InvalidTurn(
+                f"demote({record.session_id!r}): pool_id {record.pool_id!r} is not "
+                f"{HOST_POOL!r}; only a host tier's copy is booked this way"
+            )
+        session = self._books.sessions.get(record.session_id)
+        if (
+            session is None
+            or session.evicted != evicted
+            or (session.active and not session.held)
+            or session.record is not None
+            or session.pulling is not None
+            or (record.num_tokens, record.prefix_hash) != (evicted.num_tokens, evicted.prefix_hash)
+            or now_s >= record.offer_deadline_s(self._config.safety_margin_s)
+        ):
+            return False
+        self._note_pool(record)
+        self._books.attach(record.session_id, session, record)
+        self._num_demotions += 1
+        return True
+
+    def _note_pool(self, record: KVRecord) -> None:
+        if record.pool_id == HOST_POOL:
+            self._host_engines.add(record.engine_id)
+
     # -- leases and time -----------------------------------------------------------
 
     def renew(self, session_id: str, now_s: float) -> bool:
@@ -439,6 +478,7 @@ class KVLifecycle:
         margin_s = kv._config.safety_margin_s
         for session_id, record in newest.items():
             session = kv._books.session(session_id, now_s)
+            kv._note_pool(record)
             kv._books.attach(session_id, session, record)
             if now_s >= record.offer_deadline_s(margin_s):
                 effects.append(kv._expire(session_id, session))
@@ -469,6 +509,7 @@ class KVLifecycle:
             if session.record is not None or session.active or session.pulling is not None:
                 return [self._release(record, ReleaseReason.SUPERSEDED)]
         session = self._books.session(record.session_id, now_s)
+        self._note_pool(record)
         self._books.attach(record.session_id, session, record)
         if now_s >= record.offer_deadline_s(self._config.safety_margin_s):
             return [self._expire(record.session_id, session)]
@@ -520,6 +561,7 @@ class KVLifecycle:
             num_evictions=self._num_evictions,
             num_releases=self._num_releases,
             recomputes_by_reason=tuple(self._recomputes.items()),
+            num_demotions=self._num_demotions,
         )
 
     # -- effects --------------------------------------------------------------------------
@@ -537,6 +579,7 @@ class KVLifecycle:
     def _evict(self, session_id: str, session: SessionState, reason: EvictReason) -> Evict:
         record = self._books.detach(session_id, session)
         session.lost_reason = RecomputeReason.EVICTED
+        session.evicted = record
         self._num_evictions += 1
         return Evict(record=record, reason=reason)
 
@@ -553,7 +596,7 @@ class KVLifecycle:
         """Evict idle records on the engine, nearest expiry first, until within budget."""
         budget = self._config.idle_budget_bytes_per_engine
         effects: list[Effect] = []
-        if budget is None:
+        if budget is None or engine_id in self._host_engines:
             return effects
         books = self._books
         while books.idle_bytes.get(engine_id, 0) > budget:

@@ -23,6 +23,7 @@ from types import MappingProxyType
 from policies.errors import InvalidPolicyConfig
 
 __all__ = [
+    "HOST_POOL",
     "Effect",
     "Evict",
     "EvictReason",
@@ -128,6 +129,10 @@ class KVLifecycleConfig:
                     f"KVLifecycleConfig.{name}={getattr(self, name)!r} is invalid: use {expected}"
                 )
 
+
+HOST_POOL = "host"
+"""The ``pool_id`` of records in a host-memory tier: a store that engines read like a
+peer engine, bounded by its own capacity, not by ``idle_budget_bytes_per_engine``."""
 
 _HASH_PERSON = b"kvtide.prefix.v1"  # blake2b personalisation: at most 16 bytes
 
@@ -342,6 +347,8 @@ class KVStats:
     num_releases: int
     recomputes_by_reason: tuple[tuple[RecomputeReason, int], ...]
     """Every reason with its count, in `RecomputeReason` order."""
+    num_demotions: int = 0
+    """Evicted records booked again from a copy in a host-memory tier (``demote``)."""
 
     @property
     def num_recomputes(self) -> int:

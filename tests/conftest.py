@@ -108,11 +108,14 @@ def kvtide_app(short_tmp: Path) -> Iterator[RunningApp]:
                 "tool_call_parser": "hermes",
                 "compact_structured_outputs": True,
             },
-            # Short enough for a test to outlive; the budget fits ~32 idle sessions.
+            # Short enough for a test to outlive; the budget fits ~32 idle sessions, and
+            # the host tier about 16 more of those it evicts.
             "kv": {
                 "decoder_kv_blocks_ttl_s": 40,
                 "safety_margin_s": 8,
                 "idle_budget_mib_per_engine": 32,
+                "host_tier_mib": 16,
+                "host_tier_ttl_s": 60,
             },
         }
     )

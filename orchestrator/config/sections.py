@@ -296,6 +296,22 @@ class KVConfig(StrictSection):
         "past it the idle sessions nearest expiry are drained back to prefill. Empty: no bound "
         "(blocks still expire at the TTL).",
     )
+    host_tier_mib: float = Field(
+        0.0,
+        ge=0,
+        le=2**30,
+        description="Host memory (MiB) for a host-memory KV tier: a session whose kept KV "
+        "the idle budget (idle_budget_mib_per_engine) evicts from a decode engine is copied "
+        "there over NIXL instead of drained, and its next turn pulls it from there. One "
+        "store, on the KV service's node. 0: no tier.",
+    )
+    host_tier_ttl_s: float = Field(
+        600.0,
+        gt=30,
+        le=86_400,
+        description="How long the host tier keeps a session's copy (it is freed sooner "
+        "when its next turn reads it or the session closes).",
+    )
     service_timeout_s: float = Field(
         30.0,
         gt=0,

@@ -30,6 +30,7 @@ from orchestrator.config import ObservabilityConfig
 from orchestrator.errors import ServiceUnavailable
 from orchestrator.kv.durable import RayKVStore
 from orchestrator.kv.envelope import decode_result, dispatch, encode_call
+from orchestrator.kv.host_tier import HostTierSpec, start_host_tier
 from orchestrator.kv.messages import LedgerReport
 from orchestrator.kv.service import API_METHODS, KVService, KVServiceAPI, merge_counters
 from orchestrator.observability.metrics import make_metrics
@@ -74,8 +75,10 @@ class _ServiceActor:
         running_grace_s: float = 600.0,
         turn_lease_s: float = 0.0,
         session_state_max_bytes: int | None = None,
+        host_tier: HostTierSpec | None = None,
     ) -> None:
         self.metrics = make_metrics(observability)
+        self.host_tier = host_tier
         self._num_expiries = 0
         self._engines_seen: set[str] = set()
         self.service = KVService(
@@ -88,6 +91,11 @@ class _ServiceActor:
             running_grace_s=running_grace_s,
             turn_lease_s=turn_lease_s,
             session_state_max_bytes=session_state_max_bytes,
+            host=(
+                None
+                if host_tier is None
+                else start_host_tier(host_tier, f"kvtide-host-{app_name or 'default'}")
+            ),
         )
         self._ticker: asyncio.Task[None] | None = None
 
@@ -140,15 +148,18 @@ class _ServiceActor:
         this actor's own entry point for it (which starts the tick)."""
         return await dispatch(self, message)
 
-    async def config(self) -> tuple[KVLifecycleConfig, int, float, int | None]:
+    async def config(
+        self,
+    ) -> tuple[KVLifecycleConfig, int, float, int | None, HostTierSpec | None]:
         """The lifecycle config this instance runs with, its replay budget, how long its
-        turn leases last and its sessions' state budget."""
+        turn leases last, its sessions' state budget and its host tier."""
         service = self.service
         return (
             service.decider.lifecycle.config,
             service.replays.max_bytes,
             service.leases.lasts_s,
             service.tokens.max_bytes,
+            self.host_tier,
         )
 
     async def wait_drains(self) -> None:
@@ -193,6 +204,7 @@ def get_or_create_service(
     timeout_s: float = 120.0,
     turn_lease_s: float = 0.0,
     session_state_max_bytes: int | None = None,
+    host_tier: HostTierSpec | None = None,
 ) -> ActorHandle:
     """The application's service actor; the first caller creates it, and waits for it
     to answer at most ``timeout_s`` (a new actor starts a Ray worker process: on a host
@@ -213,6 +225,7 @@ def get_or_create_service(
         running_grace_s,
         turn_lease_s,
         session_state_max_bytes,
+        host_tier,
     )
     options = {
         "name": service_name(app_name),
@@ -225,7 +238,8 @@ def get_or_create_service(
     }
     handle = KVServiceActor.options(**options).remote(*args)  # type: ignore[attr-defined]
     running = ray.get(handle.config.remote(), timeout=timeout_s)
-    if tuple(running) != (config, replay_max_bytes, turn_lease_s, session_state_max_bytes):
+    wanted = (config, replay_max_bytes, turn_lease_s, session_state_max_bytes, host_tier)
+    if tuple(running) != wanted:
         log.warning("KV service %s runs another config: replacing it", service_name(app_name))
         ray.kill(handle, no_restart=True)
         deadline = time.monotonic() + timeout_s

@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from orchestrator.kv.decider import KVDecider
 from orchestrator.kv.drains import Drains
@@ -106,6 +106,7 @@ class LedgerAdoption:
         restore_wait_s: float,
         started_s: float,
         clock: Callable[[], float],
+        consumed: Collection[tuple[str, str]] = (),
     ) -> None:
         self.decider = decider
         self.tokens = tokens
@@ -116,7 +117,9 @@ class LedgerAdoption:
         self.clock = clock
         self._kept_reports: dict[str, list[KeptBlocks]] = {}
         self._ledger_pages: dict[str, list[LedgerReport]] = {}
-        self._consumed: set[tuple[str, str]] = set()
+        # Kept blocks a reader freed: prefill hosts' reads, and the host tier's take-ins
+        # a previous instance marked (``orchestrator.kv.host_reads``).
+        self._consumed: set[tuple[str, str]] = set(consumed)
         self._prefill_reporters: set[str] = set()
         self.counters = dict.fromkeys(
             ("restores", "adopted", "adopt_skipped_consumed", "adopt_superseded"), 0

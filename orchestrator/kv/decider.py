@@ -70,6 +70,7 @@ class KVDecider:
                 reason="reuse",
                 kv_transfer_params=params_of(decision.record),
                 num_reusable_tokens=decision.num_reusable_tokens,
+                source_pool=decision.record.pool_id,
             )
         return KVDecision(kind="recompute", reason=str(decision.reason))
 

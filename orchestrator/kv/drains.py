@@ -11,14 +11,24 @@ KV that is no longer there. A record on an engine whose reuse an integrity check
 off (``orchestrator.kv.integrity``) is not drained either: the read-back is the same read
 that check found wrong, and its KV would land in the prefill engine's prefix cache; its
 blocks stay until the TTL (counted as withheld).
+
+With a host-memory tier (``kv.host_tier_mib``, ``orchestrator.kv.host_tier``) a record
+evicted under the idle budget is first copied there instead: the tier's store reads the
+blocks over NIXL (the decode engine frees them when the read lands, as after any read),
+and the copy is booked as the session's record (``KVLifecycle.demote``), which the
+session's next turn pulls as it would from a decode engine. A take-in that fails falls
+back to the drain; a copy the lifecycle no longer wants (the session moved on meanwhile)
+is released in the store. A host copy's own effects release it there: nothing is read
+back from a host tier.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, Protocol
 
 from engines.base import GenerateRequest, final_chunk
@@ -26,9 +36,9 @@ from engines.kv_params import KVTransferParams
 from orchestrator.kv.decider import params_of
 from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.kv.turn_leases import LeaseBook
-from policies.kv_lifecycle import Effect, prefix_hash
+from policies.kv_lifecycle import HOST_POOL, Effect, Evict, EvictReason, KVRecord, prefix_hash
 
-__all__ = ["Drains", "PrefillPool"]
+__all__ = ["Drains", "HostCopy", "HostTier", "PrefillPool"]
 
 log = logging.getLogger("kvtide.kv_service")
 
@@ -37,6 +47,22 @@ class PrefillPool(Protocol):
     """How the service reaches the prefill pool to drain kept blocks."""
 
     def generate(self, request: GenerateRequest) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HostCopy:
+    """A host tier's copy of kept blocks: the params a prefill pulls it with."""
+
+    params: KVTransferParams
+    expires_in_s: float
+
+
+class HostTier(Protocol):
+    """The host-memory tier as the service reaches it (``orchestrator.kv.host_tier``)."""
+
+    async def take_in(self, params: KVTransferParams) -> HostCopy | None: ...
+
+    async def release(self, params: KVTransferParams) -> None: ...
 
 
 class Drains:
@@ -50,8 +76,19 @@ class Drains:
         tokens: SessionTokens,
         leases: LeaseBook,
         reuse_off: Callable[[], Collection[str]] = frozenset,
+        host: HostTier | None = None,
+        demote: Callable[[KVRecord, KVRecord], bool] | None = None,
+        clock: Callable[[], float] | None = None,
+        mark_read: Callable[[str, str], Awaitable[None]] | None = None,
     ) -> None:
         self.prefill = prefill
+        # The host-memory tier, and how a copy there is booked (``KVLifecycle.demote``
+        # at the service's clock).
+        self.host = host
+        self.demote = demote
+        self.clock = clock
+        # Durably, before the store reads a decode's blocks (``orchestrator.kv.host_reads``).
+        self.mark_read = mark_read
         # The engines no read-back may read from (an integrity check failed there).
         self.reuse_off = reuse_off
         self.timeout_s = timeout_s
@@ -59,7 +96,17 @@ class Drains:
         self.leases = leases
         self._tasks: set[asyncio.Task[None]] = set()
         self.counters = dict.fromkeys(
-            ("drains", "drain_failures", "undrainable", "drains_withheld"), 0
+            (
+                "drains",
+                "drain_failures",
+                "undrainable",
+                "drains_withheld",
+                "host_take_ins",
+                "host_take_in_failures",
+                "host_unbooked",
+                "host_releases",
+            ),
+            0,
         )
 
     def __len__(self) -> int:
@@ -75,6 +122,10 @@ class Drains:
             "num_drains_running": len(self._tasks),
             "num_undrainable": c["undrainable"],
             "num_drains_withheld": c["drains_withheld"],
+            "num_host_take_ins": c["host_take_ins"],
+            "num_host_take_in_failures": c["host_take_in_failures"],
+            "num_host_unbooked": c["host_unbooked"],
+            "num_host_releases": c["host_releases"],
         }
 
     def apply(
@@ -85,9 +136,12 @@ class Drains:
         covered tokens (see the module)."""
         for effect in effects:
             self.leases.revoke_record(effect.record)
+            record = effect.record
+            if record.pool_id == HOST_POOL:
+                self._spawn(self._release_host(record))
+                continue
             if not effect.drainable:
                 continue  # expiring anyway: the engine frees the blocks at its TTL
-            record = effect.record
             if record.engine_id in self.reuse_off():
                 self.counters["drains_withheld"] += 1
                 continue
@@ -102,18 +156,82 @@ class Drains:
                 ),
                 None,
             )
+            if self._to_host(effect):  # a drain only if the take-in fails
+                self._spawn(self._take_in(record, ids and ids[: record.num_tokens + 1]))
+                continue
             if ids is None:
                 self.counters["undrainable"] += 1
                 continue
             self.drain(params_of(record), ids[: record.num_tokens + 1])
 
+    def _to_host(self, effect: Effect) -> bool:
+        """The effect's record goes to the host tier: a decode's record evicted under
+        the idle budget, with a tier to take it."""
+        return (
+            self.host is not None
+            and self.demote is not None
+            and isinstance(effect, Evict)
+            and effect.reason is EvictReason.BUDGET
+        )
+
+    async def _take_in(self, record: KVRecord, token_ids: Sequence[int] | None) -> None:
+        """Copy ``record``'s blocks to the host tier and book the copy; else drain
+        (with the tokens the blocks hold, when known)."""
+        assert self.host is not None and self.demote is not None and self.clock is not None
+        params = params_of(record)
+        try:
+            if self.mark_read is not None:
+                await self.mark_read(record.engine_id, params.remote_request_id or "")
+            copy = await asyncio.wait_for(self.host.take_in(params), self.timeout_s)
+        except Exception as exc:  # the tier failed or timed out: the blocks stay put
+            log.warning("host tier take-in of %s failed: %s", params.remote_request_id, exc)
+            copy = None
+        if copy is None:
+            self.counters["host_take_in_failures"] += 1
+            if token_ids is None:
+                self.counters["undrainable"] += 1
+            else:
+                await self._read_back(params, list(token_ids))
+            return
+        kept = copy.params.kept_blocks()
+        host_record = dataclasses.replace(
+            record,
+            engine_id=copy.params.remote_engine_id or "",
+            pool_id=HOST_POOL,
+            block_ids=() if kept is None else kept[2],
+            expiry_s=self.clock() + copy.expires_in_s,
+            last_used_s=self.clock(),
+            transfer_params=copy.params,
+        )
+        if self.demote(record, host_record):
+            self.counters["host_take_ins"] += 1
+            self.leases.revoke_session(record.session_id)  # a lease planned without it
+            return
+        self.counters["host_unbooked"] += 1
+        await self._release_host(host_record)
+
+    async def _release_host(self, record: KVRecord) -> None:
+        """Free a host copy nobody will pull (the store keeps freed blocks unused a
+        while: a reader it cannot see may still hold their params)."""
+        if self.host is None:
+            return
+        params = params_of(record)
+        try:
+            await asyncio.wait_for(self.host.release(params), self.timeout_s)
+            self.counters["host_releases"] += 1
+        except Exception as exc:  # the store frees it at its own expiry
+            log.warning("host tier release of %s failed: %s", params.remote_request_id, exc)
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def drain(self, params: KVTransferParams | None, token_ids: Sequence[int]) -> None:
         """Free a decode engine's kept blocks by reading them into a prefill engine."""
         if self.prefill is None or params is None or params.kept_blocks() is None:
             return
-        task = asyncio.get_running_loop().create_task(self._read_back(params, list(token_ids)))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(self._read_back(params, list(token_ids)))
 
     async def _read_back(self, params: KVTransferParams, token_ids: list[int]) -> None:
         assert self.prefill is not None

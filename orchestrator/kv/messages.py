@@ -45,6 +45,7 @@ class KVDecision(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     kv_transfer_params: KVTransferParams | None = None  # a pull: the kept blocks
     num_reusable_tokens: int = 0
+    source_pool: str = "decode"  # a pull: the kept blocks' pool ("host": a host tier)
 
 
 class IntegrityMismatch(msgspec.Struct, frozen=True, kw_only=True):
@@ -129,6 +130,7 @@ class LeasedRecord(msgspec.Struct, frozen=True, kw_only=True):
     prefix_hash: str
     offer_in_s: float  # from the grant: the offer's end, less the lease's margin
     not_worth: str | None = None
+    source_pool: str = "decode"  # where the blocks are kept ("host": a host tier)
 
 
 class TurnLease(msgspec.Struct, frozen=True, kw_only=True):

@@ -26,6 +26,7 @@ clock); ``KVServiceActor`` runs it as a named, detached, restartable Ray actor a
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -33,9 +34,10 @@ from typing import Any, Protocol
 
 from orchestrator.kv.adoption import LedgerAdoption, rebuild_from_marks
 from orchestrator.kv.decider import KVDecider
-from orchestrator.kv.drains import Drains, PrefillPool
+from orchestrator.kv.drains import Drains, HostTier, PrefillPool
 from orchestrator.kv.durable import DurableStore, MemoryStore, RayKVStore, WriteBehind
 from orchestrator.kv.engines import EngineRegistry, count_decode_paths, engine_pool
+from orchestrator.kv.host_reads import HostReads, restore_host_reads
 from orchestrator.kv.integrity import ReuseOff
 from orchestrator.kv.lease_desk import LeaseDesk
 from orchestrator.kv.messages import (
@@ -176,6 +178,7 @@ class KVService:
         running_grace_s: float = 600.0,
         handover_wait_s: float = HANDOVER_WAIT_S,
         turn_lease_s: float = 0.0,
+        host: HostTier | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -215,12 +218,18 @@ class KVService:
         # Turns held for the ingress replica that ran a session's last turn
         # (``orchestrator.kv.turn_leases``); the lease's margin is the handover wait.
         self.leases = LeaseBook(lasts_s=turn_lease_s, grace_s=handover_wait_s, clock=clock)
+        # Decode blocks the host tier read, for a restarted service (host_reads.py).
+        self.host_reads = HostReads(self.marks, ttl_s=config.ttl_s, wall_clock=wall_clock)
         self.drains = Drains(
             prefill=prefill,
             timeout_s=drain_timeout_s,
             tokens=self.tokens,
             leases=self.leases,
             reuse_off=lambda: self.decider.lifecycle.reuse_off,
+            host=host,
+            demote=lambda evicted, copy: self.decider.lifecycle.demote(evicted, copy, clock()),
+            clock=clock,
+            mark_read=self.host_reads.mark,
         )
         self.lease_desk = LeaseDesk(
             book=self.leases,
@@ -260,6 +269,7 @@ class KVService:
             restore_wait_s=restore_wait_s,
             started_s=self.started_s,
             clock=clock,
+            consumed=restore_host_reads(self.store, wall=wall_clock()),
         )
         # The latest counters of every engine (from its heartbeat) and every ingress
         # replica (``report_metrics``): /kvtide/stats sums them.
@@ -427,6 +437,7 @@ class KVService:
             self.owner_marks.delete(sid)
             await self.close(sid)
         self.drains.apply(self.decider.tick(now))
+        self.host_reads.expire()
         self.engines.lose_silent(now)
         self.adoption.maybe_adopt()
 
@@ -502,7 +513,19 @@ class KVService:
                 },
                 "engines_live": len(self.engines),
             },
+            "host_tier": await self._host_tier_stats(),
         }
+
+    async def _host_tier_stats(self) -> dict[str, Any] | None:
+        """The host tier's store, as it reports itself (None: no tier)."""
+        stats = getattr(self.drains.host, "stats", None)
+        if stats is None:
+            return None
+        try:
+            answer: dict[str, Any] = await asyncio.wait_for(stats(), 5.0)
+        except Exception as exc:  # the stats page must not fail with the tier
+            return {"unreachable": type(exc).__name__}
+        return answer
 
     # ---- restart recovery (orchestrator.kv.adoption) ---------------------------------
 

@@ -117,6 +117,7 @@ def offer_of(
         prefix_hash=record.prefix_hash,
         offer_in_s=record.expiry_s - config.safety_margin_s - grace_s - now_s,
         not_worth=None if not_worth is None else not_worth.value,
+        source_pool=record.pool_id,
     )
 
 
@@ -219,6 +220,13 @@ class LeaseBook:
         """``record`` is gone: revoke an unused lease that would read it."""
         grant = self.grants.get(record.session_id)
         if grant is not None and not grant.used and grant.record == record:
+            self.revoke(grant)
+
+    def revoke_session(self, session_id: str) -> None:
+        """The session's KV changed under an unused lease (a host tier's copy was
+        booked): revoke the lease, so that the next turn asks and finds it."""
+        grant = self.grants.get(session_id)
+        if grant is not None and not grant.used:
             self.revoke(grant)
 
     def revoke(self, grant: Grant) -> None:

@@ -32,6 +32,7 @@ from orchestrator.router.turn_report import (
     Streamed,
     TurnReport,
 )
+from policies.kv_lifecycle import HOST_POOL
 
 log = logging.getLogger("kvtide.router")
 
@@ -80,7 +81,13 @@ class DecodeSide:
             # A pull whose engine says it read nothing found every block in its own
             # prefix cache: the KV came from there, not back from decode.
             pulled = decision.kind == "pull" and not report.pull_fallback
-            report.kv_source = "sent_back" if pulled and pre.kv_read_bytes != 0 else "prefix_cache"
+            report.kv_source = (
+                "prefix_cache"
+                if not pulled or pre.kv_read_bytes == 0
+                else "host_tier"
+                if decision.source_pool == HOST_POOL
+                else "sent_back"
+            )
         if pre.kv_transfer_params is None:
             raise EngineUnavailable(
                 "the prefill engine returned no kv_transfer_params; is it configured with "

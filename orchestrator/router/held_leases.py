@@ -240,4 +240,5 @@ def leased_decision(
         reason="reuse",
         kv_transfer_params=record.kv_transfer_params,
         num_reusable_tokens=record.num_tokens,
+        source_pool=record.source_pool,
     )

@@ -149,7 +149,11 @@ class IntegrityCheck:
             return
         num = min(self.settings.num_tokens, len(output_ids), len(logprobs))
         why = None
-        if report.kv_source != "sent_back" or report.migrations or report.prefill_replica is None:
+        if (
+            report.kv_source not in ("sent_back", "host_tier")
+            or report.migrations
+            or report.prefill_replica is None
+        ):
             why = "the turn did not decode from the pulled KV"
         elif num == 0 or any(lp is None for lp in logprobs[:num]):
             why = "its decode gave no log probabilities"

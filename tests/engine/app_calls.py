@@ -9,11 +9,13 @@ import httpx
 
 __all__ = ["PULLED", "chat", "complete", "kvtide_stats"]
 
-PULLED = ("sent_back", "prefix_cache")
+PULLED = ("sent_back", "prefix_cache", "host_tier")
 """Where a turn whose plan pulled the previous turn's KV back says that KV came from:
 ``sent_back`` when its prefill engine read blocks from the decode engine, ``prefix_cache``
 when that engine already held every block the pull offered and read 0 bytes (with the
-tiny model's 128-token blocks: an answer that filled no block of its own)."""
+tiny model's 128-token blocks: an answer that filled no block of its own), ``host_tier``
+when it read them from the host tier (the shared app's idle budget evicted the session
+from its decode engine in the meantime)."""
 
 
 def _post(app: Any, path: str, body: dict[str, Any], session: str | None) -> dict[str, Any]:

@@ -25,13 +25,12 @@ driver, and ``VLLMEngine.start`` writes the process environment.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_pair import OneEnginePool, run_child, start_pair
 
 pytestmark = pytest.mark.engine
 
@@ -41,20 +40,7 @@ TOLERANCE = 1e-3  # fp32 engines: a recompute agrees to ~1e-5
 
 @pytest.fixture(scope="module")
 def story(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("kv-integrity")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_CPU_", "KVTIDE_FAULT"))}
-    proc = subprocess.run(
-        [sys.executable, __file__, str(root)],
-        capture_output=True,
-        text=True,
-        timeout=900,  # two engine starts (20-90 s each, more on a loaded box) and 7 turns
-        env=env,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(_RESULT)]
-    assert proc.returncode == 0 and len(lines) == 1, proc.stderr[-6000:]
-    result: dict[str, Any] = json.loads(lines[0][len(_RESULT) :])
-    return result
+    return run_child(__file__, tmp_path_factory.mktemp("kv-integrity"), _RESULT)
 
 
 def _pulled(report: dict[str, Any]) -> bool:
@@ -109,50 +95,10 @@ def test_the_corrupted_block_left_in_the_prefill_prefix_cache_is_caught_again(
 # ---- the child process ----------------------------------------------------------------
 
 
-def _engine_spec(root: Path, role: str, port: int, core: str, env: tuple[Any, ...]) -> Any:
-    from engines.base import EngineSpec, KVTransferSpec
-
-    return EngineSpec(
-        engine_id=f"it-{role}",
-        role=role,  # type: ignore[arg-type]
-        model_path=str(root / "tiny"),
-        served_model_name="tiny",
-        dtype="float32",
-        max_model_len=2048,
-        max_num_seqs=8,
-        block_size=32,
-        # Every block the prefill engine lacks is read back, however few (vLLM's own
-        # threshold would recompute a remainder under 64 tokens silently).
-        kv_transfer=KVTransferSpec(
-            side_channel_port=port, decoder_kv_blocks_ttl_s=300, kv_recompute_threshold_tokens=0
-        ),
-        env=(("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", core), *env),
-    )
-
-
-class _Pool:
-    """A pool of one engine, as the router reaches it: the finished chunk names the
-    engine (as the engine host's does)."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-
-    async def generate(self, request: Any) -> Any:
-        import msgspec
-
-        async for chunk in self.engine.generate(request):
-            if chunk.finished:
-                chunk = msgspec.structs.replace(chunk, engine_id=self.engine.spec.engine_id)
-            yield chunk
-
-
 async def _story(root: Path) -> dict[str, Any]:
     import random
     import time
 
-    from engines.tiny_model import generate_tiny_model
-    from engines.vllm_engine import VLLMEngine
-    from orchestrator.cluster.ports import free_port
     from orchestrator.kv.decider import kv_lifecycle_config
     from orchestrator.kv.ownership import ANONYMOUS
     from orchestrator.kv.service import KVService
@@ -160,19 +106,10 @@ async def _story(root: Path) -> dict[str, Any]:
     from orchestrator.router import Router
     from orchestrator.router.integrity import IntegritySettings
 
-    generate_tiny_model(root / "tiny")
-    engines = []
-    fault = (("KVTIDE_FAULT_CORRUPT_PULLED_KV", "corrupt-"),)
-    for role, core, env in (("decode", "1", ()), ("prefill", "0", fault)):
-        saved = dict(os.environ)
-        engine = VLLMEngine(_engine_spec(root, role, free_port(), core, env))
-        try:
-            await engine.start()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)  # start() writes spec.env into the environment
-        engines.append(engine)
-    decode, prefill = engines
+    decode, prefill = await start_pair(
+        root, "it", prefill_env=(("KVTIDE_FAULT_CORRUPT_PULLED_KV", "corrupt-"),)
+    )
+    engines = [decode, prefill]
     block = prefill.info().block_size
     service = KVService(
         kv_lifecycle_config(
@@ -187,8 +124,8 @@ async def _story(root: Path) -> dict[str, Any]:
     )
     metrics = Metrics()
     router = Router(
-        prefill=_Pool(prefill),
-        decode=_Pool(decode),
+        prefill=OneEnginePool(prefill),
+        decode=OneEnginePool(decode),
         kv=service,
         pull_timeout_s=60,
         metrics=metrics,

@@ -15,6 +15,7 @@ import pytest
 from kv_stories import BYTES_1100, CONFIG, recompute, tokens
 
 from policies.kv_lifecycle import (
+    HOST_POOL,
     Effect,
     Evict,
     EvictReason,
@@ -318,6 +319,76 @@ def test_budget_evicts_idle_sessions_nearest_expiry_first() -> None:
     assert kv.idle_bytes("decode-0") == 2 * BYTES_1100
     assert kv.idle_bytes("decode-1") == BYTES_1100
     assert kv.on_turn_start("a", tokens(1_200), 30.0) == recompute("a", RecomputeReason.EVICTED)
+
+
+def host_copy(record: KVRecord, now_s: float, expiry_s: float = 900.0) -> KVRecord:
+    """``record``'s KV as a host-memory tier holds it after taking it in."""
+    return replace(
+        record,
+        engine_id="host-0",
+        pool_id=HOST_POOL,
+        block_ids=(40, 41, 42),
+        expiry_s=expiry_s,
+        last_used_s=now_s,
+        transfer_params={"remote_engine_id": "host-0", "remote_block_ids": [40, 41, 42]},
+    )
+
+
+def test_an_evicted_sessions_kv_copied_to_the_host_tier_is_pulled_from_there() -> None:
+    kv = KVLifecycle(replace(CONFIG, idle_budget_bytes_per_engine=BYTES_1100))
+    keep(kv, "a", tokens(1_100), now_s=0.0)
+    a = current(kv, "a")
+    [evicted] = keep(kv, "b", tokens(1_100), now_s=10.0)
+    assert evicted == Evict(record=a, reason=EvictReason.BUDGET)
+    # The service copied a's blocks to the host tier before the decode freed them.
+    assert kv.demote(a, host_copy(a, 11.0), 11.0)
+    assert kv.record("a") == host_copy(a, 11.0)
+    # The host tier is bounded by its own capacity: the decode's idle budget, which
+    # one record fills, does not evict it, however many it holds.
+    keep(kv, "c", tokens(1_100), now_s=12.0, engine_id="decode-1")
+    assert kv.idle_bytes("host-0") == BYTES_1100 and kv.on_tick(13.0) == []
+    decision = kv.on_turn_start("a", tokens(1_200), 20.0)
+    assert decision.action is TurnAction.PULL_FROM_DECODE
+    assert decision.record == host_copy(a, 11.0)
+    assert kv.stats().num_demotions == 1
+
+
+def test_a_copy_is_booked_for_a_session_held_for_an_ingress() -> None:
+    # An ingress holds a's next turn (a turn lease granted after the eviction, planned
+    # without a record): the copy is booked all the same, for the turn after the lease.
+    kv = KVLifecycle(replace(CONFIG, idle_budget_bytes_per_engine=BYTES_1100))
+    keep(kv, "a", tokens(1_100), now_s=0.0)
+    a = current(kv, "a")
+    keep(kv, "b", tokens(1_100), now_s=10.0)
+    assert kv.hold("a", 10.5) is None
+    assert kv.demote(a, host_copy(a, 11.0), 11.0)
+    assert kv.unhold("a", 12.0) == []
+    assert kv.on_turn_start("a", tokens(1_200), 13.0).action is TurnAction.PULL_FROM_DECODE
+
+
+@pytest.mark.parametrize(
+    "case", ["turn_started", "record_again", "closed", "within_margin", "other_tokens"]
+)
+def test_a_host_copy_is_not_booked_once_the_session_moved_on(case: str) -> None:
+    kv = KVLifecycle(replace(CONFIG, idle_budget_bytes_per_engine=BYTES_1100))
+    keep(kv, "a", tokens(1_100), now_s=0.0)
+    a = current(kv, "a")
+    keep(kv, "b", tokens(1_100), now_s=10.0)  # a evicted
+    copy = host_copy(a, 11.0)
+    if case == "turn_started":  # a's next turn recomputed while the copy was made
+        kv.on_turn_start("a", tokens(1_200), 10.5)
+    elif case == "record_again":  # ... and finished
+        kv.on_turn_start("a", tokens(1_200), 10.5)
+        keep(kv, "a", tokens(1_210), now_s=10.8, engine_id="decode-1")
+    elif case == "closed":
+        kv.close("a", 10.5)
+    elif case == "other_tokens":  # not a copy of the evicted record's KV
+        copy = replace(copy, num_tokens=1_000, prefix_hash=prefix_hash(tokens(1_000)))
+    else:  # the copy would be offered for less than the safety margin
+        copy = host_copy(a, 11.0, expiry_s=11.0 + CONFIG.safety_margin_s)
+    before = kv.record("a")
+    assert not kv.demote(a, copy, 11.0)  # the caller frees the copy
+    assert kv.record("a") == before and kv.stats().num_demotions == 0
 
 
 def test_a_session_with_a_turn_in_flight_is_never_evicted() -> None:

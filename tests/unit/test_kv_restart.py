@@ -117,6 +117,7 @@ def test_public_names_are_pinned() -> None:
         "Evict",
         "EvictReason",
         "Expire",
+        "HOST_POOL",
         "KVLifecycle",
         "KVLifecycleConfig",
         "KVRecord",

@@ -1,0 +1,148 @@
+"""The host-memory tier: idle sessions' KV in host memory instead of dropped.
+
+With ``kv.host_tier_mib`` above 0 the KV service starts one store (``HostStoreActor``, a
+Ray actor it owns, on its own node) around ``engines.host_store.HostStore``: host memory
+registered with NIXL, reached by the engines as if it were a peer engine. When the idle
+budget evicts a session's kept KV from a decode engine, the service asks the store to
+take it in (``HostTierClient.take_in``: the store reads the blocks over NIXL, and the
+decode engine frees them when the read lands) and books the copy as the session's
+record (``orchestrator.kv.drains``); the session's next turn pulls it from the store
+exactly as from a decode engine, and reports ``kv_source: host_tier``. The store frees a
+copy when its reader says it finished reading (a record is handed to one pull), when
+the service releases it (closed, superseded) or at its TTL (``kv.host_tier_ttl_s``),
+and reuses freed blocks only ``REUSE_AFTER_S`` later: a store never sees a read start,
+so a reader that held the params longer must not find another session's KV there.
+
+The store is the service's child: it dies with it, and a restarted service starts a
+new one, so copies are lost with the service's books (their sessions recompute) and no
+copy outlives the service that booked it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from engines.kv_params import KVTransferParams
+from orchestrator.cluster.ports import free_port
+from orchestrator.kv.drains import HostCopy
+
+__all__ = ["REUSE_AFTER_S", "HostStoreActor", "HostTierClient", "HostTierSpec", "start_host_tier"]
+
+log = logging.getLogger("kvtide.kv_service")
+
+REUSE_AFTER_S = 60.0
+"""How long a freed store block stays unused: past any pull's deadline
+(``kv.pull_timeout_s``) with room to spare."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostTierSpec:
+    """The tier as configured: its capacity, how long it keeps a copy, and the
+    deadline of one call to it."""
+
+    capacity_bytes: int
+    ttl_s: float
+    timeout_s: float = 30.0
+
+
+class HostStoreActor:
+    """The store in its own process (NIXL agent, handshake listener, notification
+    poller), its calls answered from Ray's thread pool (a take-in blocks on its read)."""
+
+    def __init__(self, store_id: str, capacity_bytes: int, ttl_s: float) -> None:
+        from engines.host_store import HostStore
+
+        host = ray.util.get_node_ip_address()  # engines reach it as they reach each other
+        self.store = HostStore(
+            store_id=store_id,
+            capacity_bytes=capacity_bytes,
+            side_channel_host=host,
+            side_channel_port=free_port(host),
+            ttl_s=ttl_s,
+            free_after_read=True,
+            reuse_after_s=REUSE_AFTER_S,
+        )
+        self.store.start()
+
+    def take_in(
+        self, params: dict[str, Any], timeout_s: float
+    ) -> tuple[dict[str, Any], float] | None:
+        """The copy's params and how long it is kept; None when the store has no room
+        or the read failed (the blocks stay on their engine)."""
+        from engines.host_store import LayoutMismatch, TakeInFailed
+
+        try:
+            copy = self.store.take_in(params, timeout_s=timeout_s)
+        except (TakeInFailed, LayoutMismatch) as exc:
+            log.warning("host store: %s", exc)
+            return None
+        return None if copy is None else (copy, self.store.ttl_s)
+
+    def release(self, store_request_id: str) -> bool:
+        return self.store.release(store_request_id)
+
+    def stats(self) -> dict[str, Any]:
+        stats = self.store.stats()
+        return {f: getattr(stats, f) for f in stats.__dataclass_fields__}
+
+
+def start_host_tier(spec: HostTierSpec, store_id: str) -> HostTierClient:
+    """Start the store on this node (called in the KV service's actor, which owns it)."""
+    node = ray.get_runtime_context().get_node_id()
+    actor = (
+        ray.remote(num_cpus=0, max_concurrency=4)(HostStoreActor)
+        .options(
+            scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+                node_id=node, soft=False
+            )
+        )
+        .remote(store_id, spec.capacity_bytes, spec.ttl_s)
+    )
+    return HostTierClient.of_actor(actor, timeout_s=spec.timeout_s)
+
+
+class HostTierClient:
+    """The service's side of the tier (``orchestrator.kv.drains.HostTier``): each call
+    one call of a ``HostStoreActor`` method, bounded by ``timeout_s``; ``call(name,
+    *args)`` makes it (a Ray actor call, or in a process without Ray a thread)."""
+
+    def __init__(self, call: Callable[..., Awaitable[Any]], *, timeout_s: float) -> None:
+        self.call = call
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def of_actor(cls, actor: Any, *, timeout_s: float) -> HostTierClient:
+        async def call(name: str, *args: Any) -> Any:
+            return await getattr(actor, name).remote(*args)
+
+        return cls(call, timeout_s=timeout_s)
+
+    @classmethod
+    def in_process(cls, store: HostStoreActor, *, timeout_s: float) -> HostTierClient:
+        async def call(name: str, *args: Any) -> Any:
+            return await asyncio.to_thread(getattr(store, name), *args)
+
+        return cls(call, timeout_s=timeout_s)
+
+    async def take_in(self, params: KVTransferParams) -> HostCopy | None:
+        answer = await asyncio.wait_for(
+            self.call("take_in", params.to_vllm(), self.timeout_s), self.timeout_s + 5
+        )
+        if answer is None:
+            return None
+        copy, kept_for_s = answer
+        return HostCopy(params=KVTransferParams.from_vllm(copy), expires_in_s=kept_for_s)
+
+    async def release(self, params: KVTransferParams) -> None:
+        if params.remote_request_id:
+            await asyncio.wait_for(self.call("release", params.remote_request_id), self.timeout_s)
+
+    async def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = await asyncio.wait_for(self.call("stats"), self.timeout_s)
+        return stats

@@ -1,0 +1,180 @@
+"""The KV service with a host-memory tier: a session evicted under the idle budget is
+copied to the tier, not drained, and its next turn pulls it from there.
+
+The engines are test_kv_service.py's fake pools; the tier is a fake too (the real
+store needs NIXL and vLLM engines: ``tests/engine/test_host_store_nixl.py``): it answers a
+take-in with params naming its own blocks, or fails, and records what it was asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+from test_kv_service import Cluster
+
+from engines.base import GenerateRequest
+from engines.kv_params import KVTransferParams
+from orchestrator.kv.decider import params_of
+from orchestrator.kv.drains import HostCopy
+from orchestrator.kv.durable import MemoryStore
+from orchestrator.kv.host_reads import HOST_READ_PREFIX, HostReads, restore_host_reads
+from policies.kv_lifecycle import HOST_POOL
+
+RECORD_BYTES = 7 * 16 * 100  # a 100-token prompt and 3 tokens: 7 blocks of 16, 100 B a token
+
+
+class FakeHostTier:
+    """Stands in for ``orchestrator.kv.host_tier.HostTierClient``."""
+
+    def __init__(self, *, fail: bool = False) -> None:
+        self.fail = fail
+        self.taken: list[KVTransferParams] = []
+        self.released: list[str | None] = []
+
+    async def take_in(self, params: KVTransferParams) -> HostCopy | None:
+        self.taken.append(params)
+        if self.fail:
+            return None
+        copy = msgspec.structs.replace(
+            params,
+            remote_engine_id="host-0",
+            remote_request_id=f"host-{len(self.taken)}",
+            remote_block_ids=((90 + len(self.taken),),),
+        )
+        return HostCopy(params=copy, expires_in_s=900.0)
+
+    async def release(self, params: KVTransferParams) -> None:
+        self.released.append(params.remote_request_id)
+
+
+def prompt(first: int) -> list[int]:
+    return list(range(first, first + 100))
+
+
+def test_an_evicted_session_comes_back_from_the_host_tier_without_recompute() -> None:
+    c = Cluster()
+    host = FakeHostTier()
+    svc = c.new_service(idle_budget_bytes=RECORD_BYTES, host=host)
+    prefill_requests: list[GenerateRequest] = []
+    generate = c.prefill.generate
+
+    def recorded(req: GenerateRequest):  # type: ignore[no-untyped-def]
+        prefill_requests.append(req)
+        return generate(req)
+
+    c.prefill.generate = recorded  # type: ignore[method-assign]
+
+    async def run() -> None:
+        await c.turn(prompt(0), "a")
+        a_kept = svc.decider.lifecycle.record("a")
+        assert a_kept is not None and a_kept.pool_id == "decode"
+        await c.turn(prompt(1_000), "b")  # one record fits the decode's budget: a goes
+        await svc.wait_drains()
+        # a's blocks went to the host tier (whose read frees them on the decode), not
+        # back into a prefill engine.
+        assert [p.remote_request_id for p in host.taken] == [
+            a_kept.transfer_params.remote_request_id  # type: ignore[attr-defined]
+        ]
+        assert not [r for r in prefill_requests if r.request_id.startswith("drain-")]
+        on_host = svc.decider.lifecycle.record("a")
+        assert on_host is not None and on_host.pool_id == HOST_POOL
+        assert (on_host.engine_id, on_host.block_ids) == ("host-0", (91,))
+        assert (on_host.num_tokens, on_host.prefix_hash) == (a_kept.num_tokens, a_kept.prefix_hash)
+        stats = svc.drains.stats()
+        assert stats["num_host_take_ins"] == 1 and stats["num_drains"] == 0
+        # a's next turn pulls its KV from the tier, with the tier's params.
+        report = await c.turn([*prompt(0), 11, 12, 13, 60, 61], "a")
+        assert (report.kv_plan, report.kv_source) == ("pull", "host_tier")
+        pulled = prefill_requests[-1].kv_transfer_params
+        assert pulled is not None and pulled.read_target() == ("host-0", "host-1")
+        # Read by that pull, the copy is the store's to free: nothing released by hand.
+        assert host.released == []
+
+    asyncio.run(run())
+
+
+def test_a_failed_take_in_drains_the_blocks_as_before() -> None:
+    c = Cluster()
+    host = FakeHostTier(fail=True)
+    svc = c.new_service(idle_budget_bytes=RECORD_BYTES, host=host)
+
+    async def run() -> None:
+        await c.turn(prompt(0), "a")
+        await c.turn(prompt(1_000), "b")
+        await svc.wait_drains()
+        stats = svc.drains.stats()
+        assert len(host.taken) == 1
+        assert stats["num_host_take_in_failures"] == 1 and stats["num_drains"] == 1
+        assert svc.decider.lifecycle.record("a") is None
+        report = await c.turn([*prompt(0), 11, 12, 13, 60, 61], "a")
+        assert (report.kv_plan, report.kv_plan_reason) == ("recompute", "evicted")
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("then", ["closed", "superseded"])
+def test_a_host_copy_nobody_will_pull_is_released_in_the_store(then: str) -> None:
+    c = Cluster()
+    host = FakeHostTier()
+    svc = c.new_service(idle_budget_bytes=RECORD_BYTES, host=host)
+
+    async def run() -> None:
+        await c.turn(prompt(0), "a")
+        await c.turn(prompt(1_000), "b")
+        await svc.wait_drains()
+        assert svc.decider.lifecycle.record("a") is not None
+        if then == "closed":
+            await svc.close("a")
+        else:  # a new history under the same session: the copy covers none of it
+            await c.turn(prompt(5_000), "a")
+        await svc.wait_drains()
+        assert host.released == ["host-1"]
+
+    asyncio.run(run())
+
+
+def test_a_restarted_service_does_not_adopt_decode_blocks_the_host_tier_read() -> None:
+    # The store's read freed a's blocks on the decode, but the decode host's ledger
+    # still lists them as kept: adopted, a's next turn would pull freed blocks.
+    c = Cluster()
+    store = MemoryStore()
+    svc = c.new_service(idle_budget_bytes=RECORD_BYTES, host=FakeHostTier(), store=store)
+
+    async def run() -> None:
+        await c.turn(prompt(0), "a")
+        a_kept = svc.decider.lifecycle.record("a")
+        assert a_kept is not None
+        await c.turn(prompt(1_000), "b")
+        await svc.wait_drains()
+        assert [k for k in store.keys(HOST_READ_PREFIX)] == [
+            f"{HOST_READ_PREFIX}{a_kept.engine_id}/{params_of(a_kept).remote_request_id}"
+        ]
+        restarted = c.new_service(idle_budget_bytes=RECORD_BYTES, store=store)
+        for report in c.reports():
+            await restarted.restore(report)
+        await restarted.wait_drains()
+        assert restarted.decider.lifecycle.record("a") is None  # its copy died with the tier
+        b = restarted.decider.lifecycle.record("b")
+        assert b is not None and b.pool_id == "decode"  # the decode still holds b's
+        assert restarted.adoption.counters["adopt_skipped_consumed"] >= 1
+        report = await c.turn([*prompt(0), 11, 12, 13, 60, 61], "a")
+        assert report.kv_plan == "recompute"
+
+    asyncio.run(run())
+
+
+def test_host_read_marks_past_their_time_are_deleted() -> None:
+    store = MemoryStore()
+    now = [1_000.0]
+    reads = HostReads(store, ttl_s=60.0, wall_clock=lambda: now[0])
+    asyncio.run(reads.mark("decode-0", "r-1-d"))
+    assert restore_host_reads(store, wall=now[0]) == {("decode-0", "r-1-d")}
+    now[0] += 60.0
+    reads.expire()
+    assert store.keys(HOST_READ_PREFIX) == []
+    asyncio.run(reads.mark("decode-0", "r-2-d"))
+    # A restarted service a minute later: the blocks would have expired anyway.
+    assert restore_host_reads(store, wall=now[0] + 61.0) == set()
+    assert store.keys(HOST_READ_PREFIX) == []
