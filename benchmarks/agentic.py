@@ -14,6 +14,9 @@ The setups, each deployed fresh on this box:
 
 * ``kvtide`` — sessions (``x-session-id``): the decode engine keeps a session's KV and
   sends it back to prefill for its next turn, within ``kv.idle_budget_mib_per_engine``;
+* ``kvtide-host`` — ``kvtide`` with a host-memory tier of ``--host-tier-mib``: a session
+  the budget evicts is copied there and pulled back from there
+  (docs/kv_lifecycle.md#the-host-memory-tier);
 * ``plain-pd`` — the same P/D engines without sessions or reuse across turns (vLLM's
   own P/D flow: only the prefill engine's prefix cache helps a later turn);
 * ``prefix-routing`` — ``plain-pd`` with two prefill engines and prefix-aware routing
@@ -32,11 +35,11 @@ where the report carries them) against the new tokens' KV. Then the ratios the i
 targets are stated in, and kvtide's KV integrity checks (``--integrity-fraction`` of the
 turns that pull KV back, computed again without reuse off the client's path, on the same
 prefill engine: docs/kv_lifecycle.md#integrity-check): matches, mismatches (target 0),
-skipped, and the engine pairs whose reuse a mismatch turned off. Not measured here: a
-host-memory tier (kvtide has none yet).
+skipped, and the engine pairs whose reuse a mismatch turned off; for ``kvtide-host``
+the tier's take-ins and the bytes it took in.
 
     python benchmarks/agentic.py [--sessions 16] [--turns 6] [--concurrency 8]
-                                 [--modes kvtide,plain-pd,vllm] [--seed 0]
+                                 [--modes kvtide,kvtide-host,plain-pd,vllm] [--seed 0]
 """
 
 from __future__ import annotations
@@ -192,6 +195,8 @@ def setup(mode: str, args: argparse.Namespace) -> Iterator[tuple[str, str]]:
         "idle_budget_mib_per_engine": args.budget_mib,
         "integrity_sample_fraction": args.integrity_fraction,
     }
+    if mode == "kvtide-host":
+        kv["host_tier_mib"] = args.host_tier_mib
     routing: dict[str, Any] = {"reuse_without_session": False}
     num_prefill = 1
     if mode == "prefix-routing":
@@ -214,6 +219,7 @@ second): every check of the run's last turns has ended."""
 class Integrity:
     checks: dict[str, int]
     reuse_off: list[dict[str, Any]]
+    host_tier: dict[str, Any] | None = None  # the host tier's store, as it reports itself
 
 
 def _integrity_now(base_url: str) -> Integrity:
@@ -223,7 +229,10 @@ def _integrity_now(base_url: str) -> Integrity:
         o: int(metrics.get(f'kvtide_kv_integrity_checks_total{{outcome="{o}"}}', 0))
         for o in INTEGRITY_OUTCOMES
     }
-    return Integrity(checks=checks, reuse_off=list(stats.get("kv", {}).get("reuse_off", [])))
+    kv = stats.get("kv", {})
+    return Integrity(
+        checks=checks, reuse_off=list(kv.get("reuse_off", [])), host_tier=kv.get("host_tier")
+    )
 
 
 def integrity_results(base_url: str, timeout_s: float = 120.0) -> Integrity:
@@ -320,7 +329,7 @@ def format_summaries(
     summaries: list[Summary],
     work: Workload,
     args: argparse.Namespace,
-    integrity: Integrity | None = None,
+    integrity: dict[str, Integrity] | None = None,
 ) -> str:
     turns = list(range(1, work.turns + 1))
     head = ["setup", "ok/failed", *[f"TTFT t{i} ms" for i in turns]]
@@ -350,58 +359,81 @@ def format_summaries(
         for e in s.errors:
             lines.append(f"{s.mode}: failed turn: {e}")
     by = {s.mode: s for s in summaries}
-    k = by.get("kvtide")
-
-    def ratio(a: float | None, b: float | None) -> str:
-        return "-" if a is None or b is None or a == 0 else f"{b / a:.2f}x"
-
-    if k is not None:
-        lines.append("")
-        if "plain-pd" in by:
-            p = by["plain-pd"]
-            lines.append(
-                f"TTFT p50 at turns >= {args.late_from}: plain P/D / kvtide = "
-                f"{ratio(k.ttft_p50_late, p.ttft_p50_late)} (target >= 5x); throughput "
-                f"kvtide / plain P/D = {ratio(p.tokens_per_s, k.tokens_per_s)} (target >= 1x)"
-            )
-        last, second = k.ttft_by_turn.get(work.turns), k.ttft_by_turn.get(2)
-        lines.append(
-            f"kvtide TTFT p50 turn {work.turns} / turn 2 = {ratio(second, last)} "
-            "(target <= 1.5x at the same new-token count)"
-        )
-        if "vllm" in by:
-            v = by["vllm"]
-            lines.append(
-                f"against one aggregated vLLM engine: ITL p90 vLLM / kvtide = "
-                f"{ratio(k.itl_p90, v.itl_p90)} (target > 1x); TTFT p50 at turns >= "
-                f"{args.late_from} kvtide / vLLM = {ratio(v.ttft_p50_late, k.ttft_p50_late)} "
-                "(target <= 1.5x)"
-            )
-        if k.moved_ratio is not None:
-            lines.append(
-                f"KV bytes moved per later turn / the new tokens' KV: {k.moved_ratio:.2f}x "
-                "(target <= 1.2x)"
-            )
-    if integrity is not None:
-        c = integrity.checks
-        pairs = ", ".join(
-            f"{p['prefill_engine_id']} <- {p['source_engine_id']}" for p in integrity.reuse_off
-        )
-        lines.append(
-            f"kvtide KV integrity checks ({args.integrity_fraction:g} of pulled turns): "
-            f"{sum(c.values())}: match {c['match']}, mismatch {c['mismatch']} (target 0), "
-            f"skipped {c['skipped']}; reuse off for: {pairs or 'no engine pair'}"
-        )
-    lines.append("not measured: a host-memory tier (none yet)")
+    for mode in KVTIDE_MODES:
+        if mode in by:
+            lines.extend(_target_lines(mode, by, work, args, (integrity or {}).get(mode)))
     lines.append(
         f"workload: {work.sessions} sessions x {work.turns} turns, shared prefix "
         f"{work.shared_tokens}, first task {work.first_tokens}, +{work.new_tokens} tokens "
         f"a later turn, {work.output_tokens} out, think {work.think_s[0]:g}-"
         f"{work.think_s[1]:g} s, concurrency {work.concurrency}; {args.kv_blocks} KV blocks "
         f"per engine ({args.kv_blocks * BLOCK_TOKENS} tokens), kvtide idle budget "
-        f"{args.budget_mib:g} MiB per engine"
+        f"{args.budget_mib:g} MiB per engine, kvtide-host's tier {args.host_tier_mib:g} MiB"
     )
     return "\n".join(lines)
+
+
+KVTIDE_MODES = ("kvtide", "kvtide-host")
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None or a == 0 else f"{b / a:.2f}x"
+
+
+def _target_lines(
+    mode: str,
+    by: dict[str, Summary],
+    work: Workload,
+    args: argparse.Namespace,
+    integrity: Integrity | None,
+) -> list[str]:
+    """The issue's targets for one kvtide setup, against the others in the run."""
+    k = by[mode]
+    lines = ["", f"{mode}:"]
+    if "plain-pd" in by:
+        p = by["plain-pd"]
+        lines.append(
+            f"  TTFT p50 at turns >= {args.late_from}: plain P/D / {mode} = "
+            f"{_ratio(k.ttft_p50_late, p.ttft_p50_late)} (target >= 5x); throughput "
+            f"{mode} / plain P/D = {_ratio(p.tokens_per_s, k.tokens_per_s)} (target >= 1x)"
+        )
+    last, second = k.ttft_by_turn.get(work.turns), k.ttft_by_turn.get(2)
+    lines.append(
+        f"  TTFT p50 turn {work.turns} / turn 2 = {_ratio(second, last)} "
+        "(target <= 1.5x at the same new-token count)"
+    )
+    if "vllm" in by:
+        v = by["vllm"]
+        lines.append(
+            f"  against one aggregated vLLM engine: ITL p90 vLLM / {mode} = "
+            f"{_ratio(k.itl_p90, v.itl_p90)} (target > 1x); TTFT p50 at turns >= "
+            f"{args.late_from} {mode} / vLLM = {_ratio(v.ttft_p50_late, k.ttft_p50_late)} "
+            "(target <= 1.5x)"
+        )
+    if k.moved_ratio is not None:
+        lines.append(
+            f"  KV bytes moved per later turn / the new tokens' KV: {k.moved_ratio:.2f}x "
+            "(target <= 1.2x)"
+        )
+    if integrity is not None:
+        c = integrity.checks
+        pairs = ", ".join(
+            f"{p['prefill_engine_id']} <- {p['source_engine_id']}" for p in integrity.reuse_off
+        )
+        lines.append(
+            f"  KV integrity checks ({args.integrity_fraction:g} of pulled turns): "
+            f"{sum(c.values())}: match {c['match']}, mismatch {c['mismatch']} (target 0), "
+            f"skipped {c['skipped']}; reuse off for: {pairs or 'no engine pair'}"
+        )
+        tier = integrity.host_tier
+        if tier:
+            lines.append(
+                f"  host tier: {tier.get('num_take_ins', 0)} sessions taken in, "
+                f"{tier.get('bytes_taken_in', 0) / 2**20:.1f} MiB, "
+                f"{tier.get('num_read_notifs', 0)} pulled back, "
+                f"{tier.get('num_expired', 0)} expired there"
+            )
+    return lines
 
 
 def main() -> None:
@@ -416,9 +448,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--kv-blocks", type=int, default=768, help="KV blocks per engine")
     parser.add_argument("--budget-mib", type=float, default=8.0)
+    parser.add_argument("--host-tier-mib", type=float, default=64.0)
     parser.add_argument("--ttft-target-s", type=float, default=0.5)
     parser.add_argument("--late-from", type=int, default=4)
-    parser.add_argument("--modes", default="kvtide,plain-pd,vllm")
+    parser.add_argument("--modes", default="kvtide,kvtide-host,plain-pd,vllm")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--integrity-fraction",
@@ -440,12 +473,13 @@ def main() -> None:
         seed=args.seed,
     )
     summaries = []
-    integrity = None
+    integrity: dict[str, Integrity] = {}
     for mode in args.modes.split(","):
         with setup(mode, args) as (base_url, model):
-            run = asyncio.run(run_workload(base_url, model, work, sessions=mode == "kvtide"))
-            if mode == "kvtide":
-                integrity = integrity_results(base_url)
+            sessions = mode in KVTIDE_MODES
+            run = asyncio.run(run_workload(base_url, model, work, sessions=sessions))
+            if sessions:
+                integrity[mode] = integrity_results(base_url)
         run.mode = mode
         summaries.append(
             summarize(run, work, args.ttft_target_s, args.late_from, kv_bytes_per_token())

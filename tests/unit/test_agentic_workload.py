@@ -65,20 +65,34 @@ def test_the_summary_reads_the_turns() -> None:
     table = format_summaries(
         [s],
         WORK,
-        argparse.Namespace(late_from=4, ttft_target_s=0.5, kv_blocks=64, budget_mib=1.0),
+        argparse.Namespace(
+            late_from=4, ttft_target_s=0.5, kv_blocks=64, budget_mib=1.0, host_tier_mib=64.0
+        ),
     )
     assert "kvtide" in table and "1.33x" in table and "RuntimeError: 503" in table
 
 
 def test_the_summary_prints_the_integrity_checks() -> None:
     s = summarize(Run("kvtide", [_turn(2, 0.2, 5 * 4096)], wall_s=1.0), WORK, 0.5, 4, 4096)
+    host = summarize(Run("kvtide-host", [_turn(2, 0.2, 5 * 4096)], wall_s=1.0), WORK, 0.5, 4, 4096)
     args = argparse.Namespace(
-        late_from=4, ttft_target_s=0.5, kv_blocks=64, budget_mib=1.0, integrity_fraction=0.1
+        late_from=4,
+        ttft_target_s=0.5,
+        kv_blocks=64,
+        budget_mib=1.0,
+        integrity_fraction=0.1,
+        host_tier_mib=64.0,
     )
     pair = {"prefill_engine_id": "prefill-a", "source_engine_id": "decode-b"}
     checks = {"match": 6, "mismatch": 1, "skipped": 2}
-    table = format_summaries([s], WORK, args, Integrity(checks=checks, reuse_off=[pair]))
+    tier = {"num_take_ins": 5, "bytes_taken_in": 3 * 2**20, "num_read_notifs": 4}
+    integrity = {
+        "kvtide": Integrity(checks=checks, reuse_off=[pair]),
+        "kvtide-host": Integrity(checks=dict.fromkeys(checks, 0), reuse_off=[], host_tier=tier),
+    }
+    table = format_summaries([s, host], WORK, args, integrity)
     assert (
-        "kvtide KV integrity checks (0.1 of pulled turns): 9: match 6, mismatch 1 (target 0), "
+        "KV integrity checks (0.1 of pulled turns): 9: match 6, mismatch 1 (target 0), "
         "skipped 2; reuse off for: prefill-a <- decode-b"
     ) in table
+    assert "host tier: 5 sessions taken in, 3.0 MiB, 4 pulled back, 0 expired there" in table

@@ -20,6 +20,7 @@ from orchestrator.kv.decider import params_of
 from orchestrator.kv.drains import HostCopy
 from orchestrator.kv.durable import MemoryStore
 from orchestrator.kv.host_reads import HOST_READ_PREFIX, HostReads, restore_host_reads
+from orchestrator.kv.turn_leases import LeaseBook
 from policies.kv_lifecycle import HOST_POOL
 
 RECORD_BYTES = 7 * 16 * 100  # a 100-token prompt and 3 tokens: 7 blocks of 16, 100 B a token
@@ -178,3 +179,19 @@ def test_host_read_marks_past_their_time_are_deleted() -> None:
     # A restarted service a minute later: the blocks would have expired anyway.
     assert restore_host_reads(store, wall=now[0] + 61.0) == set()
     assert store.keys(HOST_READ_PREFIX) == []
+
+
+def test_a_lease_planned_without_the_copy_is_revoked_when_the_copy_is_booked() -> None:
+    # The replica holding the session's next turn planned it without a record; once the
+    # tier's copy is booked it is asked to give the lease back, so the turn asks the
+    # service and finds the copy.
+    async def run() -> None:
+        book = LeaseBook(lasts_s=30.0, grace_s=5.0, clock=lambda: 0.0)
+        await book.watch("replica-1", 0.0)  # the replica's watch is running
+        grant = book.grant("a", "replica-1", None, 0.0)
+        book.revoke_session("b")  # another session: nothing asked
+        assert await book.watch("replica-1", 0.0) == ([], [])
+        book.revoke_session("a")
+        assert await book.watch("replica-1", 0.0) == ([grant.lease_id], [])
+
+    asyncio.run(run())
