@@ -100,6 +100,8 @@ class _Entry:
     num_tokens: int
     expires_at: float
     num_notifs: int = 0
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)  # the copy's, as returned
+    tag: dict[str, Any] = dataclasses.field(default_factory=dict)  # the caller's, kept as is
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -283,7 +285,9 @@ class HostStore:
         return self._peer(meta, offset_s)
 
     # ---- take in ------------------------------------------------------------------------
-    def take_in(self, params: dict[str, Any], timeout_s: float = 30.0) -> dict[str, Any] | None:
+    def take_in(
+        self, params: dict[str, Any], timeout_s: float = 30.0, tag: dict[str, Any] | None = None
+    ) -> dict[str, Any] | None:
         """Move the blocks a decode engine kept (its final ``kv_transfer_params``, vLLM's
         dict) into the store; the decode frees them when the READ lands. Returns the
         params naming the store's copy, in the decode's shape, or None when the store
@@ -318,19 +322,7 @@ class HostStore:
                 self._free.extend(mine)
             raise TakeInFailed(f"READ of {where}: {state}")
         expires_at = self.clock() + self.ttl_s
-        with self._lock:
-            self._entries[store_rid] = _Entry(
-                block_ids=mine,
-                source_engine_id=params["remote_engine_id"],
-                num_tokens=int(params.get("remote_num_tokens") or 0),
-                expires_at=expires_at,
-            )
-            s = self._stats
-            s.num_take_ins += 1
-            s.bytes_taken_in += moved
-            s.take_in_s += time.perf_counter() - t0
-            s.read_s += read_s
-        return {
+        copy = {
             **params,
             "remote_block_ids": [list(mine)],
             "remote_engine_id": self.store_id,
@@ -340,6 +332,21 @@ class HostStore:
             "remote_blocks_expiry_time": expires_at,
             "tp_size": 1,
         }
+        with self._lock:
+            self._entries[store_rid] = _Entry(
+                block_ids=mine,
+                source_engine_id=params["remote_engine_id"],
+                num_tokens=int(params.get("remote_num_tokens") or 0),
+                expires_at=expires_at,
+                params=copy,
+                tag=dict(tag or {}),
+            )
+            s = self._stats
+            s.num_take_ins += 1
+            s.bytes_taken_in += moved
+            s.take_in_s += time.perf_counter() - t0
+            s.read_s += read_s
+        return copy
 
     def _read(
         self, peer: _Peer, source: list[int], mine: list[int], notif: bytes, timeout_s: float
@@ -425,6 +432,17 @@ class HostStore:
                 return False
             self._drop(store_request_id)
             return True
+
+    def entries(self) -> list[tuple[dict[str, Any], float, dict[str, Any]]]:
+        """Every copy held and unread: its params, the seconds it is still kept, and the
+        tag its take-in gave (what a restarted caller rebuilds its books from)."""
+        now = self.clock()
+        with self._lock:
+            return [
+                (dict(e.params), e.expires_at - now, dict(e.tag))
+                for e in self._entries.values()
+                if e.num_notifs == 0 and e.expires_at > now
+            ]
 
     def entry_notifs(self, store_request_id: str) -> int | None:
         """How many reads of an entry readers reported; None when there is no entry."""

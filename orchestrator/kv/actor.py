@@ -30,7 +30,7 @@ from orchestrator.config import ObservabilityConfig
 from orchestrator.errors import ServiceUnavailable
 from orchestrator.kv.durable import RayKVStore
 from orchestrator.kv.envelope import decode_result, dispatch, encode_call
-from orchestrator.kv.host_tier import HostTierSpec, start_host_tier
+from orchestrator.kv.host_tier import HostTierSpec, lookup_host_store, start_host_tier
 from orchestrator.kv.messages import LedgerReport
 from orchestrator.kv.service import API_METHODS, KVService, KVServiceAPI, merge_counters
 from orchestrator.observability.metrics import make_metrics
@@ -56,6 +56,11 @@ NODE_CHECK_TICKS = 5
 
 def service_name(app_name: str) -> str:
     return f"kvtide-kv-{app_name or 'default'}"
+
+
+def host_store_name(app_name: str) -> str:
+    """The host tier's store (its actor's name and its NIXL engine id)."""
+    return f"kvtide-host-{app_name or 'default'}"
 
 
 class _ServiceActor:
@@ -94,7 +99,7 @@ class _ServiceActor:
             host=(
                 None
                 if host_tier is None
-                else start_host_tier(host_tier, f"kvtide-host-{app_name or 'default'}")
+                else start_host_tier(host_tier, host_store_name(app_name), SERVICE_NAMESPACE)
             ),
         )
         self._ticker: asyncio.Task[None] | None = None
@@ -362,3 +367,9 @@ def lookup_service(app_name: str) -> ActorHandle | None:
         return ray.get_actor(service_name(app_name), namespace=SERVICE_NAMESPACE)
     except ValueError:
         return None
+
+
+def lookup_app_host_store(app_name: str) -> ActorHandle | None:
+    """The application's host-tier store, when one runs."""
+    handle: ActorHandle | None = lookup_host_store(host_store_name(app_name), SERVICE_NAMESPACE)
+    return handle

@@ -122,7 +122,14 @@ class LedgerAdoption:
         self._consumed: set[tuple[str, str]] = set(consumed)
         self._prefill_reporters: set[str] = set()
         self.counters = dict.fromkeys(
-            ("restores", "adopted", "adopt_skipped_consumed", "adopt_superseded"), 0
+            (
+                "restores",
+                "adopted",
+                "adopt_skipped_consumed",
+                "adopt_superseded",
+                "adopt_host_copies",
+            ),
+            0,
         )
 
     @property

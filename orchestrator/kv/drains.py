@@ -38,7 +38,7 @@ from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.kv.turn_leases import LeaseBook
 from policies.kv_lifecycle import HOST_POOL, Effect, Evict, EvictReason, KVRecord, prefix_hash
 
-__all__ = ["Drains", "HostCopy", "HostTier", "PrefillPool"]
+__all__ = ["Drains", "HostCopy", "HostTier", "PrefillPool", "host_record", "host_tag"]
 
 log = logging.getLogger("kvtide.kv_service")
 
@@ -57,12 +57,48 @@ class HostCopy:
     expires_in_s: float
 
 
+def host_tag(record: KVRecord) -> dict[str, Any]:
+    """What a host copy keeps of its record, for a restarted service to book it again
+    (``host_record``)."""
+    return {
+        "session_id": record.session_id,
+        "num_tokens": record.num_tokens,
+        "prefix_hash": record.prefix_hash,
+        "bytes_held": record.bytes_held,
+    }
+
+
+def host_record(copy: HostCopy, tag: dict[str, Any], now: float) -> KVRecord | None:
+    """The record of a host copy a store reports, from its tag; None for a copy without
+    one (not taken in by a service)."""
+    kept = copy.params.kept_blocks()
+    try:
+        return KVRecord(
+            session_id=str(tag["session_id"]),
+            engine_id=copy.params.remote_engine_id or "",
+            pool_id=HOST_POOL,
+            block_ids=() if kept is None else kept[2],
+            num_tokens=int(tag["num_tokens"]),
+            prefix_hash=str(tag["prefix_hash"]),
+            expiry_s=now + copy.expires_in_s,
+            last_used_s=now,
+            bytes_held=int(tag["bytes_held"]),
+            transfer_params=copy.params,
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 class HostTier(Protocol):
     """The host-memory tier as the service reaches it (``orchestrator.kv.host_tier``)."""
 
-    async def take_in(self, params: KVTransferParams) -> HostCopy | None: ...
+    async def take_in(
+        self, params: KVTransferParams, tag: dict[str, Any] | None = None
+    ) -> HostCopy | None: ...
 
     async def release(self, params: KVTransferParams) -> None: ...
+
+    async def entries(self) -> list[tuple[HostCopy, dict[str, Any]]]: ...
 
 
 class Drains:
@@ -182,7 +218,9 @@ class Drains:
         try:
             if self.mark_read is not None:
                 await self.mark_read(record.engine_id, params.remote_request_id or "")
-            copy = await asyncio.wait_for(self.host.take_in(params), self.timeout_s)
+            copy = await asyncio.wait_for(
+                self.host.take_in(params, host_tag(record)), self.timeout_s
+            )
         except Exception as exc:  # the tier failed or timed out: the blocks stay put
             log.warning("host tier take-in of %s failed: %s", params.remote_request_id, exc)
             copy = None

@@ -13,15 +13,16 @@ the service releases it (closed, superseded) or at its TTL (``kv.host_tier_ttl_s
 and reuses freed blocks only ``REUSE_AFTER_S`` later: a store never sees a read start,
 so a reader that held the params longer must not find another session's KV there.
 
-The store is the service's child: it dies with it, and a restarted service starts a
-new one, so copies are lost with the service's books (their sessions recompute) and no
-copy outlives the service that booked it.
+The store is a detached actor named after the application: a restarted service finds
+it, and books the copies it holds again from the tags their take-ins left with them
+(``KVService.adopt_host_copies``); ``kvtide``'s shutdown stops it with the service.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,14 @@ from engines.kv_params import KVTransferParams
 from orchestrator.cluster.ports import free_port
 from orchestrator.kv.drains import HostCopy
 
-__all__ = ["REUSE_AFTER_S", "HostStoreActor", "HostTierClient", "HostTierSpec", "start_host_tier"]
+__all__ = [
+    "REUSE_AFTER_S",
+    "HostStoreActor",
+    "HostTierClient",
+    "HostTierSpec",
+    "lookup_host_store",
+    "start_host_tier",
+]
 
 log = logging.getLogger("kvtide.kv_service")
 
@@ -71,14 +79,15 @@ class HostStoreActor:
         self.store.start()
 
     def take_in(
-        self, params: dict[str, Any], timeout_s: float
+        self, params: dict[str, Any], timeout_s: float, tag: dict[str, Any] | None = None
     ) -> tuple[dict[str, Any], float] | None:
         """The copy's params and how long it is kept; None when the store has no room
-        or the read failed (the blocks stay on their engine)."""
+        or the read failed (the blocks stay on their engine). ``tag``: kept with the
+        copy for a restarted service (``entries``)."""
         from engines.host_store import LayoutMismatch, TakeInFailed
 
         try:
-            copy = self.store.take_in(params, timeout_s=timeout_s)
+            copy = self.store.take_in(params, timeout_s=timeout_s, tag=tag)
         except (TakeInFailed, LayoutMismatch) as exc:
             log.warning("host store: %s", exc)
             return None
@@ -87,24 +96,52 @@ class HostStoreActor:
     def release(self, store_request_id: str) -> bool:
         return self.store.release(store_request_id)
 
+    def entries(self) -> list[tuple[dict[str, Any], float, dict[str, Any]]]:
+        return self.store.entries()
+
+    def spec(self) -> tuple[int | None, float]:
+        return self.store.capacity_bytes, self.store.ttl_s
+
     def stats(self) -> dict[str, Any]:
         stats = self.store.stats()
         return {f: getattr(stats, f) for f in stats.__dataclass_fields__}
 
 
-def start_host_tier(spec: HostTierSpec, store_id: str) -> HostTierClient:
-    """Start the store on this node (called in the KV service's actor, which owns it)."""
+def start_host_tier(spec: HostTierSpec, store_id: str, namespace: str) -> HostTierClient:
+    """The store named ``store_id`` in ``namespace``, started on this node (the KV
+    service's) unless it runs already: a detached actor, so that a restarted service
+    finds it and books its copies again (``KVService.adopt_host_copies``). One left by a
+    deployment with another capacity or TTL is replaced (its copies are dropped)."""
+    remote = ray.remote(num_cpus=0, max_concurrency=4, max_restarts=0)(HostStoreActor)
     node = ray.get_runtime_context().get_node_id()
-    actor = (
-        ray.remote(num_cpus=0, max_concurrency=4)(HostStoreActor)
-        .options(
-            scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
-                node_id=node, soft=False
-            )
-        )
-        .remote(store_id, spec.capacity_bytes, spec.ttl_s)
-    )
+    options = {
+        "name": store_id,
+        "namespace": namespace,
+        "lifetime": "detached",
+        "get_if_exists": True,
+        "scheduling_strategy": ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+            node_id=node, soft=False
+        ),
+    }
+    actor = remote.options(**options).remote(store_id, spec.capacity_bytes, spec.ttl_s)
+    if tuple(ray.get(actor.spec.remote(), timeout=120)) != (spec.capacity_bytes, spec.ttl_s):
+        log.warning("host store %s runs another capacity or TTL: replacing it", store_id)
+        ray.kill(actor, no_restart=True)
+        deadline = time.monotonic() + 60
+        while lookup_host_store(store_id, namespace) is not None:  # its name is freed once dead
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the previous host store {store_id} did not stop in time")
+            time.sleep(0.1)
+        actor = remote.options(**options).remote(store_id, spec.capacity_bytes, spec.ttl_s)
     return HostTierClient.of_actor(actor, timeout_s=spec.timeout_s)
+
+
+def lookup_host_store(store_id: str, namespace: str) -> Any:
+    """The running store's handle, or None."""
+    try:
+        return ray.get_actor(store_id, namespace=namespace)
+    except ValueError:
+        return None
 
 
 class HostTierClient:
@@ -130,9 +167,11 @@ class HostTierClient:
 
         return cls(call, timeout_s=timeout_s)
 
-    async def take_in(self, params: KVTransferParams) -> HostCopy | None:
+    async def take_in(
+        self, params: KVTransferParams, tag: dict[str, Any] | None = None
+    ) -> HostCopy | None:
         answer = await asyncio.wait_for(
-            self.call("take_in", params.to_vllm(), self.timeout_s), self.timeout_s + 5
+            self.call("take_in", params.to_vllm(), self.timeout_s, tag), self.timeout_s + 5
         )
         if answer is None:
             return None
@@ -142,6 +181,14 @@ class HostTierClient:
     async def release(self, params: KVTransferParams) -> None:
         if params.remote_request_id:
             await asyncio.wait_for(self.call("release", params.remote_request_id), self.timeout_s)
+
+    async def entries(self) -> list[tuple[HostCopy, dict[str, Any]]]:
+        """Every copy the store holds unread, with the tag its take-in gave."""
+        held = await asyncio.wait_for(self.call("entries"), self.timeout_s)
+        return [
+            (HostCopy(params=KVTransferParams.from_vllm(p), expires_in_s=left), tag)
+            for p, left, tag in held
+        ]
 
     async def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = await asyncio.wait_for(self.call("stats"), self.timeout_s)

@@ -27,6 +27,7 @@ clock); ``KVServiceActor`` runs it as a named, detached, restartable Ray actor a
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -34,7 +35,7 @@ from typing import Any, Protocol
 
 from orchestrator.kv.adoption import LedgerAdoption, rebuild_from_marks
 from orchestrator.kv.decider import KVDecider
-from orchestrator.kv.drains import Drains, HostTier, PrefillPool
+from orchestrator.kv.drains import Drains, HostTier, PrefillPool, host_record
 from orchestrator.kv.durable import DurableStore, MemoryStore, RayKVStore, WriteBehind
 from orchestrator.kv.engines import EngineRegistry, count_decode_paths, engine_pool
 from orchestrator.kv.host_reads import HostReads, restore_host_reads
@@ -58,7 +59,9 @@ from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.kv.session_turns import SessionTurns, whole_turn_done
 from orchestrator.kv.turn_leases import HANDOVER_WAIT_S, LeaseBook
 from orchestrator.kv.turn_marks import OwnerMarks, RunningTurns
-from policies.kv_lifecycle import KVLifecycleConfig
+from policies.kv_lifecycle import KVLifecycleConfig, Release, ReleaseReason
+
+log = logging.getLogger("kvtide.kv_service")
 
 __all__ = [
     "API_METHODS",
@@ -220,6 +223,9 @@ class KVService:
         self.leases = LeaseBook(lasts_s=turn_lease_s, grace_s=handover_wait_s, clock=clock)
         # Decode blocks the host tier read, for a restarted service (host_reads.py).
         self.host_reads = HostReads(self.marks, ttl_s=config.ttl_s, wall_clock=wall_clock)
+        # A host tier's copies are booked again once the engines' ledgers had their
+        # wait (``adopt_host_copies``): a session the engines report keeps that record.
+        self._host_adopted = host is None
         self.drains = Drains(
             prefill=prefill,
             timeout_s=drain_timeout_s,
@@ -429,6 +435,8 @@ class KVService:
 
     async def tick(self) -> None:
         now = self.clock()
+        if not self._host_adopted and now - self.started_s >= self.adoption.restore_wait_s:
+            await self.adopt_host_copies()
         for sid in self.running.stale(now):
             self.lease_desk.drop(sid)
             self.running.clear(sid)
@@ -528,6 +536,36 @@ class KVService:
         return answer
 
     # ---- restart recovery (orchestrator.kv.adoption) ---------------------------------
+
+    async def adopt_host_copies(self) -> int:
+        """Book the copies the host tier holds (a previous instance took them in), each
+        as its session's record, unless the session has one already (the engines'
+        ledgers, adopted first, or a turn since): that copy is released. Returns the
+        copies booked; a tier that cannot be reached is asked again next tick."""
+        host = self.drains.host
+        if host is None:
+            return 0
+        try:
+            held = await asyncio.wait_for(host.entries(), 30.0)
+        except Exception as exc:
+            log.warning("host tier not reachable for its copies: %s", exc)
+            return 0
+        self._host_adopted = True
+        now = self.clock()
+        lifecycle = self.decider.lifecycle
+        booked = 0
+        for copy, tag in held:
+            record = host_record(copy, tag, now)
+            if record is None:
+                continue
+            if lifecycle.record(record.session_id) is not None:
+                self.drains.apply([Release(record=record, reason=ReleaseReason.SUPERSEDED)])
+                continue
+            effects = lifecycle.adopt(record, now)
+            self.drains.apply(effects)
+            booked += 1
+        self.adoption.counters["adopt_host_copies"] += booked
+        return booked
 
     async def restore(self, report: LedgerReport) -> None:
         """An engine host's ledger, sent after it saw a new ``epoch``, in pages

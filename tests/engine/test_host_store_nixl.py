@@ -20,7 +20,8 @@ model, fp32, 32-token blocks, NIXL over loopback) and a store of 128 blocks:
    host tier is a store in this process (``HostStoreActor`` without Ray), kvtide's
    router. A second session's turn evicts the first; the service copies it to the tier
    instead of draining it (the decode frees it); the prefill's prefix cache is reset (the
-   session's history is then in no engine); its next turn pulls it from the tier (``kv_source:
+   session's history is then in no engine); the service restarts, and the new one books
+   the copy the store still holds; the session's next turn pulls it from the tier (``kv_source:
    host_tier``, every byte of it over NIXL) and answers as a recompute does.
 
 The engines run in one child process (this file, run as a script), as in
@@ -87,6 +88,7 @@ def test_a_session_evicted_from_both_engines_comes_back_from_the_host_tier_throu
     tier = story["tier"]
     assert tier["evicted"]["pool_id"] == "host", tier["evicted"]
     assert tier["evicted"]["engine_id"] == "kvtide-host-test"
+    assert tier["adopted_host_copies"] == 1  # a restarted service booked the copy again
     assert tier["drains"]["num_host_take_ins"] == 1 and tier["drains"]["num_drains"] == 0
     # The history left both engines: the store's read freed it on the decode (whose
     # cache cannot be reset while it keeps the other session), and the prefill's
@@ -237,36 +239,43 @@ async def _through_kvtide(prefill: Any, decode: Any, rng: Any) -> dict[str, Any]
     block, per_token = 32, DEFAULT_SHAPE.kv_bytes_per_token_fp32
     store = HostStoreActor("kvtide-host-test", 16 * 2**20, ttl_s=300)
     assert isinstance(store.store, HostStore)
-    service = KVService(
-        kv_lifecycle_config(
-            ttl_s=300,
-            safety_margin_s=15,
-            recompute_threshold_tokens=32,
-            kv_bytes_per_token=per_token,
+
+    def new_service() -> KVService:
+        return KVService(
+            kv_lifecycle_config(
+                ttl_s=300,
+                safety_margin_s=15,
+                recompute_threshold_tokens=32,
+                kv_bytes_per_token=per_token,
+                block_size_tokens=block,
+                idle_budget_bytes_per_engine=12 * block * per_token,  # one session's history
+            ),
+            prefill=OneEnginePool(prefill),
+            drain_timeout_s=30,
+            host=HostTierClient.in_process(store, timeout_s=30),
+        )
+
+    service = new_service()
+
+    def router() -> Router:
+        return Router(
+            prefill=OneEnginePool(prefill),
+            decode=OneEnginePool(decode),
+            kv=service,
+            pull_timeout_s=60,
             block_size_tokens=block,
-            idle_budget_bytes_per_engine=12 * block * per_token,  # one session's history
-        ),
-        prefill=OneEnginePool(prefill),
-        drain_timeout_s=30,
-        host=HostTierClient.in_process(store, timeout_s=30),
-    )
-    router = Router(
-        prefill=OneEnginePool(prefill),
-        decode=OneEnginePool(decode),
-        kv=service,
-        pull_timeout_s=60,
-        block_size_tokens=block,
-        kv_bytes_per_token=per_token,
-        request_timeout_s=300,
-        clock=time.monotonic,
-    )
+            kv_bytes_per_token=per_token,
+            request_timeout_s=300,
+            clock=time.monotonic,
+        )
 
     async def turn(session: str, prompt: list[int], rid: str) -> dict[str, Any]:
         claim = await service.begin_turn(session, ANONYMOUS, prompt)
         assert claim.outcome == "claimed", claim
+        turns = router()
         items = [
             item
-            async for item in router.run_turn(
+            async for item in turns.run_turn(
                 prompt_token_ids=prompt,
                 max_tokens=TURN_TOKENS,
                 ignore_eos=True,
@@ -275,7 +284,7 @@ async def _through_kvtide(prefill: Any, decode: Any, rng: Any) -> dict[str, Any]
                 decision=claim.decision,
             )
         ]
-        await router.settled()
+        await turns.settled()
         await service.wait_drains()
         out = [t for chunk, _ in items for t in chunk.token_ids]
         return {**items[-1][1].as_dict(), "ids": prompt + out, "tokens": out}
@@ -290,6 +299,10 @@ async def _through_kvtide(prefill: Any, decode: Any, rng: Any) -> dict[str, Any]
         t["drains"] = service.drains.stats()
         t["taken_in_bytes"] = store.stats()["bytes_taken_in"]
         t["prefill_cache_reset"] = await _reset_when_free(prefill) is not None
+        # The service restarts (its books empty); the store outlives it, and the new
+        # one books the copy again: h's next turn runs on it.
+        service = new_service()
+        t["adopted_host_copies"] = await service.adopt_host_copies()
         prompt2 = [*first["ids"], *(rng.randrange(10, 1000) for _ in range(40))]
         second = await turn("h", prompt2, "tier-h2")
         t["turn2_tokens"] = second.pop("tokens")

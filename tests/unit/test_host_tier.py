@@ -9,6 +9,7 @@ take-in with params naming its own blocks, or fails, and records what it was ask
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import msgspec
 import pytest
@@ -33,8 +34,11 @@ class FakeHostTier:
         self.fail = fail
         self.taken: list[KVTransferParams] = []
         self.released: list[str | None] = []
+        self.held: dict[str | None, tuple[HostCopy, dict[str, Any]]] = {}
 
-    async def take_in(self, params: KVTransferParams) -> HostCopy | None:
+    async def take_in(
+        self, params: KVTransferParams, tag: dict[str, Any] | None = None
+    ) -> HostCopy | None:
         self.taken.append(params)
         if self.fail:
             return None
@@ -44,10 +48,15 @@ class FakeHostTier:
             remote_request_id=f"host-{len(self.taken)}",
             remote_block_ids=((90 + len(self.taken),),),
         )
-        return HostCopy(params=copy, expires_in_s=900.0)
+        self.held[copy.remote_request_id] = (HostCopy(params=copy, expires_in_s=900.0), tag or {})
+        return self.held[copy.remote_request_id][0]
 
     async def release(self, params: KVTransferParams) -> None:
         self.released.append(params.remote_request_id)
+        self.held.pop(params.remote_request_id, None)
+
+    async def entries(self) -> list[tuple[HostCopy, dict[str, Any]]]:
+        return list(self.held.values())
 
 
 def prompt(first: int) -> list[int]:
@@ -136,12 +145,14 @@ def test_a_host_copy_nobody_will_pull_is_released_in_the_store(then: str) -> Non
     asyncio.run(run())
 
 
-def test_a_restarted_service_does_not_adopt_decode_blocks_the_host_tier_read() -> None:
+def test_a_restarted_service_books_the_host_copies_again_not_the_blocks_they_came_from() -> None:
     # The store's read freed a's blocks on the decode, but the decode host's ledger
-    # still lists them as kept: adopted, a's next turn would pull freed blocks.
+    # still lists them as kept: adopted, a's next turn would pull freed blocks. The
+    # store outlives the service and still holds a's copy: that is a's record again.
     c = Cluster()
     store = MemoryStore()
-    svc = c.new_service(idle_budget_bytes=RECORD_BYTES, host=FakeHostTier(), store=store)
+    tier = FakeHostTier()
+    svc = c.new_service(idle_budget_bytes=RECORD_BYTES, host=tier, store=store)
 
     async def run() -> None:
         await c.turn(prompt(0), "a")
@@ -152,16 +163,45 @@ def test_a_restarted_service_does_not_adopt_decode_blocks_the_host_tier_read() -
         assert [k for k in store.keys(HOST_READ_PREFIX)] == [
             f"{HOST_READ_PREFIX}{a_kept.engine_id}/{params_of(a_kept).remote_request_id}"
         ]
-        restarted = c.new_service(idle_budget_bytes=RECORD_BYTES, store=store)
+        restarted = c.new_service(idle_budget_bytes=RECORD_BYTES, store=store, host=tier)
         for report in c.reports():
             await restarted.restore(report)
         await restarted.wait_drains()
-        assert restarted.decider.lifecycle.record("a") is None  # its copy died with the tier
         b = restarted.decider.lifecycle.record("b")
         assert b is not None and b.pool_id == "decode"  # the decode still holds b's
         assert restarted.adoption.counters["adopt_skipped_consumed"] >= 1
+        assert restarted.decider.lifecycle.record("a") is None  # not from the decode
+        c.clock.now_s += 10.0  # the engines' ledgers had their wait
+        await restarted.tick()
+        a = restarted.decider.lifecycle.record("a")
+        assert a is not None and (a.pool_id, a.engine_id) == (HOST_POOL, "host-0")
+        assert (a.num_tokens, a.prefix_hash) == (a_kept.num_tokens, a_kept.prefix_hash)
         report = await c.turn([*prompt(0), 11, 12, 13, 60, 61], "a")
-        assert report.kv_plan == "recompute"
+        assert (report.kv_plan, report.kv_source) == ("pull", "host_tier")
+
+    asyncio.run(run())
+
+
+def test_a_host_copy_of_a_session_with_a_record_again_is_released_at_restart() -> None:
+    c = Cluster()
+    tier = FakeHostTier()
+    svc = c.new_service(idle_budget_bytes=RECORD_BYTES, host=tier)
+
+    async def run() -> None:
+        await c.turn(prompt(0), "a")
+        await c.turn(prompt(1_000), "b")  # a to the tier
+        await svc.wait_drains()
+        [copy_id] = tier.held
+        # The service dies before a's next turn's record supersedes the copy, and the
+        # decode's ledger reports that newer record to the restarted one.
+        restarted = c.new_service(idle_budget_bytes=10 * RECORD_BYTES, host=tier)
+        await c.turn(prompt(5_000), "a")
+        c.clock.now_s += 10.0
+        await restarted.tick()
+        await restarted.wait_drains()
+        kept = restarted.decider.lifecycle.record("a")
+        assert kept is not None and kept.pool_id == "decode"
+        assert tier.released == [copy_id]
 
     asyncio.run(run())
 
