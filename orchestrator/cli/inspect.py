@@ -220,6 +220,23 @@ def _reasons(value: Any) -> list[tuple[str, int]]:
     return [(str(reason), int(count)) for reason, count in pairs]
 
 
+def _host_tier_lines(kv: Mapping[str, Any]) -> list[str]:
+    """The host-memory tier's line, when the app has one (``kv.host_tier_mib``)."""
+    tier: Mapping[str, Any] | None = kv.get("host_tier")
+    if not tier:
+        return []
+    if "unreachable" in tier:
+        return [f"  host tier: store not reachable ({tier['unreachable']})"]
+    return [
+        f"  host tier: sessions taken in {_num(kv.get('num_host_take_ins'))} (failed "
+        f"{_num(kv.get('num_host_take_in_failures'))}, not booked "
+        f"{_num(kv.get('num_host_unbooked'))}), released {_num(kv.get('num_host_releases'))}; "
+        f"the store holds {_num(tier.get('num_entries'))}, "
+        f"{_num(tier.get('num_free_blocks'))} blocks free, "
+        f"{_bytes(float(tier.get('bytes_taken_in') or 0))} taken in since it started"
+    ]
+
+
 def format_stats(body: Mapping[str, Any]) -> str:
     """``GET /kvtide/stats`` as a few readable sections."""
     kv: Mapping[str, Any] = body.get("kv") or {}
@@ -245,7 +262,8 @@ def format_stats(body: Mapping[str, Any]) -> str:
         f"{_num(kv.get('num_drain_failures'))}, undrainable {_num(kv.get('num_undrainable'))}",
         f"  engine pairs with reuse off (an integrity check failed): "
         f"{len(kv.get('reuse_off') or [])} (kvtide integrity list)",
-        "  KV bytes held for idle sessions, per decode engine:",
+        *_host_tier_lines(kv),
+        "  KV bytes held for idle sessions, per engine (a host tier's store among them):",
     ]
     held: Mapping[str, Any] = kv.get("bytes_held") or {}
     lines += [f"    {engine}: {_bytes(float(n))}" for engine, n in sorted(held.items())] or [

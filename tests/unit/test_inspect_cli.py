@@ -159,8 +159,27 @@ def test_stats_counts_the_pairs_whose_reuse_is_off() -> None:
 def test_stats_accepts_reasons_as_a_mapping_and_missing_sections() -> None:
     text = format_stats({"kv": {"recomputes_by_reason": {"expired": 3}}})
     assert "recomputes by reason: expired 3" in text
-    assert "KV bytes held for idle sessions, per decode engine:\n    none" in text
+    assert "KV bytes held for idle sessions, per engine (a host tier's store among them):\n" in text
     assert "none reported" in text
+    assert "  host tier:" not in text  # an app without one
+
+
+def test_stats_shows_the_host_tier() -> None:
+    kv = {
+        "num_host_take_ins": 5,
+        "num_host_take_in_failures": 1,
+        "num_host_unbooked": 0,
+        "num_host_releases": 2,
+        "host_tier": {"num_entries": 3, "num_free_blocks": 40, "bytes_taken_in": 3 * 2**20},
+    }
+    text = format_stats({"kv": kv})
+    assert (
+        "host tier: sessions taken in 5 (failed 1, not booked 0), released 2; the store "
+        "holds 3, 40 blocks free, 3.0 MiB taken in since it started"
+    ) in text
+    assert "host tier: store not reachable (TimeoutError)" in format_stats(
+        {"kv": {"host_tier": {"unreachable": "TimeoutError"}}}
+    )
 
 
 def test_stats_prints_the_summary_or_the_raw_json(run: Run) -> None:
