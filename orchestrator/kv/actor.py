@@ -84,6 +84,12 @@ class _ServiceActor:
     ) -> None:
         self.metrics = make_metrics(observability)
         self.host_tier = host_tier
+        if host_tier is None:
+            # A store a deployment with a tier left (detached) holds copies nobody books.
+            stale = lookup_app_host_store(app_name)
+            if stale is not None:
+                log.warning("the host tier is off: stopping %s", host_store_name(app_name))
+                ray.kill(stale, no_restart=True)
         self._num_expiries = 0
         self._engines_seen: set[str] = set()
         self.service = KVService(

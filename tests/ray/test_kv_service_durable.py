@@ -18,8 +18,14 @@ from ray._common.test_utils import wait_for_condition
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.errors import ServiceUnavailable
-from orchestrator.kv.actor import get_or_create_service, lookup_service, service_client
+from orchestrator.kv.actor import (
+    get_or_create_service,
+    lookup_app_host_store,
+    lookup_service,
+    service_client,
+)
 from orchestrator.kv.decider import kv_lifecycle_config
+from orchestrator.kv.host_tier import HostTierSpec
 from orchestrator.kv.ownership import Principal
 
 pytestmark = pytest.mark.ray
@@ -151,3 +157,37 @@ def test_the_service_runs_on_the_head_host_whoever_starts_it(fake: FakeCluster) 
 
     assert actors(actor_id)["Address"]["NodeID"] == fake.nodes["head"].node_id
     ray.kill(lookup_service("head-test"), no_restart=True)
+
+
+def test_the_host_tier_store_outlives_a_service_restart_and_stops_with_the_tier(
+    fake: FakeCluster,
+) -> None:
+    # One with a tier: its store is a detached actor of its own.
+    spec = HostTierSpec(capacity_bytes=16 * 2**20, ttl_s=60.0)
+    handle = get_or_create_service(
+        "host-test", lifecycle(), None, drain_timeout_s=5.0, num_prefill_engines=1, host_tier=spec
+    )
+    store = lookup_app_host_store("host-test")
+    assert store is not None
+    store_id = store._actor_id
+    epoch = ray.get(handle.epoch.remote())
+    # The service dies and Ray restarts it: the store (and the copies it holds) stays.
+    ray.kill(handle, no_restart=False)
+    wait_for_condition(
+        lambda: _answers(handle) and ray.get(handle.epoch.remote()) != epoch, timeout=60
+    )
+    again = lookup_app_host_store("host-test")
+    assert again is not None and again._actor_id == store_id
+    # Redeployed without a tier: the store goes with it.
+    get_or_create_service(
+        "host-test", lifecycle(), None, drain_timeout_s=5.0, num_prefill_engines=1
+    )
+    wait_for_condition(lambda: lookup_app_host_store("host-test") is None, timeout=60)
+
+
+def _answers(handle: object) -> bool:
+    try:
+        ray.get(handle.epoch.remote(), timeout=5)  # type: ignore[attr-defined]
+    except Exception:
+        return False
+    return True
