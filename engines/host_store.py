@@ -43,6 +43,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engines.nixl_wire import (
+    UnsupportedEngine,
     advertised_meta,
     check_supported,
     encode_payload,
@@ -55,7 +56,14 @@ from engines.nixl_wire import (
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
 
-__all__ = ["EXPIRY_MARGIN_S", "HostStore", "LayoutMismatch", "StoreStats", "TakeInFailed"]
+__all__ = [
+    "EXPIRY_MARGIN_S",
+    "HostStore",
+    "LayoutMismatch",
+    "StoreStats",
+    "TakeInFailed",
+    "UnsupportedEngine",
+]
 
 log = logging.getLogger("kvtide.host_store")
 

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
 
 __all__ = [
+    "UnsupportedEngine",
     "advertised_meta",
     "check_supported",
     "encode_payload",
@@ -44,6 +45,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvtide.host_store")
+
+
+class UnsupportedEngine(ValueError):
+    """An engine whose KV layout the host store does not serve (``check_supported``)."""
 
 
 def _get_meta_msg() -> bytes:
@@ -161,7 +166,7 @@ def peer_descs(meta: NixlAgentMetadata) -> tuple[np.ndarray, str, list[int]]:
     region_blocks = meta.region_num_blocks or [meta.num_blocks] * len(meta.block_lens)
     mem_types = set(meta.region_mem_types or ["DRAM"])
     if len(mem_types) != 1:
-        raise NotImplementedError(f"engine {meta.engine_id} mixes memory types {mem_types}")
+        raise UnsupportedEngine(f"engine {meta.engine_id} mixes memory types {mem_types}")
     descs = region_descs(
         meta.kv_caches_base_addr, meta.block_strides, meta.block_lens, region_blocks, meta.device_id
     )
@@ -210,7 +215,7 @@ def check_supported(meta: NixlAgentMetadata, params: dict[str, Any] | None = Non
         if len(params.get("remote_block_ids") or []) != 1:
             problems.append("remote_block_ids is not one group")
     if problems:
-        raise NotImplementedError(
+        raise UnsupportedEngine(
             f"the host store does not handle engine {meta.engine_id}'s "
             + ", ".join(problems)
             + " (it serves TP 1 engines with one KV-cache group)"

@@ -100,6 +100,8 @@ class HostTier(Protocol):
 
     async def entries(self) -> list[tuple[HostCopy, dict[str, Any]]]: ...
 
+    async def stats(self) -> dict[str, Any]: ...
+
 
 class Drains:
     """Applies lifecycle effects and runs the drains they call for (one task each)."""
@@ -217,7 +219,8 @@ class Drains:
         params = params_of(record)
         try:
             if self.mark_read is not None:
-                await self.mark_read(record.engine_id, params.remote_request_id or "")
+                mark = self.mark_read(record.engine_id, params.remote_request_id or "")
+                await asyncio.wait_for(mark, self.timeout_s)
             copy = await asyncio.wait_for(
                 self.host.take_in(params, host_tag(record)), self.timeout_s
             )
@@ -231,22 +234,14 @@ class Drains:
             else:
                 await self._read_back(params, list(token_ids))
             return
-        kept = copy.params.kept_blocks()
-        host_record = dataclasses.replace(
-            record,
-            engine_id=copy.params.remote_engine_id or "",
-            pool_id=HOST_POOL,
-            block_ids=() if kept is None else kept[2],
-            expiry_s=self.clock() + copy.expires_in_s,
-            last_used_s=self.clock(),
-            transfer_params=copy.params,
-        )
-        if self.demote(record, host_record):
+        on_host = host_record(copy, host_tag(record), self.clock())
+        assert on_host is not None  # the tag is this record's own
+        if self.demote(record, on_host):
             self.counters["host_take_ins"] += 1
             self.leases.revoke_session(record.session_id)  # a lease planned without it
             return
         self.counters["host_unbooked"] += 1
-        await self._release_host(host_record)
+        await self._release_host(on_host)
 
     async def _release_host(self, record: KVRecord) -> None:
         """Free a host copy nobody will pull (the store keeps freed blocks unused a

@@ -1,7 +1,7 @@
 """The host-memory tier: idle sessions' KV in host memory instead of dropped.
 
 With ``kv.host_tier_mib`` above 0 the KV service starts one store (``HostStoreActor``, a
-Ray actor it owns, on its own node) around ``engines.host_store.HostStore``: host memory
+Ray actor on the service's node) around ``engines.host_store.HostStore``: host memory
 registered with NIXL, reached by the engines as if it were a peer engine. When the idle
 budget evicts a session's kept KV from a decode engine, the service asks the store to
 take it in (``HostTierClient.take_in``: the store reads the blocks over NIXL, and the
@@ -84,11 +84,11 @@ class HostStoreActor:
         """The copy's params and how long it is kept; None when the store has no room
         or the read failed (the blocks stay on their engine). ``tag``: kept with the
         copy for a restarted service (``entries``)."""
-        from engines.host_store import LayoutMismatch, TakeInFailed
+        from engines.host_store import LayoutMismatch, TakeInFailed, UnsupportedEngine
 
         try:
             copy = self.store.take_in(params, timeout_s=timeout_s, tag=tag)
-        except (TakeInFailed, LayoutMismatch) as exc:
+        except (TakeInFailed, LayoutMismatch, UnsupportedEngine) as exc:
             log.warning("host store: %s", exc)
             return None
         return None if copy is None else (copy, self.store.ttl_s)

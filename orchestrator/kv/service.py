@@ -526,11 +526,11 @@ class KVService:
 
     async def _host_tier_stats(self) -> dict[str, Any] | None:
         """The host tier's store, as it reports itself (None: no tier)."""
-        stats = getattr(self.drains.host, "stats", None)
-        if stats is None:
+        host = self.drains.host
+        if host is None:
             return None
         try:
-            answer: dict[str, Any] = await asyncio.wait_for(stats(), 5.0)
+            answer: dict[str, Any] = await asyncio.wait_for(host.stats(), 5.0)
         except Exception as exc:  # the stats page must not fail with the tier
             return {"unreachable": type(exc).__name__}
         return answer

@@ -6,11 +6,13 @@ needs an engine to read from, ``tests/engine/test_host_store_nixl.py``)."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 from fresh_python import printed_by_fresh_python
 
 from engines.host_store import HostStore, _Entry
-from engines.nixl_wire import region_descs, region_offsets
+from engines.nixl_wire import UnsupportedEngine, check_supported, region_descs, region_offsets
 
 
 class Clock:
@@ -119,3 +121,18 @@ def test_a_store_is_given_one_capacity() -> None:
     for both_or_none in ({}, {"num_blocks": 8, "capacity_bytes": 2**20}):
         with pytest.raises(ValueError, match="num_blocks or capacity_bytes"):
             HostStore(store_id="hs", side_channel_port=1, **both_or_none)  # type: ignore[arg-type]
+
+
+def test_an_engine_the_store_does_not_serve_is_refused_by_name() -> None:
+    meta = types.SimpleNamespace(
+        engine_id="decode-tp2",
+        physical_blocks_per_logical_kv_block=1,
+        ssm_sizes=(0, 0),
+        region_group_ids=[0, 1],
+        dcp_size=1,
+        pcp_size=1,
+    )
+    with pytest.raises(
+        UnsupportedEngine, match=r"decode-tp2.*several KV-cache groups.*tp/pp 2/None"
+    ):
+        check_supported(meta, {"tp_size": 2, "remote_block_ids": [[1]]})  # type: ignore[arg-type]

@@ -58,6 +58,9 @@ class FakeHostTier:
     async def entries(self) -> list[tuple[HostCopy, dict[str, Any]]]:
         return list(self.held.values())
 
+    async def stats(self) -> dict[str, Any]:
+        return {"num_entries": len(self.held)}
+
 
 def prompt(first: int) -> list[int]:
     return list(range(first, first + 100))
@@ -101,6 +104,30 @@ def test_an_evicted_session_comes_back_from_the_host_tier_without_recompute() ->
         assert pulled is not None and pulled.read_target() == ("host-0", "host-1")
         # Read by that pull, the copy is the store's to free: nothing released by hand.
         assert host.released == []
+
+    asyncio.run(run())
+
+
+def test_a_read_mark_that_never_lands_fails_the_take_in_by_its_deadline() -> None:
+    # The mark goes to Ray's GCS before the store reads; a write that hangs must not
+    # hang the eviction: past the deadline the blocks are drained as without a tier.
+    c = Cluster()
+    host = FakeHostTier()
+    svc = c.new_service(idle_budget_bytes=RECORD_BYTES, host=host)
+    svc.drains.timeout_s = 0.2
+
+    async def never(engine_id: str, request_id: str) -> None:
+        await asyncio.Event().wait()
+
+    svc.drains.mark_read = never
+
+    async def run() -> None:
+        await c.turn(prompt(0), "a")
+        await c.turn(prompt(1_000), "b")
+        await asyncio.wait_for(svc.wait_drains(), 10)
+        stats = svc.drains.stats()
+        assert stats["num_host_take_in_failures"] == 1 and stats["num_drains"] == 1
+        assert host.taken == []  # nothing read without its mark
 
     asyncio.run(run())
 
