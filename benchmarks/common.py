@@ -28,9 +28,12 @@ def embedded_app(
     routing: dict[str, Any] | None = None,
     server: dict[str, Any] | None = None,
     pools: dict[str, Any] | None = None,
+    model: dict[str, Any] | None = None,
+    prefill_pool: dict[str, Any] | None = None,
 ) -> Iterator[tuple[str, str, Any, Any]]:
     """Start the embedded default (with ``kv`` as its ``kv`` section, ``routing`` as its
-    ``routing`` section, ``server`` fields, ``pools`` fields in both engine pools,
+    ``routing`` section, ``model`` as its ``model`` section, ``server`` fields, ``pools``
+    fields in both engine pools and ``prefill_pool`` fields over them in the prefill pool,
     ``num_prefill`` prefill engines and with ``serve_proxy``, Serve's Python HTTP proxy
     and thread-hop replicas instead of direct ingress) on a free port; yield (base URL,
     model name, prefill handle, decode handle) — the handles stream, for driving the
@@ -52,7 +55,8 @@ def embedded_app(
             },
             "kv": kv or {},
             "routing": routing or {},
-            "prefill": {"num_engines": num_prefill, **(pools or {})},
+            "model": model or {},
+            "prefill": {"num_engines": num_prefill, **(pools or {}), **(prefill_pool or {})},
             "decode": dict(pools or {}),
         }
     )

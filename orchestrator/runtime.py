@@ -309,7 +309,7 @@ def shutdown() -> None:
     from ray import serve
     from ray.serve.exceptions import RayServeException
 
-    from orchestrator.kv.actor import lookup_app_host_store, lookup_service
+    from orchestrator.kv.actor import lookup_app_host_stores, lookup_service
 
     if not ray.is_initialized():
         return  # stopped before Ray was up: nothing of kvtide's runs
@@ -323,7 +323,7 @@ def shutdown() -> None:
         except RayServeException:
             pass  # Serve never started: nothing was deployed
         # Detached, both: they outlive the app on a shared cluster.
-        for actor in (lookup_service(APP_NAME), lookup_app_host_store(APP_NAME)):
+        for actor in (lookup_service(APP_NAME), *lookup_app_host_stores(APP_NAME)):
             if actor is not None:
                 ray.kill(actor)
     finally:

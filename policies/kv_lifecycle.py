@@ -71,6 +71,11 @@ __all__ = [
     "prefix_hash",
 ]
 
+COPY_MIN_LEFT_S = 6.0
+"""An expiring record's blocks are offered to a host tier's copy only with this long
+left before the engine frees them: a reader within 5 s of the expiry is declined (vLLM's
+margin, which the store applies too), and a second for the read itself."""
+
 
 def kept_record(
     session_id: str,
@@ -318,7 +323,7 @@ class KVLifecycle:
         books.attach(session_id, session, record)
         books.end_turn(session_id, session, now_s)
         if now_s >= record.offer_deadline_s(config.safety_margin_s):
-            effects.append(self._expire(session_id, session))
+            effects.append(self._expire(session_id, session, now_s))
         if hold:
             books.hold(session_id, session)
         effects.extend(self._enforce_budget(engine_id))
@@ -412,7 +417,7 @@ class KVLifecycle:
         books = self._books
         effects: list[Effect] = []
         for session_id in books.offer_deadlines.pop_due(now_s):
-            effects.append(self._expire(session_id, books.sessions[session_id]))
+            effects.append(self._expire(session_id, books.sessions[session_id], now_s))
         for session_id in books.pull_deadlines.pop_due(now_s):
             session = books.sessions[session_id]
             record = books.end_pull(session_id, session)
@@ -481,7 +486,7 @@ class KVLifecycle:
             kv._note_pool(record)
             kv._books.attach(session_id, session, record)
             if now_s >= record.offer_deadline_s(margin_s):
-                effects.append(kv._expire(session_id, session))
+                effects.append(kv._expire(session_id, session, now_s))
         for engine_id in list(kv._books.idle_bytes):
             effects.extend(kv._enforce_budget(engine_id))
         return kv, effects
@@ -512,7 +517,7 @@ class KVLifecycle:
         self._note_pool(record)
         self._books.attach(record.session_id, session, record)
         if now_s >= record.offer_deadline_s(self._config.safety_margin_s):
-            return [self._expire(record.session_id, session)]
+            return [self._expire(record.session_id, session, now_s)]
         return self._enforce_budget(record.engine_id)
 
     # -- queries (side-effect free) ---------------------------------------------------
@@ -566,11 +571,18 @@ class KVLifecycle:
 
     # -- effects --------------------------------------------------------------------------
 
-    def _expire(self, session_id: str, session: SessionState) -> Expire:
+    def _expire(self, session_id: str, session: SessionState, now_s: float) -> Expire:
         record = self._books.detach(session_id, session)
         session.lost_reason = RecomputeReason.EXPIRED
+        unread = (
+            record.pool_id != HOST_POOL
+            and now_s + COPY_MIN_LEFT_S < record.expiry_s
+            and not (session.active and not session.held)  # a running turn keeps anew
+        )
+        if unread:
+            session.evicted = record  # a host tier's copy of it may still be booked
         self._num_expiries += 1
-        return Expire(record=record)
+        return Expire(record=record, unread=unread)
 
     def _release(self, record: KVRecord, reason: ReleaseReason) -> Release:
         self._num_releases += 1

@@ -260,7 +260,12 @@ class Expire(_RecordEffect):
     """kvtide stopped offering ``record``: its engine expiry is within the safety margin.
 
     Apply: nothing to free; the engine frees the blocks itself at ``record.expiry_s``.
+    ``unread``: the record reached its offer deadline kept and unpulled (not a pull
+    that hung), so its blocks are intact until then and a host-memory tier may still
+    copy them (``KVLifecycle.demote``).
     """
+
+    unread: bool = False
 
     @property
     def drainable(self) -> bool:

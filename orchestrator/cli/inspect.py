@@ -231,9 +231,9 @@ def _host_tier_lines(kv: Mapping[str, Any]) -> list[str]:
         f"  host tier: sessions taken in {_num(kv.get('num_host_take_ins'))} (failed "
         f"{_num(kv.get('num_host_take_in_failures'))}, not booked "
         f"{_num(kv.get('num_host_unbooked'))}), released {_num(kv.get('num_host_releases'))}; "
-        f"the store holds {_num(tier.get('num_entries'))}, "
-        f"{_num(tier.get('num_free_blocks'))} blocks free, "
-        f"{_bytes(float(tier.get('bytes_taken_in') or 0))} taken in since it started"
+        f"{_num(tier.get('num_stores'))} stores (one per node) hold "
+        f"{_num(tier.get('num_entries'))}, {_num(tier.get('num_free_blocks'))} blocks free, "
+        f"{_bytes(float(tier.get('bytes_taken_in') or 0))} taken in since they started"
     ]
 
 

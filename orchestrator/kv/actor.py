@@ -30,7 +30,8 @@ from orchestrator.config import ObservabilityConfig
 from orchestrator.errors import ServiceUnavailable
 from orchestrator.kv.durable import RayKVStore
 from orchestrator.kv.envelope import decode_result, dispatch, encode_call
-from orchestrator.kv.host_tier import HostTierSpec, lookup_host_store, start_host_tier
+from orchestrator.kv.host_nodes import NodeStores, app_store_names
+from orchestrator.kv.host_tier import HostTierSpec, lookup_host_store
 from orchestrator.kv.messages import LedgerReport
 from orchestrator.kv.service import API_METHODS, KVService, KVServiceAPI, merge_counters
 from orchestrator.observability.metrics import make_metrics
@@ -58,8 +59,9 @@ def service_name(app_name: str) -> str:
     return f"kvtide-kv-{app_name or 'default'}"
 
 
-def host_store_name(app_name: str) -> str:
-    """The host tier's store (its actor's name and its NIXL engine id)."""
+def host_store_prefix(app_name: str) -> str:
+    """The start of the names of the host tier's stores, one per node
+    (``orchestrator.kv.host_nodes.store_name``)."""
     return f"kvtide-host-{app_name or 'default'}"
 
 
@@ -85,13 +87,23 @@ class _ServiceActor:
         self.metrics = make_metrics(observability)
         self.host_tier = host_tier
         if host_tier is None:
-            # A store a deployment with a tier left (detached) holds copies nobody books.
-            stale = lookup_app_host_store(app_name)
-            if stale is not None:
-                log.warning("the host tier is off: stopping %s", host_store_name(app_name))
+            # Stores a deployment with a tier left (detached) hold copies nobody books.
+            for stale in lookup_app_host_stores(app_name):
+                log.warning("the host tier is off: stopping %s's host stores", app_name)
                 ray.kill(stale, no_restart=True)
         self._num_expiries = 0
         self._engines_seen: set[str] = set()
+        self.stores = (
+            None
+            if host_tier is None
+            else NodeStores(
+                host_tier,
+                host_store_prefix(app_name),
+                SERVICE_NAMESPACE,
+                node_of=self._node_of,
+                home_node=ray.get_runtime_context().get_node_id(),
+            )
+        )
         self.service = KVService(
             config,
             prefill=None if prefill is None else HandlePool(prefill),  # None: no drains
@@ -102,13 +114,14 @@ class _ServiceActor:
             running_grace_s=running_grace_s,
             turn_lease_s=turn_lease_s,
             session_state_max_bytes=session_state_max_bytes,
-            host=(
-                None
-                if host_tier is None
-                else start_host_tier(host_tier, host_store_name(app_name), SERVICE_NAMESPACE)
-            ),
+            host=self.stores,
         )
         self._ticker: asyncio.Task[None] | None = None
+
+    def _node_of(self, engine_id: str) -> str | None:
+        """The node of an engine's first shard, as its host last reported it."""
+        nodes = self.service.engine_nodes().get(engine_id)
+        return nodes[0] if nodes else None
 
     def _tick_started(self) -> KVService:
         # Async actors have no running loop in __init__: start the tick on first use.
@@ -124,6 +137,7 @@ class _ServiceActor:
             try:
                 if ticks % NODE_CHECK_TICKS == 0:
                     self._check_nodes()
+                    self._start_stores()
                 await self.service.tick()
                 self._export_metrics()
             except Exception:  # keep ticking: one bad effect must not stop expiry
@@ -138,6 +152,15 @@ class _ServiceActor:
         lost = self.service.nodes_lost(dead)
         if lost:
             log.warning("engines lost with nodes %s: %s", sorted(dead), lost)
+
+    def _start_stores(self) -> None:
+        """Start the host tier's store on the node of every engine keeping session KV
+        (the engines that may evict), in the background: a first eviction there need
+        not wait for its store's start (NIXL's agent, vLLM's imports: seconds)."""
+        if self.stores is None:
+            return
+        for engine_id in {r.engine_id for r in self.service.decider.lifecycle.records()}:
+            self.stores.prepare(engine_id)
 
     def _export_metrics(self) -> None:
         lifecycle = self.service.decider.lifecycle
@@ -375,7 +398,8 @@ def lookup_service(app_name: str) -> ActorHandle | None:
         return None
 
 
-def lookup_app_host_store(app_name: str) -> ActorHandle | None:
-    """The application's host-tier store, when one runs."""
-    handle: ActorHandle | None = lookup_host_store(host_store_name(app_name), SERVICE_NAMESPACE)
-    return handle
+def lookup_app_host_stores(app_name: str) -> list[ActorHandle]:
+    """The application's host-tier stores that run (one per node that evicted)."""
+    names = app_store_names(host_store_prefix(app_name), SERVICE_NAMESPACE)
+    handles = (lookup_host_store(name, SERVICE_NAMESPACE) for name in names)
+    return [h for h in handles if h is not None]

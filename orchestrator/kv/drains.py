@@ -13,13 +13,15 @@ that check found wrong, and its KV would land in the prefill engine's prefix cac
 blocks stay until the TTL (counted as withheld).
 
 With a host-memory tier (``kv.host_tier_mib``, ``orchestrator.kv.host_tier``) a record
-evicted under the idle budget is first copied there instead: the tier's store reads the
-blocks over NIXL (the decode engine frees them when the read lands, as after any read),
-and the copy is booked as the session's record (``KVLifecycle.demote``), which the
-session's next turn pulls as it would from a decode engine. A take-in that fails falls
-back to the drain; a copy the lifecycle no longer wants (the session moved on meanwhile)
-is released in the store. A host copy's own effects release it there: nothing is read
-back from a host tier.
+evicted under the idle budget, or one that reached its offer deadline unpulled (an SDK
+session kept alive past the decode's TTL by its heartbeats: a long tool call), is first
+copied there instead: the tier's store reads the blocks over NIXL (the decode engine
+frees them when the read lands, as after any read), and the copy is booked as the
+session's record (``KVLifecycle.demote``), which the session's next turn pulls as it
+would from a decode engine. A take-in that fails falls back to the drain (an expiring
+record's blocks are left to their TTL); a copy the lifecycle no longer wants (the
+session moved on meanwhile) is released in the store. A host copy's own effects release
+it there: nothing is read back from a host tier.
 """
 
 from __future__ import annotations
@@ -36,7 +38,15 @@ from engines.kv_params import KVTransferParams
 from orchestrator.kv.decider import params_of
 from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.kv.turn_leases import LeaseBook
-from policies.kv_lifecycle import HOST_POOL, Effect, Evict, EvictReason, KVRecord, prefix_hash
+from policies.kv_lifecycle import (
+    HOST_POOL,
+    Effect,
+    Evict,
+    EvictReason,
+    Expire,
+    KVRecord,
+    prefix_hash,
+)
 
 __all__ = ["Drains", "HostCopy", "HostTier", "PrefillPool", "host_record", "host_tag"]
 
@@ -178,10 +188,11 @@ class Drains:
             if record.pool_id == HOST_POOL:
                 self._spawn(self._release_host(record))
                 continue
-            if not effect.drainable:
+            to_host = self._to_host(effect)
+            if not effect.drainable and not to_host:
                 continue  # expiring anyway: the engine frees the blocks at its TTL
             if record.engine_id in self.reuse_off():
-                self.counters["drains_withheld"] += 1
+                self.counters["drains_withheld"] += effect.drainable
                 continue
             options = (*candidates, self.tokens.token_ids(record.session_id))
             ids = next(
@@ -194,8 +205,9 @@ class Drains:
                 ),
                 None,
             )
-            if self._to_host(effect):  # a drain only if the take-in fails
-                self._spawn(self._take_in(record, ids and ids[: record.num_tokens + 1]))
+            if to_host:  # a drain only if the take-in fails, and the blocks are drainable
+                held = ids and ids[: record.num_tokens + 1]
+                self._spawn(self._take_in(record, held, drain=effect.drainable))
                 continue
             if ids is None:
                 self.counters["undrainable"] += 1
@@ -203,18 +215,23 @@ class Drains:
             self.drain(params_of(record), ids[: record.num_tokens + 1])
 
     def _to_host(self, effect: Effect) -> bool:
-        """The effect's record goes to the host tier: a decode's record evicted under
-        the idle budget, with a tier to take it."""
+        """The effect's record goes to the host tier, with a tier to take it: a decode's
+        record evicted under the idle budget, or one that reached its offer deadline
+        unpulled (its engine frees it at its TTL: an agent's SDK session outliving it)."""
         return (
             self.host is not None
             and self.demote is not None
-            and isinstance(effect, Evict)
-            and effect.reason is EvictReason.BUDGET
+            and (
+                (isinstance(effect, Evict) and effect.reason is EvictReason.BUDGET)
+                or (isinstance(effect, Expire) and effect.unread)
+            )
         )
 
-    async def _take_in(self, record: KVRecord, token_ids: Sequence[int] | None) -> None:
-        """Copy ``record``'s blocks to the host tier and book the copy; else drain
-        (with the tokens the blocks hold, when known)."""
+    async def _take_in(
+        self, record: KVRecord, token_ids: Sequence[int] | None, *, drain: bool = True
+    ) -> None:
+        """Copy ``record``'s blocks to the host tier and book the copy; else, with
+        ``drain``, drain them (with the tokens the blocks hold, when known)."""
         assert self.host is not None and self.demote is not None and self.clock is not None
         params = params_of(record)
         try:
@@ -229,6 +246,8 @@ class Drains:
             copy = None
         if copy is None:
             self.counters["host_take_in_failures"] += 1
+            if not drain:
+                return  # its engine frees the blocks at their TTL
             if token_ids is None:
                 self.counters["undrainable"] += 1
             else:

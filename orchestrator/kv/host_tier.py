@@ -1,21 +1,23 @@
 """The host-memory tier: idle sessions' KV in host memory instead of dropped.
 
-With ``kv.host_tier_mib`` above 0 the KV service starts one store (``HostStoreActor``, a
-Ray actor on the service's node) around ``engines.host_store.HostStore``: host memory
-registered with NIXL, reached by the engines as if it were a peer engine. When the idle
-budget evicts a session's kept KV from a decode engine, the service asks the store to
-take it in (``HostTierClient.take_in``: the store reads the blocks over NIXL, and the
-decode engine frees them when the read lands) and books the copy as the session's
-record (``orchestrator.kv.drains``); the session's next turn pulls it from the store
-exactly as from a decode engine, and reports ``kv_source: host_tier``. The store frees a
-copy when its reader says it finished reading (a record is handed to one pull), when
-the service releases it (closed, superseded) or at its TTL (``kv.host_tier_ttl_s``),
-and reuses freed blocks only ``REUSE_AFTER_S`` later: a store never sees a read start,
-so a reader that held the params longer must not find another session's KV there.
+With ``kv.host_tier_mib`` above 0 the KV service starts stores (``HostStoreActor``, a
+Ray actor on each node whose decode engines evict: ``orchestrator.kv.host_nodes``)
+around ``engines.host_store.HostStore``: host memory registered with NIXL, reached by
+the engines as if it were a peer engine. When the idle budget evicts a session's kept
+KV from a decode engine, the service asks the store to take it in
+(``HostTierClient.take_in``: the store reads the blocks over NIXL, and the decode
+engine frees them when the read lands) and books the copy as the session's record
+(``orchestrator.kv.drains``); the session's next turn pulls it from the store exactly
+as from a decode engine, and reports ``kv_source: host_tier``. The store frees a copy
+when its reader says it finished reading (a record is handed to one pull), when the
+service releases it (closed, superseded) or at its TTL (``kv.host_tier_ttl_s``), and
+reuses freed blocks only ``REUSE_AFTER_S`` later: a store never sees a read start, so a
+reader that held the params longer must not find another session's KV there.
 
-The store is a detached actor named after the application: a restarted service finds
-it, and books the copies it holds again from the tags their take-ins left with them
-(``KVService.adopt_host_copies``); ``kvtide``'s shutdown stops it with the service.
+A store is a detached actor named after the application and its node: a restarted
+service finds it, and books the copies it holds again from the tags their take-ins left
+with them (``KVService.adopt_host_copies``); ``kvtide``'s shutdown stops it with the
+service.
 """
 
 from __future__ import annotations
@@ -103,17 +105,22 @@ class HostStoreActor:
         return self.store.capacity_bytes, self.store.ttl_s
 
     def stats(self) -> dict[str, Any]:
+        """The store's counters, and the node it runs on."""
         stats = self.store.stats()
-        return {f: getattr(stats, f) for f in stats.__dataclass_fields__}
+        own = {f: getattr(stats, f) for f in stats.__dataclass_fields__}
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        return own | {"node_id": node}
 
 
-def start_host_tier(spec: HostTierSpec, store_id: str, namespace: str) -> HostTierClient:
-    """The store named ``store_id`` in ``namespace``, started on this node (the KV
-    service's) unless it runs already: a detached actor, so that a restarted service
+def start_host_tier(
+    spec: HostTierSpec, store_id: str, namespace: str, *, node_id: str | None = None
+) -> HostTierClient:
+    """The store named ``store_id`` in ``namespace``, started on ``node_id`` (default:
+    this node) unless it runs already: a detached actor, so that a restarted service
     finds it and books its copies again (``KVService.adopt_host_copies``). One left by a
     deployment with another capacity or TTL is replaced (its copies are dropped)."""
     remote = ray.remote(num_cpus=0, max_concurrency=4, max_restarts=0)(HostStoreActor)
-    node = ray.get_runtime_context().get_node_id()
+    node = node_id or ray.get_runtime_context().get_node_id()
     options = {
         "name": store_id,
         "namespace": namespace,

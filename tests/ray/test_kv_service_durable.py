@@ -19,12 +19,15 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.errors import ServiceUnavailable
 from orchestrator.kv.actor import (
+    SERVICE_NAMESPACE,
     get_or_create_service,
-    lookup_app_host_store,
+    host_store_prefix,
+    lookup_app_host_stores,
     lookup_service,
     service_client,
 )
 from orchestrator.kv.decider import kv_lifecycle_config
+from orchestrator.kv.host_nodes import NodeStores
 from orchestrator.kv.host_tier import HostTierSpec
 from orchestrator.kv.ownership import Principal
 
@@ -159,30 +162,46 @@ def test_the_service_runs_on_the_head_host_whoever_starts_it(fake: FakeCluster) 
     ray.kill(lookup_service("head-test"), no_restart=True)
 
 
-def test_the_host_tier_store_outlives_a_service_restart_and_stops_with_the_tier(
+def test_host_stores_start_on_evicting_nodes_outlive_a_restart_and_stop_with_the_tier(
     fake: FakeCluster,
 ) -> None:
-    # One with a tier: its store is a detached actor of its own.
     spec = HostTierSpec(capacity_bytes=16 * 2**20, ttl_s=60.0)
     handle = get_or_create_service(
         "host-test", lifecycle(), None, drain_timeout_s=5.0, num_prefill_engines=1, host_tier=spec
     )
-    store = lookup_app_host_store("host-test")
-    assert store is not None
-    store_id = store._actor_id
+    assert lookup_app_host_stores("host-test") == []  # started on first use, where needed
+    # A decode engine on gpu0 (as its host's heartbeats say) evicts: its copy goes to a
+    # store on gpu0; an engine the service has not heard of yet, to the service's node.
+    gpu0, head = fake.node_id("gpu0"), fake.node_id("head")
+    stores = NodeStores(
+        spec,
+        host_store_prefix("host-test"),
+        SERVICE_NAMESPACE,
+        node_of={"decode-gpu0": gpu0}.get,
+        home_node=head,
+    )
+    on_gpu0, _ = asyncio.run(stores.store_for("decode-gpu0"))
+    on_head, _ = asyncio.run(stores.store_for("decode-new"))
+    assert _actor_node(on_gpu0) == gpu0 and _actor_node(on_head) == head
+    assert len(lookup_app_host_stores("host-test")) == 2
+    before = {a._actor_id for a in lookup_app_host_stores("host-test")}
     epoch = ray.get(handle.epoch.remote())
-    # The service dies and Ray restarts it: the store (and the copies it holds) stays.
+    # The service dies and Ray restarts it: the stores (and the copies they hold) stay.
     ray.kill(handle, no_restart=False)
     wait_for_condition(
         lambda: _answers(handle) and ray.get(handle.epoch.remote()) != epoch, timeout=60
     )
-    again = lookup_app_host_store("host-test")
-    assert again is not None and again._actor_id == store_id
-    # Redeployed without a tier: the store goes with it.
+    assert {a._actor_id for a in lookup_app_host_stores("host-test")} == before
+    # Redeployed without a tier: the stores go with it.
     get_or_create_service(
         "host-test", lifecycle(), None, drain_timeout_s=5.0, num_prefill_engines=1
     )
-    wait_for_condition(lambda: lookup_app_host_store("host-test") is None, timeout=60)
+    wait_for_condition(lambda: lookup_app_host_stores("host-test") == [], timeout=60)
+
+
+def _actor_node(name: str) -> str:
+    store = ray.get_actor(name, namespace=SERVICE_NAMESPACE)
+    return str(ray.get(store.stats.remote(), timeout=30)["node_id"])
 
 
 def _answers(handle: object) -> bool:

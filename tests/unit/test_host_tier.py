@@ -151,6 +151,41 @@ def test_a_failed_take_in_drains_the_blocks_as_before() -> None:
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_session_outliving_its_decode_ttl_keeps_its_kv_in_the_host_tier(fail: bool) -> None:
+    # An agent's SDK session heartbeats through a tool call longer than the decode's TTL:
+    # at the record's offer deadline the tier copies the blocks, and the turn after the
+    # call pulls them from there. A failed copy leaves the blocks to their TTL (no drain:
+    # they are not drainable this close to it) and the turn recomputes.
+    c = Cluster()
+    host = FakeHostTier(fail=fail)
+    svc = c.new_service(host=host)
+
+    async def run() -> None:
+        await c.turn(prompt(0), "a")
+        kept = svc.decider.lifecycle.record("a")
+        assert kept is not None and kept.pool_id == "decode"
+        c.clock.now_s += 300.0
+        await svc.renew("a")
+        c.clock.now_s = kept.expiry_s - 15.0  # the offer deadline: 15 s of blocks left
+        await svc.tick()
+        await svc.wait_drains()
+        assert [p.remote_request_id for p in host.taken] == [
+            kept.transfer_params.remote_request_id  # type: ignore[attr-defined]
+        ]
+        stats = svc.drains.stats()
+        assert (stats["num_host_take_ins"], stats["num_drains"]) == (int(not fail), 0)
+        c.clock.now_s += 120.0  # the tool call returns, past the decode's TTL
+        await svc.renew("a")
+        report = await c.turn([*prompt(0), 11, 12, 13, 60, 61], "a")
+        if fail:
+            assert (report.kv_plan, report.kv_plan_reason) == ("recompute", "expired")
+        else:
+            assert (report.kv_plan, report.kv_source) == ("pull", "host_tier")
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize("then", ["closed", "superseded"])
 def test_a_host_copy_nobody_will_pull_is_released_in_the_store(then: str) -> None:
     c = Cluster()
@@ -260,5 +295,89 @@ def test_a_lease_planned_without_the_copy_is_revoked_when_the_copy_is_booked() -
         assert await book.watch("replica-1", 0.0) == ([], [])
         book.revoke_session("a")
         assert await book.watch("replica-1", 0.0) == ([grant.lease_id], [])
+
+    asyncio.run(run())
+
+
+def test_each_take_in_goes_to_the_store_on_its_decode_engines_node() -> None:
+    from orchestrator.kv.host_nodes import NodeStores, store_name
+    from orchestrator.kv.host_tier import HostTierClient, HostTierSpec
+
+    spec = HostTierSpec(capacity_bytes=2**20, ttl_s=60.0)
+    tiers: dict[str, FakeHostTier] = {}
+    started: list[tuple[str, str]] = []
+
+    def start(spec: HostTierSpec, name: str, namespace: str, node: str) -> HostTierClient:
+        started.append((name, node))
+        tier = tiers[name] = FakeHostTier()
+        return tier  # type: ignore[return-value]
+
+    nodes = {"decode-a": "nodeA" + "0" * 51, "decode-b": "nodeB" + "0" * 51}
+    home = "head" + "0" * 52
+    stores = NodeStores(
+        spec, "kvtide-host-app", "kvtide", node_of=nodes.get, home_node=home, start=start, find=dict
+    )
+
+    def kept(engine_id: str, request_id: str) -> KVTransferParams:
+        return KVTransferParams(
+            do_remote_decode=True,
+            remote_engine_id=engine_id,
+            remote_request_id=request_id,
+            remote_block_ids=((1, 2),),
+        )
+
+    async def run() -> None:
+        # A decode engine keeping session KV gets its node's store before it evicts
+        # (the service's tick), and an engine of no known node none.
+        stores.prepare("decode-b")
+        stores.prepare("decode-unheard-of")
+        while stores._preparing:
+            await asyncio.sleep(0)
+        assert started == [(store_name("kvtide-host-app", nodes["decode-b"]), nodes["decode-b"])]
+        started.clear()
+        await stores.take_in(kept("decode-a", "r1"))
+        await stores.take_in(kept("decode-b", "r2"))
+        await stores.take_in(kept("decode-a", "r3"))
+        await stores.take_in(kept("decode-unheard-of", "r4"))  # no heartbeat yet: home
+        a, b, h = (store_name("kvtide-host-app", n) for n in (*nodes.values(), home))
+        assert started == [(a, nodes["decode-a"]), (h, home)]  # b's runs already
+        assert [p.remote_request_id for p in tiers[a].taken] == ["r1", "r3"]
+        assert [p.remote_request_id for p in tiers[b].taken] == ["r2"]
+        # A copy's params name its store (the fake names every copy "host-0": rename).
+        copy = kept(b, "host-1")
+        await stores.release(copy)
+        assert tiers[b].released == ["host-1"] and tiers[a].released == []
+        assert len(await stores.entries()) == 3
+        stats = await stores.stats()
+        assert stats["num_stores"] == 3 and stats["num_entries"] == 3
+
+    asyncio.run(run())
+
+
+def test_a_restarted_service_finds_every_nodes_store() -> None:
+    from orchestrator.kv.host_nodes import NodeStores
+    from orchestrator.kv.host_tier import HostTierClient, HostTierSpec
+
+    left = {"kvtide-host-app.aaaa": FakeHostTier(), "kvtide-host-app.bbbb": FakeHostTier()}
+
+    async def run() -> None:
+        for i, tier in enumerate(left.values()):
+            await tier.take_in(
+                KVTransferParams(remote_engine_id="d", remote_request_id=f"r{i}"), {"i": i}
+            )
+
+        def start(*_: Any) -> HostTierClient:
+            raise AssertionError("nothing to start: no take-in")
+
+        stores = NodeStores(
+            HostTierSpec(capacity_bytes=2**20, ttl_s=60.0),
+            "kvtide-host-app",
+            "kvtide",
+            node_of=lambda _: None,
+            home_node="head",
+            start=start,
+            find=lambda: dict(left),  # type: ignore[arg-type]
+        )
+        assert sorted(tag["i"] for _, tag in await stores.entries()) == [0, 1]
 
     asyncio.run(run())

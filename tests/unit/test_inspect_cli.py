@@ -170,12 +170,17 @@ def test_stats_shows_the_host_tier() -> None:
         "num_host_take_in_failures": 1,
         "num_host_unbooked": 0,
         "num_host_releases": 2,
-        "host_tier": {"num_entries": 3, "num_free_blocks": 40, "bytes_taken_in": 3 * 2**20},
+        "host_tier": {
+            "num_stores": 2,
+            "num_entries": 3,
+            "num_free_blocks": 40,
+            "bytes_taken_in": 3 * 2**20,
+        },
     }
     text = format_stats({"kv": kv})
     assert (
-        "host tier: sessions taken in 5 (failed 1, not booked 0), released 2; the store "
-        "holds 3, 40 blocks free, 3.0 MiB taken in since it started"
+        "host tier: sessions taken in 5 (failed 1, not booked 0), released 2; 2 stores (one "
+        "per node) hold 3, 40 blocks free, 3.0 MiB taken in since they started"
     ) in text
     assert "host tier: store not reachable (TimeoutError)" in format_stats(
         {"kv": {"host_tier": {"unreachable": "TimeoutError"}}}

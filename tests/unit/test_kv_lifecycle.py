@@ -366,6 +366,39 @@ def test_a_copy_is_booked_for_a_session_held_for_an_ingress() -> None:
     assert kv.on_turn_start("a", tokens(1_200), 13.0).action is TurnAction.PULL_FROM_DECODE
 
 
+def test_a_record_reaching_its_ttl_unpulled_can_still_be_copied_to_the_host_tier() -> None:
+    # An agent's tool call outlasts the decode's TTL (480 s), its SDK session kept alive
+    # by heartbeats: at the offer deadline the blocks are still intact for 15 s, long
+    # enough for a host tier to copy them.
+    kv = KVLifecycle(CONFIG)
+    keep(kv, "a", tokens(1_100), now_s=0.0, expiry_s=480.0)
+    a = current(kv, "a")
+    assert kv.renew("a", 400.0)
+    [expired] = kv.on_tick(465.0)
+    assert expired == Expire(record=a, unread=True) and not expired.drainable
+    assert kv.demote(a, host_copy(a, 466.0, expiry_s=1_066.0), 466.0)
+    on_host = host_copy(a, 466.0, expiry_s=1_066.0)
+    assert kv.renew("a", 700.0) and kv.on_tick(700.0) == []  # past the decode's TTL
+    assert kv.record("a") == on_host
+    # The copy's own TTL ends like any record's, and a host copy is never copied again.
+    assert kv.on_tick(1_051.0) == [Expire(record=on_host, unread=False)]
+    assert kv.on_turn_start("a", tokens(1_200), 1_052.0) == recompute("a", RecomputeReason.EXPIRED)
+
+
+@pytest.mark.parametrize("case", ["turn_running", "too_late"])
+def test_an_expiring_record_is_not_offered_for_a_copy_it_cannot_make(case: str) -> None:
+    kv = KVLifecycle(CONFIG)
+    keep(kv, "a", tokens(1_100), now_s=0.0, expiry_s=480.0)
+    a = current(kv, "a")
+    if case == "turn_running":  # the turn keeps a newer record; a copy would be stale
+        kv.on_turn_start("a", tokens(1_200), 470.0)
+        [expired] = kv.on_tick(470.0)
+    else:  # ticks stalled (a service restart) until within the engine's 5 s margin
+        [expired] = kv.on_tick(476.0)
+    assert expired == Expire(record=a, unread=False)
+    assert not kv.demote(a, host_copy(a, 477.0), 477.0)
+
+
 @pytest.mark.parametrize(
     "case", ["turn_started", "record_again", "closed", "within_margin", "other_tokens"]
 )
