@@ -578,6 +578,7 @@ class KVLifecycle:
             record.pool_id != HOST_POOL
             and now_s + COPY_MIN_LEFT_S < record.expiry_s
             and not (session.active and not session.held)  # a running turn keeps anew
+            and session.lease_expiry_s > record.expiry_s  # the session outlives the blocks
         )
         if unread:
             session.evicted = record  # a host tier's copy of it may still be booked

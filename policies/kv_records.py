@@ -261,8 +261,9 @@ class Expire(_RecordEffect):
 
     Apply: nothing to free; the engine frees the blocks itself at ``record.expiry_s``.
     ``unread``: the record reached its offer deadline kept and unpulled (not a pull
-    that hung), so its blocks are intact until then and a host-memory tier may still
-    copy them (``KVLifecycle.demote``).
+    that hung), its session idle and leased past the blocks' expiry (an SDK heartbeat),
+    so the blocks are intact until then and a host-memory tier may still copy them for
+    the session (``KVLifecycle.demote``).
     """
 
     unread: bool = False

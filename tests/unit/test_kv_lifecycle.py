@@ -385,16 +385,20 @@ def test_a_record_reaching_its_ttl_unpulled_can_still_be_copied_to_the_host_tier
     assert kv.on_turn_start("a", tokens(1_200), 1_052.0) == recompute("a", RecomputeReason.EXPIRED)
 
 
-@pytest.mark.parametrize("case", ["turn_running", "too_late"])
+@pytest.mark.parametrize("case", ["turn_running", "too_late", "lease_ends_first"])
 def test_an_expiring_record_is_not_offered_for_a_copy_it_cannot_make(case: str) -> None:
     kv = KVLifecycle(CONFIG)
     keep(kv, "a", tokens(1_100), now_s=0.0, expiry_s=480.0)
     a = current(kv, "a")
+    if case != "lease_ends_first":  # no heartbeat: the session ends with its blocks
+        assert kv.renew("a", 400.0)
     if case == "turn_running":  # the turn keeps a newer record; a copy would be stale
         kv.on_turn_start("a", tokens(1_200), 470.0)
         [expired] = kv.on_tick(470.0)
-    else:  # ticks stalled (a service restart) until within the engine's 5 s margin
+    elif case == "too_late":  # ticks stalled (a restart) until within the engine's margin
         [expired] = kv.on_tick(476.0)
+    else:
+        [expired] = kv.on_tick(465.0)
     assert expired == Expire(record=a, unread=False)
     assert not kv.demote(a, host_copy(a, 477.0), 477.0)
 
