@@ -136,3 +136,43 @@ def test_a_turn_after_the_ttl_recomputes_and_succeeds(kvtide_app: Any) -> None:
     req = GenerateRequest(request_id="ttl-ref", prompt_token_ids=follow_up, max_tokens=2)
     ref = [t for c in handle.generate.remote(req) for t in c.token_ids]
     assert ref == second["choices"][0]["token_ids"]
+
+
+def test_a_session_heartbeating_past_its_decode_ttl_comes_back_from_the_host_tier(
+    kvtide_app: Any,
+) -> None:
+    # An agent's tool call outlasts the decode engine's TTL (40 s here) while its SDK
+    # heartbeats the session: 8 s before the engine frees the blocks, the shared app's
+    # host tier (16 MiB) copies them, and the turn after the call pulls from there with
+    # the tokens a recompute gives. (The prefill engine's prefix cache, which this
+    # shared app cannot reset, may still hold the history, and then the pull reads no
+    # bytes: `kv_source: prefix_cache`; test_host_store_nixl.py resets it.)
+    rng = random.Random(9)
+    prompt = [rng.randrange(10, 1000) for _ in range(300)]
+    first = _complete(kvtide_app, prompt, "long-tool-call", return_token_ids=True)
+    url = kvtide_app.base_url + "/kvtide/sessions/long-tool-call"
+    kept = httpx.get(url, timeout=30).json()["record"]
+    assert kept is not None and not kept["engine_id"].startswith("kvtide-host-")
+
+    def on_host() -> bool:
+        body = httpx.post(url + "/renew", timeout=30).json()  # the SDK's heartbeat
+        return bool(body["record"] and body["record"]["engine_id"].startswith("kvtide-host-"))
+
+    wait_for(on_host, 90, "the copy to the host tier at the decode's offer deadline")
+    before = _stats(kvtide_app)["kv"]["host_tier"]
+    follow_up = prompt + first["choices"][0]["token_ids"] + [rng.randrange(10, 1000)]
+    second = _complete(kvtide_app, follow_up, "long-tool-call", return_token_ids=True)
+    assert second["kvtide"]["kv_plan"] == "pull"
+    assert second["kvtide"]["kv_source"] in ("host_tier", "prefix_cache")
+    # The prefill engine's pull went to the store: its reader told it so.
+    wait_for(
+        lambda: (
+            _stats(kvtide_app)["kv"]["host_tier"]["num_read_notifs"] > before["num_read_notifs"]
+        ),
+        30,
+        "the store's read notification",
+    )
+    handle = serve.get_deployment_handle("decode-pool", app_name="kvtide").options(stream=True)
+    req = GenerateRequest(request_id="ttl-host-ref", prompt_token_ids=follow_up, max_tokens=2)
+    ref = [t for c in handle.generate.remote(req) for t in c.token_ids]
+    assert ref == second["choices"][0]["token_ids"]

@@ -3,15 +3,8 @@ sees the same tokens, and the table's figures are what the turns say."""
 
 from __future__ import annotations
 
-from benchmarks.agentic import (
-    Integrity,
-    Run,
-    Turn,
-    Workload,
-    arguments,
-    format_summaries,
-    summarize,
-)
+from benchmarks.agentic import Run, Turn, Workload, arguments
+from benchmarks.agentic_summary import Integrity, format_summaries, summarize
 
 WORK = Workload(
     sessions=3,
