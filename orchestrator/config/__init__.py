@@ -294,6 +294,26 @@ def _check_block_size(f: ConfigFile) -> None:
         )
 
 
+def _check_kv_blocks(f: ConfigFile) -> None:
+    """An engine whose KV blocks cannot hold one ``model.max_model_len`` sequence fails to
+    start (vLLM's check, after minutes of Serve retrying the replica): say so now."""
+    block = f.kv.block_size_tokens or (128 if f.device == "cpu" else 16)  # vLLM's defaults
+    pools = {"prefill": f.prefill, "decode": f.decode, "decode_long": f.decode_long}
+    for name, pool in pools.items():
+        if pool is None or pool.num_kv_blocks is None:
+            continue
+        need = -(-f.model.max_model_len // block)
+        if pool.num_kv_blocks < need:
+            raise ConfigError(
+                f"invalid kvtide config: {name}.num_kv_blocks: {pool.num_kv_blocks} blocks of "
+                f"{block} tokens hold {pool.num_kv_blocks * block} tokens, fewer than one "
+                f"sequence of model.max_model_len ({f.model.max_model_len}), which the engine "
+                f"refuses to start with; use at least {need} blocks or a smaller "
+                "model.max_model_len",
+                field=f"{name}.num_kv_blocks",
+            )
+
+
 def _check_gpu_arch(f: ConfigFile) -> None:
     if f.gpu_arch is not None and f.device != "cuda":
         raise ConfigError(
@@ -313,6 +333,7 @@ def _to_core(f: ConfigFile) -> KVTideConfig:
     server = check_server(f.server)
     _check_gpu_arch(f)
     _check_block_size(f)
+    _check_kv_blocks(f)
     p = f.placement
     mode = p.mode if p.mode != "auto" else ("domain" if f.device == "cuda" else "off")
     core: dict[str, Any] = {

