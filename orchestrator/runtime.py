@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -157,6 +158,7 @@ def _progress(stop: threading.Event, say: Callable[[str], None], every_s: float)
     from ray import serve
 
     t0 = time.monotonic()
+    told: set[str] = set()
     while not stop.wait(every_s):
         try:
             app = serve.status().applications.get(APP_NAME)
@@ -169,7 +171,28 @@ def _progress(stop: threading.Event, say: Callable[[str], None], every_s: float)
             running = dep.replica_states.get("RUNNING", 0)
             total = sum(dep.replica_states.values())
             parts.append(f"{name} {running}/{total}")
+            failure = replica_failure(dep.message)
+            if failure is not None and failure not in told:
+                told.add(failure)
+                say(
+                    f"{name}: a replica failed to start: {failure} (Serve retries it; the "
+                    f"engine's own log: logs/serve/replica_{APP_NAME}_{name}_*.log in Ray's "
+                    "session directory)"
+                )
         say(f"starting engines ({time.monotonic() - t0:.0f}s): " + ", ".join(parts))
+
+
+_ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception)\b(:|$)")
+
+
+def replica_failure(message: str) -> str | None:
+    """The error a Serve deployment's status message reports for a replica that failed
+    to start (the last ``SomeError: ...`` line of its traceback), or None."""
+    if "failed to start" not in message or "Error:" not in message:
+        return None
+    lines = [ln.strip() for ln in message.split("Error:", 1)[1].splitlines() if ln.strip()]
+    errors = [ln for ln in lines if _ERROR_LINE.match(ln)]
+    return (errors or lines or [None])[-1]
 
 
 def deploy(
