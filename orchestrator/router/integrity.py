@@ -19,8 +19,11 @@ either side): logged with both plans and the engines, and reported to the KV ser
 (``IntegrityMismatch``), which turns reuse off for the pull's engine pair until an
 operator turns it back on (``orchestrator.kv.integrity``); ``skipped``, a sampled turn
 that could not be checked: it did not end up pulling (its pull failed, or it
-migrated), its decode gave no log probabilities (the simulated engine), too many checks
-were running, or the check's request failed or ran past its deadline.
+migrated), its decode sampled under a structured output's grammar (vLLM masks the
+logits before its sampler, so its log probabilities are the grammar's: a tool call with
+``tool_choice: required``, a JSON schema), its decode gave no log probabilities (the
+simulated engine), too many checks were running, or the check's request failed or ran
+past its deadline.
 """
 
 from __future__ import annotations
@@ -102,6 +105,15 @@ def take_logprobs(report: TurnReport, chunk: GenerateChunk) -> GenerateChunk:
     return msgspec.structs.replace(chunk, logprobs=None, cumulative_logprob=None)
 
 
+def _constrained(report: TurnReport) -> bool:
+    """The turn's decode sampled under a grammar: vLLM applies a structured output's
+    bitmask to the logits before its sampler, so even its raw log probabilities are
+    renormalised over the tokens the grammar allows (off by several nats from the
+    prefill's unconstrained ones, for a tool call's JSON)."""
+    params = report.extra.get("sampling_params")
+    return getattr(params, "structured_outputs", None) is not None
+
+
 class IntegrityCheck:
     """One ingress replica's integrity checks (see the module). Single event loop."""
 
@@ -155,6 +167,11 @@ class IntegrityCheck:
             or report.prefill_replica is None
         ):
             why = "the turn did not decode from the pulled KV"
+        elif _constrained(report):
+            why = (
+                "its decode sampled under a grammar (structured output): vLLM's log "
+                "probabilities are then the grammar's, which a recompute does not give"
+            )
         elif num == 0 or any(lp is None for lp in logprobs[:num]):
             why = "its decode gave no log probabilities"
         elif len(self._running) >= self.settings.max_running:

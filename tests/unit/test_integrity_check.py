@@ -371,6 +371,30 @@ def test_checks_past_the_running_limit_are_skipped() -> None:
     assert [r.prompt_logprobs for r in prefill.requests] == [None, None]
 
 
+def test_a_turn_sampled_under_a_grammar_is_skipped_not_failed() -> None:
+    # vLLM applies a structured output's bitmask to the logits before its sampler, so
+    # the decode's log probabilities are renormalised over what the grammar allows: a
+    # recompute without the grammar differs by nats, and reuse would be turned off for
+    # a KV that is right (a tool call with tool_choice "required", 9 nats off, on the
+    # development box).
+    class Constrained:
+        structured_outputs = object()
+        logprobs = None
+
+    prefill, decode = Prefill(), Decode()
+    router = make_router(prefill, decode)
+
+    async def run() -> None:
+        prompt = list(range(100))
+        await turn(router, prompt, Constrained())
+        await turn(router, [*prompt, *TOKENS, 50, 51], Constrained())
+
+    asyncio.run(run())
+    assert checks(router) == {"skipped": 1.0}
+    assert [r.prompt_logprobs for r in prefill.requests] == [None, None]  # no check ran
+    assert service_of(router).reuse_off.stats() == []
+
+
 def test_a_decode_that_gives_no_logprobs_is_skipped_not_passed() -> None:
     prefill, decode = Prefill(), Decode(gives_logprobs=False)
     router = make_router(prefill, decode)
