@@ -541,6 +541,10 @@ class KVLifecycle:
         """Every current record: what ``rebuild`` needs to restore these books."""
         return list(self._books.records())
 
+    def engines_with_records(self) -> set[str]:
+        """The engines some current record is booked on (the books' index, not a scan)."""
+        return set(self._books.sessions_by_engine)
+
     def pulls_in_flight(self) -> list[KVRecord]:
         """Records handed to a prefill whose pull has not resolved (for pull timeouts)."""
         return list(self._books.pulling_records())

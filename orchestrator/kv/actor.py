@@ -159,13 +159,13 @@ class _ServiceActor:
         not wait for its store's start (NIXL's agent, vLLM's imports: seconds)."""
         if self.stores is None:
             return
-        for engine_id in {r.engine_id for r in self.service.decider.lifecycle.records()}:
+        for engine_id in self.service.decider.lifecycle.engines_with_records():
             self.stores.prepare(engine_id)
 
     def _export_metrics(self) -> None:
         lifecycle = self.service.decider.lifecycle
         self.metrics.set_sessions_live(lifecycle.num_sessions())
-        for engine_id in {r.engine_id for r in lifecycle.records()} | self._engines_seen:
+        for engine_id in lifecycle.engines_with_records() | self._engines_seen:
             self.metrics.set_bytes_held(engine_id, lifecycle.bytes_held(engine_id))
             self._engines_seen.add(engine_id)
         self.metrics.set_engines_by_decode_path(self.service.engines_by_decode_path())

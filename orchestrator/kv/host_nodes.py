@@ -24,7 +24,7 @@ import ray
 
 from engines.kv_params import KVTransferParams
 from orchestrator.kv.drains import HostCopy
-from orchestrator.kv.host_tier import HostTierClient, HostTierSpec, start_host_tier
+from orchestrator.kv.host_tier import HostTierClient, HostTierSpec, runs_spec, start_host_tier
 
 __all__ = ["NODE_ID_CHARS", "NodeStores", "app_store_names", "store_name"]
 
@@ -77,7 +77,7 @@ class NodeStores:
         self.namespace = namespace
         self.node_of = node_of
         self.home_node = home_node
-        self._start: StartStore = start or _start_on_node
+        self._start: StartStore = start or start_host_tier
         self._find: FindStores = find or (lambda: _find_stores(prefix, namespace, spec))
         self._clients: dict[str, HostTierClient] = {}
         self._starting: dict[str, asyncio.Lock] = {}
@@ -158,10 +158,6 @@ class NodeStores:
         return total
 
 
-def _start_on_node(spec: HostTierSpec, name: str, namespace: str, node_id: str) -> HostTierClient:
-    return start_host_tier(spec, name, namespace, node_id=node_id)
-
-
 def _find_stores(prefix: str, namespace: str, spec: HostTierSpec) -> dict[str, HostTierClient]:
     found: dict[str, HostTierClient] = {}
     for name in app_store_names(prefix, namespace):
@@ -169,10 +165,7 @@ def _find_stores(prefix: str, namespace: str, spec: HostTierSpec) -> dict[str, H
             actor = ray.get_actor(name, namespace=namespace)
         except ValueError:
             continue  # stopped meanwhile
-        if tuple(ray.get(actor.spec.remote(), timeout=spec.timeout_s)) != (
-            spec.capacity_bytes,
-            spec.ttl_s,
-        ):
+        if not runs_spec(actor, spec, spec.timeout_s):
             log.warning("host store %s runs another capacity or TTL: stopping it", name)
             ray.kill(actor, no_restart=True)  # started again, as configured, on first use
             continue

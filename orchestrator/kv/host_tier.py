@@ -41,6 +41,7 @@ __all__ = [
     "HostTierClient",
     "HostTierSpec",
     "lookup_host_store",
+    "runs_spec",
     "start_host_tier",
 ]
 
@@ -49,6 +50,10 @@ log = logging.getLogger("kvtide.kv_service")
 REUSE_AFTER_S = 60.0
 """How long a freed store block stays unused: past any pull's deadline
 (``kv.pull_timeout_s``) with room to spare."""
+
+
+START_TIMEOUT_S = 120.0
+"""How long a new store may take to answer: its NIXL agent and vLLM's imports."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +117,17 @@ class HostStoreActor:
         return own | {"node_id": node}
 
 
+def runs_spec(actor: Any, spec: HostTierSpec, timeout_s: float) -> bool:
+    """Whether a store has ``spec``'s capacity and TTL (a deployment with another left
+    it otherwise), asked within ``timeout_s`` (a store just created answers once started)."""
+    return tuple(ray.get(actor.spec.remote(), timeout=timeout_s)) == (
+        spec.capacity_bytes,
+        spec.ttl_s,
+    )
+
+
 def start_host_tier(
-    spec: HostTierSpec, store_id: str, namespace: str, *, node_id: str | None = None
+    spec: HostTierSpec, store_id: str, namespace: str, node_id: str | None = None
 ) -> HostTierClient:
     """The store named ``store_id`` in ``namespace``, started on ``node_id`` (default:
     this node) unless it runs already: a detached actor, so that a restarted service
@@ -131,7 +145,7 @@ def start_host_tier(
         ),
     }
     actor = remote.options(**options).remote(store_id, spec.capacity_bytes, spec.ttl_s)
-    if tuple(ray.get(actor.spec.remote(), timeout=120)) != (spec.capacity_bytes, spec.ttl_s):
+    if not runs_spec(actor, spec, START_TIMEOUT_S):
         log.warning("host store %s runs another capacity or TTL: replacing it", store_id)
         ray.kill(actor, no_restart=True)
         deadline = time.monotonic() + 60
