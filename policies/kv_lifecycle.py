@@ -402,7 +402,8 @@ class KVLifecycle:
         """Forget the session and release its record. Closing twice is a no-op.
 
         A pull in flight resolves on its own (the read frees the blocks, or they
-        expire); a turn finishing after the close starts a fresh, unrenewed session.
+        expire); a turn finishing after the close starts a fresh, unrenewed session
+        (the KV service frees such a turn's KV instead: ``SessionTurns.close``).
         """
         session = self._books.sessions.get(session_id)
         if session is None:

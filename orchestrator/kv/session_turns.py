@@ -9,6 +9,7 @@ them. Single event loop; the clock is the service's.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import msgspec
@@ -71,6 +72,13 @@ class SessionTurns:
         self.leases = leases
         self.drains = drains
         self.clock = clock
+        # Sessions closed while a turn of theirs ran, with when that turn's running mark
+        # was set: its hand-over frees its KV instead of starting the session anew (a
+        # client that closes as its last token lands, before the hand-over, would
+        # otherwise leave that turn's KV kept under the closed session until its TTL).
+        # Kept while that same mark stands (a later turn's mark is another).
+        self.closed_running: dict[str, float] = {}
+        self._closing: set[asyncio.Task[bool]] = set()
 
     def prefix(self, session_id: str, principal: Principal | None) -> SessionPrefix:
         """The session's last turn; ``owned`` False (and nothing else) when another API
@@ -202,8 +210,13 @@ class SessionTurns:
         done = whole
         now = self.clock()
         sid = done.session_id
-        if sid is None:
-            # Nobody will pull these blocks back: free them now, not at the TTL.
+        closed = sid is not None and self._closed_while_running(sid)
+        if sid is None or (closed and done.next_lease_id is None):
+            # Nobody will pull these blocks back (no session, or it was closed while
+            # this turn ran): free them now, not at the TTL.
+            if sid is not None:
+                self.leases.drop(sid)
+                self.running.clear(sid)
             self.drains.drain(done.kv_transfer_params, done.token_ids)
             return Handover(accepted=True)
         self.leases.drop(sid)  # a turn under a lease ends the lease
@@ -236,9 +249,23 @@ class SessionTurns:
         lifecycle = self.decider.lifecycle
         if lease is None and lifecycle.held(sid):  # held for a proposal not granted
             self.drains.apply(lifecycle.unhold(sid, now))
+        if closed:
+            # Closed while this turn ran, but its lessee proposed the next lease and may
+            # be pulling the record under it already: booked and held as any, then
+            # closed again, which waits for that lease's use or its return.
+            task = asyncio.get_running_loop().create_task(self.close(sid))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
         return Handover(accepted=True, lease=lease)
 
+    def _closed_while_running(self, session_id: str) -> bool:
+        """Whether the session was closed while the turn handing over now ran (its
+        running mark the one the close saw); forgets it."""
+        at = self.closed_running.pop(session_id, None)
+        return at is not None and at == self.running.running_since(session_id)
+
     def abandoned(self, session_id: str) -> None:
+        self.closed_running.pop(session_id, None)
         self.leases.drop(session_id)
         self.running.clear(session_id)
         self.drains.apply(self.decider.abandon(session_id, self.clock()))
@@ -270,8 +297,15 @@ class SessionTurns:
 
     async def close(self, session_id: str) -> bool:
         """End a session: its kept KV is drained back to prefill (freed on decode now).
-        A turn held for an ingress replica is given back first."""
+        A turn held for an ingress replica is given back first; a turn still running
+        (or its hand-over still on its way) has its KV freed when it hands over."""
         await self.leases.give_back(session_id, ask=False)
+        since = self.running.running_since
+        for sid in [s for s, at in self.closed_running.items() if since(s) != at]:
+            del self.closed_running[sid]  # that turn's mark is gone
+        started = since(session_id)
+        if started is not None:
+            self.closed_running[session_id] = started
         known = self.decider.lifecycle.lease_expiry(session_id) is not None
         self.drains.apply(self.decider.close(session_id, self.clock()))
         self.tokens.forget(session_id)

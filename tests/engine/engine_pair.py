@@ -19,7 +19,18 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["OneEnginePool", "engine_spec", "run_child", "start_pair"]
+__all__ = [
+    "KV_BYTES_PER_TOKEN",
+    "OneEnginePool",
+    "engine_spec",
+    "integrity_checks",
+    "pair_lifecycle",
+    "reset_when_free",
+    "run_child",
+    "start_pair",
+]
+
+KV_BYTES_PER_TOKEN = 2 * 4 * 2 * 64 * 4  # the tiny model: (K,V) x 4 layers x 2 heads x 64 x fp32
 
 
 def run_child(script: str, root: Path, marker: str) -> dict[str, Any]:
@@ -95,3 +106,41 @@ class OneEnginePool:
             if chunk.finished:
                 chunk = msgspec.structs.replace(chunk, engine_id=self.engine.spec.engine_id)
             yield chunk
+
+
+async def reset_when_free(engine: Any, timeout_s: float = 20.0) -> float | None:
+    """Reset the engine's prefix cache, which vLLM's ``BlockPool`` refuses while any
+    block is in use: the seconds until it succeeded, or None when it never did."""
+    import asyncio
+    import time
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        if await engine._llm.reset_prefix_cache():
+            return time.perf_counter() - t0
+        await asyncio.sleep(0.05)
+    return None
+
+
+def pair_lifecycle(block_size_tokens: int, recompute_threshold_tokens: int) -> Any:
+    """The KV service's lifecycle config for a pair: the engines' 300 s TTL less a 15 s
+    margin, the tiny model's KV bytes per token."""
+    from orchestrator.kv.decider import kv_lifecycle_config
+
+    return kv_lifecycle_config(
+        ttl_s=300,
+        safety_margin_s=15,
+        recompute_threshold_tokens=recompute_threshold_tokens,
+        kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+        block_size_tokens=block_size_tokens,
+    )
+
+
+def integrity_checks(metrics: Any) -> dict[str, int]:
+    """The integrity checks so far, by outcome (``kvtide_kv_integrity_checks_total``)."""
+    snap = metrics.snapshot()
+    return {
+        outcome: int(snap[key])
+        for outcome in ("match", "mismatch", "skipped")
+        if snap.get(key := f'kvtide_kv_integrity_checks_total{{outcome="{outcome}"}}')
+    }

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_pair import OneEnginePool, run_child, start_pair
+from engine_pair import OneEnginePool, reset_when_free, run_child, start_pair
 
 pytestmark = pytest.mark.engine
 
@@ -132,20 +132,6 @@ async def _run(engine: Any, rid: str, prompt: list[int], max_tokens: int, params
     return out
 
 
-async def _reset_when_free(engine: Any, timeout_s: float = 20.0) -> float | None:
-    """Reset the engine's prefix cache, which vLLM's ``BlockPool`` refuses while any
-    block is in use: the seconds until it succeeded, or None when it never did."""
-    import asyncio
-    import time
-
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout_s:
-        if await engine._llm.reset_prefix_cache():
-            return time.perf_counter() - t0
-        await asyncio.sleep(0.05)
-    return None
-
-
 async def _story(root: Path) -> dict[str, Any]:
     import asyncio
     import dataclasses
@@ -165,7 +151,7 @@ async def _story(root: Path) -> dict[str, Any]:
     r: dict[str, Any] = {"block_bytes": DEFAULT_SHAPE.kv_bytes_per_token_fp32 * 32}
 
     async def turn2(tag: str, prompt: list[int], params: Any) -> None:
-        r[f"{tag}_reset"] = [await _reset_when_free(e) for e in (prefill, decode)]
+        r[f"{tag}_reset"] = [await reset_when_free(e) for e in (prefill, decode)]
         p = await _run(prefill, f"t2-{tag}-p", prompt, 1, params)
         d = await _run(
             decode, f"t2-{tag}-d", prompt, TURN_TOKENS, p["params"].for_decode(keep=False)
@@ -191,7 +177,7 @@ async def _story(root: Path) -> dict[str, Any]:
         stored = store.take_in(kept.to_vllm())
         assert stored is not None
         r["store_after_take_in"] = dataclasses.asdict(store.stats())
-        r["decode_freed_after_s"] = await _reset_when_free(decode)
+        r["decode_freed_after_s"] = await reset_when_free(decode)
         r["decode_usage_after"] = decode.stats().kv_cache_usage
 
         # 3. blocks that expire in 1 s (the decode's clock: perf_counter, as ours here).
@@ -298,7 +284,7 @@ async def _through_kvtide(prefill: Any, decode: Any, rng: Any) -> dict[str, Any]
         t["evicted"] = {"pool_id": evicted.pool_id, "engine_id": evicted.engine_id}
         t["drains"] = service.drains.stats()
         t["taken_in_bytes"] = store.stats()["bytes_taken_in"]
-        t["prefill_cache_reset"] = await _reset_when_free(prefill) is not None
+        t["prefill_cache_reset"] = await reset_when_free(prefill) is not None
         # The service restarts (its books empty); the store outlives it, and the new
         # one books the copy again: h's next turn runs on it.
         service = new_service()
@@ -308,7 +294,7 @@ async def _through_kvtide(prefill: Any, decode: Any, rng: Any) -> dict[str, Any]
         t["turn2_tokens"] = second.pop("tokens")
         second.pop("ids")
         t["turn2"] = second
-        await _reset_when_free(prefill)
+        await reset_when_free(prefill)
         p = await _run(prefill, "tier-ref-p", prompt2, 1, KVTransferParams.keep_for_decode())
         recompute = p["params"].for_decode(keep=False)
         d = await _run(decode, "tier-ref-d", prompt2, TURN_TOKENS, recompute)

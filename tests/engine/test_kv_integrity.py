@@ -30,7 +30,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_pair import OneEnginePool, run_child, start_pair
+from engine_pair import (
+    KV_BYTES_PER_TOKEN,
+    OneEnginePool,
+    integrity_checks,
+    pair_lifecycle,
+    run_child,
+    start_pair,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -99,7 +106,6 @@ async def _story(root: Path) -> dict[str, Any]:
     import random
     import time
 
-    from orchestrator.kv.decider import kv_lifecycle_config
     from orchestrator.kv.ownership import ANONYMOUS
     from orchestrator.kv.service import KVService
     from orchestrator.observability.metrics import Metrics
@@ -112,13 +118,7 @@ async def _story(root: Path) -> dict[str, Any]:
     engines = [decode, prefill]
     block = prefill.info().block_size
     service = KVService(
-        kv_lifecycle_config(
-            ttl_s=300,
-            safety_margin_s=15,
-            recompute_threshold_tokens=64,
-            kv_bytes_per_token=4096,
-            block_size_tokens=block,
-        ),
+        pair_lifecycle(block, recompute_threshold_tokens=64),
         prefill=None,
         drain_timeout_s=30,
     )
@@ -130,7 +130,7 @@ async def _story(root: Path) -> dict[str, Any]:
         pull_timeout_s=60,
         metrics=metrics,
         block_size_tokens=block,
-        kv_bytes_per_token=4096,
+        kv_bytes_per_token=KV_BYTES_PER_TOKEN,
         request_timeout_s=300,
         clock=time.monotonic,
         integrity=IntegritySettings(sample_fraction=1.0, logprob_tolerance=TOLERANCE),
@@ -159,13 +159,7 @@ async def _story(root: Path) -> dict[str, Any]:
         return {**items[-1][1].as_dict(), "ids": prompt + out}
 
     def books() -> dict[str, Any]:
-        snap = metrics.snapshot()
-        checks = {
-            outcome: int(snap[key])
-            for outcome in ("match", "mismatch", "skipped")
-            if snap.get(key := f'kvtide_kv_integrity_checks_total{{outcome="{outcome}"}}')
-        }
-        return {"checks": checks, "reuse_off": service.reuse_off.stats()}
+        return {"checks": integrity_checks(metrics), "reuse_off": service.reuse_off.stats()}
 
     def more(ids: list[int], n: int = 80) -> list[int]:
         return [*ids, *(rng.randrange(10, 1000) for _ in range(n))]

@@ -234,3 +234,64 @@ def test_a_provisional_lease_plans_recompute_from_an_engine_whose_reuse_is_off()
         return decision.reason
 
     assert asyncio.run(asyncio.wait_for(story(), BOUND_S)) == "integrity_check_failed"
+
+
+def _readers_of(c: Cluster, kept: Any) -> list[str]:
+    """The prefill requests that read the blocks ``kept`` names (pulls and drains)."""
+    return [
+        r.request_id
+        for r in c.prefill.pool.requests
+        if r.kv_transfer_params is not None
+        and r.kv_transfer_params.remote_block_ids == kept.remote_block_ids
+    ]
+
+
+def test_a_session_closed_before_its_last_turns_hand_over_keeps_nothing() -> None:
+    # The client closes as the last token lands, and the close reaches the service
+    # before the turn's hand-over: the hand-over frees the turn's KV (one drain) instead
+    # of starting the closed session anew with it kept until its TTL. (Under an idle
+    # budget nothing is proposed: the hand-over carries no next lease.)
+    c, svc, router = cluster(idle_budget_bytes=2**30)
+
+    async def story() -> None:
+        done = await first_turn(svc, router)
+        assert done.next_lease_id is None
+        await svc.close("s1")
+        svc.release.set()
+        await router.settled()
+        await svc.wait_drains()
+        assert svc.decider.lifecycle.record("s1") is None
+        assert (await svc.session("s1")).known is False
+        assert len(_readers_of(c, done.kv_transfer_params)) == 1  # drained, once
+        assert svc.decider.lifecycle.stats().num_records == 0
+
+    asyncio.run(asyncio.wait_for(story(), BOUND_S))
+
+
+def test_a_session_closed_before_a_hand_over_proposing_a_lease_is_closed_once_it_is_back() -> None:
+    # With a next lease proposed, its lessee may already pull the record under it: the
+    # hand-over books it held and grants the lease, and the close runs again, which
+    # revokes the lease and, once the lessee gives it back unused, drains the record.
+    c, svc, router = cluster()
+
+    async def story() -> None:
+        done = await first_turn(svc, router)
+        assert done.next_lease_id is not None
+        await svc.close("s1")
+        svc.release.set()
+        await router.settled()
+        await settle()
+        # Held for the proposed lease: no drain reads the blocks while it may be used.
+        assert svc.decider.lifecycle.held("s1")
+        assert _readers_of(c, done.kv_transfer_params) == []
+        # The lessee gives the revoked lease back unused (its next watch call).
+        assert router.leases is not None
+        await svc.lease_watch("replica-a", [done.next_lease_id], 0.0)
+        for _ in range(20):
+            await settle()
+            await svc.wait_drains()
+        assert svc.decider.lifecycle.record("s1") is None
+        assert (await svc.session("s1")).known is False
+        assert len(_readers_of(c, done.kv_transfer_params)) == 1
+
+    asyncio.run(asyncio.wait_for(story(), BOUND_S))
