@@ -60,6 +60,7 @@ from benchmarks.common import (
     stream_completion,
     token_gaps,
 )
+from benchmarks.stream_targets import format_turn_targets
 from orchestrator.cli.table import format_table
 
 PROMPT_TOKENS = 512
@@ -106,6 +107,10 @@ class Row:
 
     def p50_itl(self) -> float:
         return statistics.median(x for s in self.samples for x in s.itl_s)
+
+    def p99_itl(self) -> float:
+        itls = [x for s in self.samples for x in s.itl_s]
+        return statistics.quantiles(itls, n=100, method="inclusive")[98] if itls else 0.0
 
     def gap(self, q: int) -> float:
         """Percentile ``q`` of the time between stream events (what vLLM's ``bench
@@ -442,6 +447,7 @@ def format_rows(rows: list[Row], rtt_s: float, connector: str) -> str:
         "per conversation; a history conversation's is drained at its lease's end, after "
         "the row)"
     )
+    out += format_turn_targets(rows, lambda r: _baseline(rows, r), rtt_s)
     return "\n".join(out)
 
 

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx
 
 from benchmarks.common import direct_turn, embedded_app, stream_completion
+from benchmarks.stream_targets import sendback_targets
 from engines.kv_params import KVTransferParams
 from orchestrator.cli.table import format_table
 
@@ -108,6 +109,7 @@ async def _engines(
         f"+ {QUESTION_TOKENS} new tokens; recompute = fresh prompt of the same length",
     ]
     table = []
+    speed_ups: dict[int, dict[str, float]] = {}
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
         await _kvtide_pair(client, model, rng, 256)  # warm-up
         for n in sizes:
@@ -121,6 +123,7 @@ async def _engines(
                 reused = statistics.median(p[0] for p in pairs)
                 fresh = statistics.median(p[1] for p in pairs)
                 prefill_ms = statistics.median(p[2] for p in pairs) * 1e3
+                speed_ups.setdefault(n, {})[path] = fresh / reused
                 table.append(
                     [
                         n,
@@ -150,7 +153,7 @@ async def _engines(
         "kvtide's turn 2s by where their KV came from (kv_source; prefix_cache: the pull "
         f"read 0 bytes, the prefill engine had every block): {SOURCES}"
     )
-    return [*lines, format_table(header, table, align=[">"] * 7)]
+    return [*lines, format_table(header, table, align=[">"] * 7), sendback_targets(speed_ups)]
 
 
 def policy_speed(num_sessions: int = 100_000, prompt_tokens: int = 1024) -> list[str]:
