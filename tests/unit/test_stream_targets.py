@@ -14,6 +14,7 @@ def _row(path: str, workload: str, concurrency: int, scale: float) -> Row:
         Sample(
             ttft_s=0.050 * scale,
             itl_s=[0.010 * scale] * 31,
+            gap_s=[0.010 * scale] * 31,
             num_tokens=32,
             own_s=0.0025,
             tokenize_s=0.0010,
@@ -40,11 +41,11 @@ def test_turn_targets_judge_each_kvtide_row_against_its_direct_row() -> None:
     lines = format_turn_targets(rows, lambda r: rows[rows.index(r) - 1], rtt_s=0.0008)
     single, session = lines[1].splitlines()[1:]
     # c1 has no throughput target and a sessionless row no own-time one.
-    assert single.count(" ok") == 3 and single.split()[-2:] == ["-", "-"]
-    # ITL p50/p99 1.30 > 1.2; TTFT 65 ms > 1.1 x 50 + 5; tok/s 0.77 < 0.95; own time
-    # without tokenizing 1.5 ms <= 0.8 + 1.
-    assert session.count("miss") == 4 and session.endswith("1.50 ms ok")
-    assert lines[0].endswith("4 of 8 met")
+    assert single.count(" ok") == 5 and single.split()[-2:] == ["-", "-"]
+    # ITL and gaps p50/p99 1.30 > 1.2; TTFT 65 ms > 1.1 x 50 + 5; tok/s 0.77 < 0.95;
+    # own time without tokenizing 1.5 ms <= 0.8 + 1.
+    assert session.count("miss") == 6 and session.endswith("1.50 ms ok")
+    assert lines[0].endswith("6 of 12 met")
 
 
 def test_sendback_targets_hold_kvtide_to_the_direct_flows_speed_up() -> None:
