@@ -20,16 +20,19 @@ from typing import Any
 import msgspec
 
 __all__ = [
+    "INTEGRITY_TOLERANCE",
     "KV_BYTES_PER_TOKEN",
     "OneEnginePool",
     "engine_spec",
     "integrity_checks",
     "pair_lifecycle",
+    "pair_router",
     "reset_when_free",
     "run_child",
     "start_pair",
 ]
 
+INTEGRITY_TOLERANCE = 1e-3  # fp32 engines: a recompute agrees to ~1e-5
 KV_BYTES_PER_TOKEN = 2 * 4 * 2 * 64 * 4  # the tiny model: (K,V) x 4 layers x 2 heads x 64 x fp32
 
 
@@ -144,3 +147,29 @@ def integrity_checks(metrics: Any) -> dict[str, int]:
         for outcome in ("match", "mismatch", "skipped")
         if snap.get(key := f'kvtide_kv_integrity_checks_total{{outcome="{outcome}"}}')
     }
+
+
+def pair_router(
+    prefill: Any, decode: Any, service: Any, block_size_tokens: int, **extra: Any
+) -> Any:
+    """kvtide's router over a pair's pools (``prefill`` and ``decode``: pools, as
+    ``OneEnginePool``) and an in-process KV service, every integrity check sampled (a
+    pulled turn is compared with a recompute to 1e-3 nats); ``extra``: more of
+    ``Router``'s arguments (its ``metrics``, ``leases``)."""
+    import time
+
+    from orchestrator.router import Router
+    from orchestrator.router.integrity import IntegritySettings
+
+    return Router(
+        prefill=prefill,
+        decode=decode,
+        kv=service,
+        pull_timeout_s=60,
+        block_size_tokens=block_size_tokens,
+        kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+        request_timeout_s=300,
+        clock=time.monotonic,
+        integrity=IntegritySettings(sample_fraction=1.0, logprob_tolerance=INTEGRITY_TOLERANCE),
+        **extra,
+    )

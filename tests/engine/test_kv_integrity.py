@@ -31,10 +31,11 @@ from typing import Any
 
 import pytest
 from engine_pair import (
-    KV_BYTES_PER_TOKEN,
+    INTEGRITY_TOLERANCE,
     OneEnginePool,
     integrity_checks,
     pair_lifecycle,
+    pair_router,
     run_child,
     start_pair,
 )
@@ -42,7 +43,7 @@ from engine_pair import (
 pytestmark = pytest.mark.engine
 
 _RESULT = "KVTIDE_KV_INTEGRITY "
-TOLERANCE = 1e-3  # fp32 engines: a recompute agrees to ~1e-5
+TOLERANCE = INTEGRITY_TOLERANCE
 
 
 @pytest.fixture(scope="module")
@@ -104,13 +105,10 @@ def test_the_corrupted_block_left_in_the_prefill_prefix_cache_is_caught_again(
 
 async def _story(root: Path) -> dict[str, Any]:
     import random
-    import time
 
     from orchestrator.kv.ownership import ANONYMOUS
     from orchestrator.kv.service import KVService
     from orchestrator.observability.metrics import Metrics
-    from orchestrator.router import Router
-    from orchestrator.router.integrity import IntegritySettings
 
     decode, prefill = await start_pair(
         root, "it", prefill_env=(("KVTIDE_FAULT_CORRUPT_PULLED_KV", "corrupt-"),)
@@ -123,17 +121,8 @@ async def _story(root: Path) -> dict[str, Any]:
         drain_timeout_s=30,
     )
     metrics = Metrics()
-    router = Router(
-        prefill=OneEnginePool(prefill),
-        decode=OneEnginePool(decode),
-        kv=service,
-        pull_timeout_s=60,
-        metrics=metrics,
-        block_size_tokens=block,
-        kv_bytes_per_token=KV_BYTES_PER_TOKEN,
-        request_timeout_s=300,
-        clock=time.monotonic,
-        integrity=IntegritySettings(sample_fraction=1.0, logprob_tolerance=TOLERANCE),
+    router = pair_router(
+        OneEnginePool(prefill), OneEnginePool(decode), service, block, metrics=metrics
     )
     rng = random.Random(32)
 

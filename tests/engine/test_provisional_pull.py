@@ -33,10 +33,10 @@ from typing import Any
 
 import pytest
 from engine_pair import (
-    KV_BYTES_PER_TOKEN,
     OneEnginePool,
     integrity_checks,
     pair_lifecycle,
+    pair_router,
     reset_when_free,
     run_child,
     start_pair,
@@ -102,9 +102,7 @@ async def _story(root: Path) -> dict[str, Any]:
     from orchestrator.kv.service import KVService
     from orchestrator.kv.session_tokens import prefix_digest
     from orchestrator.observability.metrics import Metrics
-    from orchestrator.router import Router
     from orchestrator.router.held_leases import HeldLeases
-    from orchestrator.router.integrity import IntegritySettings
 
     alice = Principal(name="alice")
     num_tokens = 24
@@ -168,19 +166,7 @@ async def _story(root: Path) -> dict[str, Any]:
     leases = HeldLeases(
         "replica-a", clock=time.monotonic, lifecycle=svc.decider.lifecycle.config, lasts_s=30.0
     )
-    router = Router(
-        prefill=prefill,
-        decode=OneEnginePool(decode),
-        kv=svc,
-        pull_timeout_s=60,
-        metrics=metrics,
-        block_size_tokens=block,
-        kv_bytes_per_token=KV_BYTES_PER_TOKEN,
-        request_timeout_s=300,
-        clock=time.monotonic,
-        leases=leases,
-        integrity=IntegritySettings(sample_fraction=1.0, logprob_tolerance=1e-3),
-    )
+    router = pair_router(prefill, OneEnginePool(decode), svc, block, metrics=metrics, leases=leases)
     router.session_tokens = None
     leases.new_epoch((await svc.lease_watch("replica-a", [], 0.0)).epoch)
     rng = random.Random(31)
