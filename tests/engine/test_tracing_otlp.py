@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from app_calls import PULLED
+from app_calls import pulled, usage_of
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -114,7 +114,7 @@ def test_a_chat_turn_is_one_trace_from_ingress_to_decode(traced: tuple[str, Rece
         {"role": "user", "content": "and then?"},
     ]
     second = _chat(url, messages, TRACEPARENT)  # pulls turn 1's KV back
-    assert second["kvtide"]["kv_source"] in PULLED, second["kvtide"]
+    pulled(second["kvtide"], usage_of(first))
 
     # The exporter sends in batches (every few seconds): wait for the whole trace.
     deadline = time.monotonic() + 60
@@ -148,11 +148,14 @@ def test_a_chat_turn_is_one_trace_from_ingress_to_decode(traced: tuple[str, Rece
     for span in spans:
         if span.name == tr.SPAN_KV_TRANSFER:
             attrs = {a.key: a.value for a in span.attributes}
-            # What moved, as the reading engine measured it: the decode engine reads
-            # at least the prompt's last (partial) block; the prefill engine may find
-            # every block sent back in its prefix cache and read none.
+            # What moved, as the reading engine measured it, is what the turn reports:
+            # the decode engine reads at least the prompt's last (partial) block; the
+            # prefill engine reads what it lacked of the history sent back.
             moved = attrs[tr.KV_TRANSFER_BYTES].int_value
-            assert moved > 0 if by_id[span.parent_span_id].name == tr.SPAN_DECODE else moved >= 0
+            direction = attrs[tr.KV_TRANSFER_DIRECTION].string_value
+            assert moved == second["kvtide"]["kv_transfer_bytes"][direction], (direction, attrs)
+            if direction == "prefill_to_decode":
+                assert by_id[span.parent_span_id].name == tr.SPAN_DECODE and moved > 0
             assert attrs[tr.KV_TRANSFER_OFFERED_BYTES].int_value > 0
             assert attrs[tr.KV_TRANSFER_BLOCKS].int_value > 0
             assert attrs[tr.KV_TRANSFER_BACKEND].string_value == "nixl"

@@ -115,6 +115,7 @@ def main(tmp: Path) -> dict[str, Any]:
                         **(reply.model_extra or {})["kvtide"],
                         "prompt_tokens": reply.usage.prompt_tokens,
                         "cached_tokens": reply.usage.prompt_tokens_details.cached_tokens or 0,
+                        "completion_tokens": reply.usage.completion_tokens,
                     }
                 )
                 history.append(
