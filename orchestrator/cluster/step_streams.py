@@ -30,19 +30,22 @@ engine's request is aborted); chunks of it still on their way are dropped.
 Chunks wait in their outbox until a step stream reads them. The two calls of a request
 race: its engine request may finish (a short answer on a fast engine) before its
 caller's step stream reaches the replica, and a step stream may end (replaced, or its
-caller's side broke) with chunks still waiting. So an outbox is forgotten only when
-nothing reads it, nothing writes to it and nothing waits in it; the caller's next step
-stream gets what waits. Opening the step stream before the engine call instead would
-not do: the replica is known only once Serve has routed the call, and a stream may still
-end between two chunks. A caller that never comes back (its ingress replica died) would
-leave its outbox forever, so an outbox that nothing reads or writes is dropped with what
-waits in it ``unread_ttl_s`` after its last request ended (the engine host gives
-``server.request_timeout_s``: every request whose chunks wait there is past its deadline
-by then), counted in ``StepOutboxes.num_unread_dropped`` and logged. On the ingress
-side a request's reader exists before its call is made, and any of the caller's step
-streams hands it its chunks (also before its call has named the replica), so none
-arrives before its reader; a reader is dropped only after its finished chunk, its
-error or its close, when nothing more is wanted.
+caller's side broke) with chunks still waiting. So an outbox is forgotten only when no
+step stream holds it, no request writes to it and nothing waits in it; the caller's next
+step stream gets what waits. Opening the step stream before the engine call instead
+would not do: the replica is known only once Serve has routed the call, and a stream may
+still end between two chunks. A step stream holds its outbox from its start, before its
+first item (the replica's id) reaches the caller: were it forgotten meanwhile (its only
+request failed before any output), the stream would read an outbox nobody writes to, and
+every later request of that caller there would hang. A caller that never comes back (its
+ingress replica died) would leave its outbox forever, so an outbox that nothing reads or
+writes is dropped with what waits in it ``unread_ttl_s`` after its last request ended
+(the engine host gives ``server.request_timeout_s``: every request whose chunks wait
+there is past its deadline by then), counted in ``StepOutboxes.num_unread_dropped`` and
+logged. On the ingress side a request's reader exists before its call is made, and any
+of the caller's step streams hands it its chunks (also before its call has named the
+replica), so none arrives before its reader; a reader is dropped only after its finished
+chunk, its error or its close, when nothing more is wanted.
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ class StepOutbox:
         self._chunks: list[GenerateChunk] = []
         self._ready = asyncio.Event()
         self.num_requests = 0  # requests putting here now
-        self.attached = False  # a step stream is reading
+        self.num_streams = 0  # step streams holding it, reading or about to
         self._reader = 0  # the reading step stream's number: a newer one replaces it
         self.num_idle = 0  # times it became idle: a drop scheduled in an earlier spell waits
 
@@ -111,8 +114,8 @@ class StepOutbox:
 
     @property
     def idle(self) -> bool:
-        """Nothing reads and nothing writes."""
-        return not self.attached and self.num_requests == 0
+        """Nothing reads (or is about to) and nothing writes."""
+        return self.num_streams == 0 and self.num_requests == 0
 
     @property
     def num_waiting(self) -> int:
@@ -125,20 +128,15 @@ class StepOutbox:
         would split a request's chunks)."""
         self._reader += 1
         me = self._reader
-        self.attached = True
         self._ready.set()  # wakes an older reader, to step aside
-        try:
-            while True:
-                await self._ready.wait()
-                if self._reader != me:
-                    return
-                self._ready.clear()
-                chunks, self._chunks = self._chunks, []
-                if chunks:
-                    yield encode_batch(chunks)
-        finally:
-            if self._reader == me:
-                self.attached = False
+        while True:
+            await self._ready.wait()
+            if self._reader != me:
+                return
+            self._ready.clear()
+            chunks, self._chunks = self._chunks, []
+            if chunks:
+                yield encode_batch(chunks)
 
 
 class StepOutboxes:
@@ -213,8 +211,11 @@ class StepOutboxes:
                 await close()
 
     async def run_steps(self, opened: StepsOpen) -> AsyncIterator[str | bytes]:
-        """This replica's id, then ``opened.caller``'s batches until the caller goes."""
+        """This replica's id, then ``opened.caller``'s batches until the caller goes. The
+        outbox is held from the start: forgotten while its id travels, the stream would
+        read an outbox no request writes to any more."""
         outbox = self._of(opened.caller)
+        outbox.num_streams += 1
         try:
             yield self.replica
             # Closed with this stream, so the outbox is no longer read when it is forgotten.
@@ -222,6 +223,7 @@ class StepOutboxes:
                 async for batch in batches:
                     yield batch
         finally:
+            outbox.num_streams -= 1
             self._forget_idle(opened.caller)
 
 

@@ -262,17 +262,19 @@ def test_a_newer_step_stream_of_the_same_caller_takes_over_the_outbox() -> None:
     assert asyncio.run(story()) == ([StopAsyncIteration], [[7]])
 
 
-async def run_to_the_end(outboxes: StepOutboxes, caller: str, tokens: list[int]) -> None:
-    """Request "a" of ``caller`` runs on the host, one step a token, and ends (its call
-    too) with nothing reading its chunks."""
+async def run_to_the_end(
+    outboxes: StepOutboxes, caller: str, tokens: list[int], request_id: str = "a"
+) -> None:
+    """A request of ``caller`` runs on the host, one step a token, and ends (its call
+    too) before anything reads its chunks."""
     engine = Engine()
-    request = outboxes.run_request(caller, engine.stream(req("a")))
+    request = outboxes.run_request(caller, engine.stream(req(request_id)))
     assert await anext(request) == outboxes.replica
     pump = asyncio.ensure_future(anext(request, None))
     await settle()
     for token in tokens[:-1]:
-        engine.step({"a": token})
-    engine.step({"a": tokens[-1]}, finished=("a",))
+        engine.step({request_id: token})
+    engine.step({request_id: tokens[-1]}, finished=(request_id,))
     assert await pump is None  # the request's call ended: the engine request is done
 
 
@@ -334,3 +336,29 @@ def test_an_outbox_no_step_stream_comes_for_is_dropped_after_its_ttl_and_counted
         return len(outboxes), outboxes.num_unread_dropped
 
     assert asyncio.run(story()) == (0, 2)
+
+
+def test_a_step_stream_on_its_way_keeps_the_outbox_a_failed_request_leaves_empty() -> None:
+    # The step stream has taken its outbox and its first item (the replica's id) is on
+    # its way to the ingress when the only request there fails before any output. Were
+    # the empty outbox forgotten then, the stream would read it forever while the next
+    # requests write to a new one: every later request of that ingress there would hang.
+    async def story() -> list[int]:
+        outboxes = StepOutboxes("r1", unread_ttl_s=600.0)
+        engine = Engine()
+        failing = outboxes.run_request("ingress-1", engine.stream(req("a")))
+        assert await anext(failing) == "r1"
+        pump = asyncio.ensure_future(anext(failing, None))
+        await settle()
+        steps = outboxes.run_steps(StepsOpen(replica="r1", caller="ingress-1"))
+        assert await anext(steps) == "r1"  # not read by the ingress yet
+        engine.queues["a"].put_nowait(RuntimeError("KV load failed"))
+        with pytest.raises(RuntimeError, match="KV load failed"):
+            await pump
+        message = asyncio.ensure_future(anext(steps))
+        await run_to_the_end(outboxes, "ingress-1", [3], request_id="b")
+        chunks = decode_batch(await asyncio.wait_for(message, 5.0))  # a guard, as above
+        await steps.aclose()
+        return [t for c in chunks for t in c.token_ids]
+
+    assert asyncio.run(story()) == [3]
