@@ -332,7 +332,14 @@ class HostStore:
         has no room (nothing moved). Raises ``TakeInFailed`` when the blocks expire
         within ``EXPIRY_MARGIN_S`` or the READ fails."""
         t0 = time.perf_counter()
-        peer = self._peer_for(params)
+        try:
+            peer = self._peer_for(params)
+        except (LayoutMismatch, UnsupportedEngine):
+            raise
+        except Exception as exc:  # the handshake failed: nothing was read
+            raise TakeInFailed(
+                f"handshake with {params['remote_engine_id']} failed: {exc!r}"
+            ) from exc
         where = f"{params['remote_engine_id']}'s blocks for {params['remote_request_id']}"
         expiry = params.get("remote_blocks_expiry_time")
         if expiry is not None:
@@ -415,15 +422,24 @@ class HostStore:
         remote_ids = np.concatenate([peer.region_offsets[r] + src for r in range(num_regions)])
         local_ids = np.concatenate([r * self.num_blocks + dst for r in range(num_regions)])
         with self._nixl_lock:
-            handle = self._agent.make_prepped_xfer(
-                "READ",
-                self._local_dlist,
-                local_ids.astype(np.int32),
-                peer.dlist,
-                remote_ids.astype(np.int32),
-                notif_msg=notif,
-            )
-            state: str = self._agent.transfer(handle)
+            try:
+                handle = self._agent.make_prepped_xfer(
+                    "READ",
+                    self._local_dlist,
+                    local_ids.astype(np.int32),
+                    peer.dlist,
+                    remote_ids.astype(np.int32),
+                    notif_msg=notif,
+                )
+            except Exception as exc:  # nothing posted
+                log.warning("host store: preparing a READ failed: %s", exc)
+                return "ERR", 0, None
+            try:
+                state: str = self._agent.transfer(handle)
+            except Exception as exc:  # NIXL refused to post it
+                log.warning("host store: posting a READ failed: %s", exc)
+                self._release(handle)
+                return "ERR", 0, None
         deadline = time.perf_counter() + timeout_s
         while state == "PROC" and time.perf_counter() < deadline:
             time.sleep(0.0005)

@@ -20,7 +20,8 @@ with them (``KVService.adopt_host_copies``); ``kvtide``'s shutdown stops it with
 service.
 
 A take-in that fails has one owner of the decode's blocks: the service drains them only
-when the store answers that nothing reads them (no room, refused, the READ failed). A
+when the store answers that nothing reads them (no room, refused, the handshake or the
+READ failed). A
 READ in flight at the store's deadline is the store's to end (``HostReadPending``:
 ``engines.host_store``), and so is one whose answer never came: the client gives the
 store its READ's deadline and a margin (``ANSWER_MARGIN_S``), and past that it cannot

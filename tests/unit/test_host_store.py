@@ -257,3 +257,19 @@ def test_a_read_past_its_deadline_keeps_its_blocks_until_nixl_reports_it_over(en
     assert agent.delivered == [("decode-0", b"r1:1")] and agent.released == [0]
     copy = store.take_in(kept("r3", [30, 31, 32]), timeout_s=0.02)
     assert copy is not None and agent.clashes == []
+
+
+def test_a_take_in_that_reads_nothing_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Nothing reads the blocks: the caller may drain them (orchestrator.kv.drains).
+    def unreachable(*_: Any, **__: Any) -> Any:
+        raise ConnectionError("engine decode-1 does not answer")
+
+    monkeypatch.setattr("engines.host_store.handshake", unreachable)
+    agent = FakeNixlAgent(plan=["ERR"])
+    store = store_reading_from(agent, ["decode-0"], num_blocks=4)
+    for params in ({**kept("r1", [1]), "remote_engine_id": "decode-1"}, kept("r2", [2, 3])):
+        with pytest.raises(TakeInFailed) as failed:
+            store.take_in(params, timeout_s=0.02)
+        assert not failed.value.read_in_flight
+    s = store.stats()
+    assert (s.num_free_blocks, s.num_reads_in_flight, agent.delivered) == (4, 0, [])
