@@ -21,11 +21,10 @@ service.
 
 A take-in that fails has one owner of the decode's blocks: the service drains them only
 when the store answers that nothing reads them (no room, refused, the handshake or the
-READ failed). A
-READ in flight at the store's deadline is the store's to end (``HostReadPending``:
-``engines.host_store``), and so is one whose answer never came: the client gives the
-store its READ's deadline and a margin (``ANSWER_MARGIN_S``), and past that it cannot
-tell whether the READ still runs.
+READ failed). A READ in flight at the store's deadline is the store's to end
+(``HostReadPending``: ``engines.host_store``), and so is one whose answer never came:
+the client gives the store its READ's deadline and a margin (``ANSWER_MARGIN_S``), and
+past that it cannot tell whether the READ still runs.
 """
 
 from __future__ import annotations
@@ -221,7 +220,7 @@ class HostTierClient:
             )
         except Exception as exc:  # asked, and no answer: its READ may run
             raise HostReadPending(
-                f"host store gave no answer to the take-in of {params.remote_request_id}: {exc!r}"
+                f"no answer to the take-in of {params.remote_request_id}: {exc!r}"
             ) from exc
         if answer is None:
             return None
