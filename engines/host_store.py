@@ -27,6 +27,16 @@ so a prefill's expiry check (``_is_turn2_read_expired``) reads it right. A store
 reused only after its entry's expiry or ``release``: NIXL targets see no reads, only the
 notification after one, so a prefill reading reused blocks would get another session's
 KV without an error (``free_after_read`` is for single-use params only).
+
+A READ still in flight at its take-in's deadline may yet write the store's blocks and,
+when it lands, its notification frees the decode's blocks. So its blocks rest (no
+take-in gets them) until NIXL reports the transfer over, polled with the notifications:
+done, the notification went with it and the blocks are free again; failed, no READ
+touches the decode's blocks any more and the store sends the notification itself, so the
+decode frees them. Either way the store, not its caller, ends the decode's hold on them:
+the take-in raises ``TakeInFailed`` with ``read_in_flight`` set, and the caller must not
+drain the blocks as well (``orchestrator.kv.drains``). The handle is not released early:
+NIXL may fail to cancel an active transfer.
 """
 
 from __future__ import annotations
@@ -80,9 +90,15 @@ class LayoutMismatch(ValueError):
 
 
 class TakeInFailed(RuntimeError):
-    """The store did not read an engine's kept blocks (too close to their expiry, or the
-    READ failed or timed out); the engine keeps them (no notification was sent) until
-    its own TTL."""
+    """The store did not take an engine's kept blocks in (too close to their expiry, or
+    the READ failed or timed out). ``read_in_flight`` False: nothing reads them and no
+    notification was sent; the engine keeps them until its own TTL or a drain.
+    ``read_in_flight`` True: the READ timed out in flight and may still land; the store
+    ends the engine's hold on the blocks when it is over (see the module)."""
+
+    def __init__(self, message: str, *, read_in_flight: bool = False) -> None:
+        super().__init__(message)
+        self.read_in_flight = read_in_flight
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -99,6 +115,8 @@ class StoreStats:
     num_expired: int = 0
     num_free_blocks: int = 0
     num_entries: int = 0
+    num_read_timeouts: int = 0  # READs in flight at their take-in's deadline
+    num_reads_in_flight: int = 0  # of them, not over yet: their blocks rest
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -110,6 +128,17 @@ class _Entry:
     num_notifs: int = 0
     params: dict[str, Any] = dataclasses.field(default_factory=dict)  # the copy's, as returned
     tag: dict[str, Any] = dataclasses.field(default_factory=dict)  # the caller's, kept as is
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class _LateRead:
+    """A READ in flight past its take-in's deadline, and the store blocks it writes."""
+
+    handle: Any
+    block_ids: list[int]
+    agent_name: str  # the engine it reads from
+    notif: bytes  # the notification that frees the engine's blocks
+    where: str
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -165,6 +194,7 @@ class HostStore:
         self._entries: dict[str, _Entry] = {}
         self._free: list[int] = list(range(self.num_blocks))
         self._resting: list[tuple[float, list[int]]] = []  # (reusable at, blocks)
+        self._late: list[_LateRead] = []  # READs past their deadline, not over yet
         self._next_id = 0
         self._stats = StoreStats(num_free_blocks=self.num_blocks)
         # Set by the first take_in, from the engine it reads.
@@ -302,7 +332,14 @@ class HostStore:
         has no room (nothing moved). Raises ``TakeInFailed`` when the blocks expire
         within ``EXPIRY_MARGIN_S`` or the READ fails."""
         t0 = time.perf_counter()
-        peer = self._peer_for(params)
+        try:
+            peer = self._peer_for(params)
+        except (LayoutMismatch, UnsupportedEngine):
+            raise
+        except Exception as exc:  # the handshake failed: nothing was read
+            raise TakeInFailed(
+                f"handshake with {params['remote_engine_id']} failed: {exc!r}"
+            ) from exc
         where = f"{params['remote_engine_id']}'s blocks for {params['remote_request_id']}"
         expiry = params.get("remote_blocks_expiry_time")
         if expiry is not None:
@@ -323,8 +360,25 @@ class HostStore:
         # The notification a reading peer sends (vLLM's _read_blocks): one consumer.
         notif = f"{params['remote_request_id']}:1".encode()
         t_read = time.perf_counter()
-        state, moved = self._read(peer, source_blocks, mine, notif, timeout_s)
+        state, moved, handle = self._read(peer, source_blocks, mine, notif, timeout_s)
         read_s = time.perf_counter() - t_read
+        if state == "PROC":
+            with self._lock:  # its blocks rest until it is over (_end_late_reads)
+                self._late.append(
+                    _LateRead(
+                        handle=handle,
+                        block_ids=mine,
+                        agent_name=peer.agent_name,
+                        notif=notif,
+                        where=where,
+                    )
+                )
+                self._stats.num_read_timeouts += 1
+            raise TakeInFailed(
+                f"READ of {where}: still in flight after {timeout_s} s; the store frees "
+                "the engine's blocks when it is over",
+                read_in_flight=True,
+            )
         if state != "DONE":
             with self._lock:
                 self._free.extend(mine)
@@ -358,34 +412,61 @@ class HostStore:
 
     def _read(
         self, peer: _Peer, source: list[int], mine: list[int], notif: bytes, timeout_s: float
-    ) -> tuple[str, int]:
+    ) -> tuple[str, int, Any]:
         """READ the peer's ``source`` blocks into the store's ``mine``, every region; the
-        transfer's final state and NIXL's count of the bytes it moved."""
+        transfer's state, NIXL's count of the bytes it moved and, still in flight
+        ("PROC"), its handle (released otherwise)."""
         src = np.array(source, dtype=np.int64)
         dst = np.array(mine, dtype=np.int64)
         num_regions = len(self.block_lens)
         remote_ids = np.concatenate([peer.region_offsets[r] + src for r in range(num_regions)])
         local_ids = np.concatenate([r * self.num_blocks + dst for r in range(num_regions)])
         with self._nixl_lock:
-            handle = self._agent.make_prepped_xfer(
-                "READ",
-                self._local_dlist,
-                local_ids.astype(np.int32),
-                peer.dlist,
-                remote_ids.astype(np.int32),
-                notif_msg=notif,
-            )
-            state: str = self._agent.transfer(handle)
+            try:
+                handle = self._agent.make_prepped_xfer(
+                    "READ",
+                    self._local_dlist,
+                    local_ids.astype(np.int32),
+                    peer.dlist,
+                    remote_ids.astype(np.int32),
+                    notif_msg=notif,
+                )
+            except Exception as exc:  # nothing posted
+                log.warning("host store: preparing a READ failed: %s", exc)
+                return "ERR", 0, None
+            try:
+                state: str = self._agent.transfer(handle)
+            except Exception as exc:  # NIXL refused to post it
+                log.warning("host store: posting a READ failed: %s", exc)
+                self._release(handle)
+                return "ERR", 0, None
         deadline = time.perf_counter() + timeout_s
         while state == "PROC" and time.perf_counter() < deadline:
             time.sleep(0.0005)
             with self._nixl_lock:
-                state = self._agent.check_xfer_state(handle)
+                state = self._state(handle)
         with self._nixl_lock:
             moved = int(self._agent.get_xfer_telemetry(handle).totalBytes) if state == "DONE" else 0
             if state != "PROC":  # a transfer still in flight keeps its handle
-                self._agent.release_xfer_handle(handle)
-        return state, moved
+                self._release(handle)
+        return state, moved, handle
+
+    def _state(self, handle: Any) -> str:
+        """A transfer's state; "ERR" where NIXL raises its error instead (under
+        ``_nixl_lock``)."""
+        try:
+            state: str = self._agent.check_xfer_state(handle)
+        except Exception as exc:
+            log.warning("host store: transfer failed: %s", exc)
+            return "ERR"
+        return state
+
+    def _release(self, handle: Any) -> None:
+        """Release an ended transfer's handle (under ``_nixl_lock``)."""
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:  # NIXL keeps it: nothing more to do with it
+            log.warning("host store: releasing a transfer handle failed: %s", exc)
 
     # ---- serving ------------------------------------------------------------------------
     def _notif_loop(self) -> None:
@@ -396,7 +477,29 @@ class HostStore:
             for messages in notifs.values():
                 for raw in messages:
                     self._on_notif(raw.decode("utf-8"))
+            self._end_late_reads()
             self._expire(self.clock())
+
+    def _end_late_reads(self) -> None:
+        """Free the blocks of each READ past its deadline that NIXL reports over; one
+        that failed gets its notification from the store (see the module)."""
+        with self._lock:
+            late = list(self._late)
+        for read in late:
+            with self._nixl_lock:
+                state = self._state(read.handle)
+                if state == "PROC":
+                    continue
+                self._release(read.handle)
+                if state != "DONE":  # no notification went with it
+                    try:
+                        self._agent.send_notif(read.agent_name, read.notif)
+                    except Exception as exc:  # the engine is gone: so is its hold
+                        log.warning("host store: notification after %s failed: %s", read.where, exc)
+            log.info("host store: the late READ of %s ended %s", read.where, state)
+            with self._lock:
+                self._late.remove(read)
+                self._free.extend(read.block_ids)  # no entry, no reader names them
 
     def _on_notif(self, msg: str) -> None:
         """``f"{request_id}:{consumers}"`` after a reader's READ; ``HB:...`` a reader's
@@ -469,4 +572,5 @@ class HostStore:
         with self._lock:
             s = dataclasses.replace(self._stats)
             s.num_free_blocks, s.num_entries = len(self._free), len(self._entries)
+            s.num_reads_in_flight = len(self._late)
             return s

@@ -26,13 +26,35 @@ without error gets it unless the step stream breaks. A broken step stream (its r
 died) fails every request still reading from it, as a failed engine stream does, and
 the next request there opens a new one. A reader closed early cancels its call (the
 engine's request is aborted); chunks of it still on their way are dropped.
+
+Chunks wait in their outbox until a step stream reads them. The two calls of a request
+race: its engine request may finish (a short answer on a fast engine) before its
+caller's step stream reaches the replica, and a step stream may end (replaced, or its
+caller's side broke) with chunks still waiting. So an outbox is forgotten only when no
+step stream holds it, no request writes to it and nothing waits in it; the caller's next
+step stream gets what waits. Opening the step stream before the engine call instead
+would not do: the replica is known only once Serve has routed the call, and a stream may
+still end between two chunks. A step stream holds its outbox from its start, before its
+first item (the replica's id) reaches the caller: were it forgotten meanwhile (its only
+request failed before any output), the stream would read an outbox nobody writes to, and
+every later request of that caller there would hang. A caller that never comes back (its
+ingress replica died) would leave its outbox forever, so an outbox that nothing reads or
+writes is dropped with what waits in it ``unread_ttl_s`` after its last request ended
+(the engine host gives ``server.request_timeout_s``: every request whose chunks wait
+there is past its deadline by then), counted in ``StepOutboxes.num_unread_dropped`` and
+logged. On the ingress side a request's reader exists before its call is made, and any
+of the caller's step streams hands it its chunks (also before its call has named the
+replica), so none arrives before its reader; a reader is dropped only after its finished
+chunk, its error or its close, when nothing more is wanted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import msgspec
@@ -58,6 +80,9 @@ class StepsOpen(msgspec.Struct, frozen=True, kw_only=True):
     caller: str
 
 
+log = logging.getLogger("kvtide.step_streams")
+
+
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(list[GenerateChunk])
 
@@ -79,8 +104,9 @@ class StepOutbox:
         self._chunks: list[GenerateChunk] = []
         self._ready = asyncio.Event()
         self.num_requests = 0  # requests putting here now
-        self.attached = False  # a step stream is reading
+        self.num_streams = 0  # step streams holding it, reading or about to
         self._reader = 0  # the reading step stream's number: a newer one replaces it
+        self.num_idle = 0  # times it became idle: a drop scheduled in an earlier spell waits
 
     def put(self, chunk: GenerateChunk) -> None:
         self._chunks.append(chunk)
@@ -88,39 +114,47 @@ class StepOutbox:
 
     @property
     def idle(self) -> bool:
-        """Nothing reads and nothing writes: the host may forget it."""
-        return not self.attached and self.num_requests == 0
+        """Nothing reads (or is about to) and nothing writes."""
+        return self.num_streams == 0 and self.num_requests == 0
 
-    async def batches(self) -> AsyncIterator[bytes]:
+    @property
+    def num_waiting(self) -> int:
+        """Chunks put and not yet read by a step stream."""
+        return len(self._chunks)
+
+    async def batches(self) -> AsyncGenerator[bytes, None]:
         """Each wake-up's waiting chunks, as one message, until the reader goes or a
         newer step stream of the same caller takes over (one reader at a time: two
         would split a request's chunks)."""
         self._reader += 1
         me = self._reader
-        self.attached = True
         self._ready.set()  # wakes an older reader, to step aside
-        try:
-            while True:
-                await self._ready.wait()
-                if self._reader != me:
-                    return
-                self._ready.clear()
-                chunks, self._chunks = self._chunks, []
-                if chunks:
-                    yield encode_batch(chunks)
-        finally:
-            if self._reader == me:
-                self.attached = False
+        while True:
+            await self._ready.wait()
+            if self._reader != me:
+                return
+            self._ready.clear()
+            chunks, self._chunks = self._chunks, []
+            if chunks:
+                yield encode_batch(chunks)
 
 
 class StepOutboxes:
     """An engine host's outboxes, one per caller, and the two calls' bodies (see the
     module): ``run_request`` for ``generate_stepped``, ``run_steps`` for ``steps``. An
-    outbox is forgotten once nothing reads it and nothing writes to it."""
+    outbox is forgotten once nothing reads it, nothing writes to it and nothing waits in
+    it; one that still holds chunks is kept for the caller's next step stream, and
+    dropped ``unread_ttl_s`` later if none came."""
 
-    def __init__(self, replica: str) -> None:
+    def __init__(self, replica: str, *, unread_ttl_s: float) -> None:
         self.replica = replica
+        self.unread_ttl_s = unread_ttl_s
+        self.num_unread_dropped = 0  # chunks dropped with an outbox no stream came for
         self._by_caller: dict[str, StepOutbox] = {}
+
+    def __len__(self) -> int:
+        """The callers whose outbox is held."""
+        return len(self._by_caller)
 
     def _of(self, caller: str) -> StepOutbox:
         outbox = self._by_caller.get(caller)
@@ -130,8 +164,33 @@ class StepOutboxes:
 
     def _forget_idle(self, caller: str) -> None:
         outbox = self._by_caller.get(caller)
-        if outbox is not None and outbox.idle:
+        if outbox is None or not outbox.idle:
+            return
+        if not outbox.num_waiting:
             del self._by_caller[caller]
+            return
+        # Chunks nobody read yet: the caller's step stream may still be on its way.
+        outbox.num_idle += 1
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.unread_ttl_s, self._drop_unread, caller, outbox, outbox.num_idle)
+
+    def _drop_unread(self, caller: str, outbox: StepOutbox, num_idle: int) -> None:
+        """Drop ``outbox`` if it stayed idle since the drop was scheduled."""
+        if self._by_caller.get(caller) is not outbox or not outbox.idle:
+            return
+        if outbox.num_idle != num_idle:
+            return  # read or written meanwhile: a later drop is scheduled
+        del self._by_caller[caller]
+        self.num_unread_dropped += outbox.num_waiting
+        log.warning(
+            "step outbox of caller %s on %s dropped unread after %.0f s: %d chunks "
+            "(%d dropped in all)",
+            caller,
+            self.replica,
+            self.unread_ttl_s,
+            outbox.num_waiting,
+            self.num_unread_dropped,
+        )
 
     async def run_request(
         self, caller: str, stream: AsyncIterator[GenerateChunk]
@@ -152,13 +211,19 @@ class StepOutboxes:
                 await close()
 
     async def run_steps(self, opened: StepsOpen) -> AsyncIterator[str | bytes]:
-        """This replica's id, then ``opened.caller``'s batches until the caller goes."""
+        """This replica's id, then ``opened.caller``'s batches until the caller goes. The
+        outbox is held from the start: forgotten while its id travels, the stream would
+        read an outbox no request writes to any more."""
         outbox = self._of(opened.caller)
+        outbox.num_streams += 1
         try:
             yield self.replica
-            async for batch in outbox.batches():
-                yield batch
+            # Closed with this stream, so the outbox is no longer read when it is forgotten.
+            async with contextlib.aclosing(outbox.batches()) as batches:
+                async for batch in batches:
+                    yield batch
         finally:
+            outbox.num_streams -= 1
             self._forget_idle(opened.caller)
 
 

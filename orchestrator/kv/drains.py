@@ -19,7 +19,11 @@ copied there instead: the tier's store reads the blocks over NIXL (the decode en
 frees them when the read lands, as after any read), and the copy is booked as the
 session's record (``KVLifecycle.demote``), which the session's next turn pulls as it
 would from a decode engine. A take-in that fails falls back to the drain (an expiring
-record's blocks are left to their TTL); a copy the lifecycle no longer wants (the
+record's blocks are left to their TTL), but only when nothing reads the blocks: a take-in
+whose READ may still land (``HostReadPending``: in flight at the store's deadline, or no
+answer from the store) leaves them to the store, which ends the decode's hold on them
+when the READ is over (its notification), so they are never freed twice nor read back
+while the store may still be reading them. A copy the lifecycle no longer wants (the
 session moved on meanwhile) is released in the store. A host copy's own effects release
 it there: nothing is read back from a host tier.
 """
@@ -48,7 +52,15 @@ from policies.kv_lifecycle import (
     prefix_hash,
 )
 
-__all__ = ["Drains", "HostCopy", "HostTier", "PrefillPool", "host_record", "host_tag"]
+__all__ = [
+    "Drains",
+    "HostCopy",
+    "HostReadPending",
+    "HostTier",
+    "PrefillPool",
+    "host_record",
+    "host_tag",
+]
 
 log = logging.getLogger("kvtide.kv_service")
 
@@ -99,8 +111,15 @@ def host_record(copy: HostCopy, tag: dict[str, Any], now: float) -> KVRecord | N
         return None
 
 
+class HostReadPending(RuntimeError):
+    """A take-in failed with its READ possibly still in flight: the store, not the
+    service, ends the decode engine's hold on the blocks (``engines.host_store``)."""
+
+
 class HostTier(Protocol):
-    """The host-memory tier as the service reaches it (``orchestrator.kv.host_tier``)."""
+    """The host-memory tier as the service reaches it (``orchestrator.kv.host_tier``).
+    ``take_in`` answers within the tier's own deadline: the copy; None, nothing read;
+    ``HostReadPending``, the READ may still land; any other error, nothing read."""
 
     async def take_in(
         self, params: KVTransferParams, tag: dict[str, Any] | None = None
@@ -151,6 +170,7 @@ class Drains:
                 "drains_withheld",
                 "host_take_ins",
                 "host_take_in_failures",
+                "host_reads_pending",
                 "host_unbooked",
                 "host_releases",
             ),
@@ -172,6 +192,7 @@ class Drains:
             "num_drains_withheld": c["drains_withheld"],
             "num_host_take_ins": c["host_take_ins"],
             "num_host_take_in_failures": c["host_take_in_failures"],
+            "num_host_reads_pending": c["host_reads_pending"],
             "num_host_unbooked": c["host_unbooked"],
             "num_host_releases": c["host_releases"],
         }
@@ -231,17 +252,23 @@ class Drains:
         self, record: KVRecord, token_ids: Sequence[int] | None, *, drain: bool = True
     ) -> None:
         """Copy ``record``'s blocks to the host tier and book the copy; else, with
-        ``drain``, drain them (with the tokens the blocks hold, when known)."""
+        ``drain`` and nothing reading them, drain them (with the tokens the blocks
+        hold, when known). The take-in is bounded by the tier's own deadline, which
+        knows its READ's: one of the service's own would pass first and leave a READ
+        in flight under the drain."""
         assert self.host is not None and self.demote is not None and self.clock is not None
         params = params_of(record)
         try:
             if self.mark_read is not None:
                 mark = self.mark_read(record.engine_id, params.remote_request_id or "")
                 await asyncio.wait_for(mark, self.timeout_s)
-            copy = await asyncio.wait_for(
-                self.host.take_in(params, host_tag(record)), self.timeout_s
-            )
-        except Exception as exc:  # the tier failed or timed out: the blocks stay put
+            copy = await self.host.take_in(params, host_tag(record))
+        except HostReadPending as exc:  # the store frees them when its READ is over
+            log.warning("host tier take-in of %s failed: %s", params.remote_request_id, exc)
+            self.counters["host_take_in_failures"] += 1
+            self.counters["host_reads_pending"] += 1
+            return
+        except Exception as exc:  # the tier failed before reading: the blocks stay put
             log.warning("host tier take-in of %s failed: %s", params.remote_request_id, exc)
             copy = None
         if copy is None:

@@ -18,6 +18,13 @@ A store is a detached actor named after the application and its node: a restarte
 service finds it, and books the copies it holds again from the tags their take-ins left
 with them (``KVService.adopt_host_copies``); ``kvtide``'s shutdown stops it with the
 service.
+
+A take-in that fails has one owner of the decode's blocks: the service drains them only
+when the store answers that nothing reads them (no room, refused, the handshake or the
+READ failed). A READ in flight at the store's deadline is the store's to end
+(``HostReadPending``: ``engines.host_store``), and so is one whose answer never came:
+the client gives the store its READ's deadline and a margin (``ANSWER_MARGIN_S``), and
+past that it cannot tell whether the READ still runs.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import ray
 
 from engines.kv_params import KVTransferParams
 from orchestrator.cluster.ports import free_port
-from orchestrator.kv.drains import HostCopy
+from orchestrator.kv.drains import HostCopy, HostReadPending
 
 __all__ = [
     "REUSE_AFTER_S",
@@ -50,6 +57,11 @@ log = logging.getLogger("kvtide.kv_service")
 REUSE_AFTER_S = 60.0
 """How long a freed store block stays unused: past any pull's deadline
 (``kv.pull_timeout_s``) with room to spare."""
+
+
+ANSWER_MARGIN_S = 5.0
+"""How much longer than its READ's deadline a take-in's answer may take: the
+handshake with an engine the store has not read from yet, and Ray's call."""
 
 
 START_TIMEOUT_S = 120.0
@@ -87,17 +99,19 @@ class HostStoreActor:
 
     def take_in(
         self, params: dict[str, Any], timeout_s: float, tag: dict[str, Any] | None = None
-    ) -> tuple[dict[str, Any], float] | None:
+    ) -> tuple[dict[str, Any], float] | str | None:
         """The copy's params and how long it is kept; None when the store has no room
-        or the read failed (the blocks stay on their engine). ``tag``: kept with the
-        copy for a restarted service (``entries``)."""
+        or the read failed (nothing reads the blocks: they stay on their engine); the
+        error, as text, when the READ is still in flight (the store ends the engine's
+        hold on the blocks). ``tag``: kept with the copy for a restarted service
+        (``entries``)."""
         from engines.host_store import LayoutMismatch, TakeInFailed, UnsupportedEngine
 
         try:
             copy = self.store.take_in(params, timeout_s=timeout_s, tag=tag)
         except (TakeInFailed, LayoutMismatch, UnsupportedEngine) as exc:
             log.warning("host store: %s", exc)
-            return None
+            return str(exc) if getattr(exc, "read_in_flight", False) else None
         return None if copy is None else (copy, self.store.ttl_s)
 
     def release(self, store_request_id: str) -> bool:
@@ -167,12 +181,20 @@ def lookup_host_store(store_id: str, namespace: str) -> Any:
 
 class HostTierClient:
     """The service's side of the tier (``orchestrator.kv.drains.HostTier``): each call
-    one call of a ``HostStoreActor`` method, bounded by ``timeout_s``; ``call(name,
-    *args)`` makes it (a Ray actor call, or in a process without Ray a thread)."""
+    one call of a ``HostStoreActor`` method, bounded by ``timeout_s`` (a take-in: its
+    READ's deadline, ``answer_margin_s`` more for the answer); ``call(name, *args)``
+    makes it (a Ray actor call, or in a process without Ray a thread)."""
 
-    def __init__(self, call: Callable[..., Awaitable[Any]], *, timeout_s: float) -> None:
+    def __init__(
+        self,
+        call: Callable[..., Awaitable[Any]],
+        *,
+        timeout_s: float,
+        answer_margin_s: float = ANSWER_MARGIN_S,
+    ) -> None:
         self.call = call
         self.timeout_s = timeout_s
+        self.answer_margin_s = answer_margin_s
 
     @classmethod
     def of_actor(cls, actor: Any, *, timeout_s: float) -> HostTierClient:
@@ -191,11 +213,19 @@ class HostTierClient:
     async def take_in(
         self, params: KVTransferParams, tag: dict[str, Any] | None = None
     ) -> HostCopy | None:
-        answer = await asyncio.wait_for(
-            self.call("take_in", params.to_vllm(), self.timeout_s, tag), self.timeout_s + 5
-        )
+        try:
+            answer = await asyncio.wait_for(
+                self.call("take_in", params.to_vllm(), self.timeout_s, tag),
+                self.timeout_s + self.answer_margin_s,
+            )
+        except Exception as exc:  # asked, and no answer: its READ may run
+            raise HostReadPending(
+                f"no answer to the take-in of {params.remote_request_id}: {exc!r}"
+            ) from exc
         if answer is None:
             return None
+        if isinstance(answer, str):
+            raise HostReadPending(answer)
         copy, kept_for_s = answer
         return HostCopy(params=KVTransferParams.from_vllm(copy), expires_in_s=kept_for_s)
 

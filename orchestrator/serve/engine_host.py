@@ -186,7 +186,10 @@ class EngineHost:
         self._chunk_tokens = config.server.stream_chunk_tokens
         self._chunk_window_s = config.server.stream_chunk_window_ms / 1000
         self._warm_ups: dict[str, WarmUp] = {}
-        self._outboxes = StepOutboxes(ctx.replica_id.unique_id)
+        # Chunks no step stream read wait at most a request's deadline.
+        self._outboxes = StepOutboxes(
+            ctx.replica_id.unique_id, unread_ttl_s=config.server.request_timeout_s
+        )
         self.engine = create_engine(spec)
         self._info: EngineInfo = await self.engine.start()
         log.info("engine %s ready: %s", engine_id, self._info)

@@ -381,3 +381,44 @@ def test_a_restarted_service_finds_every_nodes_store() -> None:
         assert sorted(tag["i"] for _, tag in await stores.entries()) == [0, 1]
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("store", ["read in flight", "no answer"])
+def test_a_take_in_whose_read_may_still_land_is_not_drained_by_the_service(store: str) -> None:
+    # The store's READ of a's blocks outlives its deadline. Drained as well, the blocks
+    # would be read back (and freed on the decode) while the READ may still read them,
+    # and freed again by its notification: one owner ends the decode's hold, the store.
+    from test_host_store import FakeNixlAgent, store_reading_from
+
+    from orchestrator.kv.host_tier import HostStoreActor, HostTierClient
+
+    agent = FakeNixlAgent(plan=["PROC"])
+    actor = HostStoreActor.__new__(HostStoreActor)  # its store, without Ray and NIXL
+    actor.store = store_reading_from(agent, ["D"], num_blocks=16)
+    tier = HostTierClient.in_process(actor, timeout_s=0.05)
+    if store == "no answer":  # the store's answer is lost: its READ may run on
+
+        async def never(name: str, *args: Any) -> Any:
+            await asyncio.Event().wait()
+
+        tier = HostTierClient(never, timeout_s=0.05, answer_margin_s=0.05)
+    c = Cluster()
+    svc = c.new_service(idle_budget_bytes=RECORD_BYTES, host=tier)
+
+    async def run() -> None:
+        await c.turn(prompt(0), "a")
+        a_kept = svc.decider.lifecycle.record("a")
+        assert a_kept is not None
+        await c.turn(prompt(1_000), "b")  # a goes to the tier, whose READ hangs
+        await asyncio.wait_for(svc.wait_drains(), 10)
+        stats = svc.drains.stats()
+        assert (stats["num_drains"], stats["num_host_reads_pending"]) == (0, 1)
+        assert svc.decider.lifecycle.record("a") is None
+        if store == "read in flight":  # the READ lands late: its notification, once
+            agent.end(0, "DONE")
+            actor.store._end_late_reads()
+            request_id = params_of(a_kept).remote_request_id
+            assert agent.delivered == [("D", f"{request_id}:1".encode())]
+            assert actor.store.stats().num_entries == 0  # nobody books a late copy
+
+    asyncio.run(run())

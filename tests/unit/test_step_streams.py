@@ -102,7 +102,7 @@ class Host:
 
     def __init__(self, replica: str = "r1") -> None:
         self.engine = Engine()
-        self.outboxes = StepOutboxes(replica)
+        self.outboxes = StepOutboxes(replica, unread_ttl_s=600.0)
         self.messages: list[bytes] = []
         self.generate_stepped = Method(self._run_request)
         self.steps = Method(self._run_steps)
@@ -240,7 +240,7 @@ def test_a_newer_step_stream_of_the_same_caller_takes_over_the_outbox() -> None:
     # An ingress that saw its step stream fail opens another while the host may still
     # run the old one: the chunks go to the new one only, none split off to the old.
     async def story() -> tuple[list[Any], list[list[int]]]:
-        outboxes = StepOutboxes("r1")
+        outboxes = StepOutboxes("r1", unread_ttl_s=600.0)
         opened = StepsOpen(replica="r1", caller="ingress-1")
         old, new = outboxes.run_steps(opened), outboxes.run_steps(opened)
         assert await anext(old) == "r1"
@@ -260,3 +260,105 @@ def test_a_newer_step_stream_of_the_same_caller_takes_over_the_outbox() -> None:
         return [type(e) for e in ended], [list(c.token_ids) for c in decode_batch(message)]
 
     assert asyncio.run(story()) == ([StopAsyncIteration], [[7]])
+
+
+async def run_to_the_end(
+    outboxes: StepOutboxes, caller: str, tokens: list[int], request_id: str = "a"
+) -> None:
+    """A request of ``caller`` runs on the host, one step a token, and ends (its call
+    too) before anything reads its chunks."""
+    engine = Engine()
+    request = outboxes.run_request(caller, engine.stream(req(request_id)))
+    assert await anext(request) == outboxes.replica
+    pump = asyncio.ensure_future(anext(request, None))
+    await settle()
+    for token in tokens[:-1]:
+        engine.step({request_id: token})
+    engine.step({request_id: tokens[-1]}, finished=(request_id,))
+    assert await pump is None  # the request's call ended: the engine request is done
+
+
+@pytest.mark.parametrize("stream_before", [False, True])
+def test_a_request_that_ends_before_its_step_stream_reads_it_keeps_every_chunk(
+    stream_before: bool,
+) -> None:
+    # A 2-token answer on a fast engine: the engine request ends, its finished chunk in
+    # the outbox, before the caller's step stream reaches the replica (or after the
+    # caller's previous step stream there ended). The next step stream gets it all.
+    async def story() -> tuple[list[list[int]], bool, int]:
+        outboxes = StepOutboxes("r1", unread_ttl_s=600.0)
+        opened = StepsOpen(replica="r1", caller="ingress-1")
+        if stream_before:
+            earlier = outboxes.run_steps(opened)
+            assert await anext(earlier) == "r1"
+            waiting = asyncio.ensure_future(anext(earlier))
+            await settle()
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+            await earlier.aclose()  # that stream ended: nothing reads the outbox now
+        await run_to_the_end(outboxes, "ingress-1", [7, 8])
+        steps = outboxes.run_steps(opened)  # the caller's step stream arrives only now
+        assert await anext(steps) == "r1"
+        message = await asyncio.wait_for(anext(steps), 5.0)  # a guard: lost, it never comes
+        chunks = decode_batch(message)
+        await steps.aclose()
+        return [list(c.token_ids) for c in chunks], chunks[-1].finished, len(outboxes)
+
+    assert asyncio.run(story()) == ([[7], [8]], True, 0)
+
+
+def test_a_short_answer_finished_before_the_ingress_reads_it_reaches_its_reader() -> None:
+    # The live hang: the request's own call names the replica only after the engine
+    # finished it; the ingress opens its step stream to that replica then.
+    async def story() -> list[tuple[list[int], bool]]:
+        host = Host()
+        channels = StepChannels(host, caller="ingress-1")
+        a = channels.generate(req("a"))
+        await settle()  # the call runs; nothing reads it yet
+        host.engine.step({"a": 1})
+        host.engine.step({"a": 2}, finished=("a",))
+        await settle()
+        assert host.engine.closed == ["a"] and host.steps.calls == []
+        got = [await asyncio.wait_for(anext(a), 5.0) for _ in range(2)]  # a guard, as above
+        return [(list(c.token_ids), c.finished) for c in got]
+
+    assert asyncio.run(story()) == [([1], False), ([2], True)]
+
+
+def test_an_outbox_no_step_stream_comes_for_is_dropped_after_its_ttl_and_counted() -> None:
+    # The caller's ingress died after its request ran: its chunks are not kept forever.
+    async def story() -> tuple[int, int]:
+        outboxes = StepOutboxes("r1", unread_ttl_s=0.0)
+        await run_to_the_end(outboxes, "ingress-gone", [1, 2])
+        held = len(outboxes)
+        await settle()  # past the TTL (0 s here): the drop ran
+        assert held == 1
+        return len(outboxes), outboxes.num_unread_dropped
+
+    assert asyncio.run(story()) == (0, 2)
+
+
+def test_a_step_stream_on_its_way_keeps_the_outbox_a_failed_request_leaves_empty() -> None:
+    # The step stream has taken its outbox and its first item (the replica's id) is on
+    # its way to the ingress when the only request there fails before any output. Were
+    # the empty outbox forgotten then, the stream would read it forever while the next
+    # requests write to a new one: every later request of that ingress there would hang.
+    async def story() -> list[int]:
+        outboxes = StepOutboxes("r1", unread_ttl_s=600.0)
+        engine = Engine()
+        failing = outboxes.run_request("ingress-1", engine.stream(req("a")))
+        assert await anext(failing) == "r1"
+        pump = asyncio.ensure_future(anext(failing, None))
+        await settle()
+        steps = outboxes.run_steps(StepsOpen(replica="r1", caller="ingress-1"))
+        assert await anext(steps) == "r1"  # not read by the ingress yet
+        engine.queues["a"].put_nowait(RuntimeError("KV load failed"))
+        with pytest.raises(RuntimeError, match="KV load failed"):
+            await pump
+        message = asyncio.ensure_future(anext(steps))
+        await run_to_the_end(outboxes, "ingress-1", [3], request_id="b")
+        chunks = decode_batch(await asyncio.wait_for(message, 5.0))  # a guard, as above
+        await steps.aclose()
+        return [t for c in chunks for t in c.token_ids]
+
+    assert asyncio.run(story()) == [3]
