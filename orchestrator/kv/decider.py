@@ -18,7 +18,7 @@ from orchestrator.kv.messages import KVDecision
 from policies.kv_lifecycle import Effect, KVLifecycle, KVLifecycleConfig, KVRecord, TurnAction
 from policies.kv_records import RecomputeReason
 
-__all__ = ["Effect", "KVDecider", "KVDecision", "kv_lifecycle_config", "params_of"]
+__all__ = ["Effect", "KVDecider", "KVDecision", "kv_decision", "kv_lifecycle_config", "params_of"]
 
 
 def params_of(record: KVRecord) -> KVTransferParams:
@@ -30,6 +30,29 @@ def params_of(record: KVRecord) -> KVTransferParams:
             f"{type(params).__name__} transfer params; kvtide books KVTransferParams"
         )
     return params
+
+
+def kv_decision(
+    verdict: RecomputeReason | None,
+    params: KVTransferParams | None = None,
+    *,
+    num_tokens: int = 0,
+    source_pool: str = "decode",
+) -> KVDecision:
+    """The one place a turn's KV plan is built, from the verdict of
+    ``policies.kv_cost`` (``decide_turn`` for the service, ``offer_refused`` under a
+    turn lease; None: pull) and the kept blocks the verdict is about. So "why was this
+    turn recomputed?" is answered by ``policies/kv_cost.py`` and this call."""
+    if verdict is not None:
+        return KVDecision(kind="recompute", reason=verdict)
+    if params is None:
+        raise ValueError("a pull needs the kept blocks' kv_transfer_params")
+    return KVDecision(
+        kind="pull",
+        kv_transfer_params=params,
+        num_reusable_tokens=num_tokens,
+        source_pool=source_pool,
+    )
 
 
 def kv_lifecycle_config(
@@ -62,17 +85,17 @@ class KVDecider:
         self, session_id: str | None, prompt_token_ids: Sequence[int], now_s: float
     ) -> KVDecision:
         if session_id is None:
-            return KVDecision(kind="recompute", reason=RecomputeReason.NO_SESSION.value)
+            return kv_decision(RecomputeReason.NO_SESSION)
         decision = self.lifecycle.on_turn_start(session_id, prompt_token_ids, now_s)
-        if decision.action is TurnAction.PULL_FROM_DECODE and decision.record is not None:
-            return KVDecision(
-                kind="pull",
-                reason="reuse",
-                kv_transfer_params=params_of(decision.record),
-                num_reusable_tokens=decision.num_reusable_tokens,
-                source_pool=decision.record.pool_id,
+        record = decision.record
+        if decision.action is TurnAction.PULL_FROM_DECODE and record is not None:
+            return kv_decision(
+                None,
+                params_of(record),
+                num_tokens=decision.num_reusable_tokens,
+                source_pool=record.pool_id,
             )
-        return KVDecision(kind="recompute", reason=str(decision.reason))
+        return kv_decision(decision.reason or RecomputeReason.NO_RECORD)
 
     def pull_failed(self, session_id: str | None, now_s: float) -> list[Effect]:
         if session_id is None:

@@ -12,6 +12,7 @@ from typing import Literal
 import msgspec
 
 from engines.kv_params import KVTransferParams
+from policies.kv_records import RecomputeReason
 
 __all__ = [
     "Claim",
@@ -39,13 +40,24 @@ class SessionPrefix(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class KVDecision(msgspec.Struct, frozen=True, kw_only=True):
-    """The service's answer for a new turn: pull the kept KV back, or recompute."""
+    """A turn's KV plan: pull the kept KV back, or recompute it and why. Built by
+    ``orchestrator.kv.decider.kv_decision`` alone (the service's plan and a turn lease's
+    alike). Invariant: ``reason`` is None exactly for a pull, which names its blocks."""
 
     kind: Literal["pull", "recompute"]
-    reason: str
+    reason: RecomputeReason | None = None
     kv_transfer_params: KVTransferParams | None = None  # a pull: the kept blocks
     num_reusable_tokens: int = 0
     source_pool: str = "decode"  # a pull: the kept blocks' pool ("host": a host tier)
+
+    def __post_init__(self) -> None:
+        if (self.kind == "pull") != (self.reason is None):
+            raise ValueError(f"a {self.kind} with reason {self.reason!r}")
+
+    @property
+    def reason_text(self) -> str:
+        """The plan's reason as a turn reports it: ``reuse`` for a pull."""
+        return "reuse" if self.reason is None else self.reason.value
 
 
 class IntegrityMismatch(msgspec.Struct, frozen=True, kw_only=True):

@@ -49,6 +49,7 @@ from orchestrator.errors import (
     RequestError,
     ServiceUnavailable,
 )
+from orchestrator.kv.decider import kv_decision
 from orchestrator.kv.messages import KVDecision
 from orchestrator.kv.service import KVServiceAPI
 from orchestrator.kv.session_tokens import SessionTokens
@@ -309,14 +310,14 @@ class Router(PrefillSide, DecodeSide):
                 if given is not None:
                     decision = given
                 elif session_id is None:
-                    decision = KVDecision(kind="recompute", reason=RecomputeReason.NO_SESSION.value)
+                    decision = kv_decision(RecomputeReason.NO_SESSION)
                 else:
                     decision = await self.kv.decide_turn(session_id, prompt_token_ids)
                 tr.set_attrs(
                     decision_span,
-                    {tr.KV_PLAN: decision.kind, tr.KV_PLAN_REASON: decision.reason},
+                    {tr.KV_PLAN: decision.kind, tr.KV_PLAN_REASON: decision.reason_text},
                 )
-            report.kv_plan, report.kv_plan_reason = decision.kind, decision.reason
+            report.kv_plan, report.kv_plan_reason = decision.kind, decision.reason_text
             report.extra["integrity"] = self.integrity.sample(decision)
 
             base = {"prompt_token_ids": prompt_token_ids, "session_id": session_id, **sampling}

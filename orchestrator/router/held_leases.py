@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engines.kv_params import KVTransferParams
+from orchestrator.kv.decider import kv_decision
 from orchestrator.kv.messages import KVDecision, LeasedRecord, TurnLease
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.turn_leases import (
@@ -224,7 +225,7 @@ def leased_decision(
     less the lease's margin), the prompt extends the recorded tokens, and the verdict
     of the record alone (threshold, cost)."""
     if record is None or offer_until_s is None:
-        return KVDecision(kind="recompute", reason=RecomputeReason.NO_RECORD.value)
+        return kv_decision(RecomputeReason.NO_RECORD)
     refused = offer_refused(
         offer_deadline_s=offer_until_s,
         num_tokens=record.num_tokens,
@@ -233,12 +234,9 @@ def leased_decision(
         prompt_token_ids=prompt_token_ids,
         now_s=now_s,
     )
-    if refused is not None:
-        return KVDecision(kind="recompute", reason=refused.value)
-    return KVDecision(
-        kind="pull",
-        reason="reuse",
-        kv_transfer_params=record.kv_transfer_params,
-        num_reusable_tokens=record.num_tokens,
+    return kv_decision(
+        refused,
+        record.kv_transfer_params,
+        num_tokens=record.num_tokens,
         source_pool=record.source_pool,
     )

@@ -144,7 +144,7 @@ class IntegrityCheck:
         if fraction <= 0 or self.rng.random() >= fraction:
             return None
         return IntegritySample(
-            source_engine_id=params.remote_engine_id, plan_reason=decision.reason
+            source_engine_id=params.remote_engine_id, plan_reason=decision.reason_text
         )
 
     def after_turn(

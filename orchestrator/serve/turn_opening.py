@@ -273,7 +273,7 @@ class TurnOpening:
         if lease is None:
             return None, None, None, waited_s
         decision = leases.decide(lease, ids)
-        reason = None if decision.kind == "pull" else decision.reason
+        reason = None if decision.reason is None else decision.reason.value
         self.metrics.inc("kvtide_turn_leases_total", outcome="used")
         used = asyncio.get_running_loop().create_task(
             self.kv.lease_used(session_id, lease.lease_id, reason, leases.provisional(lease))

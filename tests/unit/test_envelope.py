@@ -18,6 +18,7 @@ from orchestrator.kv.messages import Claim, KVDecision, TurnDone
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.service import API_METHODS, KVService
 from orchestrator.kv.session_tokens import NO_PREFIX
+from policies.kv_records import RecomputeReason
 
 
 class Enveloped:
@@ -74,7 +75,10 @@ def test_arguments_and_answers_keep_their_types() -> None:
         async def begin_turn(self, *args: Any) -> Claim:
             assert args == ("s", alice, [1, 2, 3], NO_PREFIX, 0, None)  # defaults filled in
             assert type(args[1]) is Principal
-            return Claim(outcome="claimed", decision=KVDecision(kind="recompute", reason="r"))
+            return Claim(
+                outcome="claimed",
+                decision=KVDecision(kind="recompute", reason=RecomputeReason.NO_RECORD),
+            )
 
         async def turn_done(self, got: TurnDone) -> bool:
             assert got.token_ids == [1, 2, 3]

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import msgspec
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from kv_stories import CONFIG, tokens
 
 from engines.kv_params import KVTransferParams
-from orchestrator.kv.messages import LeasedRecord
+from orchestrator.kv.decider import kv_decision
+from orchestrator.kv.messages import KVDecision, LeasedRecord
 from orchestrator.router.held_leases import leased_decision
 from policies.kv_cost import decide_turn, worth_pulling
-from policies.kv_records import KVRecord, TurnAction, prefix_hash
+from policies.kv_records import KVRecord, RecomputeReason, TurnAction, prefix_hash
 
 EXPIRY_S = 480.0
 
@@ -80,7 +83,7 @@ def test_the_service_and_a_lease_decide_a_turn_alike(
     assert (by_lease.kind == "pull") == pulls, (by_service, by_lease)
     if not pulls:
         assert by_service.reason is not None
-        assert by_lease.reason == by_service.reason.value, (by_service, by_lease)
+        assert by_lease.reason is by_service.reason, (by_service, by_lease)
     else:
         assert by_lease.num_reusable_tokens == by_service.num_reusable_tokens
 
@@ -90,3 +93,29 @@ def test_a_lease_plans_nothing_past_its_offer() -> None:
     assert leased_decision(lease, deadline, tokens(1200), deadline - 0.01).kind == "pull"
     late = leased_decision(lease, deadline, tokens(1200), deadline)
     assert (late.kind, late.reason) == ("recompute", "within_margin")
+
+
+def test_a_decision_says_why_it_recomputes_in_its_type_and_a_pull_has_no_reason() -> None:
+    params = KVTransferParams(remote_engine_id="D")
+    pull = kv_decision(None, params, num_tokens=256, source_pool="host")
+    assert (pull.kind, pull.reason, pull.reason_text) == ("pull", None, "reuse")
+    assert (pull.num_reusable_tokens, pull.source_pool) == (256, "host")
+    why = kv_decision(RecomputeReason.PREFIX_MISMATCH, params)
+    assert (why.kind, why.reason, why.kv_transfer_params) == (
+        "recompute",
+        RecomputeReason.PREFIX_MISMATCH,
+        None,
+    )
+    # The types hold across the wire: the reason decodes as the enum, and a decision that
+    # breaks the invariant is refused wherever it is made or read.
+    again = msgspec.msgpack.decode(msgspec.msgpack.encode(why), type=KVDecision)
+    assert again.reason is RecomputeReason.PREFIX_MISMATCH
+    for bad in (
+        {"kind": "pull", "reason": "prefix_mismatch"},
+        {"kind": "recompute", "reason": None},
+        {"kind": "recompute", "reason": "no_such_reason"},
+    ):
+        with pytest.raises((ValueError, msgspec.ValidationError)):
+            msgspec.msgpack.decode(msgspec.msgpack.encode(bad), type=KVDecision)
+    with pytest.raises(ValueError, match="kv_transfer_params"):
+        kv_decision(None)

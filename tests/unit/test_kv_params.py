@@ -169,7 +169,7 @@ def test_messages_carrying_params_encode_and_pickle() -> None:
             request_id="r", prompt_token_ids=[1], max_tokens=1, kv_transfer_params=params
         ),
         GenerateChunk(request_id="r", finished=True, kv_transfer_params=params),
-        KVDecision(kind="pull", reason="reuse", kv_transfer_params=params),
+        KVDecision(kind="pull", kv_transfer_params=params),
         TurnDone(session_id="s", token_ids=[1, 2], kv_transfer_params=params),
         LedgerReport(
             engine_id="decode-0",

@@ -84,3 +84,32 @@ def test_public_names_are_pinned() -> None:
         "abort_stream",
         "bounded",
     ]
+
+
+def _modules_importing(package: str) -> set[str]:
+    """The project's modules with an ``import package`` or ``from package...`` anywhere."""
+    import ast
+
+    found = set()
+    for root in ("orchestrator", "engines", "kernels", "placement", "policies"):
+        for path in (REPO / root).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                    if isinstance(node, ast.ImportFrom) and node.level == 0
+                    else []
+                )
+                if any(n == package or n.startswith(package + ".") for n in names):
+                    found.add(str(path.relative_to(REPO)))
+    return found
+
+
+def test_the_modules_that_import_vllm_are_the_ones_the_architecture_lists() -> None:
+    import re
+
+    text = (REPO / "docs" / "architecture.md").read_text()
+    section = text.split("### Where vLLM is imported", 1)[1].split("\n#", 1)[0]
+    listed = set(re.findall(r"^- `([^`]+\.py)`", section, re.M))
+    assert _modules_importing("vllm") == listed
