@@ -224,10 +224,15 @@ class OwnLayer(VLLMRoutes):
                 out.add(chunk)
         finally:
             await turn.aclose()  # a cancelled request ends its turn now, not at GC
-        body = final_body(req, rid, ids, out, report)
+        body = final_body(req, rid, ids, out, report, self._fingerprint())
         if replay_key is not None:
             await self.kv.replay_complete(replay_key, body)
         return JSONResponse(body, headers=opened.headers)
+
+    def _fingerprint(self) -> str | None:
+        """vLLM's ``system_fingerprint`` for this model, as kvtide's vLLM layer gives it."""
+        serving = getattr(self, "vllm", None)
+        return None if serving is None else serving.chat.system_fingerprint
 
     def _replayed(self, req: api.ApiRequest, body: dict[str, Any]) -> Any:
         """A completed turn's stored response, in the shape this request asked for."""
@@ -283,7 +288,9 @@ class OwnLayer(VLLMRoutes):
                     break
                 item = await turn.__anext__()
             if replay_key is not None:
-                await self.kv.replay_complete(replay_key, final_body(req, rid, ids, out, report))
+                await self.kv.replay_complete(
+                    replay_key, final_body(req, rid, ids, out, report, self._fingerprint())
+                )
             completed = True
         except RequestError as exc:
             yield stream_error(exc.body(), out)

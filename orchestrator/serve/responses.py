@@ -145,14 +145,24 @@ async def begin_replay(
 
 
 def final_body(
-    req: api.ApiRequest, rid: str, ids: list[int], out: Output, report: TurnReport
+    req: api.ApiRequest,
+    rid: str,
+    ids: list[int],
+    out: Output,
+    report: TurnReport,
+    fingerprint: str | None,
 ) -> dict[str, Any]:
+    """A finished turn's response body, as vLLM's server writes it: its
+    ``system_fingerprint`` (``fingerprint``, the same as kvtide's vLLM layer gives) and,
+    with ``return_token_ids``, the prompt's ids where vLLM puts them (a chat's at the top,
+    a completion's in its choice) and the answer's in the choice."""
     make = api.chat_response if req.kind == "chat" else api.completion_response
     body = make(
         rid, req.model, "".join(out.text), report.finish_reason, usage_of(report), report.as_dict()
     )
+    body["system_fingerprint"] = fingerprint
     if req.return_token_ids:
-        body["prompt_token_ids"] = ids
+        (body if req.kind == "chat" else body["choices"][0])["prompt_token_ids"] = ids
         body["choices"][0]["token_ids"] = out.token_ids
     return body
 
@@ -169,7 +179,9 @@ async def replay_sse(req: api.ApiRequest, body: dict[str, Any]) -> AsyncIterator
         text=text,
         first=True,
         token_ids=choice.get("token_ids") if req.return_token_ids else None,
-        prompt_token_ids=body.get("prompt_token_ids") if req.return_token_ids else None,
+        prompt_token_ids=(body if req.kind == "chat" else choice).get("prompt_token_ids")
+        if req.return_token_ids
+        else None,
     )
     yield api.stream_chunk(
         req.kind, rid, req.model, text="", finish=choice["finish_reason"], ext=ext

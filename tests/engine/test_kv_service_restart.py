@@ -27,7 +27,8 @@ def _kv_stats(app: Any) -> dict[str, Any]:
 
 
 def _next_prompt(turn: dict[str, Any], new: list[int]) -> list[int]:
-    return [*turn["prompt_token_ids"], *turn["choices"][0]["token_ids"], *new]
+    choice = turn["choices"][0]
+    return [*choice["prompt_token_ids"], *choice["token_ids"], *new]
 
 
 def test_a_restarted_service_keeps_the_conversation_reusing_its_kv(kvtide_app: Any) -> None:
@@ -59,7 +60,7 @@ def test_a_restarted_service_keeps_the_conversation_reusing_its_kv(kvtide_app: A
     # Exactly what the engines still hold: turn 2's blocks, not turn 1's (read by turn 2).
     rec = httpx.get(f"{kvtide_app.base_url}/kvtide/sessions/{session}", timeout=30).json()
     assert rec["record"] is not None, rec
-    assert rec["record"]["num_tokens"] >= len(t2["prompt_token_ids"])
+    assert rec["record"]["num_tokens"] >= len(t2["choices"][0]["prompt_token_ids"])
     assert sum(stats["bytes_held"].values()) <= held_before, (before, stats)
     assert stats["service"]["adopt_skipped_consumed"] >= 1
 
