@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from tiers import Phase, summary_lines, tier_of
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,6 +71,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_PHASES: list[Phase] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _PHASES.append(
+        Phase(
+            nodeid=report.nodeid,
+            tier=tier_of(report.keywords),
+            when=report.when or "",
+            duration_s=report.duration,
+        )
+    )
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    # Every run ends with each tier's time (docs/testing.md: where a run's time goes).
+    if _PHASES:
+        terminalreporter.write_sep("=", "time per tier")
+        for line in summary_lines(_PHASES):
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
