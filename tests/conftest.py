@@ -6,7 +6,10 @@ started once per test session, ~2 minutes); ``gpu`` tests skip without an NVIDIA
 ``netns`` tests (ray or engine tier) share one cluster of fake hosts, each Ray node in
 its own network and PID namespace (``tests/netns``; skipped with the reason where
 namespaces cannot be made).
-Every Ray started here gets a private temp dir.
+Every Ray started here gets a private temp dir, and the caches engines write (vLLM's,
+PyTorch's and Triton's compile caches) go to one directory of the test session's own
+(``SESSION_CACHES``), so that a fresh HOME and a warm one run alike: the first engine
+start of each run pays for them (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -71,6 +74,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Cache variables -> their directory under the session's cache root. vLLM's cache root
+# holds its model-class inspection (``modelinfos``: a miss costs a subprocess that
+# imports vLLM and the model) and, where it compiles, torch.compile's artifacts.
+SESSION_CACHES = {
+    "VLLM_CACHE_ROOT": "vllm",
+    "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
+    "TRITON_CACHE_DIR": "triton",
+}
+_SESSION_CACHE_ROOT = "KVTIDE_TEST_CACHE_ROOT"
+_OWN_CACHE_ROOT = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Before any engine or Ray starts: the processes they start inherit this
+    # environment. A child pytest (tests/test_netns_tier.py) shares its parent's root.
+    if os.environ.get(_SESSION_CACHE_ROOT):
+        return
+    root = tempfile.mkdtemp(prefix="kvt-caches-")
+    config.stash[_OWN_CACHE_ROOT] = root
+    os.environ[_SESSION_CACHE_ROOT] = root
+    for var, name in SESSION_CACHES.items():
+        os.environ[var] = os.path.join(root, name)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    root = config.stash.get(_OWN_CACHE_ROOT, None)
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 _PHASES: list[Phase] = []
