@@ -192,9 +192,10 @@ def test_a_decode_engine_keeping_a_sessions_kv_idles_instead_of_stepping(
     time.sleep(IDLE_WINDOW_S)  # the window the engine's steps are counted over
     steps = _engine_stats("decode").num_steps - before
     window_s = time.monotonic() - t0
-    # One step per wait at most (a load that slows the engine only makes fewer), and
-    # one more at each end of the window for the counter's lag.
-    bound = window_s / wait_s + 2
+    # One step per wait at most (a load that slows the engine only makes fewer), and a
+    # few more for the counter's lag: the front end counts a step when its output
+    # arrives, so the first read may miss steps made just before the window began.
+    bound = window_s / wait_s + 5
     print(f"{steps} steps in {window_s:.2f} s idle (bound {bound:.0f})")
     assert steps <= bound, (
         f"the idle decode engine stepped {steps} times in {window_s:.2f} s: more than once "
