@@ -6,9 +6,9 @@ started once per test session, ~2 minutes); ``gpu`` tests skip without an NVIDIA
 ``netns`` tests (ray or engine tier) share one cluster of fake hosts, each Ray node in
 its own network and PID namespace (``tests/netns``; skipped with the reason where
 namespaces cannot be made).
-Every Ray started here gets a private temp dir, and the caches engines write (vLLM's,
-PyTorch's and Triton's compile caches) go to one directory of the test session's own
-(``SESSION_CACHES``), so that a fresh HOME and a warm one run alike: the first engine
+Every Ray started here gets a private temp dir, and the caches engines write (vLLM's
+cache root, PyTorch's and Triton's compile caches) go to a directory the test session
+owns (``SESSION_CACHES``), so that a fresh HOME and a warm one run alike: the first engine
 start of each run pays for them (docs/testing.md).
 """
 
