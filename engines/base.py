@@ -250,6 +250,9 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     num_kv_transfers: int = 0
     num_kv_transfer_failures: int = 0
     num_kv_expired_reads: int = 0
+    # Engine steps run: each schedules and runs one batch, an empty one too (vLLM steps
+    # while it keeps a finished request's blocks; ``engines/idle_steps.py`` spaces those).
+    num_steps: int = 0
     # Not counters: the decode path the engine runs (``DecodePath.name``) and the gate's
     # reason, reported with the counters so that /kvtide/stats and metrics can show them.
     decode_path: str = STOCK

@@ -222,6 +222,7 @@ class SimulatedEngine(EngineAdapter):
             num_kv_transfers=c.get("kv_transfers", 0),
             num_kv_transfer_failures=c.get("kv_failures", 0),
             num_kv_expired_reads=c.get("kv_expired", 0),
+            num_steps=c.get("steps", 0),
             decode_path=self.spec.decode_path.name,
             decode_path_reason=self.spec.decode_path.reason,
         )
@@ -316,6 +317,7 @@ class SimulatedEngine(EngineAdapter):
                     context_tokens=context, memory=cfg.memory,
                 ).step_s  # fmt: skip
             await self._sleep(step_s)
+            self._count("steps")
             for req in list(self._running):
                 self._emit(req)
 

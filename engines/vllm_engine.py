@@ -195,6 +195,9 @@ def _make_stat_logger(counters: _Counters) -> Any:
                     counters.add("requests", len(iteration_stats.finished_requests))
                 if scheduler_stats is None:
                     return
+                # vLLM's scheduler makes one SchedulerStats per engine step, an empty
+                # one included, and the front end records each (``AsyncLLM``).
+                counters.add("steps", 1)
                 counters.gauges["running"] = scheduler_stats.num_running_reqs
                 counters.gauges["waiting"] = scheduler_stats.num_waiting_reqs
                 # Not in vLLM's waiting count: requests blocked, e.g. on a KV pull.
@@ -344,6 +347,7 @@ class VLLMEngine(EngineAdapter):
             num_kv_transfers=int(v.get("kv_transfers", 0)),
             num_kv_transfer_failures=int(v.get("kv_failures", 0)),
             num_kv_expired_reads=int(v.get("kv_expired", 0)),
+            num_steps=int(v.get("steps", 0)),
             decode_path=self.spec.decode_path.name,
             decode_path_reason=self.spec.decode_path.reason,
         )

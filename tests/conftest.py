@@ -6,7 +6,10 @@ started once per test session, ~2 minutes); ``gpu`` tests skip without an NVIDIA
 ``netns`` tests (ray or engine tier) share one cluster of fake hosts, each Ray node in
 its own network and PID namespace (``tests/netns``; skipped with the reason where
 namespaces cannot be made).
-Every Ray started here gets a private temp dir.
+Every Ray started here gets a private temp dir, and the caches engines write (vLLM's
+cache root, PyTorch's and Triton's compile caches) go to a directory the test session
+owns (``SESSION_CACHES``), so that a fresh HOME and a warm one run alike: the first engine
+start of each run pays for them (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from tiers import Phase, summary_lines, tier_of
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,6 +74,58 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Cache variables -> their directory under the session's cache root. vLLM's cache root
+# holds its model-class inspection (``modelinfos``: a miss costs a subprocess that
+# imports vLLM and the model) and, where it compiles, torch.compile's artifacts.
+SESSION_CACHES = {
+    "VLLM_CACHE_ROOT": "vllm",
+    "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
+    "TRITON_CACHE_DIR": "triton",
+}
+_SESSION_CACHE_ROOT = "KVTIDE_TEST_CACHE_ROOT"
+_OWN_CACHE_ROOT = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Before any engine or Ray starts: the processes they start inherit this
+    # environment. A child pytest (tests/test_netns_tier.py) shares its parent's root.
+    if os.environ.get(_SESSION_CACHE_ROOT):
+        return
+    root = tempfile.mkdtemp(prefix="kvt-caches-")
+    config.stash[_OWN_CACHE_ROOT] = root
+    os.environ[_SESSION_CACHE_ROOT] = root
+    for var, name in SESSION_CACHES.items():
+        os.environ[var] = os.path.join(root, name)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    root = config.stash.get(_OWN_CACHE_ROOT, None)
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+_PHASES: list[Phase] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _PHASES.append(
+        Phase(
+            nodeid=report.nodeid,
+            tier=tier_of(report.keywords),
+            when=report.when or "",
+            duration_s=report.duration,
+        )
+    )
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    # Every run ends with each tier's time (docs/testing.md: where a run's time goes).
+    if _PHASES:
+        terminalreporter.write_sep("=", "time per tier")
+        for line in summary_lines(_PHASES):
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

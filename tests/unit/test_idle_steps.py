@@ -156,3 +156,22 @@ def test_vllms_own_engine_core_and_message_queue_have_what_the_plugin_changes() 
         check=True,
     )
     assert done.stdout.strip().splitlines()[-1] == "0.02 0.002"
+
+
+def test_the_engine_counts_each_step_it_runs_an_empty_one_too() -> None:
+    """``EngineStats.num_steps``: what the engine test of an idle decode engine counts.
+    vLLM's scheduler makes one ``SchedulerStats`` per step (an empty batch's too) and
+    the front end hands each to the stat loggers; outputs without stats are not steps."""
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    from engines.base import EngineSpec
+    from engines.vllm_engine import VLLMEngine, _make_stat_logger
+
+    engine = VLLMEngine(
+        EngineSpec(engine_id="d-0", role="decode", model_path="/m", served_model_name="m")
+    )
+    logger = _make_stat_logger(engine._counters)(None)
+    for _ in range(3):  # three steps of nothing: a kept request's blocks, no batch
+        logger.record(scheduler_stats=SchedulerStats(), iteration_stats=None)
+    logger.record(scheduler_stats=None, iteration_stats=None)  # an output without a step
+    assert engine.stats().num_steps == 3
