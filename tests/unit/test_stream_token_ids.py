@@ -44,9 +44,10 @@ def test_a_stream_returns_the_token_ids_of_the_unstreamed_answer(
     assert streamed == whole["choices"][0]["token_ids"] and streamed
     first = events[0] if kind == "chat" else choices[0]
     # Where vLLM's server puts them: a chat's at the top, a completion's in its choice.
-    assert first["prompt_token_ids"] == (whole if kind == "chat" else whole["choices"][0])[
-        "prompt_token_ids"
-    ]
+    assert (
+        first["prompt_token_ids"]
+        == (whole if kind == "chat" else whole["choices"][0])["prompt_token_ids"]
+    )
     later = events[1:] if kind == "chat" else choices[1:]
     assert all("prompt_token_ids" not in e for e in later)
 
