@@ -33,6 +33,8 @@ import ray
 
 from engines.kv_params import KVTransferParams
 from orchestrator.cluster.ports import free_port
+from orchestrator.config import KVTideConfig
+from orchestrator.config.server import internal_address
 from orchestrator.kv.drains import HostCopy
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "HostStoreActor",
     "HostTierClient",
     "HostTierSpec",
+    "host_tier_spec",
     "lookup_host_store",
     "runs_spec",
     "start_host_tier",
@@ -64,16 +67,21 @@ class HostTierSpec:
     capacity_bytes: int
     ttl_s: float
     timeout_s: float = 30.0
+    internal_host: str = "127.0.0.1"
+    """``server.internal_host``: where a store's NIXL handshake listens (``internal_address``)."""
 
 
 class HostStoreActor:
     """The store in its own process (NIXL agent, handshake listener, notification
     poller), its calls answered from Ray's thread pool (a take-in blocks on its read)."""
 
-    def __init__(self, store_id: str, capacity_bytes: int, ttl_s: float) -> None:
+    def __init__(
+        self, store_id: str, capacity_bytes: int, ttl_s: float, internal_host: str = "127.0.0.1"
+    ) -> None:
         from engines.host_store import HostStore
 
-        host = ray.util.get_node_ip_address()  # engines reach it as they reach each other
+        # Engines reach it as they reach each other: on server.internal_host.
+        host = internal_address(internal_host, ray.util.get_node_ip_address())
         self.store = HostStore(
             store_id=store_id,
             capacity_bytes=capacity_bytes,
@@ -117,6 +125,19 @@ class HostStoreActor:
         return own | {"node_id": node}
 
 
+def host_tier_spec(config: KVTideConfig) -> HostTierSpec | None:
+    """The host tier ``config`` asks for (None: ``kv.host_tier_mib`` 0, no tier)."""
+    kv = config.kv
+    if kv.host_tier_mib <= 0:
+        return None
+    return HostTierSpec(
+        capacity_bytes=int(kv.host_tier_mib * 2**20),
+        ttl_s=kv.host_tier_ttl_s,
+        timeout_s=kv.pull_timeout_s,
+        internal_host=config.server.internal_host,
+    )
+
+
 def runs_spec(actor: Any, spec: HostTierSpec, timeout_s: float) -> bool:
     """Whether a store has ``spec``'s capacity and TTL (a deployment with another left
     it otherwise), asked within ``timeout_s`` (a store just created answers once started)."""
@@ -144,7 +165,9 @@ def start_host_tier(
             node_id=node, soft=False
         ),
     }
-    actor = remote.options(**options).remote(store_id, spec.capacity_bytes, spec.ttl_s)
+    actor = remote.options(**options).remote(
+        store_id, spec.capacity_bytes, spec.ttl_s, spec.internal_host
+    )
     if not runs_spec(actor, spec, START_TIMEOUT_S):
         log.warning("host store %s runs another capacity or TTL: replacing it", store_id)
         ray.kill(actor, no_restart=True)
@@ -153,7 +176,9 @@ def start_host_tier(
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the previous host store {store_id} did not stop in time")
             time.sleep(0.1)
-        actor = remote.options(**options).remote(store_id, spec.capacity_bytes, spec.ttl_s)
+        actor = remote.options(**options).remote(
+            store_id, spec.capacity_bytes, spec.ttl_s, spec.internal_host
+        )
     return HostTierClient.of_actor(actor, timeout_s=spec.timeout_s)
 
 
