@@ -25,6 +25,7 @@ __all__ = [
     "check_server",
     "internal_address",
     "is_loopback_host",
+    "nixl_transport_env",
 ]
 
 
@@ -311,3 +312,11 @@ def check_internal_host(internal_host: str, node_ips: set[str]) -> None:
             f"{NODE_ADDRESS!r}",
             field="server.internal_host",
         )
+
+
+def nixl_transport_env(internal_host: str) -> dict[str, str]:
+    """The environment of a process with a NIXL agent (an engine, a host store) for
+    ``server.internal_host``. NIXL's UCX backend listens on every network device of the
+    host (its TCP transport); on loopback, UCX is held to the loopback device (processes
+    of one host still move KV through shared memory, and on GPUs through CUDA IPC)."""
+    return {"UCX_NET_DEVICES": "lo"} if is_loopback_host(internal_host) else {}

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ import ray
 from engines.kv_params import KVTransferParams
 from orchestrator.cluster.ports import free_port
 from orchestrator.config import KVTideConfig
-from orchestrator.config.server import internal_address
+from orchestrator.config.server import internal_address, nixl_transport_env
 from orchestrator.kv.drains import HostCopy
 
 __all__ = [
@@ -80,8 +81,10 @@ class HostStoreActor:
     ) -> None:
         from engines.host_store import HostStore
 
-        # Engines reach it as they reach each other: on server.internal_host.
+        # Engines reach it as they reach each other: on server.internal_host (its NIXL
+        # agent's own listeners too; this process holds nothing else of UCX's).
         host = internal_address(internal_host, ray.util.get_node_ip_address())
+        os.environ.update(nixl_transport_env(internal_host))
         self.store = HostStore(
             store_id=store_id,
             capacity_bytes=capacity_bytes,

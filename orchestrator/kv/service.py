@@ -381,12 +381,12 @@ class KVService:
         """A sampled turn's pull gave KV whose output differs from a recompute: reuse is
         off for the pull's engine pair from now on (``ReuseOff.turn_off``); False when it
         was off already."""
-        return self.reuse_off.turn_off(mismatch)
+        return await self.reuse_off.turn_off(mismatch)
 
     async def reuse_on(self, prefill_engine_id: str, source_engine_id: str) -> bool:
         """An operator turns reuse back on for a pair an integrity check turned off;
         False when it was not off."""
-        return self.reuse_off.turn_on(prefill_engine_id, source_engine_id)
+        return await self.reuse_off.turn_on(prefill_engine_id, source_engine_id)
 
     # ---- turn leases (orchestrator.kv.lease_desk) ------------------------------------
 

@@ -127,9 +127,25 @@ def test_reuse_turned_off_stays_off_when_its_write_hangs(gcs_down: threading.Eve
     store = BoundedStore(HangingStore(gcs_down, lambda _: True), timeout_s=DEADLINE_S)
     reuse_off = ReuseOff(store=store, lifecycle=lifecycle, wall_clock=lambda: 0.0)
     mismatch = IntegrityMismatch(prefill_engine_id="P", source_engine_id="D", max_abs_diff=1)
-    exc, took_s = timed(lambda: reuse_off.turn_off(mismatch))
+    ticks = 0
+
+    async def story() -> None:
+        async def tick() -> None:  # the service's other calls, meanwhile
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        try:
+            await reuse_off.turn_off(mismatch)
+        finally:
+            ticker.cancel()
+
+    exc, took_s = timed(lambda: asyncio.run(story()))
     assert isinstance(exc, CallTimedOut) and pair_key("P", "D") in str(exc)
     assert took_s < BACK_WITHIN_S
+    assert ticks >= 5  # the write waited off the service's event loop
     # Fail closed: no pull reads from D, though the store does not know it.
     assert lifecycle.reuse_off == frozenset({"D"})
 

@@ -9,7 +9,11 @@ import pytest
 
 from engines.vllm_engine import engine_args_for, side_channel_env
 from orchestrator.config import parse_config
-from orchestrator.config.server import check_internal_host, internal_address
+from orchestrator.config.server import (
+    check_internal_host,
+    internal_address,
+    nixl_transport_env,
+)
 from orchestrator.errors import ConfigError
 from orchestrator.kv.host_tier import host_tier_spec
 from orchestrator.serve.engine_host import host_engine_spec
@@ -26,6 +30,7 @@ def engine_listeners(raw: dict[str, object]) -> dict[str, str]:
     return {
         **side_channel_env(spec),
         "kv_events": engine_args_for(spec)["kv_events_config"]["endpoint"],
+        "UCX_NET_DEVICES": dict(spec.env).get("UCX_NET_DEVICES", "(any)"),
     }
 
 
@@ -36,10 +41,13 @@ def test_by_default_every_listener_is_on_loopback() -> None:
         # vLLM binds a wildcard endpoint only: libzmq binds the part after ';' (see
         # engines/kv_events.py; test_kv_events.py binds it with vLLM's publisher).
         "kv_events": "tcp://*:0;127.0.0.1:25701",
+        # NIXL's own transport (UCX) listens on the loopback device only.
+        "UCX_NET_DEVICES": "lo",
     }
     spec = host_tier_spec(parse_config({"kv": {"host_tier_mib": 16}}))
     assert spec is not None
     assert internal_address(spec.internal_host, NODE_IP) == "127.0.0.1"
+    assert nixl_transport_env(spec.internal_host) == {"UCX_NET_DEVICES": "lo"}
 
 
 def test_node_gives_each_listener_its_nodes_address() -> None:
@@ -47,6 +55,7 @@ def test_node_gives_each_listener_its_nodes_address() -> None:
         "VLLM_NIXL_SIDE_CHANNEL_HOST": NODE_IP,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": "25601",
         "kv_events": f"tcp://*:0;{NODE_IP}:25701",
+        "UCX_NET_DEVICES": "(any)",
     }
     spec = host_tier_spec(
         parse_config({"server": {"internal_host": "node"}, "kv": {"host_tier_mib": 16}})
