@@ -188,7 +188,7 @@ def _find_stores(prefix: str, namespace: str, spec: HostTierSpec) -> dict[str, H
         except ValueError:
             continue  # stopped meanwhile
         if not runs_spec(actor, spec, spec.timeout_s):
-            log.warning("host store %s runs another capacity or TTL: stopping it", name)
+            log.warning("host store %s runs another capacity, TTL or address: stopping it", name)
             ray.kill(actor, no_restart=True)  # started again, as configured, on first use
             continue
         found[name] = HostTierClient.of_actor(actor, timeout_s=spec.timeout_s)

@@ -85,6 +85,7 @@ class HostStoreActor:
         # agent's own listeners too; this process holds nothing else of UCX's).
         host = internal_address(internal_host, ray.util.get_node_ip_address())
         os.environ.update(nixl_transport_env(internal_host))
+        self.internal_host = internal_host
         self.store = HostStore(
             store_id=store_id,
             capacity_bytes=capacity_bytes,
@@ -117,8 +118,8 @@ class HostStoreActor:
     def entries(self) -> list[tuple[dict[str, Any], float, dict[str, Any]]]:
         return self.store.entries()
 
-    def spec(self) -> tuple[int | None, float]:
-        return self.store.capacity_bytes, self.store.ttl_s
+    def spec(self) -> tuple[int | None, float, str]:
+        return self.store.capacity_bytes, self.store.ttl_s, self.internal_host
 
     def stats(self) -> dict[str, Any]:
         """The store's counters, and the node it runs on."""
@@ -142,11 +143,13 @@ def host_tier_spec(config: KVTideConfig) -> HostTierSpec | None:
 
 
 def runs_spec(actor: Any, spec: HostTierSpec, timeout_s: float) -> bool:
-    """Whether a store has ``spec``'s capacity and TTL (a deployment with another left
-    it otherwise), asked within ``timeout_s`` (a store just created answers once started)."""
+    """Whether a store has ``spec``'s capacity, TTL and listening address (a deployment
+    with another left it otherwise), asked within ``timeout_s`` (a store just created
+    answers once started)."""
     return tuple(ray.get(actor.spec.remote(), timeout=timeout_s)) == (
         spec.capacity_bytes,
         spec.ttl_s,
+        spec.internal_host,
     )
 
 
@@ -156,7 +159,7 @@ def start_host_tier(
     """The store named ``store_id`` in ``namespace``, started on ``node_id`` (default:
     this node) unless it runs already: a detached actor, so that a restarted service
     finds it and books its copies again (``KVService.adopt_host_copies``). One left by a
-    deployment with another capacity or TTL is replaced (its copies are dropped)."""
+    deployment with another capacity, TTL or address is replaced (its copies are dropped)."""
     remote = ray.remote(num_cpus=0, max_concurrency=4, max_restarts=0)(HostStoreActor)
     node = node_id or ray.get_runtime_context().get_node_id()
     options = {
@@ -172,7 +175,7 @@ def start_host_tier(
         store_id, spec.capacity_bytes, spec.ttl_s, spec.internal_host
     )
     if not runs_spec(actor, spec, START_TIMEOUT_S):
-        log.warning("host store %s runs another capacity or TTL: replacing it", store_id)
+        log.warning("host store %s runs another capacity, TTL or address: replacing it", store_id)
         ray.kill(actor, no_restart=True)
         deadline = time.monotonic() + 60
         while lookup_host_store(store_id, namespace) is not None:  # its name is freed once dead
