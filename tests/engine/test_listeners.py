@@ -93,7 +93,9 @@ def test_nothing_kvtide_started_listens_beyond_loopback(kvtide_app: Any) -> None
     )
 
     # The listeners kvtide starts are all there, on loopback: the engines' side
-    # channels, the host store's handshake (in its own process), the API.
+    # channels, the host store's NIXL agent (in its own process), the API. (The store's
+    # handshake listens from its first take-in: checked above when one ran in this
+    # session; its address is the one tests/unit/test_internal_host.py maps.)
     on_loopback = {(s.ip, s.port) for s in tree if s.on_loopback}
     assert side_channels() <= on_loopback, (side_channels(), on_loopback)
     assert any(s.on_loopback and "HostStoreActor" in s.command for s in tree), tree
