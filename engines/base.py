@@ -81,8 +81,8 @@ class EngineSpec:
     path, the ``kernels.vllm_plugin`` variables of ``decode_path``). ``decode_path`` is
     the gate's decision for this engine (``engines.decode_path``); the default is the
     stock path, which changes nothing in the engine args. ``kv_events_port``: the port
-    the engine publishes its KV cache events on (``engines.kv_events``; None: it does
-    not publish them).
+    the engine publishes its KV cache events on, at ``kv_events_host``
+    (``engines.kv_events``; None: it does not publish them).
     """
 
     engine_id: str
@@ -104,6 +104,7 @@ class EngineSpec:
     env: tuple[tuple[str, str], ...] = ()
     extra_engine_args: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
     decode_path: DecodePath = field(default_factory=DecodePath)
+    kv_events_host: str = "127.0.0.1"
     kv_events_port: int | None = None
 
 

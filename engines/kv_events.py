@@ -83,11 +83,16 @@ def is_primary(event: BlockStored | BlockRemoved) -> bool:
     return event.medium in (None, PRIMARY_MEDIUM) and event.group_idx in (None, 0)
 
 
-def kv_events_config(port: int) -> dict[str, Any]:
-    """vLLM's ``kv_events_config`` for an engine publishing on ``port`` of every address
-    of its host."""
+def kv_events_config(host: str, port: int) -> dict[str, Any]:
+    """vLLM's ``kv_events_config`` for an engine publishing on ``host:port`` only.
+
+    vLLM's publisher binds only an endpoint with a wildcard in it (``tcp://*:<port>``,
+    every address of the host) and connects to any other. libzmq reads an endpoint
+    ``<source>;<address>`` as a source address and an address, and a listener binds the
+    address: so ``tcp://*:0;<host>:<port>`` is bound by vLLM and listens on
+    ``<host>:<port>`` alone (``tests/unit/test_kv_events.py`` binds it as vLLM does)."""
     return {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{port}",
+        "endpoint": f"tcp://*:0;{host}:{port}",
     }

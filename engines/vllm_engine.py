@@ -74,6 +74,18 @@ def runs_kvtide_connector(spec: EngineSpec) -> bool:
     return kv is not None and kv.per_request_keep and kv.connector == "NixlConnector"
 
 
+def side_channel_env(spec: EngineSpec) -> dict[str, str]:
+    """vLLM's variables for the engine's NIXL side channel (pure): the address its
+    listener binds and its peers dial, and its port."""
+    kv = spec.kv_transfer
+    if kv is None:
+        return {}
+    return {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": kv.side_channel_host,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(kv.side_channel_port),
+    }
+
+
 def engine_args_for(
     spec: EngineSpec, validated: tuple[ValidatedScope, ...] = VALIDATED
 ) -> dict[str, Any]:
@@ -125,7 +137,7 @@ def engine_args_for(
             # kvtide's subclass, under vLLM's name (see engines/kv_connector.py).
             args["kv_transfer_config"]["kv_connector_module_path"] = CONNECTOR_MODULE
     if spec.kv_events_port is not None and spec.enable_prefix_caching:
-        args["kv_events_config"] = kv_events_config(spec.kv_events_port)
+        args["kv_events_config"] = kv_events_config(spec.kv_events_host, spec.kv_events_port)
     args.update(dict(spec.extra_engine_args))
     path_config = decode_path_settings(spec.decode_path, validated).additional_config
     if path_config:
@@ -277,9 +289,7 @@ class VLLMEngine(EngineAdapter):
             os.environ[key] = value
         # The engine core ends when this process is gone (engines/lifeline.py).
         os.environ[LIFELINE_ENV] = str(os.getpid())
-        if spec.kv_transfer is not None:
-            os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.kv_transfer.side_channel_host
-            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.kv_transfer.side_channel_port)
+        os.environ.update(side_channel_env(spec))
         require_vllm()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM

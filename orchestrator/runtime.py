@@ -207,8 +207,12 @@ def deploy(
     """
     from ray import serve
 
+    from orchestrator.cluster.ray_nodes import read_node_addresses
+    from orchestrator.config.server import check_internal_host
     from orchestrator.serve.app import build_app, layout_for
 
+    # Engines on different hosts dial each other's side channels on internal_host.
+    check_internal_host(config.server.internal_host, read_node_addresses())
     if config.model.is_generated:
         say(f"generating the tiny model in {config.model.resolved_path()}")
     layout = layout or layout_for(config)

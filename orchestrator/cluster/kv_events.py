@@ -34,6 +34,7 @@ from engines.kv_events import (
     decode_seq,
     is_primary,
 )
+from orchestrator.cluster.deadlines import GCS_TIMEOUT_S, call_within
 from policies.prefix_routing import EngineBlocks, PrefixRouter
 
 __all__ = [
@@ -48,29 +49,47 @@ log = logging.getLogger("kvtide.kv_events")
 
 NAMESPACE = "kvtide-kv-events"
 """The GCS key-value namespace of the engines' event endpoints, keyed by replica id."""
+LOOKUP_TIMEOUT_S = 1.0
+"""The deadline of a lookup of an engine's endpoint (a GCS call on a turn's routing)."""
 POLL_MS = 100
 """How long the subscriber thread waits for a batch before it looks for new engines."""
 
 
 def register_endpoint(replica_id: str, endpoint: str) -> None:
-    """The engine of replica ``replica_id`` publishes its events at ``endpoint``."""
+    """The engine of replica ``replica_id`` publishes its events at ``endpoint`` (a GCS
+    call within ``GCS_TIMEOUT_S``, as the two below)."""
     from ray.experimental import internal_kv
 
-    internal_kv._internal_kv_put(replica_id, endpoint.encode(), overwrite=True, namespace=NAMESPACE)
+    call_within(
+        lambda: internal_kv._internal_kv_put(
+            replica_id, endpoint.encode(), overwrite=True, namespace=NAMESPACE
+        ),
+        GCS_TIMEOUT_S,
+        "the GCS put of an engine's KV events endpoint",
+    )
 
 
 def lookup_endpoint(replica_id: str) -> str | None:
-    """Where the engine of ``replica_id`` publishes its events; None when it does not."""
+    """Where the engine of ``replica_id`` publishes its events; None when it does not
+    (within ``LOOKUP_TIMEOUT_S``: the prefix router looks up while it routes a turn)."""
     from ray.experimental import internal_kv
 
-    value = internal_kv._internal_kv_get(replica_id, namespace=NAMESPACE)
+    value = call_within(
+        lambda: internal_kv._internal_kv_get(replica_id, namespace=NAMESPACE),
+        LOOKUP_TIMEOUT_S,
+        "the GCS lookup of an engine's KV events endpoint",
+    )
     return None if value is None else bytes(value).decode()
 
 
 def forget_endpoint(replica_id: str) -> None:
     from ray.experimental import internal_kv
 
-    internal_kv._internal_kv_del(replica_id, namespace=NAMESPACE)
+    call_within(
+        lambda: internal_kv._internal_kv_del(replica_id, namespace=NAMESPACE),
+        GCS_TIMEOUT_S,
+        "the GCS delete of an engine's KV events endpoint",
+    )
 
 
 def apply_kv_events(

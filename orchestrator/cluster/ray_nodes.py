@@ -24,6 +24,7 @@ __all__ = [
     "RayNode",
     "domain_states",
     "read_free_gpus",
+    "read_node_addresses",
     "read_ray_nodes",
 ]
 
@@ -71,6 +72,12 @@ def read_ray_nodes(
     """Ray's node table now (needs `ray.init`)."""
     nodes = (RayNode.from_row(row, domain_label=domain_label) for row in ray.nodes())
     return tuple(node for node in nodes if node.alive or not alive_only)
+
+
+def read_node_addresses() -> set[str]:
+    """The addresses of the alive nodes, as Ray knows them (needs `ray.init`): one for
+    every node of a cluster on a single host, one per host otherwise."""
+    return {str(row["NodeManagerAddress"]) for row in ray.nodes() if row.get("Alive")}
 
 
 def domain_states(

@@ -50,6 +50,7 @@ from orchestrator.config.server import (
     ServerConfig,
     StrictSection,
     check_server,
+    nixl_transport_env,
 )
 from orchestrator.errors import ConfigError
 
@@ -185,6 +186,8 @@ class KVTideConfig(ConfigFile):
             env.append(("VLLM_CPU_KVCACHE_SPACE", str(pool.kv_cache_space_gib)))
             if pool.cpu_threads_bind is not None:
                 env.append(("VLLM_CPU_OMP_THREADS_BIND", pool.cpu_threads_bind))
+        # NIXL's listeners where its side channel is (server.internal_host).
+        env += sorted(nixl_transport_env(self.server.internal_host).items())
         # The gate's decision; its plugin variables reach every vLLM process (TP workers
         # get the spec's env through their runtime env) and re-check it there.
         decode_path = decode_path_for(self, pool)

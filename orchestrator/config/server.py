@@ -17,11 +17,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from orchestrator.errors import ConfigError
 
 __all__ = [
+    "NODE_ADDRESS",
     "ApiKeyConfig",
     "ServerConfig",
     "StrictSection",
+    "check_internal_host",
     "check_server",
+    "internal_address",
     "is_loopback_host",
+    "nixl_transport_env",
 ]
 
 
@@ -100,6 +104,10 @@ class ApiKeyConfig(StrictSection):
         return value
 
 
+NODE_ADDRESS = "node"
+"""``server.internal_host``'s value for "this node's own address, as Ray knows it"."""
+
+
 class ServerConfig(StrictSection):
     """How the OpenAI API is served: bind address, keys, request limits (``check_server``
     refuses unauthenticated listeners beyond loopback)."""
@@ -131,6 +139,17 @@ class ServerConfig(StrictSection):
         "KV transfer and decode together. Past it the request ends with 503 "
         "deadline_exceeded (a stream with a final error event) and its engine work is "
         "aborted.",
+    )
+    internal_host: str = Field(
+        "127.0.0.1",
+        description="Address of the listeners kvtide starts for its own parts: each "
+        "engine's NIXL side channel, the host tier stores' NIXL handshake, the prefill "
+        "engines' KV-event publishers. Peers dial it, and it has no authentication. "
+        "Loopback (the default) serves a single-node deployment. On a cluster of several "
+        "nodes set 'node': each listener binds its own node's address as Ray knows it "
+        "(keep that network closed to all but the cluster's nodes, as for Ray's own ports); "
+        "kvtide refuses to deploy a loopback internal_host on a cluster whose nodes have "
+        "more than one address.",
     )
     dashboard_host: str = Field(
         "127.0.0.1",
@@ -202,6 +221,19 @@ class ServerConfig(StrictSection):
             )
         return value
 
+    @field_validator("internal_host")
+    @classmethod
+    def _internal_host(cls, value: str) -> str:
+        if value != NODE_ADDRESS:
+            try:
+                ipaddress.IPv4Address(value)
+            except ValueError:
+                raise ValueError(
+                    f"{value[:60]!r} is neither an IPv4 address nor {NODE_ADDRESS!r}: use "
+                    f"127.0.0.1 on one node, {NODE_ADDRESS!r} on a cluster of several"
+                ) from None
+        return value
+
     @field_validator("api_keys", mode="before")
     @classmethod
     def _list_to_tuple(cls, keys: Any) -> Any:
@@ -260,3 +292,31 @@ def check_server(s: ServerConfig) -> ServerConfig:
                 field="server.dashboard_host",
             )
     return s
+
+
+def internal_address(internal_host: str, node_ip: str) -> str:
+    """The address a listener for kvtide's own parts binds on a node whose address (as
+    Ray knows it) is ``node_ip``: ``server.internal_host``, or ``node_ip`` for 'node'."""
+    return node_ip if internal_host == NODE_ADDRESS else internal_host
+
+
+def check_internal_host(internal_host: str, node_ips: set[str]) -> None:
+    """Refuse a loopback ``server.internal_host`` on a cluster whose nodes have more than
+    one address: an engine there could not reach its peers' side channels."""
+    if len(node_ips) > 1 and is_loopback_host(internal_host):
+        raise ConfigError(
+            f"invalid kvtide config: server.internal_host: {internal_host!r} is a loopback "
+            f"address, but the Ray cluster's nodes have {len(node_ips)} addresses "
+            f"({', '.join(sorted(node_ips))}), so engines on different nodes could not "
+            f"reach each other's NIXL side channels. Set server.internal_host: "
+            f"{NODE_ADDRESS!r}",
+            field="server.internal_host",
+        )
+
+
+def nixl_transport_env(internal_host: str) -> dict[str, str]:
+    """The environment of a process with a NIXL agent (an engine, a host store) for
+    ``server.internal_host``. NIXL's UCX backend listens on every network device of the
+    host (its TCP transport); on loopback, UCX is held to the loopback device (processes
+    of one host still move KV through shared memory, and on GPUs through CUDA IPC)."""
+    return {"UCX_NET_DEVICES": "lo"} if is_loopback_host(internal_host) else {}

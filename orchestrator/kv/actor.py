@@ -12,6 +12,7 @@ their ledgers when it changes (``EpochWatcher``), and the service rebuilds from 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import time
@@ -24,11 +25,12 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayError
 from ray.serve.handle import DeploymentHandle
 
+from orchestrator.cluster.deadlines import GCS_TIMEOUT_S, call_within_async
 from orchestrator.cluster.handle_pool import HandlePool
 from orchestrator.cluster.ray_nodes import read_ray_nodes
 from orchestrator.config import ObservabilityConfig
 from orchestrator.errors import ServiceUnavailable
-from orchestrator.kv.durable import RayKVStore
+from orchestrator.kv.durable import BoundedStore, RayKVStore
 from orchestrator.kv.envelope import decode_result, dispatch, encode_call
 from orchestrator.kv.host_nodes import NodeStores, app_store_names
 from orchestrator.kv.host_tier import HostTierSpec, lookup_host_store
@@ -109,7 +111,7 @@ class _ServiceActor:
             prefill=None if prefill is None else HandlePool(prefill),  # None: no drains
             drain_timeout_s=drain_timeout_s,
             num_prefill_engines=num_prefill_engines,
-            store=RayKVStore(f"{SERVICE_NAMESPACE}-{service_name(app_name)}"),
+            store=BoundedStore(RayKVStore(f"{SERVICE_NAMESPACE}-{service_name(app_name)}")),
             replay_max_bytes=replay_max_bytes,
             running_grace_s=running_grace_s,
             turn_lease_s=turn_lease_s,
@@ -136,19 +138,23 @@ class _ServiceActor:
             ticks += 1
             try:
                 if ticks % NODE_CHECK_TICKS == 0:
-                    self._check_nodes()
+                    await self._check_nodes()
                     self._start_stores()
                 await self.service.tick()
                 self._export_metrics()
             except Exception:  # keep ticking: one bad effect must not stop expiry
                 log.exception("KV service tick failed")
 
-    def _check_nodes(self) -> None:
-        """Engines on nodes Ray reports dead are lost (sooner than their silence)."""
+    async def _check_nodes(self) -> None:
+        """Engines on nodes Ray reports dead are lost (sooner than their silence). Ray's
+        node table is read off the actor's event loop, within ``GCS_TIMEOUT_S``."""
         nodes = {n for engine_nodes in self.service.engine_nodes().values() for n in engine_nodes}
         if not nodes:
             return
-        dead = {n.node_id for n in read_ray_nodes(alive_only=False) if not n.alive} & nodes
+        rows = await call_within_async(
+            functools.partial(read_ray_nodes, alive_only=False), GCS_TIMEOUT_S, "Ray's node table"
+        )
+        dead = {n.node_id for n in rows if not n.alive} & nodes
         lost = self.service.nodes_lost(dead)
         if lost:
             log.warning("engines lost with nodes %s: %s", sorted(dead), lost)
@@ -365,8 +371,9 @@ class EpochWatcher:
 
     async def check_once(self) -> bool:
         """Report if the service has a new epoch; True when a report was sent. With
-        ``engine_id`` the check is also the engine's heartbeat."""
-        handle = self.lookup()
+        ``engine_id`` the check is also the engine's heartbeat. The lookup (a GCS call)
+        runs off the host's event loop, within ``timeout_s`` (``CallTimedOut`` past it)."""
+        handle = await call_within_async(self.lookup, self.timeout_s, "the KV service's lookup")
         if handle is None:
             return False
         if self.engine_id is None:

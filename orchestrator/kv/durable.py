@@ -18,16 +18,25 @@ service that dies within a write's round trip of a turn's start may not know aft
 restart that the turn is running (a concurrent turn of that session then runs beside
 it instead of getting 409). ``MemoryStore`` is the same contract in a dict, for tests
 and in-process use.
+
+Every call to the GCS has a deadline (``BoundedStore``, ``GCS_TIMEOUT_S``): past it the
+caller gets ``CallTimedOut`` (the service's call fails, and its client gets 503
+``service_unavailable``) instead of waiting as long as the GCS does not answer. A
+write-behind write past its deadline is counted (``WriteBehind.num_failed``) and logged,
+and the writes after it go on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import deque
 from typing import Protocol
 
-__all__ = ["DurableStore", "MemoryStore", "RayKVStore", "WriteBehind"]
+from orchestrator.cluster.deadlines import GCS_TIMEOUT_S, call_within, call_within_async
+
+__all__ = ["BoundedStore", "DurableStore", "MemoryStore", "RayKVStore", "WriteBehind"]
 
 log = logging.getLogger("kvtide.kv_service")
 
@@ -93,14 +102,40 @@ class RayKVStore:
         return [k.decode() if isinstance(k, bytes) else str(k) for k in found]
 
 
+class BoundedStore:
+    """``store``'s calls, each bounded by ``timeout_s`` (``CallTimedOut`` past it)."""
+
+    def __init__(self, store: DurableStore, *, timeout_s: float = GCS_TIMEOUT_S) -> None:
+        self.store = store
+        self.timeout_s = timeout_s
+
+    def put(self, key: str, value: bytes) -> None:
+        call_within(lambda: self.store.put(key, value), self.timeout_s, f"the store's put of {key}")
+
+    def get(self, key: str) -> bytes | None:
+        return call_within(lambda: self.store.get(key), self.timeout_s, f"the store's get of {key}")
+
+    def delete(self, key: str) -> None:
+        call_within(lambda: self.store.delete(key), self.timeout_s, f"the store's delete of {key}")
+
+    def keys(self, prefix: str) -> list[str]:
+        return call_within(
+            lambda: self.store.keys(prefix), self.timeout_s, f"the store's keys under {prefix}"
+        )
+
+
 class WriteBehind:
     """A ``DurableStore``'s writes (``put``, ``delete``) applied in the order made, by one
     task in a worker thread, so that the caller's event loop does not wait for them.
     Outside an event loop a write is made at once. ``flush`` waits for the writes made so
-    far."""
+    far. A write that fails or takes longer than ``timeout_s`` is counted
+    (``num_failed``) and logged, and the next one goes on: a hung write holds no later
+    mark (its key's mark is stale until written again)."""
 
-    def __init__(self, store: DurableStore) -> None:
+    def __init__(self, store: DurableStore, *, timeout_s: float = GCS_TIMEOUT_S) -> None:
         self.store = store
+        self.timeout_s = timeout_s
+        self.num_failed = 0
         self._queue: deque[tuple[str, bytes | None]] = deque()  # value None: delete
         self._task: asyncio.Task[None] | None = None
 
@@ -130,8 +165,13 @@ class WriteBehind:
         while self._queue:
             key, value = self._queue.popleft()
             try:
-                await asyncio.to_thread(self._apply, key, value)
+                await call_within_async(
+                    functools.partial(self._apply, key, value),
+                    self.timeout_s,
+                    f"the durable write of {key}",
+                )
             except Exception:  # the next write goes on; the mark is stale until then
+                self.num_failed += 1
                 log.exception("durable write of %s failed", key)
 
     async def flush(self) -> None:

@@ -16,6 +16,7 @@ its store); a restarted service finds every store of the application by that pre
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -23,10 +24,17 @@ from typing import Any
 import ray
 
 from engines.kv_params import KVTransferParams
+from orchestrator.cluster.deadlines import call_within_async
 from orchestrator.kv.drains import HostCopy
-from orchestrator.kv.host_tier import HostTierClient, HostTierSpec, runs_spec, start_host_tier
+from orchestrator.kv.host_tier import (
+    START_TIMEOUT_S,
+    HostTierClient,
+    HostTierSpec,
+    runs_spec,
+    start_host_tier,
+)
 
-__all__ = ["NODE_ID_CHARS", "NodeStores", "app_store_names", "store_name"]
+__all__ = ["NODE_ID_CHARS", "STORE_START_TIMEOUT_S", "NodeStores", "app_store_names", "store_name"]
 
 log = logging.getLogger("kvtide.kv_service")
 
@@ -50,6 +58,10 @@ def app_store_names(prefix: str, namespace: str) -> list[str]:
     )
 
 
+STORE_START_TIMEOUT_S = START_TIMEOUT_S + 10
+"""How long a store's start may take in all: the GCS calls that create or find it, and
+the new store's first answer (``START_TIMEOUT_S``)."""
+
 StartStore = Callable[[HostTierSpec, str, str, str], HostTierClient]
 """(spec, store name, namespace, node id) -> the store's client, started if need be."""
 FindStores = Callable[[], dict[str, HostTierClient]]
@@ -71,6 +83,7 @@ class NodeStores:
         home_node: str,
         start: StartStore | None = None,
         find: FindStores | None = None,
+        start_timeout_s: float = STORE_START_TIMEOUT_S,
     ) -> None:
         self.spec = spec
         self.prefix = prefix
@@ -81,18 +94,25 @@ class NodeStores:
         self._find: FindStores = find or (lambda: _find_stores(prefix, namespace, spec))
         self._clients: dict[str, HostTierClient] = {}
         self._starting: dict[str, asyncio.Lock] = {}
+        self.start_timeout_s = start_timeout_s
         self._found = False
         self._preparing: set[asyncio.Task[tuple[str, HostTierClient]]] = set()
 
     async def store_for(self, engine_id: str) -> tuple[str, HostTierClient]:
         """The store (name, client) a take-in from ``engine_id`` goes to: its node's,
-        started there if it does not run yet."""
+        started there if it does not run yet. A start (GCS calls and the new store's
+        first answer) past ``start_timeout_s`` raises ``CallTimedOut`` and frees the node
+        for the next take-in to try again."""
         node = self.node_of(engine_id) or self.home_node
         name = store_name(self.prefix, node)
         async with self._starting.setdefault(name, asyncio.Lock()):
             client = self._clients.get(name)
             if client is None:
-                client = await asyncio.to_thread(self._start, self.spec, name, self.namespace, node)
+                client = await call_within_async(
+                    functools.partial(self._start, self.spec, name, self.namespace, node),
+                    self.start_timeout_s,
+                    f"the start of host store {name}",
+                )
                 self._clients[name] = client
         return name, client
 
@@ -115,7 +135,9 @@ class NodeStores:
         """Every store of the application: the ones this service started, and once
         those a previous instance left (found by name)."""
         if not self._found:
-            found = await asyncio.wait_for(asyncio.to_thread(self._find), self.spec.timeout_s)
+            found = await call_within_async(
+                self._find, self.spec.timeout_s, "the search for the host stores"
+            )
             for name, client in found.items():
                 self._clients.setdefault(name, client)
             self._found = True
@@ -166,7 +188,7 @@ def _find_stores(prefix: str, namespace: str, spec: HostTierSpec) -> dict[str, H
         except ValueError:
             continue  # stopped meanwhile
         if not runs_spec(actor, spec, spec.timeout_s):
-            log.warning("host store %s runs another capacity or TTL: stopping it", name)
+            log.warning("host store %s runs another capacity, TTL or address: stopping it", name)
             ray.kill(actor, no_restart=True)  # started again, as configured, on first use
             continue
         found[name] = HostTierClient.of_actor(actor, timeout_s=spec.timeout_s)

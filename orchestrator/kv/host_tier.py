@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ import ray
 
 from engines.kv_params import KVTransferParams
 from orchestrator.cluster.ports import free_port
+from orchestrator.config import KVTideConfig
+from orchestrator.config.server import internal_address, nixl_transport_env
 from orchestrator.kv.drains import HostCopy, HostReadPending
 
 __all__ = [
@@ -47,6 +50,7 @@ __all__ = [
     "HostStoreActor",
     "HostTierClient",
     "HostTierSpec",
+    "host_tier_spec",
     "lookup_host_store",
     "runs_spec",
     "start_host_tier",
@@ -76,16 +80,24 @@ class HostTierSpec:
     capacity_bytes: int
     ttl_s: float
     timeout_s: float = 30.0
+    internal_host: str = "127.0.0.1"
+    """``server.internal_host``: where a store's NIXL handshake listens (``internal_address``)."""
 
 
 class HostStoreActor:
     """The store in its own process (NIXL agent, handshake listener, notification
     poller), its calls answered from Ray's thread pool (a take-in blocks on its read)."""
 
-    def __init__(self, store_id: str, capacity_bytes: int, ttl_s: float) -> None:
+    def __init__(
+        self, store_id: str, capacity_bytes: int, ttl_s: float, internal_host: str = "127.0.0.1"
+    ) -> None:
         from engines.host_store import HostStore
 
-        host = ray.util.get_node_ip_address()  # engines reach it as they reach each other
+        # Engines reach it as they reach each other: on server.internal_host (its NIXL
+        # agent's own listeners too; this process holds nothing else of UCX's).
+        host = internal_address(internal_host, ray.util.get_node_ip_address())
+        os.environ.update(nixl_transport_env(internal_host))
+        self.internal_host = internal_host
         self.store = HostStore(
             store_id=store_id,
             capacity_bytes=capacity_bytes,
@@ -120,8 +132,8 @@ class HostStoreActor:
     def entries(self) -> list[tuple[dict[str, Any], float, dict[str, Any]]]:
         return self.store.entries()
 
-    def spec(self) -> tuple[int | None, float]:
-        return self.store.capacity_bytes, self.store.ttl_s
+    def spec(self) -> tuple[int | None, float, str]:
+        return self.store.capacity_bytes, self.store.ttl_s, self.internal_host
 
     def stats(self) -> dict[str, Any]:
         """The store's counters, and the node it runs on."""
@@ -131,12 +143,27 @@ class HostStoreActor:
         return own | {"node_id": node}
 
 
+def host_tier_spec(config: KVTideConfig) -> HostTierSpec | None:
+    """The host tier ``config`` asks for (None: ``kv.host_tier_mib`` 0, no tier)."""
+    kv = config.kv
+    if kv.host_tier_mib <= 0:
+        return None
+    return HostTierSpec(
+        capacity_bytes=int(kv.host_tier_mib * 2**20),
+        ttl_s=kv.host_tier_ttl_s,
+        timeout_s=kv.pull_timeout_s,
+        internal_host=config.server.internal_host,
+    )
+
+
 def runs_spec(actor: Any, spec: HostTierSpec, timeout_s: float) -> bool:
-    """Whether a store has ``spec``'s capacity and TTL (a deployment with another left
-    it otherwise), asked within ``timeout_s`` (a store just created answers once started)."""
+    """Whether a store has ``spec``'s capacity, TTL and listening address (a deployment
+    with another left it otherwise), asked within ``timeout_s`` (a store just created
+    answers once started)."""
     return tuple(ray.get(actor.spec.remote(), timeout=timeout_s)) == (
         spec.capacity_bytes,
         spec.ttl_s,
+        spec.internal_host,
     )
 
 
@@ -146,7 +173,7 @@ def start_host_tier(
     """The store named ``store_id`` in ``namespace``, started on ``node_id`` (default:
     this node) unless it runs already: a detached actor, so that a restarted service
     finds it and books its copies again (``KVService.adopt_host_copies``). One left by a
-    deployment with another capacity or TTL is replaced (its copies are dropped)."""
+    deployment with another capacity, TTL or address is replaced (its copies are dropped)."""
     remote = ray.remote(num_cpus=0, max_concurrency=4, max_restarts=0)(HostStoreActor)
     node = node_id or ray.get_runtime_context().get_node_id()
     options = {
@@ -158,16 +185,20 @@ def start_host_tier(
             node_id=node, soft=False
         ),
     }
-    actor = remote.options(**options).remote(store_id, spec.capacity_bytes, spec.ttl_s)
+    actor = remote.options(**options).remote(
+        store_id, spec.capacity_bytes, spec.ttl_s, spec.internal_host
+    )
     if not runs_spec(actor, spec, START_TIMEOUT_S):
-        log.warning("host store %s runs another capacity or TTL: replacing it", store_id)
+        log.warning("host store %s runs another capacity, TTL or address: replacing it", store_id)
         ray.kill(actor, no_restart=True)
         deadline = time.monotonic() + 60
         while lookup_host_store(store_id, namespace) is not None:  # its name is freed once dead
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the previous host store {store_id} did not stop in time")
             time.sleep(0.1)
-        actor = remote.options(**options).remote(store_id, spec.capacity_bytes, spec.ttl_s)
+        actor = remote.options(**options).remote(
+            store_id, spec.capacity_bytes, spec.ttl_s, spec.internal_host
+        )
     return HostTierClient.of_actor(actor, timeout_s=spec.timeout_s)
 
 

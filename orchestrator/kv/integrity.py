@@ -24,6 +24,7 @@ mismatch as JSON, and read back when the service starts.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -77,7 +78,7 @@ class ReuseOff:
     def __len__(self) -> int:
         return len(self._pairs)
 
-    def turn_off(self, mismatch: IntegrityMismatch) -> bool:
+    async def turn_off(self, mismatch: IntegrityMismatch) -> bool:
         """Turn reuse off for the mismatch's pair; False when it was off already (the
         first mismatch stays booked)."""
         pair = (mismatch.prefill_engine_id, mismatch.source_engine_id)
@@ -85,8 +86,7 @@ class ReuseOff:
             return False
         entry = _Entry(mismatch=mismatch, since_wall_s=self.wall_clock())
         self._pairs[pair] = entry
-        self.store.put(pair_key(*pair), msgspec.json.encode(entry))
-        self._apply()
+        self._apply()  # off before it is written: a write past its deadline keeps it off
         log.error(
             "reuse off for prefill engine %s and source engine %s: turn %s failed its KV "
             "integrity check (log probabilities off by up to %.4g); no turn pulls from %s "
@@ -96,14 +96,17 @@ class ReuseOff:
             mismatch.max_abs_diff,
             mismatch.source_engine_id,
         )
+        # Off the service's event loop, within the store's deadline (``CallTimedOut``
+        # past it: reuse stays off here, and a restarted service would not know it).
+        await asyncio.to_thread(self.store.put, pair_key(*pair), msgspec.json.encode(entry))
         return True
 
-    def turn_on(self, prefill_engine_id: str, source_engine_id: str) -> bool:
+    async def turn_on(self, prefill_engine_id: str, source_engine_id: str) -> bool:
         """An operator turns reuse back on for the pair; False when it was not off."""
         if self._pairs.pop((prefill_engine_id, source_engine_id), None) is None:
             return False
-        self.store.delete(pair_key(prefill_engine_id, source_engine_id))
         self._apply()
+        await asyncio.to_thread(self.store.delete, pair_key(prefill_engine_id, source_engine_id))
         log.warning(
             "reuse turned back on for prefill engine %s and source engine %s",
             prefill_engine_id,

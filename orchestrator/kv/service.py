@@ -36,7 +36,7 @@ from typing import Any, Protocol
 from orchestrator.kv.adoption import LedgerAdoption, rebuild_from_marks
 from orchestrator.kv.decider import KVDecider
 from orchestrator.kv.drains import Drains, HostTier, PrefillPool, host_record
-from orchestrator.kv.durable import DurableStore, MemoryStore, RayKVStore, WriteBehind
+from orchestrator.kv.durable import BoundedStore, DurableStore, MemoryStore, WriteBehind
 from orchestrator.kv.engines import EngineRegistry, count_decode_paths, engine_pool
 from orchestrator.kv.host_reads import HostReads, restore_host_reads
 from orchestrator.kv.integrity import ReuseOff
@@ -197,9 +197,12 @@ class KVService:
         self.started_s = clock()
         # Owners and replays outlive the service in ``store`` (orchestrator.kv.durable).
         self.store: DurableStore = store if store is not None else MemoryStore()
-        # A running turn's mark is written off the turn's path (see ``WriteBehind``).
+        # A running turn's mark is written off the turn's path (see ``WriteBehind``),
+        # each write within the store's deadline.
         self.marks: DurableStore | WriteBehind = (
-            WriteBehind(self.store) if isinstance(self.store, RayKVStore) else self.store
+            WriteBehind(self.store.store, timeout_s=self.store.timeout_s)
+            if isinstance(self.store, BoundedStore)
+            else self.store
         )
         self.replays = TurnReplayBook(
             clock=clock,
@@ -378,12 +381,12 @@ class KVService:
         """A sampled turn's pull gave KV whose output differs from a recompute: reuse is
         off for the pull's engine pair from now on (``ReuseOff.turn_off``); False when it
         was off already."""
-        return self.reuse_off.turn_off(mismatch)
+        return await self.reuse_off.turn_off(mismatch)
 
     async def reuse_on(self, prefill_engine_id: str, source_engine_id: str) -> bool:
         """An operator turns reuse back on for a pair an integrity check turned off;
         False when it was not off."""
-        return self.reuse_off.turn_on(prefill_engine_id, source_engine_id)
+        return await self.reuse_off.turn_on(prefill_engine_id, source_engine_id)
 
     # ---- turn leases (orchestrator.kv.lease_desk) ------------------------------------
 

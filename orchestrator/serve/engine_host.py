@@ -41,6 +41,7 @@ from orchestrator.cluster.prefix_router import prefill_router_config
 from orchestrator.cluster.step_router import step_router_config
 from orchestrator.cluster.step_streams import StepOutboxes, StepsOpen
 from orchestrator.config import KVTideConfig
+from orchestrator.config.server import internal_address
 from orchestrator.kv.actor import EpochWatcher, lookup_service
 from orchestrator.serve.coalesce import coalesce
 from orchestrator.serve.ledger import EngineLedger
@@ -131,11 +132,11 @@ def host_engine_spec(
     """The spec of the engine a replica of the pool's deployment hosts (pure): its NIXL
     side channel on ``host:port``; with TP workers as Ray actors, the cluster at
     ``gcs_address`` for vLLM's engine core to join; its KV cache events published on
-    ``kv_events_port`` when given."""
+    ``host:kv_events_port`` when given."""
     pool = config.pool(pool_name)
     spec = config.engine_spec(pool, engine_id, side_channel_port=port, side_channel_host=host)
     if kv_events_port is not None:
-        spec = dataclasses.replace(spec, kv_events_port=kv_events_port)
+        spec = dataclasses.replace(spec, kv_events_host=host, kv_events_port=kv_events_port)
     if uses_ray_executor(config, pool_name, domain_id):
         # vLLM takes this replica's placement group and puts a worker in each GPU bundle.
         spec = ray_executor_spec(spec, spec.tensor_parallel_size)
@@ -166,22 +167,23 @@ class EngineHost:
         role = pool.role
         ctx = serve.get_replica_context()
         engine_id = f"{pool_name}-{ctx.replica_id.unique_id}"
-        # Peers on other hosts dial this engine's NIXL side channel: it listens on the
-        # address Ray knows this host by (loopback only reaches this host's processes).
-        node_ip = ray.util.get_node_ip_address()
+        # The engine's NIXL side channel and KV-event publisher listen on
+        # server.internal_host: loopback on one node; with 'node', the address Ray knows
+        # this host by, which peers on other hosts dial.
+        host = internal_address(config.server.internal_host, ray.util.get_node_ip_address())
         gcs_address = ray.get_runtime_context().gcs_address
-        port = free_port(node_ip)
+        port = free_port(host)
         events_port = None
         while publishes_kv_events(config, pool_name) and events_port in (None, port):
-            events_port = free_port(node_ip)
+            events_port = free_port(host)
         self._events_replica = None if events_port is None else ctx.replica_id.unique_id
         spec = host_engine_spec(
-            config, pool_name, domain_id, engine_id, port, node_ip, gcs_address, events_port
+            config, pool_name, domain_id, engine_id, port, host, gcs_address, events_port
         )
         if events_port is not None:
             # The prefix routers find the engine's events here (a SUB socket may connect
             # before the engine binds: ZMQ retries).
-            register_endpoint(ctx.replica_id.unique_id, f"tcp://{node_ip}:{events_port}")
+            register_endpoint(ctx.replica_id.unique_id, f"tcp://{host}:{events_port}")
         self.domain_id = domain_id
         self._chunk_tokens = config.server.stream_chunk_tokens
         self._chunk_window_s = config.server.stream_chunk_window_ms / 1000

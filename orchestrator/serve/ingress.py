@@ -34,7 +34,7 @@ from orchestrator.errors import (
 )
 from orchestrator.kv.actor import get_or_create_service, service_client
 from orchestrator.kv.decider import kv_lifecycle_config
-from orchestrator.kv.host_tier import HostTierSpec
+from orchestrator.kv.host_tier import host_tier_spec
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.observability import tracing as tr
@@ -155,15 +155,7 @@ class Ingress(TurnOpening, OwnLayer, ResponsesRoutes, OperatorViews):
                 running_grace_s=config.server.request_timeout_s,
                 timeout_s=kv.service_start_timeout_s,
                 turn_lease_s=kv.turn_lease_s,
-                host_tier=(
-                    HostTierSpec(
-                        capacity_bytes=int(kv.host_tier_mib * 2**20),
-                        ttl_s=kv.host_tier_ttl_s,
-                        timeout_s=kv.pull_timeout_s,
-                    )
-                    if kv.host_tier_mib > 0
-                    else None
-                ),
+                host_tier=host_tier_spec(config),
             ),
             timeout_s=kv.service_timeout_s,
         )

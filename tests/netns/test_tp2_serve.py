@@ -80,7 +80,8 @@ def app(hosts: NetnsCluster, serve_on_head: int) -> Iterator[Deployed]:
                 "pull_timeout_s": 180,
                 "prefill_lease_s": 120,
             },
-            "server": {"port": serve_on_head},
+            # The fake hosts have their own addresses: side channels on each node's.
+            "server": {"port": serve_on_head, "internal_host": "node"},
             "observability": {"metrics": False},
         }
     )

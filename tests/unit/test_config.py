@@ -60,6 +60,8 @@ def test_yaml_file_round_trips_into_engine_specs(tmp_path: Path) -> None:
     assert dict(spec.env) == {
         "VLLM_CPU_KVCACHE_SPACE": "4",
         "VLLM_CPU_OMP_THREADS_BIND": "2-3",
+        # NIXL's transport on loopback, as the side channel (server.internal_host).
+        "UCX_NET_DEVICES": "lo",
         "KVTIDE_IDLE_STEP_WAIT_MS": "20",
     }
     args = engine_args_for(spec)

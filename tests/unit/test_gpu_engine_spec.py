@@ -56,6 +56,8 @@ CONFIG: dict[str, Any] = {
     },
     "routing": {"long_context_threshold_tokens": 32768},
     "placement": {"num_cpus_per_shard": 2},
+    # Racks and HGX nodes: each listener on its own node's address.
+    "server": {"internal_host": "node"},
 }
 
 HOST_IP, PORT, GCS = "10.0.3.7", 5601, "10.0.0.1:6379"

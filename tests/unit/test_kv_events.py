@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from listening import listeners_on_port
 
 from engines import kv_events as wire
 from orchestrator.cluster.kv_events import KVEventsSubscriber, apply_kv_events
@@ -80,7 +81,10 @@ def test_vllms_batches_decode_into_kvtides_structs() -> None:
 
 def test_events_from_vllms_publisher_steer_and_unsteer_the_prefix_choice() -> None:
     port = free_port()
-    publisher = vllm_events.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"tcp://*:{port}")
+    # vLLM's publisher given the endpoint kvtide gives an engine: it binds the host
+    # named (server.internal_host), and only that.
+    endpoint = wire.kv_events_config("127.0.0.1", port)["endpoint"]
+    publisher = vllm_events.ZmqEventPublisher(data_parallel_rank=0, endpoint=endpoint)
     got: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
     subscriber = KVEventsSubscriber(lambda replica, batch: got.put((replica, batch)))
     prefix = PrefixRouter(PrefixRoutingSettings(block_size_tokens=SIZE))
@@ -101,6 +105,7 @@ def test_events_from_vllms_publisher_steer_and_unsteer_the_prefix_choice() -> No
                 break
             except queue.Empty:
                 assert time.monotonic() < deadline, "no batch reached the subscriber"
+        assert listeners_on_port(port) == ["127.0.0.1"]
 
         def deliver(*events: Any) -> dict[str, int]:
             publisher.publish(_batch(*events))
@@ -139,7 +144,7 @@ def test_prefill_engines_publish_their_events_only_where_a_prefix_router_reads_t
     assert engine_args_for(spec)["kv_events_config"] == {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": "tcp://*:5701",
+        "endpoint": "tcp://*:0;10.0.0.7:5701",
     }
     # Without prefix-aware routing, or with the events off, engines publish nothing.
     off = parse_config({"routing": {"prefix_aware": True, "prefix_kv_events": False}})
