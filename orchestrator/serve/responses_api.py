@@ -272,7 +272,10 @@ class ResponseBook:
             self._tips[session] = entry.previous
             return
         del self._tips[session]
-        self._to_close.append(session)
+        # vLLM stores the messages before it starts the turn: without them no turn
+        # claimed the session, and there is nothing to close.
+        if not was_pending or entry.messages is not None:
+            self._to_close.append(session)
 
     def _account(self, owner: str | None, delta: int) -> None:
         self.num_bytes += delta

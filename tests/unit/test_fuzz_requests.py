@@ -598,3 +598,25 @@ def test_every_responses_field_with_each_value_or_null_is_a_success_or_a_4xx(
         assert status == 200 or 400 <= status < 500, (name, value, status, answer)
         if status != 200:
             assert not leaks(answer["error"]["message"]), (name, value, answer)
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/responses", {"input": "a\ud800b"}),
+        ("/v1/responses", {"input": "hi", "instructions": "\udfff"}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a\ud800b"}], "tools": [TOOL]},
+        ),
+    ],
+)
+def test_a_lone_surrogate_for_vllms_layer_is_a_400_naming_the_field(
+    agent_ingress: Any, path: str, body: dict[str, Any]
+) -> None:
+    """Found by the fuzzer: vLLM's tokenizer failed on it with a TypeError (a 500)."""
+    status, answer = asyncio.run(handle(agent_ingress, path, _dumps({"model": MODEL, **body})))
+    assert status == 400, answer
+    param = next(name for name, value in body.items() if "\\ud" in json.dumps(value))
+    assert answer["error"]["param"].startswith(param), answer
+    assert "Unicode" in answer["error"]["message"], answer

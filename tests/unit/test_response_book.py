@@ -60,8 +60,15 @@ def test_responses_still_being_stored_that_fill_the_store_refuse_a_new_one() -> 
     with pytest.raises(LimitExceeded) as refused:
         book.messages["new"] = ["m" * 1200]
     assert refused.value.code == "response_too_large_to_store"
-    book.settle("new", completed=False)
-    assert book.take_sessions_to_close() == ["new"]
+    book.settle("new", completed=False)  # refused before its turn: no session to close
+    assert book.take_sessions_to_close() == []
+
+
+def test_a_request_refused_before_vllm_stored_anything_closes_nothing() -> None:
+    book = make_book(Clock())
+    assert book.begin("r1", "a", previous=None, store=True) == "r1"
+    book.settle("r1", completed=False)  # refused by vLLM's validation: no turn ran
+    assert book.take_sessions_to_close() == [] and book.num_bytes == 0
 
 
 def test_a_continuation_that_fails_leaves_the_chain_to_the_response_it_continued() -> None:
