@@ -16,7 +16,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from orchestrator.errors import RequestError, ResponseNotFound, UnsupportedParameter
+from orchestrator.errors import (
+    LimitExceeded,
+    RequestError,
+    ResponseNotFound,
+    UnsupportedParameter,
+)
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.service import KVServiceAPI
 from orchestrator.router import Router
@@ -126,6 +131,19 @@ class ResponsesRoutes:
                 on_done=on_done,
                 fields={"request_id": response_id},
             )
+        except LimitExceeded as exc:
+            await settle()
+            if exc.code != "session_limit_exceeded" or header is not None:
+                raise
+            # A stored response's chain is a session of the key's: say how to free one.
+            raise LimitExceeded(
+                "this API key already owns its max_sessions sessions, one per stored "
+                "chain of responses: delete a chain's last response (DELETE "
+                "/v1/responses/{id}) to close its session, let one expire, or send "
+                "store: false, which keeps no session",
+                code=exc.code,
+                param="store",
+            ) from None
         except BaseException:
             await settle()
             raise

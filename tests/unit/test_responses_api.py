@@ -273,6 +273,22 @@ def test_store_false_runs_without_a_session_and_keeps_nothing(tiny_tokenizer: An
     assert status == 200 and body["kvtide"]["kv_plan"] == "pull", body
 
 
+def test_a_key_out_of_sessions_is_told_how_to_free_one(tiny_tokenizer: Any) -> None:
+    ingress = bare_ingress(
+        tiny_tokenizer, max_model_len=1024, api_keys=[_key_entry("team-a", KEY_A, max_sessions=1)]
+    )
+    ingress.router.decode.script = scripted("sure", finish="length")
+    status, first = create(ingress, input="hello")
+    assert status == 200, first
+    before = stores(ingress)
+    status, body = create(ingress, input="another chain")
+    assert status == 429 and body["error"]["code"] == "session_limit_exceeded", body
+    assert "DELETE /v1/responses/{id}" in body["error"]["message"], body
+    assert stores(ingress) == before
+    delete(ingress, first["id"])  # closes its session: the key may start another
+    assert create(ingress, input="another chain")[0] == 200
+
+
 def delete(ingress: Any, response_id: str, key: str = KEY_A) -> Any:
     request, _ = http_request(
         f"/v1/responses/{response_id}", b"", {"authorization": f"Bearer {key}"}
