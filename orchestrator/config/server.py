@@ -191,6 +191,23 @@ class ServerConfig(StrictSection):
         "its first leave at most this often, in chunks of up to stream_chunk_tokens (the "
         "first token and the last never wait): fewer Serve hops, tokens in bursts.",
     )
+    responses_max_mib: float = Field(
+        256.0,
+        gt=0,
+        le=2**20,
+        description="Most MiB of stored responses (the Responses API: each response's "
+        "conversation and output as vLLM keeps them, counted as JSON) one ingress "
+        "replica keeps, all keys together; past it the oldest go first.",
+    )
+    responses_max_mib_per_key: float = Field(
+        64.0,
+        gt=0,
+        le=2**20,
+        description="Most MiB of stored responses one API key (or, without keys, all "
+        "requests) keeps on one ingress replica; past it that key's oldest go first, "
+        "and a response whose conversation alone is larger gets 429 "
+        "response_too_large_to_store before its turn runs.",
+    )
 
     step_streams: bool = Field(
         True,

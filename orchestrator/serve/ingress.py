@@ -54,7 +54,7 @@ from orchestrator.serve.responses import (
     ending,
     server_error_body,
 )
-from orchestrator.serve.responses_api import ResponseBook
+from orchestrator.serve.responses_api import response_book
 from orchestrator.serve.responses_routes import ResponsesRoutes
 from orchestrator.serve.tool_turns import ToolTurns
 from orchestrator.serve.turn_opening import TurnOpening
@@ -67,9 +67,6 @@ log = logging.getLogger("kvtide.ingress")
 # go (a session whose copy went costs one more service call on its next turn).
 SESSION_TOKENS_MAX = 10_000
 SESSION_TOKENS_MAX_BYTES = 256 * 2**20
-
-# Stored responses (Responses API) an ingress replica keeps, oldest out past it.
-RESPONSES_MAX = 10_000
 
 fastapi_app = FastAPI(title="kvtide", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -199,13 +196,9 @@ class Ingress(TurnOpening, OwnLayer, ResponsesRoutes, OperatorViews):
         # structured outputs, logprobs, n, ...): its config and tokenizer, no engine.
         self.vllm = await asyncio.to_thread(vllm_api.build_serving, config.model, self._vllm_turn)
         self.tool_turns = ToolTurns()
-        responses = self.vllm.responses
-        self.response_book = ResponseBook(
-            (responses.response_store, responses.msg_store),
-            ttl_s=kv.decoder_kv_blocks_ttl_s,
-            max_entries=RESPONSES_MAX,
-            clock=time.monotonic,
-        )
+        # What vLLM's Responses API stores, bounded in bytes (``responses_api``).
+        self.response_book = response_book(config, time.monotonic)
+        self.response_book.install(self.vllm.responses)
         self.auth = Authenticator(config.server.api_keys)
         # Per ingress replica: a key's concurrent requests are counted where they run.
         self.gate = ConcurrencyGate(retry_after_s=1.0)

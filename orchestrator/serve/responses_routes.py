@@ -1,102 +1,192 @@
 """The Responses API (``/v1/responses``) in the ingress: vLLM's ``OpenAIServingResponses``
-over kvtide's turn, with stored responses owned by API keys and a chain of them run as
-one kvtide session (``orchestrator.serve.responses_api``).
+over kvtide's turn, with what it stores bounded, owned by API keys and tied to kvtide
+sessions (``orchestrator.serve.responses_api``).
 
 A mixin of ``Ingress``, beside ``VLLMRoutes`` (whose guarded turn it uses).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from orchestrator.errors import ResponseNotFound
+from orchestrator.errors import (
+    LimitExceeded,
+    RequestError,
+    ResponseNotFound,
+    UnsupportedParameter,
+)
 from orchestrator.kv.ownership import Principal
+from orchestrator.kv.service import KVServiceAPI
+from orchestrator.router import Router
+from orchestrator.serve import openai_api as api
 from orchestrator.serve import vllm_api
 from orchestrator.serve.responses_api import ResponseBook
 
-__all__ = ["ResponsesRoutes"]
+__all__ = ["ResponsesRoutes", "nulls_as_defaults"]
+
+log = logging.getLogger("kvtide.ingress")
 
 
 def _not_found(response_id: str, param: str | None = None) -> ResponseNotFound:
     shown = response_id if response_id.isprintable() and len(response_id) <= 128 else "?"
-    return ResponseNotFound(f"Response with id '{shown}' not found.", param)
+    return ResponseNotFound(
+        f"Response with id '{shown}' not found: never stored by this API key, deleted, "
+        "expired, or dropped to keep the store within its bounds (a response sent with "
+        "store: false is never stored).",
+        param,
+    )
+
+
+def nulls_as_defaults(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` without the nulls of fields whose default is not null: a null is the
+    field's default (``"truncation": null`` is ``"disabled"``), as OpenAI reads it.
+    vLLM's request model takes the null and its response model then refuses it."""
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    fields = ResponsesRequest.model_fields
+    return {
+        name: value
+        for name, value in body.items()
+        if value is not None or name not in fields or fields[name].default is None
+    }
 
 
 class ResponsesRoutes:
     """``Ingress``'s Responses API (the attributes used are the ingress's)."""
 
+    kv: KVServiceAPI
+    router: Router
     vllm: vllm_api.VLLMServing
     response_book: ResponseBook
     _principal: Callable[[Request], Principal]
     _body: Callable[[Request], Awaitable[dict[str, Any]]]
     _vllm_request: Callable[..., Awaitable[Any]]
 
-    def _owned(self, response_id: str, http: Request, param: str | None = None) -> str:
-        """The session of the caller's stored response ``response_id`` (404 if none)."""
+    def _owner(self, http: Request) -> str | None:
         principal = self._principal(http)
-        owner = None if principal.is_anonymous else principal.name
-        session = self.response_book.session_of(response_id, owner)
-        if session is None:
+        return None if principal.is_anonymous else principal.name
+
+    def _check_owned(self, response_id: str, http: Request, param: str | None = None) -> None:
+        """404 unless the caller has a stored response ``response_id``."""
+        if not self.response_book.owns(response_id, self._owner(http)):
             raise _not_found(response_id, param)
-        return session
+
+    async def _close_dropped_sessions(self) -> None:
+        """Close the sessions whose last response the book dropped (their KV freed); a
+        service that does not answer leaves them to expire at the KV TTL."""
+        for session_id in self.response_book.take_sessions_to_close():
+            try:
+                await self.kv.close(session_id)
+            except RequestError as exc:
+                log.warning("responses: session %s not closed: %s", session_id, exc)
 
     async def _responses_create(self, http: Request, root: Any) -> Any:
         """``POST /v1/responses``: a new response, stored by default (OpenAI's ``store``),
         continuing ``previous_response_id``'s conversation when given: the input items
         sent are only the new ones, the history is the server's, and the turn runs in
-        that chain's kvtide session (its KV pulled back)."""
+        the session the book gives it (``ResponseBook.begin``)."""
         principal = self._principal(http)
-        body = await self._body(http)
+        body = nulls_as_defaults(await self._body(http))
         t_in = time.monotonic()
         vllm_api.check_fields("responses", body)
         owner = None if principal.is_anonymous else principal.name
         previous = body.get("previous_response_id")
-        session = None
         if isinstance(previous, str):
-            session = self._owned(previous, http, "previous_response_id")
+            self._check_owned(previous, http, "previous_response_id")
+        else:
+            previous = None
+        store = body.get("store", True) is not False
+        header = api.parse_session_id(http.headers.get("x-session-id"))
         response_id = f"resp_{uuid.uuid4().hex}"
-        chain = session or response_id  # a chain's session is named by its first response
-        on_done = None
-        if body.get("store", True) is not False:
-
-            def on_done() -> None:
-                self.response_book.keep(response_id, owner, chain)
-
-        return await self._vllm_request(
-            "responses",
-            body,
-            http,
-            principal,
-            root,
-            t_in,
-            session_id=chain,
-            on_done=on_done,
-            fields={"request_id": response_id},
+        session = self.response_book.begin(
+            response_id, owner, previous=previous, store=store, named_session=header
         )
+        completed = False
+
+        def on_done() -> None:
+            nonlocal completed
+            completed = True
+
+        async def settle() -> None:
+            self.response_book.settle(response_id, completed)
+            await self._close_dropped_sessions()
+
+        try:
+            response = await self._vllm_request(
+                "responses",
+                body,
+                http,
+                principal,
+                root,
+                t_in,
+                session_id=session,
+                sessionless=session is None,
+                on_done=on_done,
+                fields={"request_id": response_id},
+            )
+        except LimitExceeded as exc:
+            await settle()
+            if exc.code != "session_limit_exceeded" or header is not None:
+                raise
+            # A stored response's chain is a session of the key's: say how to free one.
+            raise LimitExceeded(
+                "this API key already owns its max_sessions sessions, one per stored "
+                "chain of responses: delete a chain's last response (DELETE "
+                "/v1/responses/{id}) to close its session, let one expire, or send "
+                "store: false, which keeps no session",
+                code=exc.code,
+                param="store",
+            ) from None
+        except BaseException:
+            await settle()
+            raise
+        if not isinstance(response, StreamingResponse):
+            await settle()
+            return response
+
+        async def settled_at_end(events: AsyncIterable[Any]) -> AsyncIterator[Any]:
+            try:
+                async for event in events:
+                    yield event
+            finally:
+                await settle()
+
+        response.body_iterator = settled_at_end(response.body_iterator)
+        return response
 
     async def _responses_get(
         self, response_id: str, http: Request, stream: bool, starting_after: int | None
     ) -> Any:
         """``GET /v1/responses/{id}``: the caller's stored response (as vLLM keeps it)."""
-        self._owned(response_id, http)
+        self._check_owned(response_id, http)
+        if stream:
+            # vLLM replays the events of background responses only, which kvtide does
+            # not run: a stored response is read whole.
+            raise UnsupportedParameter(
+                "stream=true replays the events of background responses, which kvtide "
+                "does not run; GET the stored response without stream",
+                param="stream",
+            )
         result = await self.vllm.responses.retrieve_responses(
-            response_id, starting_after=starting_after, stream=stream
+            response_id, starting_after=starting_after, stream=False
         )
         if hasattr(result, "error"):
             raise vllm_api.error_of(result)
-        if hasattr(result, "model_dump"):
-            return JSONResponse(result.model_dump(mode="json", by_alias=True))
-        return StreamingResponse(vllm_api.sse_events(result), media_type="text/event-stream")
+        return JSONResponse(result.model_dump(mode="json", by_alias=True))
 
     async def _responses_delete(self, response_id: str, http: Request) -> dict[str, Any]:
         """``DELETE /v1/responses/{id}``: the stored response and its messages are
-        forgotten (a later ``previous_response_id`` naming it is 404)."""
-        self._owned(response_id, http)
-        self.response_book.delete(response_id)
+        forgotten (a later ``previous_response_id`` naming it is 404) and, when nothing
+        continued it, its session is closed (the KV kept for it freed)."""
+        self._check_owned(response_id, http)
+        self.response_book.drop(response_id)
+        await self.router.settled()  # its turn's hand-over booked before the close
+        await self._close_dropped_sessions()
         return {"id": response_id, "object": "response", "deleted": True}

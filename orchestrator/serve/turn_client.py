@@ -42,11 +42,13 @@ class TurnContext:
     Set by the ingress before it calls vLLM's serving class; ``generate`` reads it.
     ``report`` (choice 0's ``TurnReport``), ``session_id``, ``conversation`` and
     ``error`` (a failure before the first token, raised by the ingress as its status
-    instead of an error event in a stream) are written by the turn."""
+    instead of an error event in a stream) are written by the turn. ``sessionless``:
+    the turn runs in no session, even one its text would continue."""
 
     principal: Any
     session_header: str | None
     has_history: bool
+    sessionless: bool = False
     requested_max_tokens: int | None
     prompt_param: str
     root: Any

@@ -84,7 +84,14 @@ def check_fields(kind: Kind, body: Mapping[str, Any]) -> None:
             "use_beam_search is not available on kvtide's P/D path; leave it out",
             param="use_beam_search",
         )
-    for name in body:
+    for name, value in body.items():
+        if not _is_unicode(value):
+            param = name if _is_unicode(name) and len(name) <= 64 else shown(name)
+            raise InvalidRequest(
+                f"{param} holds a string that is not valid Unicode (a lone UTF-16 "
+                "surrogate escape, \\ud800-\\udfff); send valid Unicode",
+                param=param,
+            )
         if name in _KVTIDE_ONLY:
             raise UnsupportedParameter(
                 f"{name} is set by kvtide for its own KV transfers; remove it", param=name
@@ -96,6 +103,26 @@ def check_fields(kind: Kind, body: Mapping[str, Any]) -> None:
                 "fields kvtide honours)",
                 param=param,
             )
+
+
+def _is_unicode(value: Any, depth: int = 0) -> bool:
+    """Whether every string in ``value`` (keys too) is valid Unicode: vLLM's renderer and
+    tokenizer fail on a lone surrogate with a TypeError."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if depth > 64:  # deeper than any request shape; vLLM's model refuses it
+        return True
+    if isinstance(value, dict):
+        return all(
+            _is_unicode(k, depth + 1) and _is_unicode(v, depth + 1) for k, v in value.items()
+        )
+    if isinstance(value, list):
+        return all(_is_unicode(v, depth + 1) for v in value)
+    return True
 
 
 def parse_request(kind: Kind, body: Mapping[str, Any]) -> Any:

@@ -63,14 +63,16 @@ class VLLMRoutes:
         t_in: float,
         *,
         session_id: str | None = None,
+        sessionless: bool = False,
         on_done: Callable[[], None] | None = None,
         fields: dict[str, Any] | None = None,
     ) -> Any:
         """``body``, which kvtide's own layer does not serve, through vLLM's.
         ``session_id``: the turn's session when the request names none in its header
-        (a Responses API chain's); ``on_done``: called once the response is complete;
-        ``fields``: set by kvtide (the response's id), not part of the request's identity
-        for an Idempotency-Key."""
+        (a Responses API chain's); ``sessionless``: without a header, the turn runs in
+        no session (none found by its text either: it keeps nothing); ``on_done``:
+        called once the response is complete; ``fields``: set by kvtide (the response's
+        id), not part of the request's identity for an Idempotency-Key."""
         messages = body.get("messages") if kind == "chat" else None
         sent = body
         body = {**body, **(fields or {})}
@@ -83,9 +85,11 @@ class VLLMRoutes:
         max_tokens = body.get(
             "max_output_tokens", body.get("max_completion_tokens", body.get("max_tokens"))
         )
+        header = api.parse_session_id(http.headers.get("x-session-id"))
         ctx = TurnContext(
             principal=principal,
-            session_header=api.parse_session_id(http.headers.get("x-session-id")) or session_id,
+            session_header=header or session_id,
+            sessionless=sessionless and header is None,
             has_history=body.get("previous_response_id") is not None
             or any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages or ()),
             requested_max_tokens=max_tokens if isinstance(max_tokens, int) else None,
@@ -136,8 +140,9 @@ class VLLMRoutes:
                 yield item
             return
         # The prompt's log probabilities need every prompt position computed: such a
-        # turn runs outside its session (nothing pulled back, nothing kept).
-        whole = params.prompt_logprobs is not None
+        # turn runs outside its session (nothing pulled back, nothing kept), as does
+        # one that asked to keep nothing.
+        whole = params.prompt_logprobs is not None or ctx.sessionless
         principal = ctx.principal
         max_model_len = self.config.model.max_model_len
 

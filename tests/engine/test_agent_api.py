@@ -215,8 +215,30 @@ def test_the_responses_api_holds_the_conversation_and_its_kv(kvtide_app: Any) ->
     ) as stream:
         final = stream.get_final_response()
     assert final.previous_response_id == previous
+    # A second continuation of the first response (a fork) runs in a session of its
+    # own; store: false runs in none, and the chain keeps its KV.
+    fork = client.responses.create(
+        model=kvtide_app.model,
+        input="Which rack?",
+        previous_response_id=first.id,
+        max_output_tokens=4,
+    )
+    assert (fork.model_extra or {})["kvtide"]["session_id"] == fork.id
+    once = client.responses.create(
+        model=kvtide_app.model,
+        input="Once.",
+        previous_response_id=final.id,
+        max_output_tokens=4,
+        store=False,
+    )
+    assert (once.model_extra or {})["kvtide"]["session_id"] is None
+    session_url = f"{kvtide_app.base_url}/kvtide/sessions/{first.id}"
+    assert httpx.get(session_url).json()["record"] is not None
+    # Deleting the chain's last response closes its session: the KV is freed.
+    client.responses.delete(final.id)
+    assert httpx.get(session_url).json()["record"] is None
     client.responses.delete(previous)
-    assert httpx.delete(f"{kvtide_app.base_url}/kvtide/sessions/{first.id}").status_code == 200
+    client.responses.delete(fork.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.create(
             model=kvtide_app.model,

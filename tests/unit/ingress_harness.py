@@ -21,7 +21,7 @@ from orchestrator.serve.admission import AdmissionGate
 from orchestrator.serve.auth import Authenticator, ConcurrencyGate
 from orchestrator.serve.ingress import Ingress
 from orchestrator.serve.prompts import PromptEncoder
-from orchestrator.serve.responses_api import ResponseBook
+from orchestrator.serve.responses_api import response_book
 from orchestrator.serve.tool_turns import ToolTurns
 from orchestrator.serve.vllm_api import build_serving
 
@@ -62,13 +62,8 @@ def bare_ingress(
             generate_tiny_model(config.model.resolved_path())
         ingress.vllm = build_serving(config.model, ingress._vllm_turn)
         ingress.tool_turns = ToolTurns()
-        responses = ingress.vllm.responses
-        ingress.response_book = ResponseBook(
-            (responses.response_store, responses.msg_store),
-            ttl_s=config.kv.decoder_kv_blocks_ttl_s,
-            max_entries=1000,
-            clock=ingress.router.clock,
-        )
+        ingress.response_book = response_book(config, ingress.router.clock)
+        ingress.response_book.install(ingress.vllm.responses)
     return ingress
 
 

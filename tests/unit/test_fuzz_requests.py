@@ -456,23 +456,91 @@ AGENT_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "use_beam_search": st.booleans(),
     "kv_transfer_params": json_values,
 }
+RESPONSE_TOOL = {
+    "type": "function",
+    "name": "lookup",
+    "parameters": {"type": "object", "properties": {}},
+}
+# Every field of vLLM's ``ResponsesRequest``, each with values a client may send: valid
+# ones and ones vLLM or kvtide refuses (the fuzz adds null and garbage to each).
+RESPONSE_VALUES: dict[str, list[Any]] = {
+    "background": [False, True],
+    "cache_salt": ["salt-1", ""],
+    "chat_template_kwargs": [{}, {"enable_thinking": False}],
+    "ec_transfer_params": [{}, {"x": 1}],
+    "enable_response_messages": [True, False],
+    "frequency_penalty": [0.5, -2.5],
+    "ignore_eos": [True, False],
+    "include": [["message.output_text.logprobs"], ["reasoning.encrypted_content"], ["nope"]],
+    "include_reasoning": [False, True],
+    "include_stop_str_in_output": [True],
+    "input": [
+        "hi",
+        [{"role": "user", "content": "hi"}],
+        [{"type": "function_call_output", "call_id": "c1", "output": "ok"}],
+        [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+        [{"type": "item_reference", "id": "x"}],
+        [],
+        "",
+    ],
+    "instructions": ["Be brief.", ""],
+    "kv_transfer_params": [{"do_remote_decode": True}],
+    "logit_bias": [{"1": 2.0}, {"x": 1}],
+    "max_output_tokens": [1, 16, 0, -1],
+    "max_tool_calls": [1, 0],
+    "media_io_kwargs": [{"image": {"x": 1}}],
+    "metadata": [{"a": "b"}, {"a": 1}],
+    "min_p": [0.1, 2.0],
+    "mm_payload": ["none", "tensors", "x"],
+    "mm_processor_kwargs": [{"x": 1}],
+    "model": [MODEL, "other"],
+    "parallel_tool_calls": [False, True],
+    "presence_penalty": [1.0],
+    "previous_input_messages": [[{"role": "user", "content": "before"}], [{"bad": 1}]],
+    "previous_response_id": ["resp_nope", ""],
+    "priority": [1, -5],
+    "prompt": [{"id": "pmpt_1"}, {"id": "pmpt_1", "variables": {"a": "b"}}],
+    "prompt_cache_key": ["k"],
+    "reasoning": [{"effort": "low"}, {"summary": "auto"}],
+    "repetition_penalty": [1.1, 0],
+    "request_id": ["mine"],
+    "return_mm_kwargs": [True],
+    "seed": [1, 2**70],
+    "service_tier": ["auto", "flex", "priority"],
+    "session_id": ["s1"],
+    "skip_special_tokens": [False],
+    "stop": ["\n", ["a", "b"], ["a"] * 5],
+    "stop_token_ids": [[1, 2], [-1]],
+    "store": [True, False],
+    "stream": [True, False],
+    "structured_outputs": [
+        {"regex": "[a-z]+"},
+        {"json": {"type": "object"}},
+        {"choice": ["a", "b"]},
+    ],
+    "temperature": [0, 0.7, 3],
+    "text": [
+        {"format": {"type": "text"}},
+        {"format": {"type": "json_object"}},
+        {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
+    ],
+    "tool_choice": ["auto", "none", "required", {"type": "function", "name": "lookup"}],
+    "tools": [
+        [RESPONSE_TOOL],
+        [{"type": "web_search_preview"}],
+        [{"type": "code_interpreter", "container": {"type": "auto"}}],
+    ],
+    "top_k": [5, -1, 0],
+    "top_logprobs": [0, 3, 30],
+    "top_p": [0.5, 0],
+    "truncation": ["auto", "disabled"],
+    "user": ["u1"],
+    "vllm_xargs": [{"a": 1}],
+    "watermarking": [True, False],
+}
 RESPONSE_FIELDS: dict[str, st.SearchStrategy[Any]] = {
-    "input": st.one_of(
-        good_texts.filter(bool),
-        st.just([{"role": "user", "content": "hi"}]),
-        st.just([{"type": "function_call_output", "call_id": "c1", "output": "ok"}]),
-        garbage,
-    ),
-    "previous_response_id": st.one_of(_values("resp_nope"), texts),
-    "store": st.one_of(st.booleans(), garbage),
-    "max_output_tokens": st.one_of(st.integers(-1, 64), garbage),
-    "stream": st.booleans(),
-    "tools": st.one_of(
-        st.just([{"type": "function", "name": "lookup", "parameters": {}}]), garbage
-    ),
-    "instructions": st.one_of(good_texts, garbage),
-    "temperature": st.one_of(st.floats(0, 2), garbage),
-    "background": st.booleans(),
+    name: st.one_of(st.sampled_from([None, *values]), garbage)
+    for name, values in RESPONSE_VALUES.items()
 }
 
 
@@ -488,7 +556,7 @@ def agent_requests(draw: st.DrawFn) -> tuple[str, bytes]:
         for name in draw(st.lists(st.sampled_from(sorted(AGENT_FIELDS)), max_size=4)):
             body[name] = draw(AGENT_FIELDS[name])
         return "/v1/chat/completions", _dumps(body)
-    body = {"model": draw(_values(MODEL, MODEL, "other"))}
+    body = {"model": draw(_values(MODEL, MODEL, "other")), "input": "hi"}
     for name in draw(st.lists(st.sampled_from(sorted(RESPONSE_FIELDS)), max_size=5)):
         body[name] = draw(RESPONSE_FIELDS[name])
     return "/v1/responses", _dumps(body)
@@ -509,3 +577,46 @@ def test_agent_fields_and_the_responses_api_never_answer_5xx(
     assert status == 200 or 400 <= status < 500, (status, answer)
     if status != 200:
         assert isinstance(answer, dict) and answer["error"]["message"], answer
+
+
+def test_the_responses_table_covers_every_field_of_vllms_request() -> None:
+    """A field a new vLLM adds to its request model is fuzzed too, once named here."""
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    assert set(RESPONSE_VALUES) == set(ResponsesRequest.model_fields)
+
+
+@pytest.mark.parametrize("name", sorted(RESPONSE_VALUES))
+def test_every_responses_field_with_each_value_or_null_is_a_success_or_a_4xx(
+    agent_ingress: Any, name: str
+) -> None:
+    """Found by the fuzzer: ``"truncation": null`` (and ``"background": null``) was
+    taken by vLLM's request model and refused by its response model: a 500."""
+    for value in [None, *RESPONSE_VALUES[name]]:
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 4, name: value}
+        status, answer = asyncio.run(handle(agent_ingress, "/v1/responses", _dumps(body)))
+        assert status == 200 or 400 <= status < 500, (name, value, status, answer)
+        if status != 200:
+            assert not leaks(answer["error"]["message"]), (name, value, answer)
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/responses", {"input": "a\ud800b"}),
+        ("/v1/responses", {"input": "hi", "instructions": "\udfff"}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a\ud800b"}], "tools": [TOOL]},
+        ),
+    ],
+)
+def test_a_lone_surrogate_for_vllms_layer_is_a_400_naming_the_field(
+    agent_ingress: Any, path: str, body: dict[str, Any]
+) -> None:
+    """Found by the fuzzer: vLLM's tokenizer failed on it with a TypeError (a 500)."""
+    status, answer = asyncio.run(handle(agent_ingress, path, _dumps({"model": MODEL, **body})))
+    assert status == 400, answer
+    param = next(name for name, value in body.items() if "\\ud" in json.dumps(value))
+    assert answer["error"]["param"].startswith(param), answer
+    assert "Unicode" in answer["error"]["message"], answer
