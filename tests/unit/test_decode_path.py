@@ -195,6 +195,8 @@ def test_without_gpu_arch_engine_specs_are_exactly_as_before(kimi_k3_checkpoint:
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "1",
         "KVTIDE_IDLE_STEP_WAIT_MS": "20",
+        # server.internal_host is loopback: NIXL's transport stays on the loopback device.
+        "UCX_NET_DEVICES": "lo",
     }
 
 

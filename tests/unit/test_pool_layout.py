@@ -101,7 +101,12 @@ def test_serve_options_pin_every_bundle_to_the_domain() -> None:
     opts = engine_deployment_options(cfg, "decode", dep)
     assert opts["name"] == f"decode-pool-{dep.domain_id}" and opts["num_replicas"] == 1
     # The host actor sits in bundle 0 (CPUs only); one GPU bundle per TP rank.
-    assert opts["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 0.0}
+    # server.internal_host is loopback: NIXL's transport stays on the loopback device.
+    assert opts["ray_actor_options"] == {
+        "num_cpus": 2.0,
+        "num_gpus": 0.0,
+        "runtime_env": {"env_vars": {"UCX_NET_DEVICES": "lo"}},
+    }
     assert opts["placement_group_bundles"] == [{"CPU": 2.0}] + [{"GPU": 1.0, "CPU": 1.0}] * 8
     assert opts["placement_group_strategy"] == "PACK"
     assert opts["placement_group_bundle_label_selector"] == [{"nvlink_domain": dep.domain_id}] * 9
