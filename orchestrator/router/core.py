@@ -141,7 +141,8 @@ class Router(PrefillSide, DecodeSide):
             settings=integrity if integrity is not None else IntegritySettings(sample_fraction=0),
         )
         # The sessions with a turn generating here: session id -> (request id, owner).
-        # From the turn's start to its last item (or its end otherwise).
+        # From the moment the ingress opens the turn (``opening``: before its service
+        # call) to its last item (or its end otherwise).
         self._generating: dict[str, tuple[str, str | None]] = {}
 
     # The service, the caller's copy of each session's last turn (the ingress tokenizes
@@ -195,8 +196,25 @@ class Router(PrefillSide, DecodeSide):
         running = self._generating.get(session_id)
         return running is not None and running[1] == owner
 
+    def opening(self, session_id: str, request_id: str, owner: str | None) -> bool:
+        """The ingress opens turn ``request_id`` of the session here (its tokenizing and
+        service call are still to come): from now a second turn of it is refused at
+        once (``generating_for``), here and, asked by the service, on another replica.
+        False (nothing booked) when another key's turn of it is already here. End it
+        with ``_generated`` when the turn does not run; ``run_turn`` takes it over."""
+        if session_id in self._generating:
+            return False
+        self._generating[session_id] = (request_id, owner)
+        return True
+
+    def not_opened(self, session_id: str | None, request_id: str) -> None:
+        """The turn the ingress was ``opening`` does not run (refused, failed, or run
+        without its session)."""
+        self._generated(session_id, request_id)
+
     def _generated(self, session_id: str | None, request_id: str) -> None:
-        """The turn ``request_id`` of the session is at its last item (or ended)."""
+        """The turn ``request_id`` of the session is at its last item (or ended, or was
+        opened and did not run)."""
         if session_id is not None:
             running = self._generating.get(session_id)
             if running is not None and running[0] == request_id:
@@ -312,6 +330,9 @@ class Router(PrefillSide, DecodeSide):
                     decision = KVDecision(kind="recompute", reason=RecomputeReason.NO_SESSION.value)
                 else:
                     decision = await self.kv.decide_turn(session_id, prompt_token_ids)
+                # A mismatch found here refuses its source's reuse before the service
+                # has heard of it.
+                decision = self.integrity.vetted(decision)
                 tr.set_attrs(
                     decision_span,
                     {tr.KV_PLAN: decision.kind, tr.KV_PLAN_REASON: decision.reason},

@@ -201,6 +201,7 @@ class Ingress(TurnOpening, OwnLayer, ResponsesRoutes, OperatorViews):
                 logprob_tolerance=kv.integrity_logprob_tolerance,
                 num_tokens=kv.integrity_num_tokens,
                 timeout_s=config.server.request_timeout_s,
+                report_timeout_s=kv.service_timeout_s,
             ),
         )
         # vLLM's OpenAI serving layer for what kvtide's own does not serve (tools,

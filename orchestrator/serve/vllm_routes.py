@@ -85,7 +85,7 @@ class VLLMRoutes:
         )
         ctx = TurnContext(
             principal=principal,
-            session_header=api.parse_session_id(http.headers.get("x-session-id")) or session_id,
+            session_header=api.session_header(http.headers.get("x-session-id")) or session_id,
             has_history=body.get("previous_response_id") is not None
             or any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages or ()),
             requested_max_tokens=max_tokens if isinstance(max_tokens, int) else None,
