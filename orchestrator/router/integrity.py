@@ -281,6 +281,7 @@ class IntegrityCheck:
             decode_engine_id=report.extra.get("decode_engine_id"),
             session_id=report.session_id,
             request_id=report.request_id,
+            owner=report.extra.get("owner"),
             num_tokens=len(output),
             max_abs_diff=diff,
             tolerance=tolerance,

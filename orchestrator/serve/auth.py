@@ -16,6 +16,7 @@ so that a refused request leaves no state behind):
    ``SessionOwners.touch(session_id, principal, now_s)``.
 
 Reading or closing a session needs only 1 and 2; after closing, ``SessionOwners.forget``.
+An operator route needs 1 and ``require_operator`` (403 for a key without ``operator``).
 The ingress's periodic tick calls ``SessionOwners.expire(now_s)`` and closes what it
 returns.
 
@@ -37,7 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from orchestrator.config import ApiKeyConfig
-from orchestrator.errors import AuthenticationFailed, LimitExceeded
+from orchestrator.errors import AuthenticationFailed, LimitExceeded, PermissionDenied
 from orchestrator.kv.ownership import ANONYMOUS, Principal
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "check_request",
     "hash_key",
     "new_key",
+    "require_operator",
 ]
 
 KEY_PREFIX = "kvt-"
@@ -132,6 +134,16 @@ def check_request(
             "per request. Lower max_tokens.",
             code="max_tokens_over_key_limit",
             param="max_tokens",
+        )
+
+
+def require_operator(principal: Principal, route: str) -> None:
+    """Raise ``PermissionDenied`` (403) unless ``principal`` may call the operator route
+    ``route`` (an operator's key, or no keys configured at all)."""
+    if not principal.may_operate:
+        raise PermissionDenied(
+            f"{route} is an operator route: API key {principal.name!r} is not an operator's. "
+            "Call it with a key that has operator: true under server.api_keys."
         )
 
 
