@@ -154,8 +154,10 @@ class TurnOpening:
         run: Callable[[Ticket, str | None], Awaitable[Any]],
         begin: Callable[[str, str], Awaitable[dict[str, Any] | None]],
         replayed: Callable[[dict[str, Any]], Any],
+        num_sequences: int = 1,
     ) -> Any:
-        """``run(ticket, replay_key)`` under the key's concurrency ticket, once per
+        """``run(ticket, replay_key)`` under the key's concurrency ticket (counting the
+        request's ``num_sequences``: its ``n`` choices), once per
         Idempotency-Key: ``begin(replay_key, attempt)`` looks the key up (the stored
         response of an earlier run, which is ``replayed``; 409 while it runs, 422 when
         the key came with another request; None: run now, as after a failed run). The
@@ -171,7 +173,7 @@ class TurnOpening:
             principal.name,
             api.session_header(http.headers.get("x-session-id")),
         )
-        ticket = self.gate.acquire(principal)
+        ticket = self.gate.acquire(principal, num_sequences)
         streaming = False
         try:
             if replay_key is not None:
@@ -313,7 +315,8 @@ class TurnOpening:
         ids, digest, last_ids, tokenize_s = await self._prompt_ids(turn, session_id)
         max_tokens = turn.limits(ids)
         # Refused now (503 overloaded) rather than queued past its deadline.
-        self.admission.check(("prefill", self.router.decode_pool_for(len(ids))[0]))
+        pools = ("prefill", self.router.decode_pool_for(len(ids))[0])
+        self.admission.check(pools, turn.num_sequences)
         lease, decision, lease_used, service_s = await self._under_lease(
             session_id, principal, ids, digest
         )

@@ -79,6 +79,19 @@ def check_fields(kind: Kind, body: Mapping[str, Any]) -> None:
             "request (its deadline, its key's concurrency); send background: false",
             param="background",
         )
+    prompt = body.get("prompt") if kind == "completion" else None
+    if (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and all(isinstance(p, str | list) for p in prompt)
+    ):
+        # vLLM's layer would run each prompt as its own request, each a turn of its own
+        # outside the key's concurrency count.
+        raise UnsupportedParameter(
+            "prompt holds several prompts; batched prompts are not supported (with n or "
+            "any other field): send one prompt per request",
+            param="prompt",
+        )
     if body.get("use_beam_search"):
         raise UnsupportedParameter(
             "use_beam_search is not available on kvtide's P/D path; leave it out",
