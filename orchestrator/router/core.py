@@ -141,9 +141,11 @@ class Router(PrefillSide, DecodeSide):
             settings=integrity if integrity is not None else IntegritySettings(sample_fraction=0),
         )
         # The sessions with a turn generating here: session id -> (request id, owner).
-        # From the moment the ingress opens the turn (``opening``: before its service
-        # call) to its last item (or its end otherwise).
+        # From the turn's start to its last item (or its end otherwise).
         self._generating: dict[str, tuple[str, str | None]] = {}
+        # The sessions with a turn the ingress is opening here (``opening``: tokenizing,
+        # its lease or its service call), until it starts or does not run.
+        self._opening: dict[str, tuple[str, str | None]] = {}
 
     # The service, the caller's copy of each session's last turn (the ingress tokenizes
     # the next one from it; written once the service has booked the turn) and the turn
@@ -191,30 +193,33 @@ class Router(PrefillSide, DecodeSide):
 
     def generating_for(self, session_id: str, owner: str | None) -> bool:
         """Whether ``owner``'s (a key's name, None for anonymous) turn of the session is
-        generating here: a second turn of it is refused at once, with no call to the
-        service and no hand-over wait."""
-        running = self._generating.get(session_id)
+        generating or opening here: a second turn of it is refused at once, with no call
+        to the service and no hand-over wait."""
+        running = self._generating.get(session_id) or self._opening.get(session_id)
         return running is not None and running[1] == owner
 
     def opening(self, session_id: str, request_id: str, owner: str | None) -> bool:
-        """The ingress opens turn ``request_id`` of the session here (its tokenizing and
-        service call are still to come): from now a second turn of it is refused at
-        once (``generating_for``), here and, asked by the service, on another replica.
-        False (nothing booked) when another key's turn of it is already here. End it
-        with ``_generated`` when the turn does not run; ``run_turn`` takes it over."""
-        if session_id in self._generating:
+        """The ingress opens turn ``request_id`` of the session here (its tokenizing,
+        lease or service call still to come): from now a second turn of it here is
+        refused at once (``generating_for``). Not what the service is told
+        (``generating``): it has not claimed the turn yet. False (nothing booked) when
+        a turn of the session is already here. ``run_turn`` with the same request id
+        takes it over; ``not_opened`` ends it when the turn does not run."""
+        if session_id in self._generating or session_id in self._opening:
             return False
-        self._generating[session_id] = (request_id, owner)
+        self._opening[session_id] = (request_id, owner)
         return True
 
     def not_opened(self, session_id: str | None, request_id: str) -> None:
         """The turn the ingress was ``opening`` does not run (refused, failed, or run
         without its session)."""
-        self._generated(session_id, request_id)
+        if session_id is not None:
+            opening = self._opening.get(session_id)
+            if opening is not None and opening[0] == request_id:
+                del self._opening[session_id]
 
     def _generated(self, session_id: str | None, request_id: str) -> None:
-        """The turn ``request_id`` of the session is at its last item (or ended, or was
-        opened and did not run)."""
+        """The turn ``request_id`` of the session is at its last item (or ended)."""
         if session_id is not None:
             running = self._generating.get(session_id)
             if running is not None and running[0] == request_id:
@@ -321,6 +326,7 @@ class Router(PrefillSide, DecodeSide):
         t0 = self.clock()
         done = False
         if session_id is not None:
+            self.not_opened(session_id, rid)  # opened: now it runs
             self._generating[session_id] = (rid, report.extra.get("owner"))
         try:
             with tr.span(tr.SPAN_KV_DECISION, parent=route) as decision_span:

@@ -78,6 +78,9 @@ def test_a_second_turn_of_a_new_session_is_refused_while_its_first_is_still_open
         assert reply["error"]["code"] == "turn_in_progress"
         assert reply["error"]["param"] == "x-session-id"
         assert log.take() == []  # refused here: no begin_turn waits out the first
+        # The service is not told the first generates until it runs (asked by another
+        # replica, this one answers for turns the service has handed it).
+        assert not first.router.generating("new-1")
         answer.set()
         await opening
         # A refused or failed opening leaves the session free: its next turn runs.
