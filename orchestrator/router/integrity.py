@@ -220,10 +220,16 @@ class IntegrityCheck:
         if self._running:
             await asyncio.gather(*list(self._running), return_exceptions=True)
 
-    async def reported(self) -> None:
-        """Wait until the service has every mismatch found here (tests)."""
+    async def reported(self, timeout_s: float | None = None) -> bool:
+        """Wait until the service has every mismatch found here (at most ``timeout_s``:
+        a replica's shutdown); whether it has."""
         if self._reports:
-            await asyncio.gather(*list(self._reports), return_exceptions=True)
+            waiting = asyncio.gather(*list(self._reports), return_exceptions=True)
+            try:
+                await asyncio.wait_for(asyncio.shield(waiting), timeout_s)
+            except TimeoutError:
+                return False
+        return True
 
     def _skipped(self, report: TurnReport, why: str) -> None:
         self.metrics.inc(METRIC, outcome="skipped")
@@ -307,6 +313,11 @@ class IntegrityCheck:
             mismatch.source_engine_id,
             mismatch.prefill_engine_id,
         )
+        self.turn_off(mismatch)
+
+    def turn_off(self, mismatch: IntegrityMismatch) -> None:
+        """Reuse from the mismatch's source engine off here now, and the mismatch sent
+        to the service until it has it (a task)."""
         source = mismatch.source_engine_id
         self._off_here[source] = self._off_here.get(source, 0) + 1
         task = asyncio.get_running_loop().create_task(self._report(mismatch))

@@ -549,3 +549,44 @@ async def turn_on(
     await router.integrity.settled()
     assert claim.decision is not None
     return items[-1][1], claim.decision
+
+
+class ServiceDown:
+    """The service, whose ``integrity_mismatch`` fails its first ``num_failures`` tries."""
+
+    def __init__(self, service: Any, num_failures: int) -> None:
+        self.service = service
+        self.num_failures = num_failures
+        self.num_tries = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.service, name)
+
+    async def integrity_mismatch(self, mismatch: IntegrityMismatch) -> bool:
+        self.num_tries += 1
+        if self.num_tries <= self.num_failures:
+            raise ServiceUnavailable("the KV lifecycle service did not answer in time")
+        return bool(await self.service.integrity_mismatch(mismatch))
+
+
+def test_a_replica_shutting_down_first_delivers_its_mismatches(tiny_tokenizer: Any) -> None:
+    from ingress_harness import bare_ingress
+
+    from orchestrator.serve.ingress import Ingress
+
+    ingress = bare_ingress(tiny_tokenizer, vllm=False)
+    service = ingress.router.kv
+    ingress.router.kv = down = ServiceDown(service, num_failures=3)
+    ingress.router.integrity.settings = IntegritySettings(report_backoff_s=0.0)
+    ingress._lease_watch = None
+
+    async def run() -> None:
+        ingress._reporter = asyncio.get_running_loop().create_future()
+        mismatch = IntegrityMismatch(prefill_engine_id="P", source_engine_id="D", max_abs_diff=1)
+        ingress.router.integrity.turn_off(mismatch)
+        await Ingress.func_or_class.__del__(ingress)  # Serve's shutdown of the replica
+        # The replica is gone only once the service has the mismatch.
+        assert [p["source_engine_id"] for p in service.reuse_off.stats()] == ["D"]
+
+    asyncio.run(run())
+    assert down.num_tries == 4
