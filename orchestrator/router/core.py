@@ -198,32 +198,24 @@ class Router(PrefillSide, DecodeSide):
         running = self._generating.get(session_id) or self._opening.get(session_id)
         return running is not None and running[1] == owner
 
-    def opening(self, session_id: str, request_id: str, owner: str | None) -> bool:
+    def opening(self, session_id: str, request_id: str, owner: str | None) -> None:
         """The ingress opens turn ``request_id`` of the session here (its tokenizing,
         lease or service call still to come): from now a second turn of it here is
         refused at once (``generating_for``). Not what the service is told
-        (``generating``): it has not claimed the turn yet. False (nothing booked) when
-        a turn of the session is already here. ``run_turn`` with the same request id
-        takes it over; ``not_opened`` ends it when the turn does not run."""
-        if session_id in self._generating or session_id in self._opening:
-            return False
-        self._opening[session_id] = (request_id, owner)
-        return True
+        (``generating``): it has not claimed the turn yet. Nothing is booked over a turn
+        of the session already here. ``run_turn`` with the same request id takes it
+        over; ``not_opened`` ends it when the turn does not run."""
+        if session_id not in self._generating and session_id not in self._opening:
+            self._opening[session_id] = (request_id, owner)
 
     def not_opened(self, session_id: str | None, request_id: str) -> None:
         """The turn the ingress was ``opening`` does not run (refused, failed, or run
         without its session)."""
-        if session_id is not None:
-            opening = self._opening.get(session_id)
-            if opening is not None and opening[0] == request_id:
-                del self._opening[session_id]
+        _forget(self._opening, session_id, request_id)
 
     def _generated(self, session_id: str | None, request_id: str) -> None:
         """The turn ``request_id`` of the session is at its last item (or ended)."""
-        if session_id is not None:
-            running = self._generating.get(session_id)
-            if running is not None and running[0] == request_id:
-                del self._generating[session_id]
+        _forget(self._generating, session_id, request_id)
 
     def decode_pool_for(self, num_prompt_tokens: int) -> tuple[str, PoolClient]:
         """The decode pool of a prompt: the long-context pool (TP+DCP) above the pool
@@ -401,3 +393,9 @@ class Router(PrefillSide, DecodeSide):
         if not ok:
             report.extra["lease_refused"] = True
             raise LeaseRefused(report.session_id or "")
+
+
+def _forget(book: dict[str, tuple[str, str | None]], session_id: str | None, rid: str) -> None:
+    """The session's entry in ``book`` gone, if it is turn ``rid``'s."""
+    if session_id is not None and book.get(session_id, ("",))[0] == rid:
+        del book[session_id]
