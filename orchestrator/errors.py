@@ -7,6 +7,7 @@
         │   └── UnsupportedParameter    a field kvtide's own layer does not serve
         ├── ContextLengthExceeded   400: prompt + max_tokens over the model's context
         ├── AuthenticationFailed    401: API key missing, malformed or unknown (never echoed)
+        ├── PermissionDenied        403: an operator route called with a key that is not one
         ├── ModelNotFound           404: the requested model is not served here
         ├── NotFound                404: a route that is switched off in the config
         ├── SessionNotFound         404: no such session for this key (also: another key's)
@@ -45,6 +46,7 @@ __all__ = [
     "NotFound",
     "Overloaded",
     "PayloadTooLarge",
+    "PermissionDenied",
     "RequestError",
     "RequestTimeout",
     "ResponseNotFound",
@@ -137,6 +139,15 @@ class AuthenticationFailed(RequestError):
 
     def headers(self) -> dict[str, str]:
         return {"WWW-Authenticate": 'Bearer realm="kvtide"'}
+
+
+class PermissionDenied(RequestError):
+    """403. The key is valid but not an operator's (``server.api_keys[].operator``); the
+    message names the route and what it needs."""
+
+    status_code = 403
+    error_type = "permission_error"
+    code = "operator_key_required"
 
 
 class ModelNotFound(RequestError):

@@ -18,9 +18,12 @@ An engine is
 * unknown when its last report is older than ``max_report_age_s`` (left out: a silent
   engine is the health check's business, and refusing on old news would refuse forever).
 
-A turn needs its prefill pool and its decode pool. It is refused when every engine of one
-of them with a recent report is full (``Admission.admitted`` False, ``reason`` naming the
-pool); a pool with no recent report admits. ``pool_health`` says the same per pool for
+A turn needs its prefill pool and its decode pool. It is refused when no engine of one
+of them with a recent report can take it (``Admission.admitted`` False, ``reason`` naming
+the pool); a pool with no recent report admits. An engine takes a turn of
+``num_sequences`` sequences (a request's ``n`` choices) when it is not full and that many
+more waiting stay within ``max_waiting_per_engine``: a turn of one sequence, when it is
+not full. ``pool_health`` says the same per pool for
 ``/health``: ``degraded`` when an engine is stalled or a pool refuses turns.
 """
 
@@ -87,6 +90,13 @@ class EngineView:
             return "full"
         return "ok"
 
+    def takes(self, settings: AdmissionSettings, now_s: float, num_sequences: int) -> bool:
+        """Whether the engine can take ``num_sequences`` more sequences now."""
+        return (
+            self.condition(settings, now_s) == "ok"
+            and self.load.num_waiting + num_sequences <= settings.max_waiting_per_engine
+        )
+
     def is_recent(self, settings: AdmissionSettings, now_s: float) -> bool:
         return now_s - self.load.reported_s <= settings.max_report_age_s
 
@@ -132,35 +142,40 @@ ADMIT = Admission(admitted=True)
 
 
 def _pool_refuses(
-    views: Sequence[EngineView], pool: str, settings: AdmissionSettings, now_s: float
+    views: Sequence[EngineView],
+    pool: str,
+    settings: AdmissionSettings,
+    now_s: float,
+    num_sequences: int = 1,
 ) -> tuple[bool, bool]:
-    """Whether ``pool`` refuses turns now (every recently reported engine full), and
-    whether that is because each of them is stalled."""
-    conditions = [
-        v.condition(settings, now_s)
-        for v in views
-        if v.load.pool == pool and v.is_recent(settings, now_s)
-    ]
-    if not conditions or "ok" in conditions:
+    """Whether ``pool`` refuses a turn of ``num_sequences`` now (no recently reported
+    engine takes it), and whether that is because each of them is stalled."""
+    recent = [v for v in views if v.load.pool == pool and v.is_recent(settings, now_s)]
+    if not recent or any(v.takes(settings, now_s, num_sequences) for v in recent):
         return False, False
-    return True, all(c == "stalled" for c in conditions)
+    return True, all(v.condition(settings, now_s) == "stalled" for v in recent)
 
 
 def admit(
-    views: Sequence[EngineView], pools: Sequence[str], settings: AdmissionSettings, now_s: float
+    views: Sequence[EngineView],
+    pools: Sequence[str],
+    settings: AdmissionSettings,
+    now_s: float,
+    num_sequences: int = 1,
 ) -> Admission:
-    """Admit a turn that runs on ``pools`` (its prefill and its decode pool), or say why
-    not and when to retry."""
+    """Admit a turn of ``num_sequences`` sequences that runs on ``pools`` (its prefill
+    and its decode pool), or say why not and when to retry."""
     if not settings.enabled:
         return ADMIT
     for pool in pools:
-        refuses, stalled = _pool_refuses(views, pool, settings, now_s)
+        refuses, stalled = _pool_refuses(views, pool, settings, now_s, num_sequences)
         if not refuses:
             continue
+        many = "" if num_sequences == 1 else f" for {num_sequences} more sequences (n)"
         why = (
             f"makes no progress (requests waiting, none running for {settings.stall_s:g} s)"
             if stalled
-            else "is full (its engines' queues or KV caches are full)"
+            else f"is full{many} (its engines' queues or KV caches are full)"
         )
         return Admission(
             admitted=False,

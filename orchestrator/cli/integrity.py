@@ -6,7 +6,9 @@ and turning one back on (docs/kv_lifecycle.md#integrity-check).
 
 Both take ``--url`` (default ``$KVTIDE_URL``, else http://127.0.0.1:8000), ``--api-key``
 (default ``$KVTIDE_API_KEY``) and ``--timeout``. A failure prints one line starting with
-``kvtide:`` on stderr and exits 1 (a pair that is not off: the server's 404).
+``kvtide:`` on stderr and exits 1 (a pair that is not off: the server's 404). With API
+keys configured, ``reuse-on`` needs an operator's key (the server's 403 otherwise), and
+``list`` with another key shows only that key's turns' session and request ids.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ kvtide demo [--url URL]         run the multi-turn demo against a running endpoi
 kvtide model tiny DIR           write the tiny local model to DIR
 kvtide config                   print the embedded default config as YAML
 kvtide doctor [--fix]           check this environment (and repair what is safe to)
-kvtide key new [--name NAME]    print a new API key (once) and its server.api_keys entry
+kvtide key new [--name NAME] [--operator]
+                                print a new API key (once) and its server.api_keys entry
 kvtide inspect health|stats|session ID|domains
                                 read-only views of a running kvtide (docs/runbooks/)
 kvtide integrity list|reuse-on  engine pairs whose KV reuse an integrity check turned off
@@ -136,7 +137,9 @@ def _cmd_key_new(args: argparse.Namespace) -> int:
     key = new_key()
     digest = hash_key(key)
     name = args.name or f"key-{digest[:8]}"
-    entry = {"name": name, "sha256": digest}
+    entry: dict[str, object] = {"name": name, "sha256": digest}
+    if args.operator:
+        entry["operator"] = True
     parse_config({"server": {"api_keys": [entry]}})  # the name obeys the config's rules
     snippet = yaml.safe_dump({"server": {"api_keys": [entry]}}, sort_keys=False)
     print(f"API key {name!r} (shown once: kvtide keeps only its hash, so store it now):\n")
@@ -190,6 +193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     key_sub = key.add_subparsers(dest="key_command", required=True)
     key_new = key_sub.add_parser("new", help="print a new key and its server.api_keys entry")
     key_new.add_argument("--name", help="the key's name (default: key-<first 8 hash digits>)")
+    key_new.add_argument(
+        "--operator",
+        action="store_true",
+        help="an operator's key (operator: true): the operator routes, every tenant's ids",
+    )
     key_new.set_defaults(func=_cmd_key_new)
 
     from orchestrator.cli.plan import add_plan_parser

@@ -72,6 +72,13 @@ class ApiKeyConfig(StrictSection):
         description="Requests of this key in flight at once; one more gets 429 "
         "concurrency_limit_exceeded with Retry-After. Empty: no key limit.",
     )
+    operator: bool = Field(
+        False,
+        description="An operator's key: it may call the operator routes (POST "
+        "/kvtide/integrity/reuse) and sees every tenant's session and request ids in "
+        "/kvtide/stats. Other keys get 403 operator_key_required there, and see only their "
+        "own ids (see docs/auth.md).",
+    )
     max_sessions: int = Field(
         1000,
         ge=1,

@@ -68,13 +68,16 @@ class IntegrityMismatch(msgspec.Struct, frozen=True, kw_only=True):
     ``prefill_engine_id`` pulled the KV back from ``source_engine_id`` (the engine that
     kept it: the session's previous decode engine); ``decode_engine_id`` decoded the
     turn from the prefill's KV. ``max_abs_diff`` is the largest difference over the
-    ``num_tokens`` compared (``inf`` where one side was not a number)."""
+    ``num_tokens`` compared (``inf`` where one side was not a number). ``owner`` is the
+    name of the key whose turn it was (None: no keys): only it and operators see the
+    session and request ids in ``/kvtide/stats``."""
 
     prefill_engine_id: str
     source_engine_id: str
     decode_engine_id: str | None = None
     session_id: str | None = None
     request_id: str = ""
+    owner: str | None = None
     num_tokens: int = 0
     max_abs_diff: float = 0.0
     tolerance: float = 0.0

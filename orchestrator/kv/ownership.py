@@ -30,6 +30,7 @@ class Principal:
     max_concurrent_requests: int | None = None
     max_sessions: int | None = None
     is_anonymous: bool = False
+    is_operator: bool = False
 
     @classmethod
     def of(cls, key: ApiKeyConfig) -> Principal:
@@ -39,7 +40,14 @@ class Principal:
             max_tokens=key.max_tokens,
             max_concurrent_requests=key.max_concurrent_requests,
             max_sessions=key.max_sessions,
+            is_operator=key.operator,
         )
+
+    @property
+    def may_operate(self) -> bool:
+        """Whether the operator routes serve this principal: an operator's key, or any
+        request when no keys are configured (the local default: open, as every route)."""
+        return self.is_operator or self.is_anonymous
 
     def cap_max_tokens(self, max_tokens: int) -> int:
         """``max_tokens`` lowered to the key's limit (for a request that sent none)."""

@@ -144,6 +144,9 @@ class Router(PrefillSide, DecodeSide):
         # The sessions with a turn generating here: session id -> (request id, owner).
         # From the turn's start to its last item (or its end otherwise).
         self._generating: dict[str, tuple[str, str | None]] = {}
+        # The sessions with a turn the ingress is opening here (``opening``: tokenizing,
+        # its lease or its service call), until it starts or does not run.
+        self._opening: dict[str, tuple[str, str | None]] = {}
 
     # The service, the caller's copy of each session's last turn (the ingress tokenizes
     # the next one from it; written once the service has booked the turn) and the turn
@@ -191,17 +194,29 @@ class Router(PrefillSide, DecodeSide):
 
     def generating_for(self, session_id: str, owner: str | None) -> bool:
         """Whether ``owner``'s (a key's name, None for anonymous) turn of the session is
-        generating here: a second turn of it is refused at once, with no call to the
-        service and no hand-over wait."""
-        running = self._generating.get(session_id)
+        generating or opening here: a second turn of it is refused at once, with no call
+        to the service and no hand-over wait."""
+        running = self._generating.get(session_id) or self._opening.get(session_id)
         return running is not None and running[1] == owner
+
+    def opening(self, session_id: str, request_id: str, owner: str | None) -> None:
+        """The ingress opens turn ``request_id`` of the session here (its tokenizing,
+        lease or service call still to come): from now a second turn of it here is
+        refused at once (``generating_for``). Not what the service is told
+        (``generating``): it has not claimed the turn yet. Nothing is booked over a turn
+        of the session already here. ``run_turn`` with the same request id takes it
+        over; ``not_opened`` ends it when the turn does not run."""
+        if session_id not in self._generating and session_id not in self._opening:
+            self._opening[session_id] = (request_id, owner)
+
+    def not_opened(self, session_id: str | None, request_id: str) -> None:
+        """The turn the ingress was ``opening`` does not run (refused, failed, or run
+        without its session)."""
+        _forget(self._opening, session_id, request_id)
 
     def _generated(self, session_id: str | None, request_id: str) -> None:
         """The turn ``request_id`` of the session is at its last item (or ended)."""
-        if session_id is not None:
-            running = self._generating.get(session_id)
-            if running is not None and running[0] == request_id:
-                del self._generating[session_id]
+        _forget(self._generating, session_id, request_id)
 
     def decode_pool_for(self, num_prompt_tokens: int) -> tuple[str, PoolClient]:
         """The decode pool of a prompt: the long-context pool (TP+DCP) above the pool
@@ -304,6 +319,7 @@ class Router(PrefillSide, DecodeSide):
         t0 = self.clock()
         done = False
         if session_id is not None:
+            self.not_opened(session_id, rid)  # opened: now it runs
             self._generating[session_id] = (rid, report.extra.get("owner"))
         try:
             with tr.span(tr.SPAN_KV_DECISION, parent=route) as decision_span:
@@ -313,6 +329,9 @@ class Router(PrefillSide, DecodeSide):
                     decision = kv_decision(RecomputeReason.NO_SESSION)
                 else:
                     decision = await self.kv.decide_turn(session_id, prompt_token_ids)
+                # A mismatch found here refuses its source's reuse before the service
+                # has heard of it.
+                decision = self.integrity.vetted(decision)
                 tr.set_attrs(
                     decision_span,
                     {tr.KV_PLAN: decision.kind, tr.KV_PLAN_REASON: decision.reason_text},
@@ -375,3 +394,9 @@ class Router(PrefillSide, DecodeSide):
         if not ok:
             report.extra["lease_refused"] = True
             raise LeaseRefused(report.session_id or "")
+
+
+def _forget(book: dict[str, tuple[str, str | None]], session_id: str | None, rid: str) -> None:
+    """The session's entry in ``book`` gone, if it is turn ``rid``'s."""
+    if session_id is not None and book.get(session_id, ("",))[0] == rid:
+        del book[session_id]

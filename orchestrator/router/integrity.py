@@ -15,9 +15,14 @@ check holds for any sampling.
 
 Outcomes (``kvtide_kv_integrity_checks_total{outcome}``): ``match``, all within
 ``kv.integrity_logprob_tolerance``; ``mismatch``, one beyond it (or not a number on
-either side): logged with both plans and the engines, and reported to the KV service
-(``IntegrityMismatch``), which turns reuse off for the pull's engine pair until an
-operator turns it back on (``orchestrator.kv.integrity``); ``skipped``, a sampled turn
+either side): logged with both plans and the engines, reuse from the pull's source
+engine turned off in this replica's router at once (``vetted``: its turns recompute
+whatever plan they were given), and reported to the KV service (``IntegrityMismatch``),
+which turns reuse off for the pull's engine pair until an operator turns it back on
+(``orchestrator.kv.integrity``). The report is sent again, each try bounded by
+``report_timeout_s`` and backing off (``report_backoff_s`` doubling up to
+``report_backoff_max_s``), until the service has it; only then does this replica leave
+the decision to the service's books. ``skipped``, a sampled turn
 that could not be checked: it did not end up pulling (its pull failed, or it
 migrated), its decode sampled under a structured output's grammar (vLLM masks the
 logits before its sampler, so its log probabilities are the grammar's: a tool call with
@@ -44,6 +49,7 @@ from orchestrator.kv.service import KVServiceAPI
 from orchestrator.observability.metrics import Metrics
 from orchestrator.router.streams import bounded
 from orchestrator.router.turn_report import PoolClient, TurnReport
+from policies.kv_records import RecomputeReason
 
 __all__ = [
     "IntegrityCheck",
@@ -69,6 +75,11 @@ class IntegritySettings:
     timeout_s: float = 60.0
     # Checks running at once; a sampled turn past it is skipped.
     max_running: int = 4
+    # A mismatch's report to the service: each try's deadline, and the wait before the
+    # next try (doubling up to the max) until the service has it.
+    report_timeout_s: float = 10.0
+    report_backoff_s: float = 0.5
+    report_backoff_max_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -134,6 +145,25 @@ class IntegrityCheck:
         self.settings = settings
         self.rng = rng if rng is not None else random.Random()
         self._running: set[asyncio.Task[None]] = set()
+        self._reports: set[asyncio.Task[None]] = set()
+        # Source engines whose reuse a mismatch here turned off, with the number of its
+        # reports the service does not have yet: their pulls are refused here meanwhile.
+        self._off_here: dict[str, int] = {}
+
+    def vetted(self, decision: KVDecision) -> KVDecision:
+        """``decision``, or recompute when it pulls from an engine whose reuse a
+        mismatch here turned off and whose report the service does not have yet."""
+        params = decision.kv_transfer_params
+        if decision.kind != "pull" or params is None:
+            return decision
+        if params.remote_engine_id not in self._off_here:
+            return decision
+        return KVDecision(kind="recompute", reason=RecomputeReason.INTEGRITY_CHECK_FAILED.value)
+
+    @property
+    def off_here(self) -> frozenset[str]:
+        """The source engines whose reuse is off here until the service has the report."""
+        return frozenset(self._off_here)
 
     def sample(self, decision: KVDecision) -> IntegritySample | None:
         """Whether this turn is checked: a pull, chosen with the configured probability."""
@@ -186,9 +216,20 @@ class IntegrityCheck:
         task.add_done_callback(self._running.discard)
 
     async def settled(self) -> None:
-        """Wait for the checks running now (tests, shutdown)."""
+        """Wait for the checks running now (tests, shutdown); not for their reports."""
         if self._running:
             await asyncio.gather(*list(self._running), return_exceptions=True)
+
+    async def reported(self, timeout_s: float | None = None) -> bool:
+        """Wait until the service has every mismatch found here (at most ``timeout_s``:
+        a replica's shutdown); whether it has."""
+        if self._reports:
+            waiting = asyncio.gather(*list(self._reports), return_exceptions=True)
+            try:
+                await asyncio.wait_for(asyncio.shield(waiting), timeout_s)
+            except TimeoutError:
+                return False
+        return True
 
     def _skipped(self, report: TurnReport, why: str) -> None:
         self.metrics.inc(METRIC, outcome="skipped")
@@ -246,6 +287,7 @@ class IntegrityCheck:
             decode_engine_id=report.extra.get("decode_engine_id"),
             session_id=report.session_id,
             request_id=report.request_id,
+            owner=report.extra.get("owner"),
             num_tokens=len(output),
             max_abs_diff=diff,
             tolerance=tolerance,
@@ -271,14 +313,51 @@ class IntegrityCheck:
             mismatch.source_engine_id,
             mismatch.prefill_engine_id,
         )
+        self.turn_off(mismatch)
+
+    def turn_off(self, mismatch: IntegrityMismatch) -> None:
+        """Reuse from the mismatch's source engine off here now, and the mismatch sent
+        to the service until it has it (a task)."""
+        source = mismatch.source_engine_id
+        self._off_here[source] = self._off_here.get(source, 0) + 1
+        task = asyncio.get_running_loop().create_task(self._report(mismatch))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def _report(self, mismatch: IntegrityMismatch) -> None:
+        """Tell the service of ``mismatch`` until it has it (see the module); then reuse
+        from its source is the service's to refuse."""
+        settings = self.settings
+        wait_s = settings.report_backoff_s
+        num_tries = 0
         try:
-            await self.service().integrity_mismatch(mismatch)
-        except RequestError as exc:
-            log.error(
-                "could not tell the KV service of turn %s's integrity mismatch: %s",
-                report.request_id,
-                exc,
-            )
+            while True:
+                num_tries += 1
+                try:
+                    await asyncio.wait_for(
+                        self.service().integrity_mismatch(mismatch), settings.report_timeout_s
+                    )
+                    break
+                except (RequestError, TimeoutError) as exc:
+                    why = str(exc) or f"no answer within {settings.report_timeout_s:g} s"
+                    log.error(
+                        "could not tell the KV service of turn %s's integrity mismatch "
+                        "(try %d): %s; reuse from %s stays off here, next try in %.3g s",
+                        mismatch.request_id,
+                        num_tries,
+                        why,
+                        mismatch.source_engine_id,
+                        wait_s,
+                    )
+                await asyncio.sleep(wait_s)
+                wait_s = min(wait_s * 2, settings.report_backoff_max_s)
+        finally:
+            source = mismatch.source_engine_id
+            left = self._off_here.get(source, 1) - 1
+            if left > 0:
+                self._off_here[source] = left
+            else:
+                self._off_here.pop(source, None)
 
 
 def _abs_diff(a: float | None, b: float | None) -> float:

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from orchestrator.errors import Overloaded
+from orchestrator.errors import InvalidRequest, Overloaded
 from orchestrator.kv.service import KVServiceAPI, engine_pool
 from orchestrator.observability.metrics import Metrics
 from policies.admission import (
@@ -69,9 +69,20 @@ class AdmissionGate:
         """Read the engines' loads from the service (bounded by its client's deadline)."""
         self.observe(await kv.engine_loads())
 
-    def check(self, pools: Sequence[str]) -> None:
-        """Admit a turn that runs on ``pools``, or raise ``Overloaded``."""
-        decision = admit(self.book.views(), pools, self.settings, self.clock())
+    def check(self, pools: Sequence[str], num_sequences: int = 1) -> None:
+        """Admit a turn of ``num_sequences`` sequences (a request's ``n`` choices) that
+        runs on ``pools``, or raise ``Overloaded``; ``InvalidRequest`` naming ``n`` for
+        more sequences than an engine ever takes (``max_waiting_per_engine``)."""
+        most = self.settings.max_waiting_per_engine
+        if self.settings.enabled and num_sequences > most:
+            raise InvalidRequest(
+                f"n is {num_sequences}; this deployment admits at most {most} sequences per "
+                "request (admission.max_waiting_per_engine). Send n of at most "
+                f"{most}, or several requests.",
+                param="n",
+            )
+        views = self.book.views()
+        decision = admit(views, pools, self.settings, self.clock(), num_sequences)
         if decision.admitted:
             return
         if self.metrics is not None:

@@ -9,13 +9,15 @@ so that a refused request leaves no state behind):
    read, tokenization included (404 for another key's session);
 3. ``check_request(principal, ...)`` once the prompt is tokenized (429), then
    ``principal.cap_max_tokens(max_tokens)`` for the value sent to the engines;
-4. ``ConcurrencyGate.acquire(principal)`` → ``Ticket`` (429);
+4. ``ConcurrencyGate.acquire(principal, num_sequences)`` → ``Ticket`` (429): a request
+   of ``n`` choices counts ``n`` against ``max_concurrent_requests``;
 5. ``SessionOwners.claim(session_id, principal, now_s)`` (release the ticket if it
    raises) and close the sessions it returns;
 6. when the response has ended, however it ended: ``ConcurrencyGate.release(ticket)`` and
    ``SessionOwners.touch(session_id, principal, now_s)``.
 
 Reading or closing a session needs only 1 and 2; after closing, ``SessionOwners.forget``.
+An operator route needs 1 and ``require_operator`` (403 for a key without ``operator``).
 The ingress's periodic tick calls ``SessionOwners.expire(now_s)`` and closes what it
 returns.
 
@@ -37,7 +39,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from orchestrator.config import ApiKeyConfig
-from orchestrator.errors import AuthenticationFailed, LimitExceeded
+from orchestrator.errors import AuthenticationFailed, LimitExceeded, PermissionDenied
 from orchestrator.kv.ownership import ANONYMOUS, Principal
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "check_request",
     "hash_key",
     "new_key",
+    "require_operator",
 ]
 
 KEY_PREFIX = "kvt-"
@@ -135,6 +138,16 @@ def check_request(
         )
 
 
+def require_operator(principal: Principal, route: str) -> None:
+    """Raise ``PermissionDenied`` (403) unless ``principal`` may call the operator route
+    ``route`` (an operator's key, or no keys configured at all)."""
+    if not principal.may_operate:
+        raise PermissionDenied(
+            f"{route} is an operator route: API key {principal.name!r} is not an operator's. "
+            "Call it with a key that has operator: true under server.api_keys."
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Ticket:
     """One admitted request, returned by ``ConcurrencyGate.acquire``; hand it back to
@@ -149,10 +162,12 @@ _serials = itertools.count(1)
 
 
 class ConcurrencyGate:
-    """Counts each key's requests in flight and refuses one over the key's
-    ``max_concurrent_requests`` with 429 ``concurrency_limit_exceeded``.
+    """Counts each key's sequences in flight (a request's, or each of its ``n`` choices)
+    and refuses a request that would take the key over its ``max_concurrent_requests``
+    with 429 ``concurrency_limit_exceeded``; one of more choices than the limit (it could
+    never run) with 429 ``n_over_key_limit``, naming ``n``.
 
-    Exact by construction: the count of a key is the number of its live tickets. A refused
+    Exact by construction: the count of a key is the sum of its live tickets'. A refused
     request gets no ticket and changes nothing. ``release`` is idempotent: a ticket counts
     once, and releasing it again (or a ticket of another gate) does nothing, so a
     ``finally`` that releases can never drift the count or mask the original error.
@@ -161,27 +176,41 @@ class ConcurrencyGate:
 
     def __init__(self, *, retry_after_s: float = 1.0) -> None:
         self.retry_after_s = retry_after_s
-        self._live: dict[str, set[int]] = {}
+        # Each key's live tickets: serial -> the number of sequences it counts.
+        self._live: dict[str, dict[int, int]] = {}
 
     def num_in_flight(self, principal: Principal) -> int:
-        return len(self._live.get(principal.name, ()))
+        """The key's sequences in flight (a request of ``n`` choices counts ``n``)."""
+        return sum(self._live.get(principal.name, {}).values())
 
-    def can_acquire(self, principal: Principal) -> bool:
+    def can_acquire(self, principal: Principal, num_sequences: int = 1) -> bool:
         limit = principal.max_concurrent_requests
-        return limit is None or self.num_in_flight(principal) < limit
+        return limit is None or self.num_in_flight(principal) + num_sequences <= limit
 
-    def acquire(self, principal: Principal) -> Ticket:
-        """Admit one request of ``principal`` or raise ``LimitExceeded`` (429)."""
-        if not self.can_acquire(principal):
+    def acquire(self, principal: Principal, num_sequences: int = 1) -> Ticket:
+        """Admit one request of ``principal`` running ``num_sequences`` sequences (its
+        ``n`` choices) or raise ``LimitExceeded`` (429)."""
+        limit = principal.max_concurrent_requests
+        if limit is not None and num_sequences > limit:
             raise LimitExceeded(
-                f"API key {principal.name!r} already has {self.num_in_flight(principal)} "
-                f"requests in flight, its limit (max_concurrent_requests = "
-                f"{principal.max_concurrent_requests}); retry when one has finished.",
+                f"n is {num_sequences}; API key {principal.name!r} runs at most {limit} "
+                f"sequences at once (max_concurrent_requests, each choice counts one). "
+                f"Send n of at most {limit}.",
+                code="n_over_key_limit",
+                param="n",
+            )
+        if not self.can_acquire(principal, num_sequences):
+            in_flight = self.num_in_flight(principal)
+            asked = "" if num_sequences == 1 else f"; this one asks {num_sequences} (n)"
+            raise LimitExceeded(
+                f"API key {principal.name!r} already has {in_flight} requests in flight "
+                f"(each choice of a request with n counts one){asked}, its limit "
+                f"(max_concurrent_requests = {limit}); retry when one has finished.",
                 code="concurrency_limit_exceeded",
                 retry_after_s=self.retry_after_s,
             )
         ticket = Ticket(principal.name, next(_serials))
-        self._live.setdefault(ticket.key_name, set()).add(ticket.serial)
+        self._live.setdefault(ticket.key_name, {})[ticket.serial] = num_sequences
         return ticket
 
     def release(self, ticket: Ticket) -> None:
@@ -189,7 +218,7 @@ class ConcurrencyGate:
         live = self._live.get(ticket.key_name)
         if live is None:
             return
-        live.discard(ticket.serial)
+        live.pop(ticket.serial, None)
         if not live:  # keep memory to keys with requests in flight
             del self._live[ticket.key_name]
 

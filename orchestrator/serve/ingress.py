@@ -190,6 +190,7 @@ class Ingress(TurnOpening, OwnLayer, ResponsesRoutes, OperatorViews):
                 logprob_tolerance=kv.integrity_logprob_tolerance,
                 num_tokens=kv.integrity_num_tokens,
                 timeout_s=config.server.request_timeout_s,
+                report_timeout_s=kv.service_timeout_s,
             ),
         )
         # vLLM's OpenAI serving layer for what kvtide's own does not serve (tools,
@@ -263,10 +264,20 @@ class Ingress(TurnOpening, OwnLayer, ResponsesRoutes, OperatorViews):
 
     async def __del__(self) -> None:
         """Serve's replica shutdown: the turns that finished here reach the service
-        (each hand-over is bounded by the service client's deadline), and its unused
-        turn leases go back to it."""
+        (each hand-over is bounded by the service client's deadline), so do the
+        integrity mismatches found here (within ``kv.service_timeout_s``), and its
+        unused turn leases go back to it."""
         self._reporter.cancel()
         await self.router.settled()
+        # A mismatch an integrity check found here still on its way to the service
+        # reaches it before the replica goes (its reuse off here goes with the replica).
+        timeout_s = self.config.kv.service_timeout_s
+        if not await self.router.integrity.reported(timeout_s):
+            log.error(
+                "shutting down with KV integrity mismatches the service has not heard of "
+                "after %g s; reuse from their engines is on again until one is found again",
+                timeout_s,
+            )
         leases = self.router.leases
         if self._lease_watch is not None and leases is not None:
             self._lease_watch.cancel()

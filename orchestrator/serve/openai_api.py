@@ -36,6 +36,7 @@ __all__ = [
     "parse_completion",
     "parse_session_id",
     "read_body",
+    "session_header",
     "stream_chunk",
     "usage",
 ]
@@ -125,12 +126,24 @@ def _too_large(max_bytes: int) -> PayloadTooLarge:
     )
 
 
+def session_header(value: str | None) -> str | None:
+    """The ``x-session-id`` header's session id (``parse_session_id``). The ASGI server
+    hands header values over as bytes read as Latin-1; the header's text is UTF-8 (Serve
+    and ``http_guard`` refuse other bytes), so a refusal echoes what the client sent."""
+    if value is not None:
+        try:
+            value = value.encode("latin-1").decode("utf-8")
+        except UnicodeError:
+            pass  # not UTF-8 bytes: echoed as read
+    return parse_session_id(value)
+
+
 def parse_session_id(value: str | None) -> str | None:
     if value is None or value == "":
         return None
     if not _SESSION_RE.fullmatch(value):
         raise InvalidRequest(
-            "x-session-id must be 1-128 characters of letters, digits and ._:- ; "
+            "x-session-id must be 1-128 ASCII characters: letters, digits and ._:- ; "
             f"got {value[:40]!r}",
             param="x-session-id",
         )

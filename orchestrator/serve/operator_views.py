@@ -1,6 +1,7 @@
 """The ingress's routes for operators and the SDK's session calls: ``/health``,
 ``/metrics``, ``/kvtide/stats``, ``/kvtide/sessions/{id}`` (read, renew, close) and
-``/kvtide/integrity/reuse`` (reuse turned back on for an engine pair).
+``/kvtide/integrity/reuse`` (reuse turned back on for an engine pair: operators only,
+``auth.require_operator``).
 
 A mixin of ``Ingress`` (the attributes used are the ingress's; its route decorators
 call these methods).
@@ -28,6 +29,7 @@ from orchestrator.observability.metrics import render_prometheus
 from orchestrator.router import Router
 from orchestrator.serve import openai_api as api
 from orchestrator.serve.admission import AdmissionGate
+from orchestrator.serve.auth import require_operator
 from orchestrator.serve.requests import parse_reuse_on
 from orchestrator.serve.responses import pool_stats, session_body
 
@@ -113,10 +115,13 @@ class OperatorViews:
         """The service's books with every engine's counters (each engine host reports its
         own with its heartbeat; summed per pool) and every ingress replica's metrics
         (summed, with the service's). A pool none of whose engines has reported yet (just
-        deployed) is asked directly, one replica, within the service deadline."""
-        self._principal(request)
+        deployed) is asked directly, one replica, within the service deadline. A key that
+        is not an operator's sees no other key's session or request ids."""
+        principal = self._principal(request)
         await self.router.settled()  # the turns finished here are in the books
         kv = await self.kv.stats()
+        if not principal.may_operate:
+            kv["reuse_off"] = [_own_only(pair, principal) for pair in kv.get("reuse_off", ())]
         engines: dict[str, dict[str, Any]] = kv.pop("engines", {})
         kv.pop("ingress_metrics", None)
         metrics = kv.pop("metrics", {})
@@ -172,8 +177,9 @@ class OperatorViews:
 
     async def _reuse_on(self, request: Request) -> dict[str, Any]:
         """Turn reuse back on for an engine pair an integrity check turned off (the pairs
-        are in ``/kvtide/stats``, ``kv.reuse_off``); 404 when it is not off."""
-        self._principal(request)
+        are in ``/kvtide/stats``, ``kv.reuse_off``); 404 when it is not off. Operators
+        only (403)."""
+        require_operator(self._principal(request), "POST /kvtide/integrity/reuse")
         body = parse_reuse_on(await self._body(request))
         prefill, source = body.prefill_engine_id, body.source_engine_id
         if not await self.kv.reuse_on(prefill, source):
@@ -182,3 +188,11 @@ class OperatorViews:
                 f"{source!r}; /kvtide/stats lists the pairs that are under kv.reuse_off"
             )
         return {"prefill_engine_id": prefill, "source_engine_id": source, "reuse": "on"}
+
+
+def _own_only(pair: dict[str, Any], principal: Principal) -> dict[str, Any]:
+    """A ``reuse_off`` entry as ``principal`` (not an operator) may see it: the session
+    and request ids of another key's turn left out."""
+    if pair.get("owner") == principal.name:
+        return pair
+    return {**pair, "session_id": None, "request_id": None, "owner": None}

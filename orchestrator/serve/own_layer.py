@@ -170,7 +170,7 @@ class OwnLayer(VLLMRoutes):
             opened = await self._open_turn(
                 OpenTurn(
                     principal=principal,
-                    session_header=api.parse_session_id(http.headers.get("x-session-id")),
+                    session_header=api.session_header(http.headers.get("x-session-id")),
                     has_history=any(role == "assistant" for role, _ in req.messages),
                     text=text,
                     ids=ids,

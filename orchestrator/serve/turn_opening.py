@@ -62,6 +62,11 @@ async def maybe_in_thread(size: int, fn: Callable[..., _T], *args: Any, **kwargs
     return await asyncio.to_thread(fn, *args, **kwargs)
 
 
+def owner_of(principal: Principal) -> str | None:
+    """The owner the router books a turn under: the key's name (None: no keys)."""
+    return None if principal.is_anonymous else principal.name
+
+
 def _extends(ids: Sequence[int], prefix: Sequence[int]) -> bool:
     """Whether ``ids`` start with ``prefix`` (a non-empty one)."""
     n = len(prefix)
@@ -149,8 +154,10 @@ class TurnOpening:
         run: Callable[[Ticket, str | None], Awaitable[Any]],
         begin: Callable[[str, str], Awaitable[dict[str, Any] | None]],
         replayed: Callable[[dict[str, Any]], Any],
+        num_sequences: int = 1,
     ) -> Any:
-        """``run(ticket, replay_key)`` under the key's concurrency ticket, once per
+        """``run(ticket, replay_key)`` under the key's concurrency ticket (counting the
+        request's ``num_sequences``: its ``n`` choices), once per
         Idempotency-Key: ``begin(replay_key, attempt)`` looks the key up (the stored
         response of an earlier run, which is ``replayed``; 409 while it runs, 422 when
         the key came with another request; None: run now, as after a failed run). The
@@ -164,9 +171,9 @@ class TurnOpening:
         replay_key = replay_key_of(
             http.headers.get("idempotency-key"),
             principal.name,
-            api.parse_session_id(http.headers.get("x-session-id")),
+            api.session_header(http.headers.get("x-session-id")),
         )
-        ticket = self.gate.acquire(principal)
+        ticket = self.gate.acquire(principal, num_sequences)
         streaming = False
         try:
             if replay_key is not None:
@@ -240,12 +247,12 @@ class TurnOpening:
     def _not_generating_here(
         self, turn: OpenTurn, session_id: str | None, conversation: str | None
     ) -> tuple[str | None, str | None]:
-        """A session whose turn is still generating here: a turn named by header is
+        """A session whose turn is still generating (or opening) here: a turn named by header is
         refused now (409), not after the service's hand-over wait; one found by its text
         runs without a session. (Another key's turn goes to the service: its 404.)"""
-        principal = turn.principal
-        owner = None if principal.is_anonymous else principal.name
-        if session_id is None or not self.router.generating_for(session_id, owner):
+        if session_id is None or not self.router.generating_for(
+            session_id, owner_of(turn.principal)
+        ):
             return session_id, conversation
         if conversation is None:
             raise TurnInProgress(TurnInProgress.words(session_id), param="x-session-id")
@@ -286,14 +293,30 @@ class TurnOpening:
         turn, checked against ``turn.limits``, claimed and planned (under the session's
         turn lease here, or by the KV service's ``begin_turn``), and run to its first
         item, so that a failure before the first token is the response's status."""
-        principal, text = turn.principal, turn.text
+        principal = turn.principal
         session_id, conversation = self._session_for(turn)
-        # A turn of a session still generating here is refused before any work.
+        # A turn of a session still generating (or opening) here is refused before any
+        # work; from here this one is opening, until it runs or fails.
         session_id, conversation = self._not_generating_here(turn, session_id, conversation)
+        if session_id is not None:
+            self.router.opening(session_id, turn.request_id, owner_of(principal))
+        try:
+            # Once run, the turn's own mark (the same request id) ends with it.
+            return await self._opened(turn, session_id, conversation)
+        except BaseException:
+            self.router.not_opened(session_id, turn.request_id)
+            raise
+
+    async def _opened(
+        self, turn: OpenTurn, session_id: str | None, conversation: str | None
+    ) -> OpenedTurn:
+        """``_open_turn`` once the session is known and booked opening here."""
+        principal, text = turn.principal, turn.text
         ids, digest, last_ids, tokenize_s = await self._prompt_ids(turn, session_id)
         max_tokens = turn.limits(ids)
         # Refused now (503 overloaded) rather than queued past its deadline.
-        self.admission.check(("prefill", self.router.decode_pool_for(len(ids))[0]))
+        pools = ("prefill", self.router.decode_pool_for(len(ids))[0])
+        self.admission.check(pools, turn.num_sequences)
         lease, decision, lease_used, service_s = await self._under_lease(
             session_id, principal, ids, digest
         )
@@ -310,6 +333,7 @@ class TurnOpening:
                 # The conversation's session is busy (the same history sent twice at
                 # once) or over a limit: served as a request without one, which keeps
                 # nothing. Never a refusal the client did not ask for.
+                self.router.not_opened(session_id, turn.request_id)
                 session_id, conversation = None, "unmatched"
                 self.metrics.inc("kvtide_conversation_turns_total", outcome="unmatched")
         if conversation in ("continued", "started"):
@@ -326,7 +350,7 @@ class TurnOpening:
                 request_id=turn.request_id,
                 prompt_text=text,
                 trace_parent=turn.root,
-                owner=None if principal.is_anonymous else principal.name,
+                owner=owner_of(principal),
                 decision=decision,
                 lease_id=lease_id,
                 lease_used=lease_used if lease_id is not None else None,
@@ -345,6 +369,7 @@ class TurnOpening:
             # turn ended unseen; ask the service as any turn does.
             assert session_id is not None
             self.metrics.inc("kvtide_turn_leases_total", outcome="refused")
+            self.router.opening(session_id, turn.request_id, owner_of(principal))
             ids, max_tokens, decision, service_s, again_s = await self._begin_turn(
                 session_id, principal, text, ids, max_tokens, digest, last_ids, turn.limits
             )

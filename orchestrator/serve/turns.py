@@ -26,7 +26,9 @@ class OpenTurn:
     is one (token continuity: the ids the decode made stay as they were, not as the
     text tokenizes afresh). ``limits(ids)`` checks the key's limits and the context
     and returns the turn's max_tokens. ``run_args``: ``Router.run_turn``'s sampling
-    arguments."""
+    arguments. ``num_sequences``: the sequences the request runs on the pools (its
+    ``n`` choices: this turn and ``n - 1`` sessionless requests of its prompt), which
+    admission counts."""
 
     principal: Principal
     session_header: str | None
@@ -40,6 +42,7 @@ class OpenTurn:
     render_s: float = 0.0
     retokenize: bool = False
     run_args: Mapping[str, Any] = field(default_factory=dict)
+    num_sequences: int = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

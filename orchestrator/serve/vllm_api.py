@@ -14,7 +14,9 @@ tokens come from kvtide's turn (P/D, sessions, KV send-back), and each response 
 kvtide's ``kvtide`` object and ``x-session-id`` as the other path's do.
 
 A field neither layer knows is refused by kvtide's (400 naming it); vLLM's own server
-would ignore it. ``kv_transfer_params`` is kvtide's to set, never a client's.
+would ignore it. ``kv_transfer_params`` is kvtide's to set, never a client's;
+``priority`` and ``cache_salt``, which kvtide's turn would drop, are refused unless they
+hold vLLM's default (400 naming them).
 """
 
 from __future__ import annotations
@@ -53,6 +55,23 @@ Kind = Literal["chat", "completion", "responses"]
 # Fields only kvtide sets: a client's would steer the engines' KV transfer.
 _KVTIDE_ONLY = frozenset({"kv_transfer_params"})
 
+# vLLM's fields kvtide's P/D path does not honour, refused unless they hold vLLM's
+# default (which asks for nothing): vLLM's layer would take them and kvtide's turn
+# would drop them.
+_NOT_HONOURED = {
+    "priority": (
+        0,
+        "priority is not supported: kvtide's engines schedule requests first come, first "
+        "served; leave priority out (or send 0)",
+    ),
+    "cache_salt": (
+        None,
+        "cache_salt is not supported: kvtide's KV reuse (a session's KV sent back, "
+        "prefix-aware prefill routing) does not keep salted prefix caches apart; leave "
+        "cache_salt out",
+    ),
+}
+
 
 def _request_class(kind: Kind) -> Any:
     if kind == "responses":
@@ -73,11 +92,28 @@ def check_fields(kind: Kind, body: Mapping[str, Any]) -> None:
     of vLLM's request fields (vLLM then validates their values); else 400 naming the
     first field neither layer takes."""
     fields = _request_class(kind).model_fields
+    for name, (default, why) in _NOT_HONOURED.items():
+        value = body.get(name)
+        if value is not None and not (type(value) is type(default) and value == default):
+            raise UnsupportedParameter(why, param=name)
     if kind == "responses" and body.get("background"):
         raise UnsupportedParameter(
             "background responses are not available: a kvtide turn runs within its "
             "request (its deadline, its key's concurrency); send background: false",
             param="background",
+        )
+    prompt = body.get("prompt") if kind == "completion" else None
+    if (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and all(isinstance(p, str | list) for p in prompt)
+    ):
+        # vLLM's layer would run each prompt as its own request, each a turn of its own
+        # outside the key's concurrency count.
+        raise UnsupportedParameter(
+            "prompt holds several prompts; batched prompts are not supported (with n or "
+            "any other field): send one prompt per request",
+            param="prompt",
         )
     if body.get("use_beam_search"):
         raise UnsupportedParameter(

@@ -85,7 +85,7 @@ class VLLMRoutes:
         max_tokens = body.get(
             "max_output_tokens", body.get("max_completion_tokens", body.get("max_tokens"))
         )
-        header = api.parse_session_id(http.headers.get("x-session-id"))
+        header = api.session_header(http.headers.get("x-session-id"))
         ctx = TurnContext(
             principal=principal,
             session_header=header or session_id,
@@ -99,6 +99,10 @@ class VLLMRoutes:
         )
         ctx.extra["kind"] = kind
         ctx.extra["on_done"] = on_done
+        # Each of the n choices is a sequence on the pools: the key's concurrency and
+        # admission count them all (``_vllm_turn`` caps each at the key's max_tokens).
+        num_choices = max(1, int(getattr(req, "n", None) or 1))
+        ctx.extra["num_choices"] = num_choices
         stream = bool(body.get("stream"))
 
         async def run(ticket: Ticket, replay_key: str | None) -> Any:
@@ -116,6 +120,7 @@ class VLLMRoutes:
                 self.kv, key, attempt, kind, body_fingerprints(kind, sent)
             ),
             lambda stored: _replayed(stored, stream),
+            num_choices,
         )
 
     async def _vllm_turn(
@@ -128,11 +133,12 @@ class VLLMRoutes:
         is_turn: bool,
     ) -> AsyncGenerator[tuple[GenerateChunk, TurnReport], None]:
         """The turn vLLM's serving layer asked for (``TurnRunner``); ``is_turn`` False:
-        a further choice of the turn's prompt, without its session."""
+        a further choice of the turn's prompt, without its session, capped as the turn
+        (the key's max_tokens)."""
         if not is_turn:
             async for item in self.router.run_turn(
                 prompt_token_ids=ids,
-                max_tokens=params.max_tokens,
+                max_tokens=ctx.extra["max_tokens"],
                 request_id=request_id,
                 trace_parent=ctx.root,
                 sampling_params=params,
@@ -161,7 +167,8 @@ class VLLMRoutes:
                     "history.",
                     param=ctx.prompt_param,
                 )
-            return int(principal.cap_max_tokens(min(params.max_tokens, room)))
+            ctx.extra["max_tokens"] = principal.cap_max_tokens(min(params.max_tokens, room))
+            return int(ctx.extra["max_tokens"])
 
         opened = await self._open_turn(
             OpenTurn(
@@ -176,6 +183,7 @@ class VLLMRoutes:
                 request_id=request_id,
                 retokenize=True,
                 run_args={"sampling_params": params, "prompt_logprobs": params.prompt_logprobs},
+                num_sequences=ctx.extra["num_choices"],
             )
         )
         ctx.extra["prompt_token_ids"] = opened.ids

@@ -151,3 +151,21 @@ def test_the_config_section_is_the_policy_s_settings() -> None:
         1.0,
     )
     assert settings.enabled and settings.max_kv_cache_usage == 0.95
+
+
+def test_a_turn_of_n_sequences_needs_an_engine_with_room_for_all_of_them() -> None:
+    book = EngineBook()
+    book.observe(
+        [
+            load("prefill-a", 100.0, running=2),
+            load("decode-a", 100.0, running=8, waiting=2),  # room for 2 more of 4
+            load("decode-b", 100.0, running=8, waiting=3),  # room for 1 more
+        ]
+    )
+    assert admit(book.views(), TURN, SETTINGS, 100.5).admitted
+    assert admit(book.views(), TURN, SETTINGS, 100.5, num_sequences=2).admitted
+    refused = admit(book.views(), TURN, SETTINGS, 100.5, num_sequences=3)
+    assert not refused.admitted and refused.pool == "decode"
+    assert "full for 3 more sequences" in refused.reason
+    # A pool with no recent report admits, whatever n (nothing to judge by).
+    assert admit(book.views(), TURN, SETTINGS, 200.0, num_sequences=3).admitted

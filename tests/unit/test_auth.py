@@ -450,6 +450,13 @@ def test_cli_key_new_prints_a_key_whose_hash_is_in_the_config_snippet(
     [key2] = re.findall(r"^\s+(kvt-\S+)$", out2, flags=re.MULTILINE)
     assert key2 != key and f"name: key-{hash_key(key2)[:8]}" in out2
 
+    # --operator: the entry makes an operator's key.
+    assert main(["key", "new", "--name", "ops", "--operator"]) == 0
+    out3 = capsys.readouterr().out
+    [key3] = re.findall(r"^\s+(kvt-\S+)$", out3, flags=re.MULTILINE)
+    cfg = parse_config(yaml.safe_load(out3[out3.index("server:") :]))
+    assert Authenticator(cfg.server.api_keys).authenticate(f"Bearer {key3}").may_operate
+
 
 def test_cli_key_new_refuses_a_bad_name(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["key", "new", "--name", "bad name"]) == 2

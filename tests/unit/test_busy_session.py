@@ -14,7 +14,7 @@ from typing import Any
 
 from test_kv_service import S1_T1, S1_T2, Cluster
 from test_turn_calls import two_ingresses
-from test_turn_leases import leasing, second_turn_hanging
+from test_turn_leases import Chat, leasing, second_turn_hanging
 
 from orchestrator.kv.messages import TurnDone
 from orchestrator.kv.ownership import Principal
@@ -44,6 +44,65 @@ def test_a_second_turn_on_the_replica_running_the_first_is_refused_without_askin
         # The first turn's end frees the session for its next turn.
         await first.router.settled()
         await chat.turn(first, "And now?")
+
+    asyncio.run(asyncio.wait_for(story(), BOUND_S))
+
+
+def test_a_second_turn_of_a_new_session_is_refused_while_its_first_is_still_opening(
+    tiny_tokenizer: Any,
+) -> None:
+    """The first turn of a new session has no lease: it is claimed by the service's
+    ``begin_turn``, whose answer is held here. A second turn of the session sent then is
+    refused by this replica, which knows the first is opening; it never reaches the
+    service (whose hand-over wait, an hour here, would hold it)."""
+    first, _second, log = two_ingresses(tiny_tokenizer)
+    first.kv.service.handover_wait_s = HOUR_S
+    service_begin = log.service.begin_turn
+    answer = asyncio.Event()
+    claimed = asyncio.Event()
+
+    async def begin_held(*args: Any) -> Any:
+        claim = await service_begin(*args)
+        claimed.set()
+        await answer.wait()  # the first turn's answer is on its way
+        return claim
+
+    log.service.begin_turn = begin_held
+
+    async def story() -> None:
+        chat = Chat("new-1")
+        opening = asyncio.ensure_future(chat.turn(first, "What is kept?"))
+        await claimed.wait()
+        log.take()
+        reply = await Chat("new-1").turn(first, "Meanwhile?", expect=409)
+        assert reply["error"]["code"] == "turn_in_progress"
+        assert reply["error"]["param"] == "x-session-id"
+        assert log.take() == []  # refused here: no begin_turn waits out the first
+        # The service is not told the first generates until it runs (asked by another
+        # replica, this one answers for turns the service has handed it).
+        assert not first.router.generating("new-1")
+        answer.set()
+        await opening
+        # A refused or failed opening leaves the session free: its next turn runs.
+        await first.router.settled()
+        await chat.turn(first, "And now?")
+
+    asyncio.run(asyncio.wait_for(story(), BOUND_S))
+
+
+def test_a_new_sessions_turn_that_fails_to_open_leaves_the_session_free(
+    tiny_tokenizer: Any,
+) -> None:
+    """A turn refused while opening (over its key's prompt limit here, before any
+    service call) books nothing: the session's next turn is not refused as busy."""
+    first, _second, _log = two_ingresses(tiny_tokenizer)
+    first.kv.service.handover_wait_s = HOUR_S
+
+    async def story() -> None:
+        chat = Chat("new-2")
+        long = "word " * 300  # past the 256-token context: 400
+        await chat.turn(first, long, expect=400)
+        await chat.turn(first, "Short now?")
 
     asyncio.run(asyncio.wait_for(story(), BOUND_S))
 

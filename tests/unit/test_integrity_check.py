@@ -16,9 +16,9 @@ from test_router import FakeClock, lifecycle_config
 
 from engines.base import GenerateChunk, GenerateRequest, TokenLogprob
 from engines.kv_params import KVTransferParams
-from orchestrator.errors import InvalidRequest
+from orchestrator.errors import InvalidRequest, ServiceUnavailable
 from orchestrator.kv.durable import MemoryStore
-from orchestrator.kv.messages import IntegrityMismatch
+from orchestrator.kv.messages import IntegrityMismatch, KVDecision
 from orchestrator.kv.ownership import ANONYMOUS
 from orchestrator.kv.service import KVService
 from orchestrator.observability.metrics import Metrics
@@ -468,3 +468,125 @@ def test_the_fault_injection_scrambles_the_named_blocks_only() -> None:
     assert torch.equal(values[0], torch.arange(8, dtype=torch.float32) + 1)
     assert torch.equal(values[1], -4 * (torch.arange(8, 16, dtype=torch.float32) + 1))
     assert torch.equal(values[2], torch.arange(16, 24, dtype=torch.float32) + 1)
+
+
+class ServiceLate:
+    """The service, whose ``integrity_mismatch`` first hangs (past the try's deadline),
+    then fails, then waits for ``reachable`` before it is delivered."""
+
+    def __init__(self, service: KVService) -> None:
+        self.service = service
+        self.num_tries = 0
+        self.reachable = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.service, name)
+
+    async def integrity_mismatch(self, mismatch: IntegrityMismatch) -> bool:
+        self.num_tries += 1
+        if self.num_tries == 1:
+            await asyncio.Event().wait()  # never answers: the try's deadline ends it
+        if self.num_tries == 2:
+            raise ServiceUnavailable("the KV lifecycle service did not answer in time")
+        await self.reachable.wait()
+        return await self.service.integrity_mismatch(mismatch)
+
+
+def test_a_mismatch_the_service_has_not_heard_of_turns_reuse_off_here_and_is_sent_again() -> None:
+    prefill, decode = Prefill(), Decode()
+    router = make_router(prefill, decode)
+    router.integrity.settings = IntegritySettings(
+        sample_fraction=1.0, logprob_tolerance=0.01, report_timeout_s=0.05, report_backoff_s=0.0
+    )
+    service = service_of(router)
+    late = ServiceLate(service)
+    prefill.shift = 0.5  # the second turn's check disagrees
+
+    async def run() -> list[TurnReport]:
+        router.kv = late  # type: ignore[assignment]
+        prompt, reports = list(range(100)), []
+        for _ in range(2):
+            reports.append((await turn_on(router, service, prompt))[0])
+            prompt = [*prompt, *TOKENS, 50, 51]
+        # The service has not heard of the mismatch: its plan still pulls from D, and
+        # this replica recomputes all the same.
+        assert service.reuse_off.stats() == []
+        assert router.integrity.off_here == frozenset({"D"})
+        report, given = await turn_on(router, service, prompt)
+        assert given.kind == "pull" and given.kv_transfer_params is not None
+        assert given.kv_transfer_params.remote_engine_id == "D"
+        reports.append(report)
+        late.reachable.set()
+        await router.integrity.reported()
+        return reports
+
+    reports = asyncio.run(run())
+    assert [r.kv_plan for r in reports] == ["recompute", "pull", "recompute"]
+    assert reports[2].kv_plan_reason == "integrity_check_failed"
+    assert reports[2].kv_source == "recomputed"
+    # Sent until the service had it: a hung try, a failed one, the delivered one.
+    assert late.num_tries == 3
+    [pair] = service.reuse_off.stats()
+    assert (pair["prefill_engine_id"], pair["source_engine_id"]) == ("P", "D")
+    assert router.integrity.off_here == frozenset()  # the service's books decide now
+    assert service.decider.lifecycle.reuse_off == frozenset({"D"})
+
+
+async def turn_on(
+    router: Router, service: KVService, prompt: list[int]
+) -> tuple[TurnReport, KVDecision]:
+    """``turn``, claimed from ``service`` (the router's ``kv`` is a stand-in for it):
+    its report and the plan the service gave."""
+    claim = await service.begin_turn("s", ANONYMOUS, prompt)
+    assert claim.outcome == "claimed"
+    items = [
+        item
+        async for item in router.run_turn(
+            prompt_token_ids=prompt, max_tokens=4, session_id="s", decision=claim.decision
+        )
+    ]
+    await router.settled()
+    await router.integrity.settled()
+    assert claim.decision is not None
+    return items[-1][1], claim.decision
+
+
+class ServiceDown:
+    """The service, whose ``integrity_mismatch`` fails its first ``num_failures`` tries."""
+
+    def __init__(self, service: Any, num_failures: int) -> None:
+        self.service = service
+        self.num_failures = num_failures
+        self.num_tries = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.service, name)
+
+    async def integrity_mismatch(self, mismatch: IntegrityMismatch) -> bool:
+        self.num_tries += 1
+        if self.num_tries <= self.num_failures:
+            raise ServiceUnavailable("the KV lifecycle service did not answer in time")
+        return bool(await self.service.integrity_mismatch(mismatch))
+
+
+def test_a_replica_shutting_down_first_delivers_its_mismatches(tiny_tokenizer: Any) -> None:
+    from ingress_harness import bare_ingress
+
+    from orchestrator.serve.ingress import Ingress
+
+    ingress = bare_ingress(tiny_tokenizer, vllm=False)
+    service = ingress.router.kv
+    ingress.router.kv = down = ServiceDown(service, num_failures=3)
+    ingress.router.integrity.settings = IntegritySettings(report_backoff_s=0.0)
+    ingress._lease_watch = None
+
+    async def run() -> None:
+        ingress._reporter = asyncio.get_running_loop().create_future()
+        mismatch = IntegrityMismatch(prefill_engine_id="P", source_engine_id="D", max_abs_diff=1)
+        ingress.router.integrity.turn_off(mismatch)
+        await Ingress.func_or_class.__del__(ingress)  # Serve's shutdown of the replica
+        # The replica is gone only once the service has the mismatch.
+        assert [p["source_engine_id"] for p in service.reuse_off.stats()] == ["D"]
+
+    asyncio.run(run())
+    assert down.num_tries == 4

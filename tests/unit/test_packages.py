@@ -58,6 +58,7 @@ def test_public_names_are_pinned() -> None:
             "ModelNotFound",
             "NotFound",
             "AuthenticationFailed",
+            "PermissionDenied",
             "SessionNotFound",
             "TurnInProgress",
             "LimitExceeded",
