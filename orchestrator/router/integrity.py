@@ -44,6 +44,7 @@ import msgspec
 
 from engines.base import GenerateChunk, GenerateRequest, TokenLogprob, final_chunk
 from orchestrator.errors import RequestError
+from orchestrator.kv.decider import kv_decision
 from orchestrator.kv.messages import IntegrityMismatch, KVDecision
 from orchestrator.kv.service import KVServiceAPI
 from orchestrator.observability.metrics import Metrics
@@ -158,7 +159,7 @@ class IntegrityCheck:
             return decision
         if params.remote_engine_id not in self._off_here:
             return decision
-        return KVDecision(kind="recompute", reason=RecomputeReason.INTEGRITY_CHECK_FAILED.value)
+        return kv_decision(RecomputeReason.INTEGRITY_CHECK_FAILED)
 
     @property
     def off_here(self) -> frozenset[str]:

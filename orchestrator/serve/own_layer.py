@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
@@ -71,7 +70,7 @@ class OwnLayer(VLLMRoutes):
         asks for more of what vLLM's server honours goes to vLLM's layer."""
         principal = self._principal(request)
         body = await self._body(request)
-        t_in = time.monotonic()
+        t_in = self.router.clock()
         parse = api.parse_chat if kind == "chat" else api.parse_completion
         try:
             req = parse(body, self.config.model.name)
@@ -93,14 +92,14 @@ class OwnLayer(VLLMRoutes):
         # A long history takes a while to render: off the event loop, as tokenizing is.
         # A short one costs less than the thread hop.
         size = sum(len(content) for _, content in req.messages)
-        t_render = time.monotonic()
+        t_render = self.router.clock()
         text = await maybe_in_thread(
             size,
             self.prompts.render_chat,
             req.messages,
             continue_final_message=req.continue_final_message,
         )
-        render_s = time.monotonic() - t_render
+        render_s = self.router.clock() - t_render
         return await self._serve(req, text, None, request, principal, root, t_in, render_s)
 
     async def _own_completion(

@@ -8,7 +8,6 @@ A mixin of ``Ingress``, beside ``VLLMRoutes`` (whose guarded turn it uses).
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -94,7 +93,7 @@ class ResponsesRoutes:
         the session the book gives it (``ResponseBook.begin``)."""
         principal = self._principal(http)
         body = nulls_as_defaults(await self._body(http))
-        t_in = time.monotonic()
+        t_in = self.router.clock()
         vllm_api.check_fields("responses", body)
         owner = None if principal.is_anonymous else principal.name
         previous = body.get("previous_response_id")
@@ -103,7 +102,7 @@ class ResponsesRoutes:
         else:
             previous = None
         store = body.get("store", True) is not False
-        header = api.parse_session_id(http.headers.get("x-session-id"))
+        header = api.session_header(http.headers.get("x-session-id"))
         response_id = f"resp_{uuid.uuid4().hex}"
         session = self.response_book.begin(
             response_id, owner, previous=previous, store=store, named_session=header

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -124,11 +123,11 @@ class TurnOpening:
             # the plan then compares the ids with the kept record itself.
             checked = digest if attempt < 2 else None
             skip = len(last_ids) if checked is not None and _extends(ids, last_ids) else 0
-            t0 = time.monotonic()
+            t0 = self.router.clock()
             claim = await self.kv.begin_turn(
                 session_id, principal, ids[skip:], checked, skip, holder
             )
-            waited += time.monotonic() - t0
+            waited += self.router.clock() - t0
             if claim.outcome != "retokenize":
                 break
             assert claim.prefix is not None
@@ -140,9 +139,9 @@ class TurnOpening:
             )
             digest, last_ids = prefix_digest(prefix.token_ids), prefix.token_ids
             if text is not None:  # a prompt sent as token ids is as it is
-                t0 = time.monotonic()
+                t0 = self.router.clock()
                 ids = await self._tokenize(text, prefix.text, prefix.token_ids)
-                tokenized += time.monotonic() - t0
+                tokenized += self.router.clock() - t0
                 max_tokens = limits(ids)
         raise_unclaimed(claim, session_id)
         return ids, max_tokens, claim.decision, waited, tokenized
@@ -239,9 +238,9 @@ class TurnOpening:
         continues = last_text is not None and text is not None and text.startswith(last_text)
         if ids is None or (turn.retokenize and continues):
             assert text is not None
-            t_tokenize = time.monotonic()
+            t_tokenize = self.router.clock()
             ids = await self._tokenize(text, last_text, last_ids)
-            tokenize_s += time.monotonic() - t_tokenize
+            tokenize_s += self.router.clock() - t_tokenize
         return ids, digest, last_ids, tokenize_s
 
     def _not_generating_here(
@@ -358,7 +357,7 @@ class TurnOpening:
             )
 
         # Wait for the first item so that prefill failures become a proper status code.
-        t_router = time.monotonic()
+        t_router = self.router.clock()
         running = start(ids, max_tokens, decision, None if lease is None else lease.lease_id)
         try:
             first = await running.__anext__()
@@ -374,7 +373,7 @@ class TurnOpening:
                 session_id, principal, text, ids, max_tokens, digest, last_ids, turn.limits
             )
             tokenize_s += again_s
-            t_router = time.monotonic()
+            t_router = self.router.clock()
             running = start(ids, max_tokens, decision, None)
             try:
                 first = await running.__anext__()

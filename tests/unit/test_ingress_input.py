@@ -227,15 +227,18 @@ def test_continuous_usage_puts_the_tokens_so_far_in_every_chunk(tiny_tokenizer: 
 def test_the_report_says_how_long_the_template_and_tokenizing_took(tiny_tokenizer: Any) -> None:
     # An operator reading a slow turn's kvtide object tells tokenizing from kvtide's own
     # work: tokenize_s is the template plus tokenizing, a part of ingress_s.
+    # One clock on the turn's path: the ingress times its parts by the router's (here the
+    # tests' clock, moved by the slow template and tokenizer as time would be).
     ingress = bare_ingress(tiny_tokenizer)
+    clock = ingress.router.clock
 
     class Slow(PromptEncoder):
         def render_chat(self, messages: Sequence[tuple[str, str]], **kw: bool) -> RenderedChat:
-            time.sleep(0.05)
+            clock.now_s += 0.05
             return super().render_chat(messages, **kw)
 
         def encode(self, prompt: str, *args: Any) -> list[int]:
-            time.sleep(0.05)
+            clock.now_s += 0.05
             return super().encode(prompt, *args)
 
     ingress.prompts = Slow(tiny_tokenizer, max_model_len=256)
