@@ -126,19 +126,14 @@ def _compile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cubins_for(arch: str, explicit: Path | None) -> tuple[Path, str]:
-    """(directory, how it was chosen): explicit, freshly compiled, or shipped."""
-    from kernels.compile import SHIPPED_DIR, compile_all
-    from kernels.cute import CutlassUnavailable
+def _cubins_for(explicit: Path | None) -> tuple[Path, str]:
+    """(directory, how it was chosen): explicit, or the shipped cubins (every arch in
+    scope ships; evidence is bound to them)."""
+    from kernels.sources import SHIPPED_DIR
 
     if explicit is not None:
         return explicit, "given"
-    try:
-        out = Path(tempfile.mkdtemp(prefix="kvtide-cubins-"))
-        compile_all(out, archs=[arch])
-        return out, "compiled here"
-    except CutlassUnavailable:
-        return SHIPPED_DIR, "shipped (nvidia-cutlass-dsl not installed)"
+    return SHIPPED_DIR, "shipped"
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -167,10 +162,11 @@ def _validate(args: argparse.Namespace) -> int:
 
     from kernels.ops import CubinSet, Kernels
     from kernels.scope import arch_from_capability
+    from kernels.sources import binding_for
 
     device = torch.device("cuda", 0)
     arch = arch_from_capability(*torch.cuda.get_device_capability(device))
-    cubin_dir, how = _cubins_for(arch, args.cubins)
+    cubin_dir, how = _cubins_for(args.cubins)
     cubins = CubinSet.open(cubin_dir)
     impl = Kernels(cubins, device)
 
@@ -180,7 +176,7 @@ def _validate(args: argparse.Namespace) -> int:
 
     results = validate.run_cases(cases, impl, device, progress=progress)
     loaded = next(iter(impl.launched), None)
-    binding = {"source_sha256": cubins.source_sha256, "files_sha256": cubins.hashes(arch)}
+    binding = binding_for(arch, {"source_sha256": cubins.source_sha256, "kernels": cubins.entries})
     meta = {
         "dir": str(cubin_dir),
         "chosen": how,

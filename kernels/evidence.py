@@ -9,8 +9,9 @@ people. JSON fields:
     arch          PTX target of the GPU ("sm_90a")
     fingerprint   GPU model, driver, CUDA, clocks, vLLM and package versions, git commit
                   (``fingerprint()``)
-    binding       what the evidence is bound to: the kernel source digest and the sha256
-                  of every cubin and PTX file of the arch (``kernels.coverage.stale``)
+    binding       what the evidence is bound to (``kernels.sources``): the kernel source,
+                  harness and launch-settings digests and the sha256 of every cubin and
+                  PTX file of the arch (``kernels.coverage.stale``)
     cubins        where the kernels came from: directory, DSL version, launch backend,
                   cubin or PTX
     results       one ``CaseResult`` per case
@@ -35,11 +36,10 @@ from typing import Any
 from kernels.coverage import stale
 from kernels.gate import VALIDATED
 from kernels.scope import KIMI_K3, SCOPES
-from kernels.sources import source_digest
+from kernels.sources import EVIDENCE_DIR, shipped_binding
 
 __all__ = ["EVIDENCE_DIR", "diff", "fingerprint", "load", "show", "write"]
 
-EVIDENCE_DIR = Path(__file__).resolve().parent / "evidence"
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = (
     "torch",
@@ -218,17 +218,6 @@ def diff(a: Path, b: Path) -> str:
     return "\n".join(lines)
 
 
-def _manifest_hashes(arch: str) -> dict[str, str] | None:
-    """``{file: sha256}`` of the shipped cubins for ``arch``; None if none are shipped."""
-    path = Path(__file__).resolve().parent / "cubins" / "manifest.json"
-    entries = json.loads(path.read_text())["kernels"] if path.is_file() else []
-    out = {}
-    for e in entries:
-        if e["arch"] == arch:
-            out[e["cubin"]], out[e["ptx"]] = e.get("cubin_sha256"), e.get("ptx_sha256")
-    return out or None
-
-
 def _files(evidence_dir: Path, kind: str) -> list[tuple[Path, dict[str, Any]]]:
     found = []
     for path in sorted(evidence_dir.glob("*.json")):
@@ -247,9 +236,7 @@ def _passing_cases(evidence_dir: Path) -> tuple[dict[str, dict[str, str]], list[
     found: dict[str, dict[str, str]] = {}
     stale_files = []
     for path, data in _files(evidence_dir, "kernels"):
-        # Cubins compiled on the host (not shipped) are bound by the source digest alone.
-        hashes = _manifest_hashes(data["arch"]) or data.get("binding", {}).get("files_sha256", {})
-        why = stale(data, source_digest(), hashes)
+        why = stale(data, shipped_binding(str(data["arch"])))
         if why is not None:
             stale_files.append(f"{path.name}: {why}")
             continue

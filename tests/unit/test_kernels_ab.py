@@ -151,29 +151,29 @@ def test_ab_evidence_backs_a_scope_only_where_it_ran(tmp_path: Path) -> None:
         KIMI_K3, archs=("sm_103a",), parallel=((8, 8),), max_batch=64, vllm_versions=("0.33.0",)
     )
     entry = ValidatedScope(scope=scope, evidence="ab.json")
-    assert covers(entry, data, "", {}) is None
+    assert covers(entry, data) is None
     wider = ValidatedScope(scope=dataclasses.replace(scope, max_batch=256), evidence="ab.json")
-    assert covers(wider, data, "", {}) == "no passing A/B at batch 256"
+    assert covers(wider, data) == "no passing A/B at batch 256"
     other_vllm = ValidatedScope(
         scope=dataclasses.replace(scope, vllm_versions=("0.34",)), evidence="ab.json"
     )
-    assert covers(other_vllm, data, "", {}) == "vLLM 0.33.0, scope claims ['0.34']"
+    assert covers(other_vllm, data) == "vLLM 0.33.0, scope claims ['0.34']"
     # Versions match exactly: 0.33.0 evidence does not cover the 0.33 series.
     series = ValidatedScope(
         scope=dataclasses.replace(scope, vllm_versions=("0.33",)), evidence="ab.json"
     )
-    assert covers(series, data, "", {}) == "vLLM 0.33.0, scope claims ['0.33']"
+    assert covers(series, data) == "vLLM 0.33.0, scope claims ['0.33']"
     # Without proof that the specialised backend ran, the file covers nothing.
     unproven = dict(data, backend=ab.backend_proof(STOCK_BUILT, STOCK_BUILT))
-    assert "no proof that the specialised backend ran" in str(covers(entry, unproven, "", {}))
+    assert "no proof that the specialised backend ran" in str(covers(entry, unproven))
     # A slower path at one batch size: the scope must end before it.
     slow_64 = ab.compare(64, [record([1, 2], gap=0.01)], [record([1, 2], gap=0.02)])
     slower = dict(data, results=[*data["results"][:3], slow_64.to_json()])
-    assert covers(entry, slower, "", {}) == "no passing A/B at batch 64"
+    assert covers(entry, slower) == "no passing A/B at batch 64"
     narrowed = ValidatedScope(scope=dataclasses.replace(scope, max_batch=16), evidence="ab.json")
-    assert covers(narrowed, slower, "", {}) is None
+    assert covers(narrowed, slower) is None
     b200 = ValidatedScope(scope=dataclasses.replace(scope, archs=("sm_100a",)), evidence="ab.json")
-    assert "recorded on sm_103a" in str(covers(b200, data, "", {}))
+    assert "recorded on sm_103a" in str(covers(b200, data))
     self_check, _ = ab.write(
         tmp_path / "self",
         arch="sm_103a",
@@ -183,9 +183,7 @@ def test_ab_evidence_backs_a_scope_only_where_it_ran(tmp_path: Path) -> None:
         results=results,
         self_check=True,
     )
-    assert (
-        covers(entry, json.loads(self_check.read_text()), "", {}) == f"not an A/B of {KIMI_K3.name}"
-    )
+    assert covers(entry, json.loads(self_check.read_text())) == f"not an A/B of {KIMI_K3.name}"
 
 
 def test_timing_statistics_are_per_call_medians_with_spread() -> None:

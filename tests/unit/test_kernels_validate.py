@@ -154,10 +154,12 @@ def _fake_results(timing: float, fail: str | None = None) -> list[validate.CaseR
 FINGERPRINT = {"gpu": {"name": "NVIDIA H200"}, "driver": "570.1", "git_commit": "abc"}
 
 
-def _binding(sources: str) -> dict[str, object]:
-    from kernels.ops import CubinSet
+def _binding(sources: str, arch: str = "sm_90a") -> dict[str, object]:
+    from kernels.sources import shipped_binding
 
-    return {"source_sha256": sources, "files_sha256": CubinSet.open().hashes("sm_90a")}
+    today = shipped_binding(arch)
+    assert today is not None
+    return today | {"source_sha256": sources}
 
 
 def test_evidence_round_trip_show_and_diff(tmp_path: Path) -> None:
@@ -199,24 +201,30 @@ def test_stale_evidence_covers_nothing(tmp_path: Path) -> None:
     from kernels.coverage import covers
     from kernels.gate import ValidatedScope
 
-    today = source_digest()
-    hashes = _binding(today)["files_sha256"]
-    assert isinstance(hashes, dict)
+    today = _binding(source_digest())
     scope = dataclasses.replace(RMSNORM, archs=("sm_90a",))
-    entry = ValidatedScope(scope=scope, evidence="a.json", source_sha256=today)
-    path, _ = evidence.write(
-        tmp_path / "a", "sm_90a", _fake_results(10.0), {}, FINGERPRINT, _binding(today)
-    )
+    entry = ValidatedScope(scope=scope, evidence="a.json", source_sha256=source_digest())
+    path, _ = evidence.write(tmp_path / "a", "sm_90a", _fake_results(10.0), {}, FINGERPRINT, today)
     data = evidence.load(path)
-    assert covers(entry, data, today, hashes) is None
+    assert covers(entry, data) is None
     # The kernel sources changed since the run.
-    assert "stale: made from kernel sources" in str(covers(entry, data, "f" * 64, hashes))
+    assert "stale: made from kernel sources" in str(
+        covers(entry, data, today | {"source_sha256": "f" * 64})
+    )
     # A cubin was rebuilt (same sources, another compiler): its hash differs.
-    rebuilt = hashes | {"sm_90a/fused_add_rmsnorm-bf16-bf16.cubin": "0" * 64}
-    assert "cubin or PTX changed since" in str(covers(entry, data, today, rebuilt))
+    files = dict(today["files_sha256"])  # type: ignore[call-overload]
+    rebuilt = today | {
+        "files_sha256": files | {"sm_90a/fused_add_rmsnorm-bf16-bf16.cubin": "0" * 64}
+    }
+    assert "cubin or PTX changed since" in str(covers(entry, data, rebuilt))
     # show() counts a stale file for nothing, and says why.
     evidence.write(
-        tmp_path / "old", "sm_100a", _fake_results(9.0), {}, FINGERPRINT, _binding("e" * 64)
+        tmp_path / "old",
+        "sm_100a",
+        _fake_results(9.0),
+        {},
+        FINGERPRINT,
+        _binding("e" * 64, "sm_100a"),
     )
     shown = evidence.show(tmp_path)
     assert "sm_100a  unvalidated" in shown
@@ -262,17 +270,10 @@ def test_validate_on_this_gpu_writes_passing_evidence(tmp_path: Path) -> None:
 
 def test_every_validated_scope_is_covered_by_its_evidence_file() -> None:
     # Empty until a GPU run is checked in; then each entry must name a current file that
-    # passed every case of its (narrowed) scope on the arch it claims.
-    from kernels.coverage import covers
+    # passed every case of its (narrowed) scope on the arch it claims. The gate runs the
+    # same check on every decision (kernels.coverage.check_file).
+    from kernels.coverage import check_file
     from kernels.gate import VALIDATED
-    from kernels.ops import CubinSet
 
     for entry in VALIDATED:
-        data = evidence.load(evidence.EVIDENCE_DIR / entry.evidence)
-        arch = str(data["arch"])
-        shipped = CubinSet.open()
-        hashes = (
-            shipped.hashes(arch) if arch in shipped.archs() else data["binding"]["files_sha256"]
-        )
-        why = covers(entry, data, source_digest(), hashes)
-        assert why is None, f"{entry.evidence}: {why}"
+        assert check_file(entry) is None, f"{entry.evidence}: {check_file(entry)}"
