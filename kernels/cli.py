@@ -150,9 +150,10 @@ def _validate(args: argparse.Namespace) -> int:
     if args.dry_run:
         from kernels.emulate import Emulated
 
-        results = validate.run_cases(cases, Emulated(), torch.device("cpu"))
-        if args.out:
-            evidence.write(args.out, "cpu", results, {"source": "CPU emulation (dry run)"})
+        emulated = {"source": "CPU emulation (dry run)"}
+        results = _run_writing(
+            cases, Emulated(), torch.device("cpu"), args.out, "cpu", emulated, {}
+        )
         failed = [r for r in results if not r.passed]
         print(f"dry run: {len(results) - len(failed)} passed, {len(failed)} failed")
         return 1 if failed else 0
@@ -169,30 +170,51 @@ def _validate(args: argparse.Namespace) -> int:
     cubin_dir, how = _cubins_for(args.cubins)
     cubins = CubinSet.open(cubin_dir)
     impl = Kernels(cubins, device)
-
-    def progress(r: validate.CaseResult) -> None:
-        timing = f"{r.kernel_us:.2f} vs {r.stock_us:.2f} µs" if r.kernel_us and r.stock_us else ""
-        print(f"{'pass' if r.passed else 'FAIL'} {r.case_id} {timing} {r.detail}", flush=True)
-
-    results = validate.run_cases(cases, impl, device, progress=progress)
-    loaded = next(iter(impl.launched), None)
     binding = binding_for(arch, {"source_sha256": cubins.source_sha256, "kernels": cubins.entries})
-    meta = {
+    meta: dict[str, Any] = {
         "dir": str(cubin_dir),
         "chosen": how,
         "nvidia_cutlass_dsl": cubins.nvidia_cutlass_dsl,
-        "backend": None if loaded is None else loaded.backend,
-        "image_kind": None if loaded is None else loaded.image_kind,
     }
     gpu = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     stem = args.out or evidence.EVIDENCE_DIR / f"{arch}-{gpu}-{stamp}"
-    json_path, md_path = evidence.write(stem, arch, results, meta, binding=binding)
+    results = _run_writing(cases, impl, device, stem, arch, meta, binding or {}, impl.launched)
     num_failed = sum(1 for r in results if not r.passed)
-    print(
-        f"{len(results) - num_failed} passed, {num_failed} failed; evidence: {json_path}, {md_path}"
-    )
+    print(f"{len(results) - num_failed} passed, {num_failed} failed; evidence: {stem}.json/.md")
     return 1 if num_failed else 0
+
+
+def _run_writing(
+    cases: Sequence[Any],
+    impl: Any,
+    device: Any,
+    stem: Path | None,
+    arch: str,
+    meta: dict[str, Any],
+    binding: dict[str, Any],
+    launched: Any = None,
+) -> list[Any]:
+    """Run ``cases``, rewriting the evidence at ``stem`` after each one (a run cut short
+    keeps every case it finished; the summary counts those not run)."""
+    from kernels import evidence, validate
+
+    fp = evidence.fingerprint()
+    results: list[validate.CaseResult] = []
+
+    def progress(r: validate.CaseResult) -> None:
+        results.append(r)
+        timing = f"{r.kernel_us:.2f} vs {r.stock_us:.2f} µs" if r.kernel_us and r.stock_us else ""
+        print(f"{'pass' if r.passed else 'FAIL'} {r.case_id} {timing} {r.detail}", flush=True)
+        if stem is None:
+            return
+        loaded = next(iter(launched or ()), None)
+        if loaded is not None:
+            meta.update(backend=loaded.backend, image_kind=loaded.image_kind)
+        evidence.write(stem, arch, results, meta, fp, binding, planned=len(cases))
+
+    validate.run_cases(cases, impl, device, progress=progress)
+    return results
 
 
 def ab_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], list[int]]:

@@ -112,11 +112,14 @@ def write(
     cubins: dict[str, Any],
     fp: dict[str, Any] | None = None,
     binding: dict[str, Any] | None = None,
+    planned: int | None = None,
 ) -> tuple[Path, Path]:
     """Write ``<stem>.json`` and ``<stem>.md``; ``results`` are ``CaseResult``s;
-    ``binding``: ``{"source_sha256": ..., "files_sha256": {file: sha256}}``."""
+    ``binding``: ``kernels.sources.binding_for``; ``planned``: how many cases the run
+    will check (the summary's ``not_run``: cases not finished yet, or cut off)."""
     rows = [_row(r) for r in results]
     passed = sum(1 for r in rows if r["passed"])
+    not_run = 0 if planned is None else max(planned - len(rows), 0)
     data = {
         "format": FORMAT,
         "kind": "kernels",
@@ -126,14 +129,21 @@ def write(
         "binding": binding or {},
         "cubins": cubins,
         "results": rows,
-        "summary": {"passed": passed, "failed": len(rows) - passed},
+        "summary": {"passed": passed, "failed": len(rows) - passed, "not_run": not_run},
     }
     path_stem.parent.mkdir(parents=True, exist_ok=True)
     json_path = path_stem.with_suffix(".json")
     md_path = path_stem.with_suffix(".md")
-    json_path.write_text(json.dumps(data, indent=1) + "\n")
-    md_path.write_text(_markdown(data))
+    _replace(json_path, json.dumps(data, indent=1) + "\n")
+    _replace(md_path, _markdown(data))
     return json_path, md_path
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all (a run killed mid-write keeps the last file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def _row(result: Any) -> dict[str, Any]:
@@ -160,7 +170,8 @@ def _markdown(data: dict[str, Any]) -> str:
         f"- packages: {', '.join(f'{k} {v}' for k, v in fp.get('packages', {}).items() if v)}",
         f"- cubins: {json.dumps(data['cubins'], sort_keys=True)}",
         f"- kernel sources: {data['binding'].get('source_sha256')}",
-        f"- passed {data['summary']['passed']}, failed {data['summary']['failed']}",
+        f"- passed {data['summary']['passed']}, failed {data['summary']['failed']}, "
+        f"not run {data['summary'].get('not_run', 0)}",
         "",
         "| case | result | steps (allowed) | kernel µs | best baseline µs | speed-up |",
         "| --- | --- | --- | --- | --- | --- |",

@@ -177,15 +177,16 @@ def run_case(
     """Check one case (and time it when ``timing``, which needs a CUDA device)."""
     try:
         return _run_rmsnorm(case, impl, device, seed, timing)
-    except (ValueError, RuntimeError) as exc:
-        # A refused or failed launch is a failed case, recorded with its message.
+    except Exception as exc:
+        # A refused or failed launch, a driver or compiler error: a failed case, recorded
+        # with its type and message; the next case still runs.
         return CaseResult(
             case_id=case.case_id,
             kernel=case.kernel,
             passed=False,
             max_steps=float("nan"),
             allowed_steps=float("nan"),
-            detail=f"error: {exc}",
+            detail=f"error: {type(exc).__name__}: {exc}",
         )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -98,6 +99,40 @@ def test_wrong_kernels_fail_with_the_check_named() -> None:
         assert "not nearest" in r.detail
 
 
+class FailsOnCall(validate.ReferenceImpl):
+    """The reference, except that call number ``at`` raises ``error``."""
+
+    def __init__(self, at: int, error: BaseException) -> None:
+        self.at, self.error, self.calls = at, error, 0
+
+    def fused_add_rmsnorm(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls += 1
+        if self.calls == self.at:
+            raise self.error
+        return super().fused_add_rmsnorm(*args, **kwargs)
+
+
+def test_any_error_fails_its_case_and_the_next_case_still_runs() -> None:
+    results = validate.run_cases(SMALL, FailsOnCall(1, KeyError("driver said no")), CPU)
+    assert not results[0].passed
+    assert results[0].detail == "error: KeyError: 'driver said no'"
+    assert [r.passed for r in results[1:]] == [True] * (len(SMALL) - 1)
+
+
+def test_evidence_is_written_case_by_case_and_a_cut_run_keeps_what_it_finished(
+    tmp_path: Path,
+) -> None:
+    # The run is killed during its third case (a timeout, an interrupt): the file holds
+    # the two cases that finished and counts the rest as not run.
+    impl = FailsOnCall(3, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        cli._run_writing(SMALL, impl, CPU, tmp_path / "cut", "cpu", {}, {})
+    data = evidence.load(tmp_path / "cut.json")
+    assert [r["case_id"] for r in data["results"]] == [c.case_id for c in SMALL[:2]]
+    assert data["summary"] == {"passed": 2, "failed": 0, "not_run": len(SMALL) - 2}
+    assert "not run 2" in (tmp_path / "cut.md").read_text()
+
+
 def test_errors_are_counted_in_steps_of_the_output_format() -> None:
     exact = torch.tensor([1.0, 1.0, 3.0, 1e-40, float("inf")], dtype=torch.float64)
     got = torch.tensor([1.0 + 2**-7, 1.0 + 2**-8, 3.0 + 2**-6, 0.0, float("inf")])
@@ -173,7 +208,7 @@ def test_evidence_round_trip_show_and_diff(tmp_path: Path) -> None:
         FINGERPRINT | {"driver": "575.2"}, now,
     )  # fmt: skip
     data = evidence.load(a)
-    assert data["summary"] == {"passed": len(RMSNORM.cases()), "failed": 0}
+    assert data["summary"] == {"passed": len(RMSNORM.cases()), "failed": 0, "not_run": 0}
     assert data["kind"] == "kernels" and data["binding"]["source_sha256"] == source_digest()
     assert "| 0.50 (1.00) | 10.0 | 40.0 | 4.00x |" in md.read_text()
 
