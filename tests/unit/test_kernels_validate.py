@@ -99,6 +99,42 @@ def test_wrong_kernels_fail_with_the_check_named() -> None:
         assert "not nearest" in r.detail
 
 
+class ScaledBy(validate.ReferenceImpl):
+    """Rounds ``exact * (1 + rel)`` to nearest: a systematic error of ``rel`` relative."""
+
+    def __init__(self, rel: float) -> None:
+        self.rel = rel
+
+    def fused_add_rmsnorm(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual, weight, eps, scale = args
+        exact, new_residual = reference.fused_add_rmsnorm(
+            x.double(), residual, weight.double(), eps, scale, out_dtype=torch.float64
+        )
+        out = torch.float8_e4m3fn if scale is not None else torch.bfloat16
+        return (exact * (1 + self.rel)).clamp(-448, 448).to(out), new_residual
+
+
+def test_a_systematic_error_under_a_step_fails_by_the_lean_of_its_flips() -> None:
+    # 5e-5 relative: every FP8 error under a step and ~0.05 % of elements not nearest
+    # (the share check allows 0.1 %), but every flip away from zero.
+    case = RmsNormCase(batch=64, hidden_size=4096, dtype="bf16", out_dtype="fp8_e4m3")
+    x, residual, weight, scale = validate._inputs(case, CPU, seed=0)
+    got, _ = ScaledBy(5e-5).fused_add_rmsnorm(x, residual, weight, validate.EPS, scale)
+    want, _ = reference.fused_add_rmsnorm(x, residual, weight, validate.EPS, scale)
+    exact, _ = reference.fused_add_rmsnorm(
+        x.double(), residual, weight.double(), validate.EPS, scale, out_dtype=torch.float64
+    )
+    result = check(got, want, exact, "fp8_e4m3")
+    assert result.max_steps < 1.0 and result.flip_share <= 1e-3
+    assert not result.passed and result.bias_steps > result.allowed_bias_steps
+    assert "flips lean +" in validate.run_case(case, ScaledBy(5e-5), CPU, seed=0).detail
+    # An offset leans too (toward +inf rather than away from zero).
+    shifted = (exact + 3e-5 * exact.abs().mean()).to(torch.float8_e4m3fn)
+    assert not check(shifted, want, exact, "fp8_e4m3").passed
+    # The correct kernel, whose flips go both ways, passes.
+    assert validate.run_case(case, Emulated(), CPU, seed=0).passed
+
+
 class FailsOnCall(validate.ReferenceImpl):
     """The reference, except that call number ``at`` raises ``error``."""
 
