@@ -40,6 +40,7 @@ __all__ = [
     "compare",
     "divergences",
     "engine_args",
+    "passing_range",
     "prompts",
     "side_stats",
     "write",
@@ -206,6 +207,20 @@ def compare(
         stock=stock_stats,
         path=path_stats,
     )
+
+
+def passing_range(results: Sequence[AbResult]) -> tuple[int, int] | None:
+    """(smallest, largest) batch of the run of batch sizes, from the smallest up, that
+    all passed: the widest batch range a validated scope may claim (None: the smallest
+    failed). Past the first failure (a confident divergence, or slower than stock) the
+    scope stops, whatever larger batch sizes did."""
+    ordered = sorted(results, key=lambda r: r.batch)
+    passed = []
+    for r in ordered:
+        if not r.passed:
+            break
+        passed.append(r.batch)
+    return (passed[0], passed[-1]) if passed else None
 
 
 def backend_proof(

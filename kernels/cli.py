@@ -262,6 +262,12 @@ def _ab(args: argparse.Namespace) -> int:
             f"(worst {r.divergence}), {speed}"
         )
     print(f"specialised backend ran: {proof['ran']} ({proof['path_only_modules'][:5]})")
+    span = ab.passing_range(results)
+    print(
+        "a validated scope may claim "
+        + ("nothing" if span is None else f"batch {span[0]}..{span[1]}")
+        + " of this run"
+    )
     model_type = json.loads((Path(args.model) / "config.json").read_text()).get("model_type")
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     kind = "ab-self-check" if args.self_check else "ab"

@@ -113,6 +113,15 @@ def test_a_path_slower_than_the_stock_path_fails_even_with_equal_tokens() -> Non
     assert ab.compare(1, stock, [record([5, 6, 7], gap=0.011)], judge_speed=False).passed
 
 
+def test_the_passing_range_stops_where_the_path_stops_winning() -> None:
+    def at(batch: int, gap: float) -> ab.AbResult:
+        return ab.compare(batch, [record([1, 2], gap=0.010)], [record([1, 2], gap=gap)])
+
+    results = [at(1, 0.008), at(4, 0.009), at(16, 0.012), at(64, 0.009)]
+    assert ab.passing_range(results) == (1, 4)  # 16 is slower: 64 does not count
+    assert ab.passing_range([at(1, 0.02)]) is None
+
+
 STOCK_BUILT = {"additional_config": {}, "modules": ["vllm.Linear", "vllm.MLAAttention"]}
 PATH_BUILT = {
     "additional_config": {"decode_backend": "latency_specialized"},
