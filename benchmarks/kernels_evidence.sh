@@ -141,6 +141,7 @@ else
     kernel_part; status=$?
 fi
 ls -l "$OUT"
+[ "$status" = 0 ] || exit "$status"
 cat <<MSG
 
 Next: copy $OUT/kernels-*.json/.md and ab-*.json/.md (not self-checks) into
