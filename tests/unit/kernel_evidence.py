@@ -9,6 +9,8 @@ binding of its arch.
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -19,8 +21,9 @@ from kernels.scope import AddRmsNormScope, VllmPathScope
 from kernels.sources import shipped_binding
 from kernels.validate import CaseResult
 
-# Module-level entries (made at import) are written here.
+# Module-level entries (made at import) are written here; removed when the tests end.
 DIR = Path(tempfile.mkdtemp(prefix="kvtide-test-evidence-"))
+atexit.register(shutil.rmtree, DIR, ignore_errors=True)
 FINGERPRINT = {"gpu": {"name": "NVIDIA H200"}, "driver": "570.1", "git_commit": "abc"}
 STOCK_BUILT = {"additional_config": {}, "modules": ["vllm.Linear", "vllm.MLAAttention"]}
 PATH_BUILT = {
