@@ -3,8 +3,9 @@
 Each side starts an engine from ``kernels.ab.engine_args``, sends the batch sizes in
 order (``batch`` concurrent greedy requests, streamed so every token's arrival is
 timed, top-5 logprobs kept for the divergence margin), asks its workers what they built
-(``BackendProbe``, vLLM's ``worker_extension_cls``: the engine's ``additional_config``
-and the class of every module of the model, for ``kernels.ab.backend_proof``), and shuts
+(``BackendProbe``, vLLM's ``worker_extension_cls``: the engine's ``additional_config``,
+the class of every module of the model and the attention backend of every attention
+layer, for ``kernels.ab.backend_proof``), and shuts
 the engine down before the other side starts: the sides never share a GPU. Needs vLLM
 (``engines._vllm``) and its GPUs; nothing here runs in the CPU tests.
 """
@@ -31,9 +32,15 @@ class BackendProbe:
     def kvtide_backend_report(self) -> dict[str, Any]:
         worker: Any = self
         model = worker.model_runner.get_model()
-        modules = {f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()}
+        built = set()
+        for m in model.modules():
+            built.add(f"{type(m).__module__}.{type(m).__qualname__}")
+            backend = getattr(m, "get_attn_backend", None)
+            if callable(backend):  # a path may swap the kernels inside the same modules
+                cls = backend()
+                built.add(f"attention backend {getattr(cls, '__module__', '')}.{cls.__qualname__}")
         config = getattr(worker.vllm_config, "additional_config", None) or {}
-        return {"additional_config": dict(config), "modules": sorted(modules)}
+        return {"additional_config": dict(config), "modules": sorted(built)}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

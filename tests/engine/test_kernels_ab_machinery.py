@@ -3,9 +3,9 @@
 Both sides of a self-check run the stock path: the A/B records each request's tokens,
 arrivals and top logprobs, and each engine's workers answer the backend probe
 (``kernels.ab_run.BackendProbe``, loaded through vLLM's ``worker_extension_cls``) with
-the model's modules and ``additional_config``. Stock against stock: tokens equal, and
-no proof that a specialised backend ran. One child process (``run_side`` starts vLLM in
-it), bounded.
+the model's modules, its attention layers' backends and ``additional_config``. Stock
+against stock: tokens equal, and no proof that a specialised backend ran. One child
+process (``run_side`` starts vLLM in it), bounded.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def test_each_side_records_every_request_and_reports_what_it_built(
         backend = run["backend"]
         assert backend["additional_config"] == {}
         assert any(m.endswith("LlamaForCausalLM") for m in backend["modules"]), backend
+        assert any(m.startswith("attention backend ") for m in backend["modules"]), backend
 
 
 def test_stock_against_stock_is_equal_and_proves_no_specialised_backend(
