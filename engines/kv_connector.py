@@ -67,6 +67,7 @@ __all__ = [
     "CONNECTOR_MODULE",
     "CPU_PROGRESS_WAIT_MS",
     "FAULT_CORRUPT_ENV",
+    "NON_PAGED_STATE_MOVED",
     "PROGRESS_WAIT_KEY",
     "READ_BYTES_KEY",
     "READ_REQUESTS_KEY",
@@ -78,6 +79,13 @@ __all__ = [
 ]
 
 CONNECTOR_MODULE = __name__
+NON_PAGED_STATE_MOVED: dict[str, frozenset[str]] = {
+    "kvtide's NixlConnector": frozenset(),
+    "vLLM's NixlConnector": frozenset(),
+}
+"""What each connector kvtide runs declares it moves besides paged KV blocks (kinds of
+``placement.kv_state``: "linear_attention", ...). Both move paged blocks only: P/D of a
+model with linear-attention or SSM layers is refused (``orchestrator.config.pd_state``)."""
 PROGRESS_WAIT_KEY = "kvtide_progress_wait_ms"
 """The connector's extra-config key for NIXL's progress-thread wait, in ms."""
 CPU_PROGRESS_WAIT_MS = 10.0

@@ -126,19 +126,14 @@ def _compile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cubins_for(arch: str, explicit: Path | None) -> tuple[Path, str]:
-    """(directory, how it was chosen): explicit, freshly compiled, or shipped."""
-    from kernels.compile import SHIPPED_DIR, compile_all
-    from kernels.cute import CutlassUnavailable
+def _cubins_for(explicit: Path | None) -> tuple[Path, str]:
+    """(directory, how it was chosen): explicit, or the shipped cubins (every arch in
+    scope ships; evidence is bound to them)."""
+    from kernels.sources import SHIPPED_DIR
 
     if explicit is not None:
         return explicit, "given"
-    try:
-        out = Path(tempfile.mkdtemp(prefix="kvtide-cubins-"))
-        compile_all(out, archs=[arch])
-        return out, "compiled here"
-    except CutlassUnavailable:
-        return SHIPPED_DIR, "shipped (nvidia-cutlass-dsl not installed)"
+    return SHIPPED_DIR, "shipped"
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -155,9 +150,10 @@ def _validate(args: argparse.Namespace) -> int:
     if args.dry_run:
         from kernels.emulate import Emulated
 
-        results = validate.run_cases(cases, Emulated(), torch.device("cpu"))
-        if args.out:
-            evidence.write(args.out, "cpu", results, {"source": "CPU emulation (dry run)"})
+        emulated = {"source": "CPU emulation (dry run)"}
+        results = _run_writing(
+            cases, Emulated(), torch.device("cpu"), args.out, "cpu", emulated, {}
+        )
         failed = [r for r in results if not r.passed]
         print(f"dry run: {len(results) - len(failed)} passed, {len(failed)} failed")
         return 1 if failed else 0
@@ -167,36 +163,58 @@ def _validate(args: argparse.Namespace) -> int:
 
     from kernels.ops import CubinSet, Kernels
     from kernels.scope import arch_from_capability
+    from kernels.sources import binding_for
 
     device = torch.device("cuda", 0)
     arch = arch_from_capability(*torch.cuda.get_device_capability(device))
-    cubin_dir, how = _cubins_for(arch, args.cubins)
+    cubin_dir, how = _cubins_for(args.cubins)
     cubins = CubinSet.open(cubin_dir)
     impl = Kernels(cubins, device)
-
-    def progress(r: validate.CaseResult) -> None:
-        timing = f"{r.kernel_us:.2f} vs {r.stock_us:.2f} µs" if r.kernel_us and r.stock_us else ""
-        print(f"{'pass' if r.passed else 'FAIL'} {r.case_id} {timing} {r.detail}", flush=True)
-
-    results = validate.run_cases(cases, impl, device, progress=progress)
-    loaded = next(iter(impl.launched), None)
-    binding = {"source_sha256": cubins.source_sha256, "files_sha256": cubins.hashes(arch)}
-    meta = {
+    binding = binding_for(arch, {"source_sha256": cubins.source_sha256, "kernels": cubins.entries})
+    meta: dict[str, Any] = {
         "dir": str(cubin_dir),
         "chosen": how,
         "nvidia_cutlass_dsl": cubins.nvidia_cutlass_dsl,
-        "backend": None if loaded is None else loaded.backend,
-        "image_kind": None if loaded is None else loaded.image_kind,
     }
     gpu = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     stem = args.out or evidence.EVIDENCE_DIR / f"{arch}-{gpu}-{stamp}"
-    json_path, md_path = evidence.write(stem, arch, results, meta, binding=binding)
+    results = _run_writing(cases, impl, device, stem, arch, meta, binding or {}, impl.launched)
     num_failed = sum(1 for r in results if not r.passed)
-    print(
-        f"{len(results) - num_failed} passed, {num_failed} failed; evidence: {json_path}, {md_path}"
-    )
+    print(f"{len(results) - num_failed} passed, {num_failed} failed; evidence: {stem}.json/.md")
     return 1 if num_failed else 0
+
+
+def _run_writing(
+    cases: Sequence[Any],
+    impl: Any,
+    device: Any,
+    stem: Path | None,
+    arch: str,
+    meta: dict[str, Any],
+    binding: dict[str, Any],
+    launched: Any = None,
+) -> list[Any]:
+    """Run ``cases``, rewriting the evidence at ``stem`` after each one (a run cut short
+    keeps every case it finished; the summary counts those not run)."""
+    from kernels import evidence, validate
+
+    fp = evidence.fingerprint()
+    results: list[validate.CaseResult] = []
+
+    def progress(r: validate.CaseResult) -> None:
+        results.append(r)
+        timing = f"{r.kernel_us:.2f} vs {r.stock_us:.2f} µs" if r.kernel_us and r.stock_us else ""
+        print(f"{'pass' if r.passed else 'FAIL'} {r.case_id} {timing} {r.detail}", flush=True)
+        if stem is None:
+            return
+        loaded = next(iter(launched or ()), None)
+        if loaded is not None:
+            meta.update(backend=loaded.backend, image_kind=loaded.image_kind)
+        evidence.write(stem, arch, results, meta, fp, binding, planned=len(cases))
+
+    validate.run_cases(cases, impl, device, progress=progress)
+    return results
 
 
 def ab_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], list[int]]:
@@ -232,9 +250,24 @@ def _ab(args: argparse.Namespace) -> int:
     texts = ab.prompts(max(batches))
     stock = run_side(stock_args, texts, batches, args.max_tokens)
     path = run_side(path_args, texts, batches, args.max_tokens)
-    results = [ab.compare(b, stock[b], path[b]) for b in batches]
+    judge_speed = not args.self_check  # stock against stock: neither side is faster
+    results = [
+        ab.compare(b, stock.records[b], path.records[b], judge_speed=judge_speed) for b in batches
+    ]
+    proof = ab.backend_proof(stock.backend, path.backend)
     for r in results:
-        print(f"{'pass' if r.passed else 'FAIL'} batch {r.batch}: {r.divergence or 'tokens equal'}")
+        speed = f"ITL {r.stock.itl_ms_median:.2f} -> {r.path.itl_ms_median:.2f} ms"
+        print(
+            f"{'pass' if r.passed else 'FAIL'} batch {r.batch}: {len(r.divergences)} diverging "
+            f"(worst {r.divergence}), {speed}"
+        )
+    print(f"specialised backend ran: {proof['ran']} ({proof['path_only_modules'][:5]})")
+    span = ab.passing_range(results)
+    print(
+        "a validated scope may claim "
+        + ("nothing" if span is None else f"batch {span[0]}..{span[1]}")
+        + " of this run"
+    )
     model_type = json.loads((Path(args.model) / "config.json").read_text()).get("model_type")
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     kind = "ab-self-check" if args.self_check else "ab"
@@ -247,10 +280,12 @@ def _ab(args: argparse.Namespace) -> int:
         vllm_version=installed_vllm_version(),
         fingerprint=evidence.fingerprint(),
         results=results,
+        backend=proof,
         self_check=args.self_check,
     )
     print(f"A/B evidence: {json_path}")
-    return 0 if all(r.passed for r in results) else 1
+    ran = args.self_check or proof["ran"]
+    return 0 if ran and all(r.passed for r in results) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

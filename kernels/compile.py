@@ -27,8 +27,8 @@ from typing import Any
 from kernels.cute import dsl_version, load_dsl
 from kernels.cute.add_rmsnorm import Geometry
 from kernels.resources import CubinUsage, cubin_usage, ptx_summary
-from kernels.scope import SCOPES, KernelScope, Variant
-from kernels.sources import file_sha256, source_digest
+from kernels.scope import ALL_ARCHS, SCOPES, KernelScope, Variant
+from kernels.sources import SHIPPED_DIR, file_sha256, source_digest
 
 __all__ = [
     "SHIPPED_ARCHS",
@@ -42,10 +42,9 @@ __all__ = [
     "write_manifest",
 ]
 
-# The cubins kept in the repository: what an H100/H200 host without cutlass needs to
-# produce evidence (B200/GB200/GB300 hosts run vLLM's GPU build, which brings the DSL).
-SHIPPED_DIR = Path(__file__).resolve().parent / "cubins"
-SHIPPED_ARCHS: tuple[str, ...] = ("sm_90a",)
+# The cubins kept in the repository, for every arch in scope: what a bare GPU host (no
+# nvidia-cutlass-dsl) launches, and what kernel evidence is bound to.
+SHIPPED_ARCHS: tuple[str, ...] = ALL_ARCHS
 
 _MODULES = {
     "fused_add_rmsnorm": "kernels.cute.add_rmsnorm",

@@ -9,8 +9,9 @@ people. JSON fields:
     arch          PTX target of the GPU ("sm_90a")
     fingerprint   GPU model, driver, CUDA, clocks, vLLM and package versions, git commit
                   (``fingerprint()``)
-    binding       what the evidence is bound to: the kernel source digest and the sha256
-                  of every cubin and PTX file of the arch (``kernels.coverage.stale``)
+    binding       what the evidence is bound to (``kernels.sources``): the kernel source,
+                  harness and launch-settings digests and the sha256 of every cubin and
+                  PTX file of the arch (``kernels.coverage.stale``)
     cubins        where the kernels came from: directory, DSL version, launch backend,
                   cubin or PTX
     results       one ``CaseResult`` per case
@@ -35,11 +36,10 @@ from typing import Any
 from kernels.coverage import stale
 from kernels.gate import VALIDATED
 from kernels.scope import KIMI_K3, SCOPES
-from kernels.sources import source_digest
+from kernels.sources import EVIDENCE_DIR, shipped_binding
 
 __all__ = ["EVIDENCE_DIR", "diff", "fingerprint", "load", "show", "write"]
 
-EVIDENCE_DIR = Path(__file__).resolve().parent / "evidence"
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = (
     "torch",
@@ -112,11 +112,14 @@ def write(
     cubins: dict[str, Any],
     fp: dict[str, Any] | None = None,
     binding: dict[str, Any] | None = None,
+    planned: int | None = None,
 ) -> tuple[Path, Path]:
     """Write ``<stem>.json`` and ``<stem>.md``; ``results`` are ``CaseResult``s;
-    ``binding``: ``{"source_sha256": ..., "files_sha256": {file: sha256}}``."""
+    ``binding``: ``kernels.sources.binding_for``; ``planned``: how many cases the run
+    will check (the summary's ``not_run``: cases not finished yet, or cut off)."""
     rows = [_row(r) for r in results]
     passed = sum(1 for r in rows if r["passed"])
+    not_run = 0 if planned is None else max(planned - len(rows), 0)
     data = {
         "format": FORMAT,
         "kind": "kernels",
@@ -126,14 +129,21 @@ def write(
         "binding": binding or {},
         "cubins": cubins,
         "results": rows,
-        "summary": {"passed": passed, "failed": len(rows) - passed},
+        "summary": {"passed": passed, "failed": len(rows) - passed, "not_run": not_run},
     }
     path_stem.parent.mkdir(parents=True, exist_ok=True)
     json_path = path_stem.with_suffix(".json")
     md_path = path_stem.with_suffix(".md")
-    json_path.write_text(json.dumps(data, indent=1) + "\n")
-    md_path.write_text(_markdown(data))
+    _replace(json_path, json.dumps(data, indent=1) + "\n")
+    _replace(md_path, _markdown(data))
     return json_path, md_path
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all (a run killed mid-write keeps the last file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def _row(result: Any) -> dict[str, Any]:
@@ -160,7 +170,8 @@ def _markdown(data: dict[str, Any]) -> str:
         f"- packages: {', '.join(f'{k} {v}' for k, v in fp.get('packages', {}).items() if v)}",
         f"- cubins: {json.dumps(data['cubins'], sort_keys=True)}",
         f"- kernel sources: {data['binding'].get('source_sha256')}",
-        f"- passed {data['summary']['passed']}, failed {data['summary']['failed']}",
+        f"- passed {data['summary']['passed']}, failed {data['summary']['failed']}, "
+        f"not run {data['summary'].get('not_run', 0)}",
         "",
         "| case | result | steps (allowed) | kernel µs | best baseline µs | speed-up |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -218,17 +229,6 @@ def diff(a: Path, b: Path) -> str:
     return "\n".join(lines)
 
 
-def _manifest_hashes(arch: str) -> dict[str, str] | None:
-    """``{file: sha256}`` of the shipped cubins for ``arch``; None if none are shipped."""
-    path = Path(__file__).resolve().parent / "cubins" / "manifest.json"
-    entries = json.loads(path.read_text())["kernels"] if path.is_file() else []
-    out = {}
-    for e in entries:
-        if e["arch"] == arch:
-            out[e["cubin"]], out[e["ptx"]] = e.get("cubin_sha256"), e.get("ptx_sha256")
-    return out or None
-
-
 def _files(evidence_dir: Path, kind: str) -> list[tuple[Path, dict[str, Any]]]:
     found = []
     for path in sorted(evidence_dir.glob("*.json")):
@@ -247,9 +247,7 @@ def _passing_cases(evidence_dir: Path) -> tuple[dict[str, dict[str, str]], list[
     found: dict[str, dict[str, str]] = {}
     stale_files = []
     for path, data in _files(evidence_dir, "kernels"):
-        # Cubins compiled on the host (not shipped) are bound by the source digest alone.
-        hashes = _manifest_hashes(data["arch"]) or data.get("binding", {}).get("files_sha256", {})
-        why = stale(data, source_digest(), hashes)
+        why = stale(data, shipped_binding(str(data["arch"])))
         if why is not None:
             stale_files.append(f"{path.name}: {why}")
             continue

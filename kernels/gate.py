@@ -11,7 +11,11 @@ fails):
    engine: GPU arch, TP/DCP, batch range, and for vLLM's path the vLLM version;
 3. that evidence is not stale: a kvtide kernel's evidence was made from today's kernel
    sources (``source_sha256``, compared with ``kernels.sources.source_digest()``);
-4. the config opted in to the path (``opted_in``; the plugin counts a path named in its
+4. the evidence file itself backs the entry today (``kernels.coverage.check_file``, run
+   on every decision): its arch, binding (sources, harness, launch settings, every
+   cubin and PTX hash) and every case of the scope passed; for vLLM's path the exact
+   vLLM version, TP/DCP, every batch size passed, not slower, and the backend ran;
+5. the config opted in to the path (``opted_in``; the plugin counts a path named in its
    environment as opted in).
 
 With ``VALIDATED`` empty (no GPU evidence yet) every path is refused with a reason that
@@ -27,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from kernels.coverage import check_file
 from kernels.scope import KIMI_K3, RMSNORM, AddRmsNormScope, VllmPathScope
 from kernels.sources import source_digest
 
@@ -78,15 +83,17 @@ class EngineShape:
 class ValidatedScope:
     """A scope, inside a path's declared one, that GPU evidence covers.
 
-    ``evidence`` is a file name under ``kernels/evidence/``; ``source_sha256`` the kernel
-    source digest that evidence was made from (None for vLLM's paths, whose scope names
-    the vLLM versions instead). A test checks that the file exists, was recorded on
-    ``scope.archs`` from those sources and cubins, and passed every case of the scope.
+    ``evidence`` is a file name under ``evidence_dir`` (None: ``kernels/evidence/``);
+    ``source_sha256`` the kernel source digest that evidence was made from (None for
+    vLLM's paths, whose scope names the exact vLLM versions instead). The gate loads the
+    file on every decision and refuses the entry unless it covers the scope today
+    (``kernels.coverage.check_file``).
     """
 
     scope: PathScope
     evidence: str
     source_sha256: str | None = None
+    evidence_dir: str | None = None
 
 
 # Validated scopes, checked in with their evidence. None yet: no GPU run has been made.
@@ -157,7 +164,11 @@ def _decision(
     fresh = [v for v in covering if _stale(v, sources) is None]
     if not fresh:
         return off("; ".join(str(_stale(v, sources)) for v in covering))
-    entry = fresh[0]
+    backed = [v for v in fresh if check_file(v) is None]
+    if not backed:
+        misses = "; ".join(f"{v.evidence}: {check_file(v)}" for v in fresh)
+        return off(f"evidence does not back the scope ({misses})")
+    entry = backed[0]
     if name not in opted_in:
         return off(
             f"not opted in: {entry.evidence} covers this engine, but the config's "

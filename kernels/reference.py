@@ -8,6 +8,12 @@ is what ``kernels.validate`` compares a kernel with and times as the stock path.
   one rounding at the end (or FP8 e4m3 of ``y / scale``, clamped to ±448). With
   ``out_dtype=torch.float64`` and fp64 inputs it is the exact value the validation
   measures every implementation's error against.
+- ``vllm_native_order``: vLLM's ``RMSNorm.forward_native`` with a residual
+  (``vllm.ir.ops.layernorm.fused_add_rms_norm``): the variance of the unrounded fp32
+  sum, the normalised value rounded to bf16 and then multiplied by the bf16 weight (a
+  second rounding), FP8 quantised from that bf16 output (a third). vLLM's CUDA op also
+  rounds the normalised value before the weight. A baseline, not a reference: it fails
+  the kernels' tolerance (``kernels.tolerance``), which the evidence records.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ __all__ = [
     "FP8_E4M3_MAX",
     "fused_add_rmsnorm",
     "torch_dtype",
+    "vllm_native_order",
 ]
 
 FP8_E4M3_MAX = 448.0
@@ -70,3 +77,22 @@ def fused_add_rmsnorm(
         return y.to(out_dtype or x.dtype), new_residual
     q = (y / scale.to(math)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     return q.to(out_dtype or torch.float8_e4m3fn), new_residual
+
+
+def vllm_native_order(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(normed, new_residual)`` in the order of vLLM's ``forward_native`` (see above);
+    FP8 e4m3 of ``normed / scale`` (vLLM's static quantisation) with ``scale``."""
+    z = x.float() + residual.float()
+    new_residual = z.to(residual.dtype)
+    variance = z.pow(2).mean(dim=-1, keepdim=True)
+    normed = ((z * torch.rsqrt(variance + eps)).to(weight.dtype) * weight).to(x.dtype)
+    if scale is None:
+        return normed, new_residual
+    q = (normed.float() / scale.float()).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return q.to(torch.float8_e4m3fn), new_residual

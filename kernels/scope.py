@@ -77,17 +77,23 @@ class Variant:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RmsNormCase:
-    """Residual add + RMSNorm of ``batch`` tokens of ``hidden_size``, output ``out_dtype``."""
+    """Residual add + RMSNorm of ``batch`` tokens of ``hidden_size``, output ``out_dtype``.
+
+    ``inputs``: "normal" rows, "saturating" (FP8 out, ~7 % of outputs clamped to ±448)
+    or "outliers" (a few channels far above the rest); ``kernels.validate`` makes them.
+    """
 
     batch: int
     hidden_size: int
     dtype: str
     out_dtype: str
+    inputs: str = "normal"
     kernel: str = "fused_add_rmsnorm"
 
     @property
     def case_id(self) -> str:
-        return f"{self.kernel}/b{self.batch}-h{self.hidden_size}-{self.dtype}-{self.out_dtype}"
+        shape = f"{self.kernel}/b{self.batch}-h{self.hidden_size}-{self.dtype}-{self.out_dtype}"
+        return shape if self.inputs == "normal" else f"{shape}-{self.inputs}"
 
 
 ValidationCase = RmsNormCase
@@ -121,13 +127,28 @@ class AddRmsNormScope:
         )
 
     def cases(self) -> tuple[RmsNormCase, ...]:
-        return tuple(
+        """Every hidden size x output dtype at both ends of the batch range, odd counts
+        and 64; then outlier-channel rows (77 tokens) for each, and saturating FP8 (64)."""
+        shapes = [
+            (h, dt, out) for h in self.hidden_sizes for dt in self.dtypes for out in self.out_dtypes
+        ]
+        normal = [
             RmsNormCase(batch=b, hidden_size=h, dtype=dt, out_dtype=out)
-            for h in self.hidden_sizes
-            for dt in self.dtypes
-            for out in self.out_dtypes
+            for h, dt, out in shapes
             for b in (self.min_batch, *ODD_BATCHES, 64, self.max_batch)
-        )
+        ]
+        odd = min(max(ODD_BATCHES[-1], self.min_batch), self.max_batch)
+        mid = min(max(64, self.min_batch), self.max_batch)
+        outliers = [
+            RmsNormCase(batch=odd, hidden_size=h, dtype=dt, out_dtype=out, inputs="outliers")
+            for h, dt, out in shapes
+        ]
+        saturating = [
+            RmsNormCase(batch=mid, hidden_size=h, dtype=dt, out_dtype=out, inputs="saturating")
+            for h, dt, out in shapes
+            if out == "fp8_e4m3"
+        ]
+        return tuple(normal + outliers + saturating)
 
     def refuse(self, *, arch: str, dtype: str, hidden_size: int, batch: int) -> str | None:
         """Why these inputs are outside the scope, or None when they are inside."""

@@ -5,10 +5,18 @@ exact sum) and the normed output must pass ``kernels.tolerance.check``: its erro
 the float64 reference, in steps of the output format, bounded by what the same-precision
 torch reference makes (``kernels.tolerance``).
 
-On a GPU each case is also timed (``kernels.timing.time_cuda``: CUDA graphs, warm-up,
-median and spread) for the kernel and for each baseline an engine would run instead
-(``kernels.baselines``: vLLM's op, ``torch.compile`` of the reference, the eager
-reference).
+Each baseline an engine would run instead (``kernels.baselines``: vLLM's op,
+``torch.compile`` of the reference compiled for the case, vLLM's ``forward_native``
+order, the eager reference) is put through the same check, and its own error recorded
+(``CaseResult.baselines``: steps, share not nearest, lean, whether it meets the bar, or
+the error that stopped it). On a GPU each case is also timed
+(``kernels.timing.time_cuda``: CUDA graphs, warm-up, median and spread) for the kernel
+and for each baseline.
+
+Inputs (``RmsNormCase.inputs``): ``normal`` rows; ``saturating`` (FP8 out with a scale
+small enough that ~7 % of outputs clamp to ±448); ``outliers`` (four channels of the
+residual at 256 or more, ~100 times the rest, as in LLM activations: the RMS is
+theirs).
 
 The harness takes the implementation under test as an argument (``Impl``), so its
 plumbing is tested on CPU with the references, the emulated kernels
@@ -26,7 +34,7 @@ import torch
 from kernels import reference
 from kernels.baselines import RmsNormCall, rmsnorm_baselines
 from kernels.scope import SCOPES, RmsNormCase, ValidationCase
-from kernels.timing import Timing, time_cuda
+from kernels.timing import time_cuda
 from kernels.tolerance import check
 
 __all__ = [
@@ -41,6 +49,10 @@ __all__ = [
 ]
 
 EPS = 1e-6
+# Channels of the "outliers" rows that carry most of the RMS (any hidden size in scope).
+OUTLIER_CHANNELS = [3, 100, 1031, 4095]
+# FP8 scale of the "saturating" cases: |y| / scale over 448 for |y| > 1.8 (~7 %).
+SATURATING_SCALE = 0.004
 
 
 class Impl(Protocol):
@@ -82,6 +94,7 @@ class CaseResult:
     detail: str  # "ok", or which check failed; then the numbers
     kernel_us: float | None = None  # median under CUDA graphs
     timings: dict[str, dict[str, object]] = field(default_factory=dict)
+    baselines: dict[str, dict[str, object]] = field(default_factory=dict)  # their own errors
 
     @property
     def stock_us(self) -> float | None:
@@ -89,7 +102,7 @@ class CaseResult:
         medians = [
             float(t["median_us"])  # type: ignore[arg-type]
             for name, t in self.timings.items()
-            if name != "kernel"
+            if name != "kernel" and "median_us" in t
         ]
         return min(medians) if medians else None
 
@@ -112,9 +125,14 @@ def _inputs(
         return torch.randn(*shape, generator=gen, device=device)
 
     x = randn(t, hidden).to(dtype)
-    residual = (4 * randn(t, hidden)).to(dtype)
+    residual = 4 * randn(t, hidden)
+    if case.inputs == "outliers":
+        r = residual[:, OUTLIER_CHANNELS]
+        residual[:, OUTLIER_CHANNELS] = torch.where(r < 0, -1.0, 1.0) * (256 + 64 * r.abs())
+    residual = residual.to(dtype)
     weight = (1 + 0.1 * randn(hidden)).to(dtype)
-    scale = torch.tensor([0.05], device=device) if case.out_dtype == "fp8_e4m3" else None
+    fp8_scale = SATURATING_SCALE if case.inputs == "saturating" else 0.05
+    scale = torch.tensor([fp8_scale], device=device) if case.out_dtype == "fp8_e4m3" else None
     return x, residual, weight, scale
 
 
@@ -125,18 +143,52 @@ def _bound(
     return lambda: call(x, residual, weight, EPS, scale)
 
 
-def _timings(
+def _normed(out: object) -> torch.Tensor:
+    """A baseline's normed output (the references return ``(normed, new_residual)``)."""
+    return out[0] if isinstance(out, tuple) else out  # type: ignore[return-value]
+
+
+def _baseline_errors(
+    baselines: dict[str, RmsNormCall],
     case: RmsNormCase,
-    impl: Impl,
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
-) -> dict[str, Timing]:
+    torch_out: torch.Tensor,
+    exact: torch.Tensor,
+) -> dict[str, dict[str, object]]:
+    """Each baseline's own error against the exact value, by the kernels' check."""
     x, residual, weight, scale = inputs
-    out = {"kernel": time_cuda(lambda: impl.fused_add_rmsnorm(x, residual, weight, EPS, scale))}
-    for name, call in rmsnorm_baselines(x.device).items():
+    out: dict[str, dict[str, object]] = {}
+    for name, call in baselines.items():
         try:
-            out[name] = time_cuda(_bound(call, x.clone(), residual.clone(), weight, scale))
-        except RuntimeError:
-            continue  # a baseline that cannot run here is left out
+            normed = _normed(call(x.clone(), residual.clone(), weight, EPS, scale))
+        except Exception as exc:  # recorded: this baseline did not run
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        c = check(normed, torch_out, exact, case.out_dtype)
+        out[name] = {
+            "passed": c.passed,
+            "max_steps": c.max_steps,
+            "not_nearest": c.flip_share,
+            "lean_steps": c.bias_steps,
+        }
+    return out
+
+
+def _timings(
+    impl: Impl,
+    baselines: dict[str, RmsNormCall],
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
+) -> dict[str, dict[str, object]]:
+    x, residual, weight, scale = inputs
+    kernel = time_cuda(lambda: impl.fused_add_rmsnorm(x, residual, weight, EPS, scale))
+    out: dict[str, dict[str, object]] = {"kernel": kernel.to_json()}
+    for name, call in baselines.items():
+        try:
+            out[name] = time_cuda(
+                _bound(call, x.clone(), residual.clone(), weight, scale)
+            ).to_json()
+        except Exception as exc:  # recorded: this baseline was not timed
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
 
 
@@ -156,8 +208,10 @@ def _run_rmsnorm(
         failed.append("new residual bit-exact")
     if not normed_check.passed:
         failed.append("normed vs exact")
-    timings = _timings(case, impl, inputs) if timing else {}
-    kernel_timing = timings.get("kernel")
+    baselines = rmsnorm_baselines(device)  # torch.compile afresh for this case
+    errors = _baseline_errors(baselines, case, inputs, torch_out, exact)
+    timings = _timings(impl, baselines, inputs) if timing else {}
+    kernel_us = timings.get("kernel", {}).get("median_us")
     return CaseResult(
         case_id=case.case_id,
         kernel=case.kernel,
@@ -166,8 +220,9 @@ def _run_rmsnorm(
         allowed_steps=normed_check.allowed_steps,
         detail=("ok" if not failed else "failed: " + ", ".join(failed))
         + f" ({normed_check.detail()})",
-        kernel_us=None if kernel_timing is None else kernel_timing.median_us,
-        timings={name: t.to_json() for name, t in timings.items()},
+        kernel_us=None if kernel_us is None else float(kernel_us),  # type: ignore[arg-type]
+        timings=timings,
+        baselines=errors,
     )
 
 
@@ -177,15 +232,16 @@ def run_case(
     """Check one case (and time it when ``timing``, which needs a CUDA device)."""
     try:
         return _run_rmsnorm(case, impl, device, seed, timing)
-    except (ValueError, RuntimeError) as exc:
-        # A refused or failed launch is a failed case, recorded with its message.
+    except Exception as exc:
+        # A refused or failed launch, a driver or compiler error: a failed case, recorded
+        # with its type and message; the next case still runs.
         return CaseResult(
             case_id=case.case_id,
             kernel=case.kernel,
             passed=False,
             max_steps=float("nan"),
             allowed_steps=float("nan"),
-            detail=f"error: {exc}",
+            detail=f"error: {type(exc).__name__}: {exc}",
         )
 
 

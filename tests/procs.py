@@ -1,9 +1,17 @@
-"""Reading processes from /proc, for tests that kill one and watch what it leaves."""
+"""Reading processes from /proc, for tests that kill one and watch what it leaves; and
+running a test's child script to one result line, bounded."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 
 def _stat(pid: int | str) -> list[str]:
@@ -38,3 +46,31 @@ def descendants(pid: int) -> set[int]:
             found.add(child)
             todo.append(child)
     return found
+
+
+def child_result(
+    script: str, args: list[str], env: dict[str, str], marker: str, timeout_s: float, what: str
+) -> dict[str, Any]:
+    """Run ``script`` (a test file run as a child) in its own session from the repository
+    root and return the JSON on its one stdout line starting with ``marker``; on a
+    timeout kill the whole group and fail, saying ``what`` ran past it."""
+    proc = subprocess.Popen(
+        [sys.executable, script, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the {what} child ran past {timeout_s} s:\n{stderr[-6000:]}")
+    lines = [line for line in stdout.splitlines() if line.startswith(marker)]
+    if proc.returncode != 0 or len(lines) != 1:
+        pytest.fail(f"the {what} child failed (exit {proc.returncode}):\n{stderr[-6000:]}")
+    parsed: dict[str, Any] = json.loads(lines[0][len(marker) :])
+    return parsed

@@ -34,6 +34,7 @@ from engines.idle_steps import ENV_VAR as IDLE_STEP_ENV
 from engines.kv_connector import CPU_PROGRESS_WAIT_MS
 from orchestrator.config.decode_paths import decode_path_for
 from orchestrator.config.file import read_yaml
+from orchestrator.config.pd_state import check_pd_state
 from orchestrator.config.sections import (
     AdmissionConfig,
     KVConfig,
@@ -350,7 +351,9 @@ def _to_core(f: ConfigFile) -> KVTideConfig:
         "server": server,
         "placement": p.model_copy(update={"mode": mode}),
     }
-    return KVTideConfig(**core)
+    config = KVTideConfig(**core)
+    check_pd_state(config)
+    return config
 
 
 def _explain(exc: ValidationError) -> ConfigError:

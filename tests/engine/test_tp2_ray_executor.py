@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,26 +53,9 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model_root = tmp_path_factory.mktemp("tp2-ray")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "RAY_", "KVTIDE_"))}
     # Its own session: on a timeout the whole group goes, Ray's node processes included.
-    proc = subprocess.Popen(
-        [sys.executable, __file__, str(model_root)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=Path(__file__).resolve().parents[2],
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"the TP2 child ran past {TIMEOUT_S} s:\n{stderr[-6000:]}")
-    lines = [line for line in stdout.splitlines() if line.startswith(_RESULT)]
-    if proc.returncode != 0 or len(lines) != 1:
-        pytest.fail(f"the TP2 child failed (exit {proc.returncode}):\n{stderr[-6000:]}")
-    parsed: dict[str, Any] = json.loads(lines[0][len(_RESULT) :])
-    return parsed
+    from procs import child_result  # not at the top: the child runs this file as a script
+
+    return child_result(__file__, [str(model_root)], env, _RESULT, TIMEOUT_S, "TP2")
 
 
 def test_tp2_ray_workers_match_tp1_output(result: dict[str, Any]) -> None:

@@ -16,13 +16,14 @@ from typing import Any
 
 import msgspec
 import pytest
+from kernel_evidence import ab_entry, kernel_entry
 from test_kernels_gate import KIMI_K3_GB300
 
 from engines.base import EngineSpec
 from engines.decode_path import DecodePath, choose_decode_path
 from engines.vllm_engine import VLLMEngine, engine_args_for
 from kernels import vllm_plugin
-from kernels.gate import KIMI_K3_PATH, ValidatedScope
+from kernels.gate import KIMI_K3_PATH
 from kernels.scope import KIMI_K3
 from orchestrator.cli.inspect import format_stats
 from orchestrator.config import KVTideConfig, decode_paths, parse_config
@@ -38,13 +39,17 @@ REPO = Path(__file__).resolve().parents[2]
 # A Kimi-K3-like engine on B200/GB200 at TP 8, DCP 1: inside vLLM's declared limits.
 KIMI_K3_B200_TP8 = dataclasses.replace(KIMI_K3_GB300, gpu_arch="sm_100a", dcp=1, max_batch=256)
 KIMI_K3_ON = {"decode_backend": "latency_specialized"}
-# Hand-made evidence covering that engine (none is checked in).
+# Evidence covering that engine, written for the tests (none is checked in).
 B200_EVIDENCE = (
-    ValidatedScope(
-        scope=dataclasses.replace(
-            KIMI_K3, archs=("sm_100a",), parallel=((8, 1),), max_batch=256, vllm_versions=("0.33",)
+    ab_entry(
+        dataclasses.replace(
+            KIMI_K3,
+            archs=("sm_100a",),
+            parallel=((8, 1),),
+            max_batch=256,
+            vllm_versions=("0.33.0",),
         ),
-        evidence="ab-sm_100a-tp8-dcp1-x.json",
+        "ab-sm_100a-tp8-dcp1-x.json",
     ),
 )
 OPTED_IN = (KIMI_K3_PATH,)
@@ -137,10 +142,9 @@ def test_out_of_scope_engines_run_the_stock_path_with_unchanged_args(
 
 def test_a_kernel_that_passed_the_gate_without_a_vllm_integration_stays_off() -> None:
     from kernels.scope import RMSNORM
-    from kernels.sources import source_digest
 
     validated = (
-        ValidatedScope(scope=RMSNORM, evidence="sm_100a-b200.json", source_sha256=source_digest()),
+        kernel_entry(dataclasses.replace(RMSNORM, archs=("sm_100a",)), "sm_100a-b200.json"),
     )
     engine = dataclasses.replace(KIMI_K3_B200_TP8, tp=4)
     path = choose_decode_path(engine, validated, ("fused_add_rmsnorm",))

@@ -62,6 +62,7 @@ def test_a_divergence_at_a_near_tie_passes_and_a_confident_one_fails() -> None:
     stock = [record([5, 6, 7], tops=tops)]
     tie = ab.compare(1, stock, [record([5, 9, 4])])
     assert tie.passed and not tie.tokens_equal
+    assert tie.divergences == (tie.divergence,)
     assert tie.divergence == ab.Divergence(
         request=0, position=1, stock_token=6, path_token=9, margin=pytest.approx(0.02)
     )
@@ -77,9 +78,73 @@ def test_a_divergence_at_a_near_tie_passes_and_a_confident_one_fails() -> None:
     assert not outside_top_k.passed
 
 
+def test_every_requests_first_divergence_is_judged() -> None:
+    # Request 0 diverges at a near-tie, request 1 later with a confident margin: the
+    # near-tie must not hide the wrong answer, whichever request comes first.
+    tie = (record([5, 6, 7], tops=[{5: -0.1}, {6: -0.70, 9: -0.72}, {7: -0.2}]), record([5, 9, 7]))
+    confident = (
+        record([1, 2, 3, 4], tops=[{1: -0.1}, {2: -0.1}, {3: -0.05, 8: -4.0}, {4: -0.1}]),
+        record([1, 2, 8, 4]),
+    )
+    for first, second in ((tie, confident), (confident, tie)):
+        result = ab.compare(2, [first[0], second[0]], [first[1], second[1]])
+        assert not result.passed and not result.correct
+        assert len(result.divergences) == 2
+        assert result.divergence is not None and result.divergence.position == 2
+        assert result.divergence.margin == pytest.approx(3.95)
+    # Every diverging request a near-tie: passes, and each is recorded.
+    both_ties = ab.compare(2, [tie[0], tie[0]], [record([5, 9, 7]), record([5, 9, 7])])
+    assert both_ties.passed and [d.request for d in both_ties.divergences] == [0, 1]
+
+
+def test_outputs_of_different_lengths_fail() -> None:
+    short = ab.compare(1, [record([5, 6, 7], tops=[{5: -0.1}] * 3)], [record([5, 6])])
+    assert not short.passed and short.divergence is not None
+    assert short.divergence.margin == float("inf")
+
+
+def test_a_path_slower_than_the_stock_path_fails_even_with_equal_tokens() -> None:
+    stock = [record([5, 6, 7], gap=0.010)]
+    slower = ab.compare(1, stock, [record([5, 6, 7], gap=0.011)])
+    assert slower.correct and slower.tokens_equal
+    assert not slower.not_slower and not slower.passed
+    assert ab.compare(1, stock, [record([5, 6, 7], gap=0.010)]).passed  # a tie is not slower
+    # A self-check (stock against stock) judges tokens only: neither side is faster.
+    assert ab.compare(1, stock, [record([5, 6, 7], gap=0.011)], judge_speed=False).passed
+
+
+def test_the_passing_range_stops_where_the_path_stops_winning() -> None:
+    def at(batch: int, gap: float) -> ab.AbResult:
+        return ab.compare(batch, [record([1, 2], gap=0.010)], [record([1, 2], gap=gap)])
+
+    results = [at(1, 0.008), at(4, 0.009), at(16, 0.012), at(64, 0.009)]
+    assert ab.passing_range(results) == (1, 4)  # 16 is slower: 64 does not count
+    assert ab.passing_range([at(1, 0.02)]) is None
+
+
+STOCK_BUILT = {"additional_config": {}, "modules": ["vllm.Linear", "vllm.MLAAttention"]}
+PATH_BUILT = {
+    "additional_config": {"decode_backend": "latency_specialized"},
+    "modules": ["vllm.Linear", "vllm.MLAAttention", "vllm.kimi_k3.SpecializedDecode"],
+}
+
+
+def test_backend_proof_needs_the_config_and_modules_the_stock_engine_lacks() -> None:
+    proof = ab.backend_proof(STOCK_BUILT, PATH_BUILT)
+    assert proof["ran"] and proof["path_only_modules"] == ["vllm.kimi_k3.SpecializedDecode"]
+    # The flag reached the engine but nothing else was built: the stock backend ran.
+    flag_only = dict(STOCK_BUILT, additional_config=PATH_BUILT["additional_config"])
+    assert not ab.backend_proof(STOCK_BUILT, flag_only)["ran"]
+    # Modules differ but the flag is missing: not this path.
+    assert not ab.backend_proof(STOCK_BUILT, dict(PATH_BUILT, additional_config={}))["ran"]
+    # The stock side had the flag too: not an A/B against the stock path.
+    assert not ab.backend_proof(PATH_BUILT, PATH_BUILT)["ran"]
+
+
 def test_ab_evidence_backs_a_scope_only_where_it_ran(tmp_path: Path) -> None:
     results = [ab.compare(b, [record([1, 2])], [record([1, 2])]) for b in (1, 4, 16, 64)]
     engine = {"model_type": "kimi_k3", "tp": 8, "dcp": 8}
+    proof = ab.backend_proof(STOCK_BUILT, PATH_BUILT)
     path, md = ab.write(
         tmp_path / "ab",
         arch="sm_103a",
@@ -87,6 +152,7 @@ def test_ab_evidence_backs_a_scope_only_where_it_ran(tmp_path: Path) -> None:
         vllm_version="0.33.0",
         fingerprint={},
         results=results,
+        backend=proof,
     )
     data = json.loads(path.read_text())
     assert "| 64 | pass | - |" in md.read_text()
@@ -94,15 +160,29 @@ def test_ab_evidence_backs_a_scope_only_where_it_ran(tmp_path: Path) -> None:
         KIMI_K3, archs=("sm_103a",), parallel=((8, 8),), max_batch=64, vllm_versions=("0.33.0",)
     )
     entry = ValidatedScope(scope=scope, evidence="ab.json")
-    assert covers(entry, data, "", {}) is None
+    assert covers(entry, data) is None
     wider = ValidatedScope(scope=dataclasses.replace(scope, max_batch=256), evidence="ab.json")
-    assert covers(wider, data, "", {}) == "no passing A/B at batch [256]"
+    assert covers(wider, data) == "no passing A/B at batch 256"
     other_vllm = ValidatedScope(
         scope=dataclasses.replace(scope, vllm_versions=("0.34",)), evidence="ab.json"
     )
-    assert covers(other_vllm, data, "", {}) == "vLLM 0.33.0, scope claims ['0.34']"
+    assert covers(other_vllm, data) == "vLLM 0.33.0, scope claims ['0.34']"
+    # Versions match exactly: 0.33.0 evidence does not cover the 0.33 series.
+    series = ValidatedScope(
+        scope=dataclasses.replace(scope, vllm_versions=("0.33",)), evidence="ab.json"
+    )
+    assert covers(series, data) == "vLLM 0.33.0, scope claims ['0.33']"
+    # Without proof that the specialised backend ran, the file covers nothing.
+    unproven = dict(data, backend=ab.backend_proof(STOCK_BUILT, STOCK_BUILT))
+    assert "no proof that the specialised backend ran" in str(covers(entry, unproven))
+    # A slower path at one batch size: the scope must end before it.
+    slow_64 = ab.compare(64, [record([1, 2], gap=0.01)], [record([1, 2], gap=0.02)])
+    slower = dict(data, results=[*data["results"][:3], slow_64.to_json()])
+    assert covers(entry, slower) == "no passing A/B at batch 64"
+    narrowed = ValidatedScope(scope=dataclasses.replace(scope, max_batch=16), evidence="ab.json")
+    assert covers(narrowed, slower) is None
     b200 = ValidatedScope(scope=dataclasses.replace(scope, archs=("sm_100a",)), evidence="ab.json")
-    assert "recorded on sm_103a" in str(covers(b200, data, "", {}))
+    assert "recorded on sm_103a" in str(covers(b200, data))
     self_check, _ = ab.write(
         tmp_path / "self",
         arch="sm_103a",
@@ -112,9 +192,7 @@ def test_ab_evidence_backs_a_scope_only_where_it_ran(tmp_path: Path) -> None:
         results=results,
         self_check=True,
     )
-    assert (
-        covers(entry, json.loads(self_check.read_text()), "", {}) == f"not an A/B of {KIMI_K3.name}"
-    )
+    assert covers(entry, json.loads(self_check.read_text())) == f"not an A/B of {KIMI_K3.name}"
 
 
 def test_timing_statistics_are_per_call_medians_with_spread() -> None:

@@ -20,7 +20,7 @@ from kernels import compile as kc
 from kernels.cute import CutlassUnavailable, dsl_version, load_dsl
 from kernels.resources import find_tool, ptx_summary, sass_opcodes
 from kernels.scope import ALL_ARCHS, SCOPES
-from kernels.sources import file_sha256
+from kernels.sources import LAUNCH_FIELDS
 
 REGISTER_BUDGET = {"fused_add_rmsnorm": 64}
 ENTRY_PARAMS = {"fused_add_rmsnorm": ("u64",) * 6 + ("u32", "f32")}
@@ -126,13 +126,17 @@ def test_shipped_cubins_are_what_the_sources_compile_to(
     assert {(k.variant.kernel, k.variant.name, k.arch) for k in fresh} == set(shipped)
     if manifest["nvidia_cutlass_dsl"] != dsl_version():
         pytest.skip(f"shipped with nvidia-cutlass-dsl {manifest['nvidia_cutlass_dsl']}")
+    assert {k.arch for k in fresh} == set(ALL_ARCHS)  # every arch in scope ships
     for k in fresh:
         entry = shipped[(k.variant.kernel, k.variant.name, k.arch)]
+        # Byte for byte against this compile, the cubin and the PTX.
         assert (kc.SHIPPED_DIR / entry["cubin"]).read_bytes() == k.cubin.read_bytes()
-        assert entry["entry"] == k.entry
-        # The manifest binds each file by its hash (evidence copies these).
-        assert entry["cubin_sha256"] == file_sha256(k.cubin)
-        assert entry["ptx_sha256"] == file_sha256(kc.SHIPPED_DIR / entry["ptx"])
+        assert (kc.SHIPPED_DIR / entry["ptx"]).read_bytes() == k.ptx.read_bytes()
+        # The manifest binds each file by its hash (evidence copies these), and its
+        # launch settings are the compile's.
+        fresh_entry = k.manifest_entry(k.cubin.parents[1])
+        for key in (*LAUNCH_FIELDS, "cubin", "ptx", "cubin_sha256", "ptx_sha256"):
+            assert entry[key] == fresh_entry[key], (k.arch, k.variant.name, key)
 
 
 def test_report_names_every_cubin(compiled: list[kc.CompiledKernel]) -> None:

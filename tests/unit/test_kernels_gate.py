@@ -15,9 +15,10 @@ import json
 
 import pytest
 from fresh_python import printed_by_fresh_python
+from kernel_evidence import ab_entry, kernel_entry
 
 from kernels import gate, scope, vllm_plugin
-from kernels.gate import EngineShape, ValidatedScope, decide, decision_for
+from kernels.gate import EngineShape, decide, decision_for
 
 KIMI_K3_GB300 = EngineShape(
     gpu_arch="sm_103a",
@@ -32,15 +33,15 @@ KIMI_K3_GB300 = EngineShape(
     vllm_version="0.33.0",
 )
 # What an A/B on GB300 at TP 8 / DCP 8, batch 1-64, vLLM 0.33.0 would validate.
-KIMI_K3_GB300_EVIDENCE = ValidatedScope(
-    scope=dataclasses.replace(
+KIMI_K3_GB300_EVIDENCE = ab_entry(
+    dataclasses.replace(
         scope.KIMI_K3,
         archs=("sm_103a",),
         parallel=((8, 8),),
         max_batch=64,
         vllm_versions=("0.33.0",),
     ),
-    evidence="ab-sm_103a-tp8-dcp8-x.json",
+    "ab-sm_103a-tp8-dcp8-x.json",
 )
 KIMI = gate.KIMI_K3_PATH
 
@@ -135,20 +136,24 @@ def test_vllms_path_is_on_only_inside_its_evidence_and_only_when_opted_in() -> N
 
 def test_kernel_evidence_from_other_sources_is_stale_and_covers_nothing() -> None:
     narrowed = dataclasses.replace(scope.RMSNORM, archs=("sm_103a",), max_batch=64)
-    fresh = ValidatedScope(scope=narrowed, evidence="k.json", source_sha256="a" * 64)
-    assert decision_for(
-        "fused_add_rmsnorm", KIMI_K3_GB300, (fresh,), ["fused_add_rmsnorm"], "a" * 64
-    ).enabled
+    fresh = kernel_entry(narrowed, "k.json")
+    today = fresh.source_sha256
+    assert today is not None
+    assert decision_for("fused_add_rmsnorm", KIMI_K3_GB300, (fresh,), ["fused_add_rmsnorm"]).enabled
     stale = decision_for(
         "fused_add_rmsnorm", KIMI_K3_GB300, (fresh,), ["fused_add_rmsnorm"], "b" * 64
     )
     assert not stale.enabled
     assert stale.reason == (
-        "stale evidence: k.json was made from kernel sources aaaaaaaaaaaa, "
+        f"stale evidence: k.json was made from kernel sources {today[:12]}, "
         "these are bbbbbbbbbbbb (validate again)"
     )
-    # Today's digest is the real one by default: the hand-made digest is stale against it.
-    assert "stale evidence" in decision_for("fused_add_rmsnorm", KIMI_K3_GB300, (fresh,)).reason
+    # An entry naming other sources than its file: the file check refuses it too.
+    other = dataclasses.replace(fresh, source_sha256="a" * 64)
+    refused = decision_for(
+        "fused_add_rmsnorm", KIMI_K3_GB300, (other,), ["fused_add_rmsnorm"], "a" * 64
+    )
+    assert refused.reason.startswith("evidence does not back the scope (k.json: ")
 
 
 @pytest.mark.parametrize(
@@ -189,7 +194,10 @@ def test_kimi_k3_path_follows_vllms_limits(change: dict[str, object], reason: st
 @pytest.mark.parametrize(("tp", "dcp"), [(8, 1), (16, 16), (16, 1)])
 def test_kimi_k3_path_accepts_tp_8_or_16_with_dcp_1_or_tp(tp: int, dcp: int) -> None:
     engine = dataclasses.replace(KIMI_K3_GB300, gpu_arch="sm_100a", tp=tp, dcp=dcp)
-    evidence = ValidatedScope(scope=scope.KIMI_K3, evidence="wide.json")
+    narrowed = dataclasses.replace(
+        scope.KIMI_K3, archs=("sm_100a",), parallel=((tp, dcp),), vllm_versions=("0.33.0",)
+    )
+    evidence = ab_entry(narrowed, f"ab-tp{tp}-dcp{dcp}.json")
     assert decision_for(KIMI, engine, (evidence,), [KIMI]).enabled
     assert not scope.version_matches("0.330", ("0.33",))
 
