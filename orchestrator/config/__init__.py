@@ -250,6 +250,8 @@ def _extra_engine_args(
         args.append(("decode_context_parallel_size", pool.decode_context_parallel_size))
     if pool.num_kv_blocks is not None:
         args.append(("num_gpu_blocks_override", pool.num_kv_blocks))
+    if backend == "simulated":  # each engine in its own process: see engines/simulated.py
+        args.append(("simulated_remote_reads", True))
     return tuple(args)
 
 
