@@ -627,6 +627,17 @@ class KVLifecycle:
         self._room_made_s[engine_id] = now_s
         return [self._evict(session_id, self._books.sessions[session_id], EvictReason.PRESSURE)]
 
+    def held_nearest_expiry(self, engine_id: str) -> str | None:
+        """The session held for an ingress (its next turn's lease, unused) whose record
+        on the engine expires first: what to ask back when ``make_room`` finds nothing
+        idle there (given back, it is idle and can go)."""
+        held = [
+            (session.record.expiry_s, session_id)
+            for session_id, session in self._books.sessions.items()
+            if session.held and session.record is not None and session.record.engine_id == engine_id
+        ]
+        return min(held)[1] if held else None
+
     def _enforce_budget(self, engine_id: str) -> list[Effect]:
         """Evict idle records on the engine, nearest expiry first, until within budget."""
         budget = self._config.idle_budget_bytes_per_engine

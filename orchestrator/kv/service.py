@@ -462,7 +462,9 @@ class KVService:
         """Engines whose recent load shows them short of KV (``short_of_kv``: a cache full
         of kept blocks with nothing running or turns waiting, or turns waiting that none
         runs): an idle session's record on each is evicted and drained
-        (``KVLifecycle.make_room``), so that an overload's kept KV does not wedge them."""
+        (``KVLifecycle.make_room``), so that an overload's kept KV does not wedge them.
+        With none idle there, the held session nearest expiry is asked back from its
+        ingress (its lease revoked); given back, it goes at a next tick."""
         lifecycle = self.decider.lifecycle
         cfg = lifecycle.config
         if cfg.room_kv_cache_usage is None:
@@ -485,8 +487,14 @@ class KVService:
             for engine_id, load in self.engines.loads(now).items()
         )
         for view in self.engine_book.views():
-            if view.is_recent(settings, now) and short_of_kv(view, settings, now):
-                self.drains.apply(lifecycle.make_room(view.load.engine_id, now))
+            if not (view.is_recent(settings, now) and short_of_kv(view, settings, now)):
+                continue
+            engine_id = view.load.engine_id
+            effects = lifecycle.make_room(engine_id, now)
+            self.drains.apply(effects)
+            held = None if effects else lifecycle.held_nearest_expiry(engine_id)
+            if held is not None:  # only sessions held for an ingress: ask one back
+                self.leases.revoke_session(held)
 
     # ---- engine liveness (orchestrator.kv.engines) -----------------------------------
 
