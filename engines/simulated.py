@@ -305,16 +305,13 @@ class SimulatedEngine(EngineAdapter):
                 self._running.append(req)
             if not self._running:
                 # Idle until a pull completes, kept blocks expire (a waiting request may
-                # need them) or a request arrives.
+                # need them), a request arrives or a peer's read frees blocks.
                 due = [r.ready_s for r in self._pulling]
                 expiry = self.kv.next_expiry_s()
                 if self._waiting and expiry is not None:
                     due.append(expiry)
-                if due:
-                    await self._sleep(min(due) - now)
-                else:
-                    self._wake.clear()
-                    await self._wake.wait()
+                self._wake.clear()
+                await self._idle(min(due) - now if due else None)
                 continue
             new = [r for r in self._running if r.num_output == 0]
             old = [r for r in self._running if r.num_output > 0]
@@ -328,6 +325,20 @@ class SimulatedEngine(EngineAdapter):
             await self._sleep(step_s)
             for req in list(self._running):
                 self._emit(req)
+
+    async def _idle(self, delay_s: float | None) -> None:
+        """Wait for ``_wake``, or ``delay_s`` on the engine's clock, whichever is first."""
+        waking = asyncio.ensure_future(self._wake.wait())
+        if delay_s is None:
+            await waking
+            return
+        sleeping = asyncio.ensure_future(self._sleep(delay_s))
+        try:
+            await asyncio.wait({waking, sleeping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (waking, sleeping):
+                task.cancel()
+            await asyncio.gather(waking, sleeping, return_exceptions=True)
 
     def _admit(self, now: float) -> None:
         """Move waiting requests in, oldest first, while seats and blocks allow."""

@@ -496,3 +496,24 @@ def test_kept_blocks_whose_last_chunk_nobody_took_are_freed() -> None:
             assert d.stats().kv_cache_usage == 0
 
     run(story())
+
+
+def test_a_request_waiting_for_kept_blocks_starts_when_a_peer_read_frees_them() -> None:
+    # On the real clock: the decode's cache is full of blocks kept for 480 s; a request
+    # waits for room, and starts as soon as a peer's read frees them, not at their TTL.
+    async def story() -> None:
+        kv = KVTransferSpec(decoder_kv_blocks_ttl_s=480)
+        d = SimulatedEngine(spec("d0", "decode", kv=kv, blocks=20), fabric=SimulatedFabric())
+        await d.start()
+        keep = KVTransferParams.keep_for_decode()
+        await collect(d, req("t1-d", PROMPT, 8, keep))  # keeps 13 of 20 blocks
+        waiting = asyncio.ensure_future(collect(d, req("t2-d", PROMPT, 8, keep)))
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert d.stats().num_waiting == 1 and not waiting.done()
+        await d.peers_read(["t1-d"])
+        out = await asyncio.wait_for(waiting, 10.0)
+        assert out[-1].finished and out[-1].finish_reason == "length"
+        await d.shutdown()
+
+    run(story())
