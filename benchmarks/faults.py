@@ -14,10 +14,12 @@ injects the fault:
 * ``decode``: a decode replica's actor is killed mid-stream (Serve replaces it);
 * ``prefill``: a prefill replica's actor is killed while it has requests;
 * ``overload``: an app of its own with a small decode KV cache and a 4 s deadline
-  (``benchmarks/overload.py``): offered load ``--overload-factor`` (3) times capacity
-  for ``--burst-s`` (30 s), then half the capacity for ``--normal-s`` (20 s); it prints
-  per phase the turns completed, rejected fast (503 overloaded), timed out and failed,
-  and the time to recover after the burst.
+  (``benchmarks/overload.py``), run twice: sessionless turns, then turns each in a
+  session of its own (its decode keeps the turn's KV). Offered load
+  ``--overload-factor`` (3) times capacity for ``--burst-s`` (30 s), then half the
+  capacity for ``--normal-s`` (20 s); it prints per phase the turns completed, rejected
+  fast (503 overloaded), timed out and failed, and the time to recover after the burst,
+  for each run.
 
 Half the sessions stream. A killed replica is one with requests running (found from the
 counters engines send with their heartbeats), so its turns are cut mid-stream.
@@ -245,32 +247,42 @@ def main() -> None:
 
 
 def overload(args: argparse.Namespace) -> None:
+    """The overload scenario twice on one app: sessionless turns, then turns each in a
+    session of its own (whose decode keeps its KV); each with its time to recover."""
     from benchmarks.overload import CAPACITY_TURNS, overload_config, run_overload
     from orchestrator import runtime
 
     config = overload_config(Path(tempfile.mkdtemp(prefix="kvt-overload-")))
     with runtime.running(config, say=lambda m: print(m, file=sys.stderr)) as base_url:
-        rows, figures = run_overload(
-            base_url,
-            config.model.name,
-            factor=args.overload_factor,
-            burst_s=args.burst_s,
-            normal_s=args.normal_s,
-        )
-    recovered = figures["recover_s"]
-    print(
-        f"overload: simulated engines (1 prefill, 1 decode running {CAPACITY_TURNS} turns at "
-        f"once), request_timeout_s {config.server.request_timeout_s:g}; one turn alone "
-        f"{figures['turn_alone_s']:.2f} s, capacity {figures['capacity_per_s']:.2f} turns/s; "
-        f"{args.overload_factor:g}x for {args.burst_s:g} s, then 0.5x for {args.normal_s:g} s\n"
-    )
-    headers = ["phase", "offered/s", "turns", "completed", "rejected fast", "timed out"]
-    print(format_table([*headers, "failed", "reject ms p50"], rows))
-    print(
-        "\nrecovered "
-        + (f"{recovered:.1f} s after the burst" if recovered >= 0 else "never (last turn failed)")
-        + "\n"
-    )
+        for kind, prefix in (("without sessions", None), ("with sessions", "overload")):
+            rows, figures = run_overload(
+                base_url,
+                config.model.name,
+                factor=args.overload_factor,
+                burst_s=args.burst_s,
+                normal_s=args.normal_s,
+                session_prefix=prefix,
+            )
+            recovered = figures["recover_s"]
+            print(
+                f"overload {kind}: simulated engines (1 prefill, 1 decode running "
+                f"{CAPACITY_TURNS} turns at once), request_timeout_s "
+                f"{config.server.request_timeout_s:g}; one turn alone "
+                f"{figures['turn_alone_s']:.2f} s, capacity {figures['capacity_per_s']:.2f} "
+                f"turns/s; {args.overload_factor:g}x for {args.burst_s:g} s, then 0.5x for "
+                f"{args.normal_s:g} s\n"
+            )
+            headers = ["phase", "offered/s", "turns", "completed", "rejected fast", "timed out"]
+            print(format_table([*headers, "failed", "reject ms p50"], rows))
+            print(
+                f"\nrecovered ({kind}) "
+                + (
+                    f"{recovered:.1f} s after the burst"
+                    if recovered >= 0
+                    else "never (last turn failed)"
+                )
+                + "\n"
+            )
 
 
 def under_faults(args: argparse.Namespace, faults: list[str]) -> None:

@@ -65,14 +65,25 @@ class TurnResult:
     retry_after: str | None
 
 
-def send_turn(base_url: str, model: str, timeout_s: float = 60.0) -> TurnResult:
-    """One sessionless completion of ``TURN_MAX_TOKENS`` tokens, not retried."""
+def send_turn(
+    base_url: str,
+    model: str,
+    timeout_s: float = 60.0,
+    *,
+    session_id: str | None = None,
+    max_tokens: int = TURN_MAX_TOKENS,
+) -> TurnResult:
+    """One completion of ``max_tokens`` tokens, in ``session_id`` (``x-session-id``) or
+    without a session, not retried."""
     import httpx
 
-    body = {"model": model, "prompt": TURN_PROMPT, "max_tokens": TURN_MAX_TOKENS}
+    body = {"model": model, "prompt": TURN_PROMPT, "max_tokens": max_tokens}
+    headers = {} if session_id is None else {"x-session-id": session_id}
     t0 = time.monotonic()
     try:
-        resp = httpx.post(f"{base_url}/v1/completions", json=body, timeout=timeout_s)
+        resp = httpx.post(
+            f"{base_url}/v1/completions", json=body, headers=headers, timeout=timeout_s
+        )
     except httpx.HTTPError as exc:
         return TurnResult(t0, time.monotonic() - t0, 0, type(exc).__name__, None)
     code = None
@@ -112,15 +123,22 @@ class Phase:
         return len(self.results) - self.completed - self.rejected_fast - self.timed_out
 
 
-def open_loop(base_url: str, model: str, schedule: list[tuple[float, float]]) -> list[TurnResult]:
+def open_loop(
+    base_url: str,
+    model: str,
+    schedule: list[tuple[float, float]],
+    session_prefix: str | None = None,
+) -> list[TurnResult]:
     """Send turns at each ``(rate_per_s, duration_s)`` of ``schedule`` in turn, each in
-    its own thread, whatever came back (an open loop); every turn's result, by send time."""
+    its own thread, whatever came back (an open loop); every turn's result, by send time.
+    With ``session_prefix`` each turn is the first of a session of its own (its decode
+    keeps the turn's KV for a next turn, as a session's does)."""
     results: list[TurnResult] = []
     lock = threading.Lock()
     threads: list[threading.Thread] = []
 
-    def one() -> None:
-        result = send_turn(base_url, model)
+    def one(session_id: str | None) -> None:
+        result = send_turn(base_url, model, session_id=session_id)
         with lock:
             results.append(result)
 
@@ -129,7 +147,8 @@ def open_loop(base_url: str, model: str, schedule: list[tuple[float, float]]) ->
         for i in range(max(1, round(rate_per_s * duration_s))):
             due = start + i / rate_per_s
             time.sleep(max(0.0, due - time.monotonic()))  # the arrival schedule, not a race
-            thread = threading.Thread(target=one)
+            sid = None if session_prefix is None else f"{session_prefix}-{len(threads)}"
+            thread = threading.Thread(target=one, args=(sid,))
             thread.start()
             threads.append(thread)
         start += duration_s
@@ -151,16 +170,24 @@ def recovery_s(after: Phase, burst_end_s: float) -> float | None:
 
 
 def run_overload(
-    base_url: str, model: str, *, factor: float = 3.0, burst_s: float = 30.0, normal_s: float = 20.0
+    base_url: str,
+    model: str,
+    *,
+    factor: float = 3.0,
+    burst_s: float = 30.0,
+    normal_s: float = 20.0,
+    session_prefix: str | None = None,
 ) -> tuple[list[list[Any]], dict[str, float]]:
-    """The scenario (see the module): table rows (phase, offered/s, turns, completed,
-    rejected fast, timed out, failed, median rejection ms) and the measured figures."""
+    """The scenario (see the module), its turns in sessions of their own with
+    ``session_prefix``: table rows (phase, offered/s, turns, completed, rejected fast,
+    timed out, failed, median rejection ms) and the measured figures."""
     alone = send_turn(base_url, model)
     if alone.status != 200:
         raise RuntimeError(f"one turn alone failed: {alone.status} {alone.code}")
     capacity = CAPACITY_TURNS / alone.elapsed_s  # turns per second at full batch
     t0 = time.monotonic()
-    results = open_loop(base_url, model, [(factor * capacity, burst_s), (0.5 * capacity, normal_s)])
+    schedule = [(factor * capacity, burst_s), (0.5 * capacity, normal_s)]
+    results = open_loop(base_url, model, schedule, session_prefix)
     burst_end = t0 + burst_s  # when the offered load dropped
     burst = Phase([r for r in results if r.sent_s < burst_end])
     after = Phase([r for r in results if r.sent_s >= burst_end])

@@ -20,7 +20,7 @@ Wire types are ``msgspec.Struct``s so they cross Ray actor boundaries cheaply.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -290,3 +290,10 @@ class EngineAdapter(abc.ABC):
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
         """Stop a running request; its stream ends. Unknown ids are ignored."""
+
+    async def peers_read(self, request_ids: Sequence[str]) -> None:
+        """Peers finished reading the blocks this engine kept for ``request_ids`` (as
+        their hosts reported to the KV service). vLLM hears it from NIXL and frees them
+        itself: nothing to do. An engine whose peers' reads it cannot see (the simulated
+        engine, its peers in other processes) frees them here."""
+        del request_ids

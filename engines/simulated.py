@@ -21,7 +21,10 @@ in ``EngineSpec.model_path``) on a catalog device (``engines/simulated_config.py
   consult its prefix cache) and, with
   ``bidirectional_kv_xfer``, keeps its own blocks for ``decoder_kv_blocks_ttl_s`` and
   returns params for the send-back; a prefill given those reads them back, except
-  within 5 s of their expiry or under ``kv_recompute_threshold_tokens``. With
+  within 5 s of their expiry or under ``kv_recompute_threshold_tokens``. Engines in
+  other processes (Serve replicas) are not on the fabric: with ``simulated_remote_reads``
+  a prefill reads a decode's kept blocks there by their params, and the decode frees them
+  when its host is told (``peers_read``, through the KV service). With
   ``per_request_keep`` (kvtide's connector, ``engines/kv_connector.py``) a request
   whose params say ``kvtide_keep: False`` keeps nothing: its blocks are freed when it
   finishes and it returns no params. Engines find
@@ -50,7 +53,7 @@ import math
 import time
 import zlib
 from array import array
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from engines.base import (
@@ -64,7 +67,13 @@ from engines.base import (
 )
 from engines.kv_params import KVTransferParams
 from engines.simulated_config import SimulatedEngineConfig, simulated_config
-from engines.simulated_kv import KVBlockPool, PrefixCache, SimulatedFabric, nixl_params
+from engines.simulated_kv import (
+    KeptBlocks,
+    KVBlockPool,
+    PrefixCache,
+    SimulatedFabric,
+    nixl_params,
+)
 from placement.decode_model import decode_step
 from placement.model_spec import ModelSpec
 
@@ -246,6 +255,7 @@ class SimulatedEngine(EngineAdapter):
         finally:
             if not finished:  # the caller stopped reading: free the request's blocks
                 await self.abort(request.request_id)
+                self._unclaimed(req)
 
     async def abort(self, request_id: str) -> None:
         req = self._requests.get(request_id)
@@ -296,16 +306,13 @@ class SimulatedEngine(EngineAdapter):
                 self._running.append(req)
             if not self._running:
                 # Idle until a pull completes, kept blocks expire (a waiting request may
-                # need them) or a request arrives.
+                # need them), a request arrives or a peer's read frees blocks.
                 due = [r.ready_s for r in self._pulling]
                 expiry = self.kv.next_expiry_s()
                 if self._waiting and expiry is not None:
                     due.append(expiry)
-                if due:
-                    await self._sleep(min(due) - now)
-                else:
-                    self._wake.clear()
-                    await self._wake.wait()
+                self._wake.clear()
+                await self._idle(min(due) - now if due else None)
                 continue
             new = [r for r in self._running if r.num_output == 0]
             old = [r for r in self._running if r.num_output > 0]
@@ -320,6 +327,20 @@ class SimulatedEngine(EngineAdapter):
             self._count("steps")
             for req in list(self._running):
                 self._emit(req)
+
+    async def _idle(self, delay_s: float | None) -> None:
+        """Wait for ``_wake``, or ``delay_s`` on the engine's clock, whichever is first."""
+        waking = asyncio.ensure_future(self._wake.wait())
+        if delay_s is None:
+            await waking
+            return
+        sleeping = asyncio.ensure_future(self._sleep(delay_s))
+        try:
+            await asyncio.wait({waking, sleeping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (waking, sleeping):
+                task.cancel()
+            await asyncio.gather(waking, sleeping, return_exceptions=True)
 
     def _admit(self, now: float) -> None:
         """Move waiting requests in, oldest first, while seats and blocks allow."""
@@ -373,7 +394,10 @@ class SimulatedEngine(EngineAdapter):
             return False
         peer = self._fabric.get(engine_id)
         kept = peer.kv.kept(remote_id, now) if peer else None
-        if peer is None or kept is None:
+        remote = peer is None and self.config.remote_reads and p.do_remote_decode
+        if remote:  # in another process: read by its params; its host is told after
+            kept = KeptBlocks(block_ids=(), num_tokens=p.remote_num_tokens or 0, expires_s=math.inf)
+        if kept is None:
             self._count("kv_failures")
             if kv.kv_load_failure_policy == "recompute":
                 return False
@@ -386,7 +410,7 @@ class SimulatedEngine(EngineAdapter):
         count = min(count, kept.num_tokens)
         # A full hit recomputes the last prompt token so that the next can be sampled.
         req.num_cached = min(count, req.prompt_len - 1)
-        req.pull_from = (peer, remote_id)
+        req.pull_from = None if peer is None else (peer, remote_id)
         per_gpu = count * self.config.kv_bytes_per_token_per_gpu
         req.ready_s = now + per_gpu / (self.config.kv_transfer_gbps * 1e9)
         req.read_bytes = round(per_gpu * self.config.num_gpus)
@@ -480,6 +504,21 @@ class SimulatedEngine(EngineAdapter):
             expires_s=expires_s,
         )
         return params, expires_s
+
+    async def peers_read(self, request_ids: Sequence[str]) -> None:
+        """Peers in other processes read these kept blocks (``simulated_remote_reads``):
+        free them, as NIXL's read notification frees them in vLLM."""
+        for request_id in request_ids:
+            self._release_kept(request_id)
+
+    def _unclaimed(self, req: _Request) -> None:
+        """A request whose caller stopped reading before its last chunk: if it finished
+        meanwhile and kept blocks for a peer, free them. The params naming them pass
+        with the last chunk, which nobody took: nobody can ever read the blocks."""
+        while not req.out.empty():
+            item = req.out.get_nowait()
+            if isinstance(item, GenerateChunk) and item.kv_transfer_params is not None:
+                self._release_kept(req.request.request_id)
 
     def _release_kept(self, request_id: str) -> None:
         if self.kv.release_kept(request_id):

@@ -31,6 +31,7 @@ EXTRA_ARGS = (
     "num_gpu_blocks_override",
     "prefill_tokens_per_s",
     "kv_transfer_gbps",
+    "simulated_remote_reads",
 )
 
 
@@ -47,6 +48,9 @@ class SimulatedEngineConfig:
     kv_bytes_per_token_per_gpu: float
     prefill_tokens_per_s: float  # prompt tokens computed per second by the whole engine
     kv_transfer_gbps: float  # per GPU; every GPU moves its share of a transfer at once
+    # A prefill reads back blocks kept by a decode engine not on its fabric (another
+    # process) by their kv_transfer_params; the holder frees them when told (peers_read).
+    remote_reads: bool = False
 
     @property
     def num_gpus(self) -> int:
@@ -104,6 +108,7 @@ def simulated_config(spec: EngineSpec, model: ModelSpec | None = None) -> Simula
         kv_bytes_per_token_per_gpu=plan.kv_bytes_per_token,
         prefill_tokens_per_s=float(extra.get("prefill_tokens_per_s", default_prefill)),
         kv_transfer_gbps=float(extra.get("kv_transfer_gbps", device.scale_out_bandwidth_gbps)),
+        remote_reads=bool(extra.get("simulated_remote_reads", False)),
     )
 
 

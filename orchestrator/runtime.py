@@ -154,32 +154,45 @@ def start_ray(config: KVTideConfig, *, say: Callable[[str], None] = _say) -> Non
         )
 
 
-def _progress(stop: threading.Event, say: Callable[[str], None], every_s: float) -> None:
-    from ray import serve
+class DeployProgress:
+    """What ``kvtide up`` says about Serve's deploy, from the app's status read every
+    second: a replica's start failure at once (the error its traceback ended with; Serve
+    retries it), the replicas running every ``every_s``, and once Serve gave up, the
+    failure with each failed deployment's own error (Serve's app message names the
+    deployments only)."""
 
-    t0 = time.monotonic()
-    told: set[str] = set()
-    while not stop.wait(every_s):
-        try:
-            app = serve.status().applications.get(APP_NAME)
-        except Exception:
-            continue
+    def __init__(self, started_s: float, every_s: float = 10.0) -> None:
+        self.started_s = started_s
+        self.every_s = every_s
+        self._said_s = started_s
+        self._told: set[str] = set()
+
+    def read(self, app: Any, now_s: float) -> tuple[list[str], str | None]:
+        """Lines to say now about ``app`` (Serve's ``ApplicationStatusOverview``, or None
+        before it exists), and the deploy's failure once its status is DEPLOY_FAILED."""
         if app is None:
-            continue
-        parts = []
+            return [], None
+        lines, parts, failed = [], [], []
         for name, dep in app.deployments.items():
             running = dep.replica_states.get("RUNNING", 0)
-            total = sum(dep.replica_states.values())
-            parts.append(f"{name} {running}/{total}")
+            parts.append(f"{name} {running}/{sum(dep.replica_states.values())}")
             failure = replica_failure(dep.message)
-            if failure is not None and failure not in told:
-                told.add(failure)
-                say(
+            if failure is not None and failure not in self._told:
+                self._told.add(failure)
+                lines.append(
                     f"{name}: a replica failed to start: {failure} (Serve retries it; the "
                     f"engine's own log: logs/serve/replica_{APP_NAME}_{name}_*.log in Ray's "
                     "session directory)"
                 )
-        say(f"starting engines ({time.monotonic() - t0:.0f}s): " + ", ".join(parts))
+            if dep.status == "DEPLOY_FAILED":
+                failed.append(f"{name}: {failure or dep.message}")
+        if now_s - self._said_s >= self.every_s:
+            self._said_s = now_s
+            lines.append(f"starting engines ({now_s - self.started_s:.0f}s): " + ", ".join(parts))
+        if app.status != "DEPLOY_FAILED":
+            return lines, None
+        why = "; ".join(failed) or app.message
+        return lines, f"app {APP_NAME!r} failed to deploy: {why}"
 
 
 _ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception)\b(:|$)")
@@ -225,22 +238,16 @@ def deploy(
         proxy_location="HeadOnly",
         http_options={"host": config.server.host, "port": config.server.port},
     )
-    stop = threading.Event()
-    ticker = threading.Thread(target=_progress, args=(stop, say, 10.0), daemon=True)
-    ticker.start()
-    try:
-        if layout.by_domain:
-            _run_bounded(app, config, layout)
-        else:
-            serve.run(app, name=APP_NAME, route_prefix=config.server.route_prefix)
-    finally:
-        stop.set()
+    _start(app, config)
+    _wait_running(config, layout, say)
     say(f"serving {config.model.name!r} at http://{config.server.host}:{config.server.port}/v1")
     return layout
 
 
-def _run_bounded(app: Any, config: KVTideConfig, layout: PoolLayout) -> None:
-    """``serve.run`` that gives up on placement groups Ray leaves pending too long."""
+def _wait_running(config: KVTideConfig, layout: PoolLayout, say: Callable[[str], None]) -> None:
+    """Wait for the app Serve is deploying to run, saying its progress (``DeployProgress``);
+    a deploy Serve gave up raises with each failed deployment's error. With engines placed
+    by NVLink domain, gives up on placement groups Ray leaves pending too long."""
     from ray import serve
 
     from orchestrator.cluster.ray_nodes import domain_states, read_free_gpus, read_ray_nodes
@@ -250,20 +257,23 @@ def _run_bounded(app: Any, config: KVTideConfig, layout: PoolLayout) -> None:
         read_pending_groups,
     )
 
-    _start(app, config)
+    progress = DeployProgress(time.monotonic())
     watch = PlacementWatch(config.placement.timeout_s)
     while True:
         status = serve.status().applications.get(APP_NAME)
+        lines, failure = progress.read(status, time.monotonic())
+        for line in lines:
+            say(line)
         if status is not None and status.status == "RUNNING":
             return
-        if status is not None and status.status == "DEPLOY_FAILED":
-            raise KVTideError(f"app {APP_NAME!r} failed to deploy: {status.message}")
-        overdue = watch.overdue(read_pending_groups(APP_NAME))
+        if failure is not None:
+            raise KVTideError(failure)
+        overdue = watch.overdue(read_pending_groups(APP_NAME)) if layout.by_domain else []
         if overdue:
             domains = domain_states(read_ray_nodes(), read_free_gpus())
             serve.delete(APP_NAME)
             raise not_placed_error(APP_NAME, overdue, layout, domains, watch.timeout_s)
-        time.sleep(1.0)
+        time.sleep(1.0)  # Serve's status, read once a second
 
 
 def _start(app: Any, config: KVTideConfig) -> None:

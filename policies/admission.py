@@ -14,7 +14,9 @@ An engine is
 * **stalled** when it has requests waiting, none running, and has finished none for
   ``stall_s``: it makes no progress (a KV cache full of blocks nobody reads);
 * **full** when it is stalled, has ``max_waiting_per_engine`` requests waiting, or has
-  requests waiting with its KV cache at ``max_kv_cache_usage`` or more;
+  its KV cache at ``max_kv_cache_usage`` or more with requests waiting or with nothing
+  running (kept blocks fill it: the KV service then evicts idle sessions' KV from it,
+  ``KVLifecycle.make_room``);
 * unknown when its last report is older than ``max_report_age_s`` (left out: a silent
   engine is the health check's business, and refusing on old news would refuse forever).
 
@@ -42,6 +44,7 @@ __all__ = [
     "Health",
     "admit",
     "pool_health",
+    "short_of_kv",
 ]
 
 Condition = Literal["ok", "full", "stalled"]
@@ -86,7 +89,12 @@ class EngineView:
             return "stalled"
         if load.num_waiting >= settings.max_waiting_per_engine:
             return "full"
-        if load.num_waiting > 0 and load.kv_cache_usage >= settings.max_kv_cache_usage:
+        # A KV cache this full admits nothing new: not behind requests waiting for it,
+        # and not with nothing running (blocks kept for peers fill it; none will free a
+        # block until they are read, drained or expire).
+        if load.kv_cache_usage >= settings.max_kv_cache_usage and (
+            load.num_waiting > 0 or load.num_running == 0
+        ):
             return "full"
         return "ok"
 
@@ -128,6 +136,19 @@ class EngineBook:
 
     def views(self) -> list[EngineView]:
         return sorted(self._views.values(), key=lambda v: v.load.engine_id)
+
+
+def short_of_kv(view: EngineView, settings: AdmissionSettings, now_s: float) -> bool:
+    """Whether blocks kept for sessions are what hold the engine back, so that evicting
+    idle sessions' KV from it makes room: its KV cache at ``max_kv_cache_usage`` with
+    requests waiting or nothing running, or requests waiting and none running (none
+    finished) for ``stall_s``. An engine busy running turns is not short of KV."""
+    load = view.load
+    if load.num_running > 0 and load.num_waiting == 0:
+        return False
+    if load.kv_cache_usage >= settings.max_kv_cache_usage:
+        return True
+    return view.condition(settings, now_s) == "stalled"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

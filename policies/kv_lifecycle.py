@@ -30,6 +30,7 @@ Books kept (invariants checked by the tests after every call):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 from policies.errors import InvalidTurn
@@ -123,6 +124,7 @@ class KVLifecycle:
         self._reuse_off: frozenset[str] = frozenset()
         self._num_demotions = 0
         self._host_engines: set[str] = set()  # engines of HOST_POOL records: no idle budget
+        self._room_made_s: dict[str, float] = {}  # each engine's last eviction for room
 
     @property
     def config(self) -> KVLifecycleConfig:
@@ -609,6 +611,32 @@ class KVLifecycle:
             effects.append(self._release(self._books.detach(session_id, session), reason))
         self._books.forget(session_id)
         return effects
+
+    def make_room(self, engine_id: str, now_s: float) -> list[Effect]:
+        """The engine is short of KV (``policies.admission.short_of_kv``: blocks kept for
+        sessions fill it): evict the idle record on it nearest expiry (``Evict(pressure)``,
+        drained), at most one per ``room_wait_s``, so that its drain shows in the engine's
+        next report before another goes. Held records stay."""
+        if engine_id in self._host_engines:
+            return []
+        if now_s < self._room_made_s.get(engine_id, -math.inf) + self._config.room_wait_s:
+            return []
+        session_id = self._books.idle_nearest_expiry(engine_id)
+        if session_id is None:
+            return []
+        self._room_made_s[engine_id] = now_s
+        return [self._evict(session_id, self._books.sessions[session_id], EvictReason.PRESSURE)]
+
+    def held_nearest_expiry(self, engine_id: str) -> str | None:
+        """The session held for an ingress (its next turn's lease, unused) whose record
+        on the engine expires first: what to ask back when ``make_room`` finds nothing
+        idle there (given back, it is idle and can go)."""
+        held = [
+            (session.record.expiry_s, session_id)
+            for session_id, session in self._books.sessions.items()
+            if session.held and session.record is not None and session.record.engine_id == engine_id
+        ]
+        return min(held)[1] if held else None
 
     def _enforce_budget(self, engine_id: str) -> list[Effect]:
         """Evict idle records on the engine, nearest expiry first, until within budget."""

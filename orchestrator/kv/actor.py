@@ -344,7 +344,9 @@ class EpochWatcher:
     host's ledger report; ``stats`` the engine's counters, sent with each heartbeat so
     that the service can sum every replica's (a deployment handle reaches one replica).
     Each call is bounded by ``timeout_s``; the ledger goes in pages of about
-    ``page_bytes``.
+    ``page_bytes``. With ``reads`` (the kept blocks its engine read since the last call)
+    and ``peers_read`` (its engine frees blocks peers read), each beat also passes reads
+    to their holders (``peer_reads``): for engines that cannot see their peers' reads.
     """
 
     def __init__(
@@ -358,7 +360,12 @@ class EpochWatcher:
         stats: Callable[[], dict[str, Any]] | None = None,
         timeout_s: float = 10.0,
         page_bytes: int = 4 * 2**20,
+        reads: Callable[[], list[tuple[str, str]]] | None = None,
+        peers_read: Callable[[list[str]], Awaitable[None]] | None = None,
     ) -> None:
+        self.reads = reads
+        self.peers_read = peers_read
+        self._unsent_reads: list[tuple[str, str]] = []
         self.page_bytes = page_bytes
         self.stats = stats
         self.timeout_s = timeout_s
@@ -382,6 +389,14 @@ class EpochWatcher:
             stats = None if self.stats is None else self.stats()
             call = handle.heartbeat.remote(self.engine_id, self.node_ids, stats)
         epoch = await asyncio.wait_for(call, self.timeout_s)
+        if self.engine_id is not None and self.reads is not None and self.peers_read:
+            self._unsent_reads += self.reads()
+            freed = await asyncio.wait_for(
+                handle.peer_reads.remote(self.engine_id, self._unsent_reads), self.timeout_s
+            )
+            self._unsent_reads = []  # sent: not again (a failed call keeps them)
+            if freed:
+                await self.peers_read(freed)
         if epoch == self.reported_epoch:
             return False
         for page in self.report().pages(self.page_bytes):

@@ -63,6 +63,8 @@ def kv_lifecycle_config(
     kv_bytes_per_token: int,
     block_size_tokens: int,
     idle_budget_bytes_per_engine: int | None = None,
+    room_kv_cache_usage: float | None = None,
+    room_stall_s: float = 10.0,
 ) -> KVLifecycleConfig:
     return KVLifecycleConfig(
         ttl_s=ttl_s,
@@ -72,6 +74,8 @@ def kv_lifecycle_config(
         kv_bytes_per_token=kv_bytes_per_token,
         block_size_tokens=block_size_tokens,
         idle_budget_bytes_per_engine=idle_budget_bytes_per_engine,
+        room_kv_cache_usage=room_kv_cache_usage,
+        room_stall_s=room_stall_s,
     )
 
 

@@ -45,6 +45,9 @@ class EngineRegistry:
         # engine id -> (the nodes its shards run on, last heartbeat)
         self._seen: dict[str, tuple[tuple[str, ...], float]] = {}
         self._stats: dict[str, dict[str, Any]] = {}
+        # holder engine id -> request ids of its kept blocks that peers read, not yet
+        # taken by its host (``peer_reads``)
+        self._read_by_peers: dict[str, list[str]] = {}
 
     def __len__(self) -> int:
         return len(self._seen)
@@ -56,6 +59,15 @@ class EngineRegistry:
         if stats is not None:
             self._stats[engine_id] = stats
 
+    def peer_reads(self, engine_id: str, reads: Sequence[tuple[str, str]]) -> list[str]:
+        """``engine_id``'s host read the kept blocks ``reads`` (holder engine id, request
+        id) of live engines; returns those of ``engine_id``'s own kept blocks that its
+        peers read since it last asked."""
+        for holder, request_id in reads:
+            if holder in self._seen:
+                self._read_by_peers.setdefault(holder, []).append(request_id)
+        return self._read_by_peers.pop(engine_id, [])
+
     def lose(self, engine_ids: Sequence[str], now: float) -> int:
         """Engines that died (their node was lost, or they went silent): forgotten, and
         the KV booked on them dropped. Returns the sessions whose KV was dropped."""
@@ -63,6 +75,7 @@ class EngineRegistry:
         for engine_id in engine_ids:
             self._seen.pop(engine_id, None)
             self._stats.pop(engine_id, None)
+            self._read_by_peers.pop(engine_id, None)
             effects = self.decider.lifecycle.on_engine_lost(engine_id, now)
             self.counters["engines_lost"] += 1
             dropped += len(effects)

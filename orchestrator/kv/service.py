@@ -59,9 +59,13 @@ from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.kv.session_turns import SessionTurns, whole_turn_done
 from orchestrator.kv.turn_leases import HANDOVER_WAIT_S, LeaseBook
 from orchestrator.kv.turn_marks import OwnerMarks, RunningTurns
+from policies.admission import AdmissionSettings, EngineBook, EngineLoad, short_of_kv
 from policies.kv_lifecycle import KVLifecycleConfig, Release, ReleaseReason
 
 log = logging.getLogger("kvtide.kv_service")
+
+ROOM_REPORT_AGE_S = 5.0
+"""An engine's load older than this makes no room on it (it is silent: lost, or busy)."""
 
 __all__ = [
     "API_METHODS",
@@ -145,6 +149,8 @@ class KVServiceAPI(Protocol):
     async def heartbeat(
         self, engine_id: str, node_ids: Sequence[str] = (), stats: dict[str, Any] | None = None
     ) -> str: ...
+
+    async def peer_reads(self, engine_id: str, reads: Sequence[tuple[str, str]]) -> list[str]: ...
 
     async def engines_lost(self, engine_ids: Sequence[str]) -> int: ...
 
@@ -286,6 +292,8 @@ class KVService:
             silence_s=engine_silence_s, decider=self.decider, drains=self.drains
         )
         self.metrics = MetricsBook(silence_s=engine_silence_s)
+        # The engines' loads with their last progress: which are short of KV (_make_room).
+        self.engine_book = EngineBook()
         # Engine pairs whose reuse an integrity check turned off (``orchestrator.kv.integrity``).
         self.reuse_off = ReuseOff(
             store=self.store, lifecycle=self.decider.lifecycle, wall_clock=wall_clock
@@ -448,9 +456,48 @@ class KVService:
             self.owner_marks.delete(sid)
             await self.close(sid)
         self.drains.apply(self.decider.tick(now))
+        self._make_room(now)
         self.host_reads.expire()
         self.engines.lose_silent(now)
         self.adoption.maybe_adopt()
+
+    def _make_room(self, now: float) -> None:
+        """Engines whose recent load shows them short of KV (``short_of_kv``: a cache full
+        of kept blocks with nothing running or turns waiting, or turns waiting that none
+        runs): an idle session's record on each is evicted and drained
+        (``KVLifecycle.make_room``), so that an overload's kept KV does not wedge them.
+        With none idle there, the held session nearest expiry is asked back from its
+        ingress (its lease revoked); given back, it goes at a next tick."""
+        lifecycle = self.decider.lifecycle
+        cfg = lifecycle.config
+        if cfg.room_kv_cache_usage is None:
+            return
+        settings = AdmissionSettings(
+            max_kv_cache_usage=cfg.room_kv_cache_usage,
+            stall_s=cfg.room_stall_s,
+            max_report_age_s=ROOM_REPORT_AGE_S,
+        )
+        self.engine_book.observe(
+            EngineLoad(
+                engine_id=engine_id,
+                pool=engine_pool(engine_id),
+                num_running=int(load["num_running"]),
+                num_waiting=int(load["num_waiting"]),
+                kv_cache_usage=float(load["kv_cache_usage"]),
+                num_finished=int(load["num_requests"]),
+                reported_s=now - float(load["age_s"]),
+            )
+            for engine_id, load in self.engines.loads(now).items()
+        )
+        for view in self.engine_book.views():
+            if not (view.is_recent(settings, now) and short_of_kv(view, settings, now)):
+                continue
+            engine_id = view.load.engine_id
+            effects = lifecycle.make_room(engine_id, now)
+            self.drains.apply(effects)
+            held = None if effects else lifecycle.held_nearest_expiry(engine_id)
+            if held is not None:  # only sessions held for an ingress: ask one back
+                self.leases.revoke_session(held)
 
     # ---- engine liveness (orchestrator.kv.engines) -----------------------------------
 
@@ -461,6 +508,13 @@ class KVService:
         ``node_ids`` and its engine's counters ``stats``; returns the epoch."""
         self.engines.heartbeat(engine_id, node_ids, stats, self.clock())
         return self.epoch
+
+    async def peer_reads(self, engine_id: str, reads: Sequence[tuple[str, str]]) -> list[str]:
+        """An engine host's reads of other engines' kept blocks since its last call
+        (holder engine id, request id), and the request ids of its own engine's kept
+        blocks that peers read: for engines that cannot see the reads themselves (the
+        simulated engine's peers in other processes; ``EngineAdapter.peers_read``)."""
+        return self.engines.peer_reads(engine_id, reads)
 
     async def engines_lost(self, engine_ids: Sequence[str]) -> int:
         """Engines that died: the KV booked on them is dropped (``EngineRegistry.lose``);

@@ -222,6 +222,10 @@ class EngineHost:
             node_ids=sorted(shard_nodes | {where["node_id"]}),
             stats=lambda: msgspec.to_builtins(self.engine.stats()),
             timeout_s=config.kv.service_timeout_s,
+            # Simulated engines see no reads of their kept blocks from other processes:
+            # the reader's host passes them on through the service.
+            reads=self.ledger.take_reads if config.backend == "simulated" else None,
+            peers_read=self.engine.peers_read,
         )
         self._watcher = asyncio.get_running_loop().create_task(watcher.run_forever())
 

@@ -133,6 +133,11 @@ class Ingress(TurnOpening, OwnLayer, ResponsesRoutes, OperatorViews):
                 if kv.idle_budget_mib_per_engine is None
                 else int(kv.idle_budget_mib_per_engine * 2**20)
             ),
+            # Where admission calls an engine full or stalled, idle sessions make room.
+            room_kv_cache_usage=(
+                config.admission.max_kv_cache_usage if config.admission.enabled else None
+            ),
+            room_stall_s=config.admission.stall_s,
         )
         tr.configure_tracing(config.observability)
         self.metrics = make_metrics(config.observability)

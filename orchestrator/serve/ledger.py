@@ -18,6 +18,7 @@ host keeps its half until the blocks' TTL passes, then forgets it. The clock is 
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
@@ -26,7 +27,10 @@ from engines.kv_params import KVTransferParams
 from orchestrator.bounded import BoundedMap
 from orchestrator.kv.messages import KeptBlocks, LedgerReport
 
-__all__ = ["EngineLedger"]
+__all__ = ["MAX_UNSENT_READS", "EngineLedger"]
+
+MAX_UNSENT_READS = 100_000
+"""Reads kept for a KV service that does not answer (their blocks then expire at the TTL)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +58,7 @@ class EngineLedger:
         # expiry order (one TTL per engine), so ``expire`` stops at the first live one.
         self._kept: BoundedMap[tuple[str, str], _Kept] = BoundedMap()
         self._consumed: BoundedMap[tuple[str, str], None] = BoundedMap()
+        self._reads: deque[tuple[str, str]] = deque(maxlen=MAX_UNSENT_READS)
 
     def __len__(self) -> int:
         return len(self._kept) + len(self._consumed)
@@ -119,6 +124,14 @@ class EngineLedger:
         now = self.clock()
         self._prune(now)
         self._consumed.put(target, None, expires_s=now + self.ttl_s)
+        self._reads.append(target)
+
+    def take_reads(self) -> list[tuple[str, str]]:
+        """The kept blocks this prefill engine read since the last call (the holders'
+        engine and request ids), for holders that cannot see the reads themselves
+        (``EngineAdapter.peers_read``); the oldest go past ``MAX_UNSENT_READS``."""
+        reads, self._reads = list(self._reads), deque(maxlen=MAX_UNSENT_READS)
+        return reads
 
     def report(self) -> LedgerReport:
         """What the service needs to rebuild, with times as durations from now."""

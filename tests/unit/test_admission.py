@@ -11,6 +11,7 @@ from policies.admission import (
     EngineLoad,
     admit,
     pool_health,
+    short_of_kv,
 )
 
 SETTINGS = AdmissionSettings(
@@ -169,3 +170,45 @@ def test_a_turn_of_n_sequences_needs_an_engine_with_room_for_all_of_them() -> No
     assert "full for 3 more sequences" in refused.reason
     # A pool with no recent report admits, whatever n (nothing to judge by).
     assert admit(book.views(), TURN, SETTINGS, 200.0, num_sequences=3).admitted
+
+
+def test_a_kv_cache_full_of_kept_blocks_with_nothing_running_admits_nothing() -> None:
+    book = EngineBook()
+    # The decode engine's KV cache is full of blocks kept for sessions: nothing runs,
+    # nothing waits (each turn sent to it waited and was aborted at its deadline).
+    book.observe([load("prefill-a", 100.0), load("decode-a", 100.0, kv=0.99, finished=30)])
+    refused = admit(book.views(), TURN, SETTINGS, 100.5)
+    assert not refused.admitted and refused.pool == "decode"
+    health = pool_health(book.views(), TURN, SETTINGS, 100.5)
+    assert (health.status, health.admits, health.refusing_pools) == ("degraded", False, ("decode",))
+    assert health.engines["decode-a"]["condition"] == "full"
+    # Busy at the same use (its running turns will free their blocks): admitted.
+    book.observe([load("prefill-a", 101.0), load("decode-a", 101.0, running=3, kv=0.99)])
+    assert admit(book.views(), TURN, SETTINGS, 101.5).admitted
+    # Kept blocks drained: ok again.
+    book.observe([load("prefill-a", 102.0), load("decode-a", 102.0, kv=0.6, finished=31)])
+    assert pool_health(book.views(), TURN, SETTINGS, 102.5).status == "ok"
+
+
+def test_an_engine_is_short_of_kv_when_kept_blocks_hold_it_back() -> None:
+    def short(book: EngineBook, now_s: float) -> bool:
+        return short_of_kv(book.views()[0], SETTINGS, now_s)
+
+    book = EngineBook()
+    # Busy running turns, its cache full: its turns free their blocks, not short.
+    book.observe([load("decode-a", 100.0, running=4, kv=0.99)])
+    assert not short(book, 100.0)
+    # Full with nothing running, or full with turns waiting: short.
+    book.observe([load("decode-a", 101.0, kv=0.99)])
+    assert short(book, 101.0)
+    book.observe([load("decode-a", 102.0, running=1, waiting=2, kv=0.99, finished=1)])
+    assert short(book, 102.0)
+    # Room to spare and idle: not short.
+    book.observe([load("decode-a", 103.0, kv=0.5, finished=2)])
+    assert not short(book, 103.0)
+    # A turn waits (one too big for what kept blocks leave) and none runs: short once
+    # it made no progress for stall_s.
+    book.observe([load("decode-a", 104.0, waiting=1, kv=0.5, finished=2)])
+    assert not short(book, 104.0)
+    book.observe([load("decode-a", 114.0, waiting=1, kv=0.5, finished=2)])
+    assert short(book, 114.0)

@@ -30,14 +30,16 @@ def _chat() -> bytes:
     return json.dumps(body).encode()
 
 
-def report(waiting: int, finished: int, running: int = 0) -> dict[str, dict[str, float]]:
+def report(
+    waiting: int, finished: int, running: int = 0, kv_cache_usage: float = 1.0
+) -> dict[str, dict[str, float]]:
     """The service's ``engine_loads``: one prefill engine, one decode engine."""
     return {
         "prefill-r1": {"num_running": 0, "num_waiting": 0, "num_requests": 40, "age_s": 0.5},
         "decode-r2": {
             "num_running": running,
             "num_waiting": waiting,
-            "kv_cache_usage": 1.0,
+            "kv_cache_usage": kv_cache_usage,
             "num_requests": finished,
             "age_s": 0.5,
         },
@@ -71,9 +73,10 @@ def test_a_turn_for_a_pool_that_makes_no_progress_is_refused_at_once(
         with pytest.raises(Overloaded) as refused:
             ingress.admission.check(("prefill", "decode"))
         assert refused.value.headers() == {"Retry-After": "2"}
-        # The queued work was aborted at its deadline: the engine reports progress.
+        # The queued work was aborted at its deadline (its blocks freed): the engine
+        # reports progress.
         clock.now_s += 1.0
-        ingress.admission.observe(report(waiting=0, finished=12))
+        ingress.admission.observe(report(waiting=0, finished=12, kv_cache_usage=0.2))
         status, _ = await handle(ingress, CHAT, _chat(), x_session_id="s1")
         assert status == 200
 

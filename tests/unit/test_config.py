@@ -303,3 +303,24 @@ def test_a_pool_section_without_cores_keeps_its_pools_default_cores() -> None:
         {"prefill": {"cpu_threads_bind": None}, "decode": {"cpu_threads_bind": "1-3"}}
     )
     assert (cfg.prefill.cpu_threads_bind, cfg.decode.cpu_threads_bind) == (None, "1-3")
+
+
+def test_the_simulated_backend_starts_with_the_default_model() -> None:
+    # The default (tiny) model's compact structured outputs are vLLM's engine argument;
+    # the simulated engine, which refuses arguments it does not read, gets none of them.
+    from engines.simulated_config import simulated_config
+    from placement.model_catalog import load_model_spec
+
+    sim = parse_config({"backend": "simulated"})
+    assert sim.model.structured_outputs_compact
+    for pool in sim.pools():
+        spec = sim.engine_spec(pool, f"{pool.name}-0", side_channel_port=5600)
+        assert "structured_outputs_config" not in dict(spec.extra_engine_args)
+        simulated_config(spec, load_model_spec("llama3-8b"))  # accepted: no ValueError
+    # vLLM's decode engines still hold structured outputs to no free whitespace.
+    real = parse_config({})
+    spec = real.engine_spec(real.decode, "decode-0", side_channel_port=5600)
+    assert dict(spec.extra_engine_args)["structured_outputs_config"] == {
+        "disable_any_whitespace": True,
+        "backend": "xgrammar",
+    }

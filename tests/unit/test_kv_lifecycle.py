@@ -540,3 +540,21 @@ def test_kv_kept_too_close_to_its_expiry_is_expired_at_once() -> None:
     assert [type(e) for e in effects] == [Expire]
     assert kv.record("s1") is None
     assert kv.bytes_held("decode-0") == 0
+
+
+def test_an_engine_short_of_kv_evicts_its_idle_sessions_one_at_a_time() -> None:
+    kv = KVLifecycle(replace(CONFIG, room_wait_s=3.0))
+    keep(kv, "a", tokens(1_100), now_s=0.0)  # expires first
+    keep(kv, "b", tokens(1_100), now_s=10.0)
+    kv.on_turn_start("c", tokens(1_100, first=7_000), 12.0)  # a turn in flight: no record
+    a, b = current(kv, "a"), current(kv, "b")
+    # The idle session nearest expiry goes, drained.
+    assert kv.make_room("decode-0", 20.0) == [Evict(record=a, reason=EvictReason.PRESSURE)]
+    assert Evict(record=a, reason=EvictReason.PRESSURE).drainable
+    # Its drain has not shown in the engine's report yet: no second eviction so soon.
+    assert kv.make_room("decode-0", 21.0) == []
+    assert kv.make_room("decode-0", 23.0) == [Evict(record=b, reason=EvictReason.PRESSURE)]
+    assert kv.on_turn_start("a", tokens(1_200), 30.0) == recompute("a", RecomputeReason.EVICTED)
+    # Nothing idle left (a session's turn in flight keeps its KV): nothing to evict.
+    assert kv.make_room("decode-0", 40.0) == []
+    assert kv.idle_bytes("decode-0") == 0

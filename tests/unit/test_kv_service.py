@@ -66,6 +66,7 @@ class Cluster:
         self,
         cls: type[KVService] = KVService,
         idle_budget_bytes: int | None = None,
+        room_kv_cache_usage: float | None = None,
         **kwargs: Any,
     ) -> KVService:
         """A service (``cls``, with ``kwargs`` for its constructor) on these engines."""
@@ -77,6 +78,7 @@ class Cluster:
                 kv_bytes_per_token=100,
                 block_size_tokens=16,
                 idle_budget_bytes_per_engine=idle_budget_bytes,
+                room_kv_cache_usage=room_kv_cache_usage,
             ),
             prefill=self.prefill,
             drain_timeout_s=5.0,
@@ -396,3 +398,35 @@ def test_an_engine_host_heartbeat_carries_its_engine_and_node() -> None:
     assert asyncio.run(run()) == [True, False]
     assert beats == [("decode-0", ["n1", "n2"])] * 2
     assert handle.reports == [report]
+
+
+def test_a_decode_engine_full_of_kept_blocks_gets_room_from_its_idle_sessions() -> None:
+    c = Cluster()
+    c.new_service(room_kv_cache_usage=0.95)
+
+    async def run() -> None:
+        await c.turn(S1_T1, "s1")
+        record = c.service.decider.lifecycle.record("s1")
+        assert record is not None
+        full = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.99}
+        # The decode engine reports its KV cache full with nothing running: the idle
+        # session's record is evicted and drained back to the prefill engine.
+        await c.service.heartbeat(record.engine_id, stats={**full, "kv_cache_usage": 0.5})
+        await c.service.tick()
+        assert c.service.decider.lifecycle.record("s1") is not None  # room to spare
+        await c.service.heartbeat(record.engine_id, stats=full)
+        await c.service.tick()
+        await c.service.wait_drains()
+        assert c.service.decider.lifecycle.record("s1") is None
+        assert c.service.counters["drains"] == 1
+        # The prefill engine's host tells the service what it read; the decode's host
+        # hears it with its next beat (for engines that cannot see their peers' reads).
+        assert await c.service.peer_reads(record.engine_id, []) == []
+        reads = c.prefill.ledger.take_reads()
+        assert reads == [(record.engine_id, str(record.transfer_params.remote_request_id))]
+        assert c.prefill.ledger.take_reads() == []  # each read is passed on once
+        assert await c.service.peer_reads("prefill", reads) == []
+        assert await c.service.peer_reads(record.engine_id, []) == [reads[0][1]]
+        assert await c.service.peer_reads(record.engine_id, []) == []
+
+    asyncio.run(run())

@@ -440,3 +440,80 @@ def test_a_prompt_computed_here_before_is_served_from_the_prefix_cache() -> None
             await engine.shutdown()
 
     run(story())
+
+
+def test_a_decode_in_another_process_is_read_by_its_params_and_frees_when_told() -> None:
+    # Engines in two processes (Serve replicas): two fabrics, one clock. The prefill
+    # reads the decode's kept blocks back by their params (simulated_remote_reads); the
+    # decode frees them when its host is told of the read (peers_read).
+    async def story() -> None:
+        clock = VirtualClock()
+        kv = KVTransferSpec(decoder_kv_blocks_ttl_s=480)
+
+        def engine(engine_spec: EngineSpec) -> SimulatedEngine:
+            return SimulatedEngine(
+                engine_spec, sleep=clock.sleep, clock=clock.time, fabric=SimulatedFabric()
+            )
+
+        p = engine(spec("p0", "prefill", kv=kv, simulated_remote_reads=True))
+        d = engine(spec("d0", "decode", kv=kv, simulated_remote_reads=True))
+        await p.start()
+        await d.start()
+        out_d = await collect(d, req("t1-d", PROMPT, 8, KVTransferParams.keep_for_decode()))
+        back = out_d[-1].kv_transfer_params
+        assert back is not None and d.stats().kv_cache_usage == 13 / 64
+        turn2 = PROMPT + tokens(out_d) + list(range(40))
+        out2 = await collect(p, req("t2-p", turn2, 1, back.pull_back(keep=False)))
+        assert out2[-1].num_cached_tokens == 207 and p.stats().num_kv_transfers == 1
+        assert d.stats().kv_cache_usage == 13 / 64  # not told yet: still kept
+        await d.peers_read(["t1-d"])
+        assert d.stats().kv_cache_usage == 0
+        # Without the setting, a peer elsewhere cannot be read: the pull fails.
+        q = engine(spec("p1", "prefill", kv=kv))
+        await q.start()
+        with pytest.raises(KVTransferFailed):
+            await collect(q, req("t3-p", turn2, 1, back.pull_back(keep=False)))
+        for e in (p, d, q):
+            await e.shutdown()
+
+    run(story())
+
+
+def test_kept_blocks_whose_last_chunk_nobody_took_are_freed() -> None:
+    # The caller gave up (a turn past its deadline) after the decode finished but before
+    # it read the last chunk, whose params name the kept blocks: nobody can read them.
+    async def story() -> None:
+        async with Pair() as pair:
+            d = pair.decode
+            stream = d.generate(req("t1-d", PROMPT, 8, KVTransferParams.keep_for_decode()))
+            await anext(stream)
+            for _ in range(1000):  # the engine's loop runs its steps on the virtual clock
+                if d.stats().num_running == 0:
+                    break
+                await asyncio.sleep(0)
+            assert d.stats().num_running == 0 and d.stats().kv_cache_usage == 13 / 64
+            await stream.aclose()
+            assert d.stats().kv_cache_usage == 0
+
+    run(story())
+
+
+def test_a_request_waiting_for_kept_blocks_starts_when_a_peer_read_frees_them() -> None:
+    # On the real clock: the decode's cache is full of blocks kept for 480 s; a request
+    # waits for room, and starts as soon as a peer's read frees them, not at their TTL.
+    async def story() -> None:
+        kv = KVTransferSpec(decoder_kv_blocks_ttl_s=480)
+        d = SimulatedEngine(spec("d0", "decode", kv=kv, blocks=20), fabric=SimulatedFabric())
+        await d.start()
+        keep = KVTransferParams.keep_for_decode()
+        await collect(d, req("t1-d", PROMPT, 8, keep))  # keeps 13 of 20 blocks
+        waiting = asyncio.ensure_future(collect(d, req("t2-d", PROMPT, 8, keep)))
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert d.stats().num_waiting == 1 and not waiting.done()
+        await d.peers_read(["t1-d"])
+        out = await asyncio.wait_for(waiting, 10.0)
+        assert out[-1].finished and out[-1].finish_reason == "length"
+        await d.shutdown()
+
+    run(story())

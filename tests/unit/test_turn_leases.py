@@ -435,3 +435,35 @@ def test_digest_of_the_leased_last_turn_matches_the_replicas_copy(tiny_tokenizer
             assert ids is not None and lease.digest == prefix_digest(ids)
 
     asyncio.run(story())
+
+
+def test_a_decode_full_of_leased_kv_asks_the_lease_back_and_makes_room() -> None:
+    c = Cluster()
+    c.new_service(room_kv_cache_usage=0.95)
+    c.service.leases.lasts_s = 30.0
+    router, leases = leasing_router(c)
+    svc, alice = c.service, Principal(name="alice")
+    full = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 1.0}
+
+    async def story() -> None:
+        await first_turn_leased(svc, router, "s9", alice)
+        [grant] = svc.leases.grants.values()
+        assert grant.record is not None
+        engine_id = grant.record.engine_id
+        # The decode engine's KV cache is full of kept blocks, nothing running; its one
+        # record is held for replica-a's next turn: the lease is asked back, not evicted.
+        await svc.heartbeat(engine_id, stats=full)
+        await svc.tick()
+        assert svc.decider.lifecycle.record("s9") is not None
+        revoked, _ = await svc.leases.watch("replica-a", 0.0)
+        assert revoked == [grant.lease_id]
+        leases.revoke(revoked)
+        await svc.lease_watch("replica-a", leases.take_released(), 0.0)
+        # Given back, the session is idle: the next tick evicts its record and drains it.
+        await svc.heartbeat(engine_id, stats=full)
+        await svc.tick()
+        await svc.wait_drains()
+        assert svc.decider.lifecycle.record("s9") is None
+        assert svc.counters["drains"] == 1
+
+    asyncio.run(story())
