@@ -83,6 +83,11 @@ class Dashboard:
     def panels(self) -> tuple[Panel, ...]:
         return tuple(p for row in self.rows for p in row.panels)
 
+    @property
+    def by_pool(self) -> bool:
+        """Whether a query filters by the ``$pool`` variable (the dashboard has it)."""
+        return any("$pool" in q.expr for p in self.panels for q in p.queries)
+
 
 POOL = 'pool=~"$pool"'
 POOL_VARIABLE_QUERY = "label_values(kvtide_ttft_seconds_count, pool)"
@@ -430,9 +435,11 @@ _METRIC_NAME = re.compile(r"(?<![\w])kvtide_")
 
 def queries_of(dashboard: Dashboard, source: Source = "kvtide") -> list[str]:
     """Every PromQL expression ``dashboard`` sends: its panels' targets and its
-    ``$pool`` variable's query."""
+    ``$pool`` variable's query, if it has one."""
     exprs = [q.expr for panel in dashboard.panels for q in panel.queries]
-    return [for_source(e, source) for e in (*exprs, POOL_VARIABLE_QUERY)]
+    if dashboard.by_pool:
+        exprs.append(POOL_VARIABLE_QUERY)
+    return [for_source(e, source) for e in exprs]
 
 
 _WIDTH = 24  # Grafana's grid is 24 columns wide
@@ -475,7 +482,6 @@ def _panel_json(
 def dashboard_json(dashboard: Dashboard, source: Source = "kvtide") -> dict[str, Any]:
     """Grafana's dashboard model for ``dashboard``: one collapsible row per ``Row``, its
     panels side by side (ids unique, from 1, in reading order)."""
-    variable_query = for_source(POOL_VARIABLE_QUERY, source)
     panels: list[dict[str, Any]] = []
     y = 0
     for row in dashboard.rows:
@@ -506,35 +512,43 @@ def dashboard_json(dashboard: Dashboard, source: Source = "kvtide") -> dict[str,
         "time": {"from": "now-1h", "to": "now"},
         "timezone": "browser",
         "annotations": {"list": []},
-        "templating": {
-            "list": [
-                {
-                    "name": "datasource",
-                    "label": "Prometheus",
-                    "type": "datasource",
-                    "query": "prometheus",
-                    "current": {},
-                    "hide": 0,
-                    "refresh": 1,
-                },
-                {
-                    "name": "pool",
-                    "label": "Pool",
-                    "type": "query",
-                    "datasource": DATASOURCE,
-                    "definition": variable_query,
-                    "query": {"query": variable_query, "refId": "pool"},
-                    "includeAll": True,
-                    "allValue": ".*",
-                    "multi": True,
-                    "current": {"text": "All", "value": "$__all"},
-                    "refresh": 2,
-                    "hide": 0,
-                },
-            ]
-        },
+        "templating": {"list": _variables(dashboard, source)},
         "panels": panels,
     }
+
+
+def _variables(dashboard: Dashboard, source: Source) -> list[dict[str, Any]]:
+    """``$datasource`` (a Prometheus), and ``$pool`` where a query filters by it."""
+    variables: list[dict[str, Any]] = [
+        {
+            "name": "datasource",
+            "label": "Prometheus",
+            "type": "datasource",
+            "query": "prometheus",
+            "current": {},
+            "hide": 0,
+            "refresh": 1,
+        }
+    ]
+    if dashboard.by_pool:
+        pools = for_source(POOL_VARIABLE_QUERY, source)
+        variables.append(
+            {
+                "name": "pool",
+                "label": "Pool",
+                "type": "query",
+                "datasource": DATASOURCE,
+                "definition": pools,
+                "query": {"query": pools, "refId": "pool"},
+                "includeAll": True,
+                "allValue": ".*",
+                "multi": True,
+                "current": {"text": "All", "value": "$__all"},
+                "refresh": 2,
+                "hide": 0,
+            }
+        )
+    return variables
 
 
 def export_dashboards(directory: str | Path, source: Source = "kvtide") -> list[Path]:

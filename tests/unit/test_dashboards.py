@@ -120,6 +120,16 @@ def test_the_cli_writes_valid_grafana_dashboards(tmp_path: Path, capsys: Any) ->
                 assert target["expr"] and target["datasource"]["uid"] == "${datasource}"
             refs = [t["refId"] for t in panel["targets"]]
             assert len(refs) == len(set(refs))
+        # Every variable a query uses is defined (Grafana's own are $__...).
+        defined = {v["name"] for v in board["templating"]["list"]}
+        used = {
+            name
+            for panel in graphs
+            for target in panel["targets"]
+            for name in re.findall(r"\$(\w+)", target["expr"])
+            if not name.startswith("__")
+        }
+        assert used <= defined, (path.name, used - defined)
     assert main(["dashboards", "export", str(tmp_path / "ray"), "--source", "ray"]) == 0
     ray_board = json.loads((tmp_path / "ray" / "kvtide-serving.json").read_text())
     assert "ray_kvtide_ttft_seconds_bucket" in ray_board["panels"][1]["targets"][0]["expr"]
