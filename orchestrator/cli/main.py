@@ -11,6 +11,8 @@ kvtide key new [--name NAME] [--operator]
 kvtide inspect health|stats|session ID|domains
                                 read-only views of a running kvtide (docs/runbooks/)
 kvtide integrity list|reuse-on  engine pairs whose KV reuse an integrity check turned off
+kvtide dashboards export DIR [--source kvtide|ray]
+                                write kvtide's Grafana dashboards (docs/observability.md)
 """
 
 from __future__ import annotations
@@ -149,6 +151,14 @@ def _cmd_key_new(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_dashboards_export(args: argparse.Namespace) -> int:
+    from orchestrator.observability.dashboards import export_dashboards
+
+    for path in export_dashboards(args.dir, args.source):
+        print(f"wrote {path}")
+    return 0
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from orchestrator.cli.doctor import run_doctor
 
@@ -199,6 +209,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="an operator's key (operator: true): the operator routes, every tenant's ids",
     )
     key_new.set_defaults(func=_cmd_key_new)
+
+    boards = sub.add_parser("dashboards", help="kvtide's Grafana dashboards")
+    boards_sub = boards.add_subparsers(dest="dashboards_command", required=True)
+    export = boards_sub.add_parser("export", help="write each dashboard as DIR/<uid>.json")
+    export.add_argument("dir")
+    export.add_argument(
+        "--source",
+        choices=("kvtide", "ray"),
+        default="kvtide",
+        help="query kvtide's GET /metrics (default) or Ray's endpoints (ray_kvtide_*)",
+    )
+    export.set_defaults(func=_cmd_dashboards_export)
 
     from orchestrator.cli.plan import add_plan_parser
 

@@ -83,7 +83,7 @@ def runbook_env(kvtide_app: Any) -> dict[str, str]:
 def test_every_runbook_has_commands() -> None:
     pages = {where.split(":")[0] for where, _ in COMMANDS}
     expected = {p.name for p in RUNBOOKS.glob("*.md")} - {"README.md"}
-    assert len(expected) == 5 and pages == expected
+    assert len(expected) == 6 and pages == expected
 
 
 @pytest.mark.parametrize(("where", "command"), COMMANDS, ids=[w for w, _ in COMMANDS])

@@ -108,6 +108,7 @@ def test_the_index_lists_every_runbook() -> None:
         "idle-sessions-hold-decode-memory.md",
         "kv-transfer-failures.md",
         "later-turns-slow.md",
+        "rolling-upgrade-and-head-restart.md",
     ]
     for page in PAGES:
         assert f"]({page.name})" in index
