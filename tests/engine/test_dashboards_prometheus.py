@@ -59,7 +59,9 @@ def _turns_served(app: Any) -> float:
     return sum(float(n) for n in re.findall(r"^kvtide_ttft_seconds_count\{.*\} (\S+)$", text, re.M))
 
 
-def test_the_dashboards_show_a_running_kvtides_turns(kvtide_app: Any, tmp_path: Path) -> None:
+def test_the_dashboards_show_a_running_kvtides_turns(
+    kvtide_app: Any, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     target = kvtide_app.base_url.removeprefix("http://")
     with running_prometheus(target, tmp_path) as port:
 
@@ -78,6 +80,11 @@ def test_the_dashboards_show_a_running_kvtides_turns(kvtide_app: Any, tmp_path: 
         words = " ".join(rng.choice(vocabulary) for _ in range(600))
         messages = [{"role": "user", "content": words + "\nSummarise."}]
         session = f"dashboards-{rng.random()}"
+        # Closed at the end, as a client that is done does: the tests after this one
+        # share the decode engine's idle budget (kv.idle_budget_mib_per_engine).
+        request.addfinalizer(
+            lambda: httpx.delete(f"{kvtide_app.base_url}/kvtide/sessions/{session}", timeout=30)
+        )
         for turn, question in enumerate(("Which pool?", "Which engine?", None), start=1):
             answer = chat(kvtide_app, messages, session, max_tokens=8)
             wait_for(lambda t=turn: scraped(before + t), 60, f"Prometheus to scrape turn {turn}")

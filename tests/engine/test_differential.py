@@ -327,12 +327,21 @@ def _responses_chain(
                     tally.fail(f"{where}: input tokens {apart:+d} apart after {answered}")
                 else:
                     tally.allow("token continuity")
+                _close_chain(kvtide, previous)
                 return turn + 1, turn, 1
             answered += b["body"]["usage"]["output_tokens"]
         tally.compare(a, b, where)
         if a["status"] != 200:
             break
+    _close_chain(kvtide, previous)
     return 1 + len(later), len(later), 0
+
+
+def _close_chain(kvtide: httpx.Client, previous: dict[str, str]) -> None:
+    """kvtide's chain freed, as a client that is done does (its last response deleted
+    closes its session): the tests after this one share the decode's idle budget."""
+    if "kvtide" in previous:
+        assert kvtide.delete(f"/v1/responses/{previous['kvtide']}").status_code == 200
 
 
 def test_kvtide_answers_the_corpus_as_vllms_own_server(

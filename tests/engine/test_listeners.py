@@ -76,10 +76,16 @@ def side_channels() -> set[tuple[str, int]]:
     return found
 
 
-def test_nothing_kvtide_started_listens_beyond_loopback(kvtide_app: Any) -> None:
+def test_nothing_kvtide_started_listens_beyond_loopback(
+    kvtide_app: Any, request: pytest.FixtureRequest
+) -> None:
     # A session's turn: its decode engine keeps session KV, so the service starts the
-    # host tier's store on that node (its NIXL handshake listens from then on).
+    # host tier's store on that node (its NIXL handshake listens from then on). Closed at
+    # the end: the tests after this one share the decode engine's idle budget.
     chat(kvtide_app, [{"role": "user", "content": "listen"}], "listeners-1", max_tokens=4)
+    request.addfinalizer(
+        lambda: httpx.delete(f"{kvtide_app.base_url}/kvtide/sessions/listeners-1", timeout=30)
+    )
     deadline = time.monotonic() + 120
     while kvtide_stats(kvtide_app)["kv"]["host_tier"].get("num_stores", 0) < 1:
         assert time.monotonic() < deadline, "no host store started within 120 s"
