@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from engines.host_blocks import BlockPool
 from engines.nixl_wire import (
     UnsupportedEngine,
     advertised_meta,
@@ -180,7 +181,6 @@ class HostStore:
         self.store_id = store_id
         self.num_blocks = num_blocks or 0  # sized at the first take-in from capacity_bytes
         self.capacity_bytes = capacity_bytes
-        self.reuse_after_s = reuse_after_s
         self.host, self.port = side_channel_host, side_channel_port
         self.ttl_s, self.free_after_read = ttl_s, free_after_read
         self.progress_wait_ms, self.poll_s, self.clock = progress_wait_ms, poll_s, clock
@@ -192,8 +192,7 @@ class HostStore:
         self._agent: Any = None
         self._peers: dict[str, _Peer] = {}
         self._entries: dict[str, _Entry] = {}
-        self._free: list[int] = list(range(self.num_blocks))
-        self._resting: list[tuple[float, list[int]]] = []  # (reusable at, blocks)
+        self.blocks = BlockPool(self.num_blocks, reuse_after_s=reuse_after_s, clock=clock)
         self._late: list[_LateRead] = []  # READs past their deadline, not over yet
         self._next_id = 0
         self._stats = StoreStats(num_free_blocks=self.num_blocks)
@@ -204,6 +203,15 @@ class HostStore:
         self._local_dlist: Any = None
         self._compat_hash: str | None = None
         self._engine_meta: NixlAgentMetadata | None = None
+
+    @property
+    def reuse_after_s(self) -> float:
+        """How long a released or expired block rests before reuse (``BlockPool``)."""
+        return self.blocks.reuse_after_s
+
+    @reuse_after_s.setter
+    def reuse_after_s(self, seconds: float) -> None:
+        self.blocks.reuse_after_s = seconds
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -248,7 +256,7 @@ class HostStore:
                     f"the store's capacity ({self.capacity_bytes} bytes)"
                 )
             with self._lock:
-                self._free = list(range(self.num_blocks))
+                self.blocks.resize(self.num_blocks)
         self.buffer = np.zeros(self.num_blocks * sum(lens), dtype=np.uint8)
         base = self.buffer.ctypes.data
         offsets = np.cumsum([0, *lens[:-1]]) * self.num_blocks
@@ -352,9 +360,10 @@ class HostStore:
                 )
         [source_blocks] = params["remote_block_ids"]
         with self._lock:
-            if len(source_blocks) > len(self._free):
+            taken = self.blocks.take(len(source_blocks))
+            if taken is None:
                 return None
-            mine, self._free = self._free[: len(source_blocks)], self._free[len(source_blocks) :]
+            mine = taken
             store_rid = f"{self.store_id}-{self._next_id}"
             self._next_id += 1
         # The notification a reading peer sends (vLLM's _read_blocks): one consumer.
@@ -381,7 +390,7 @@ class HostStore:
             )
         if state != "DONE":
             with self._lock:
-                self._free.extend(mine)
+                self.blocks.give_back(mine)
             raise TakeInFailed(f"READ of {where}: {state}")
         expires_at = self.clock() + self.ttl_s
         copy = {
@@ -499,7 +508,7 @@ class HostStore:
             log.info("host store: the late READ of %s ended %s", read.where, state)
             with self._lock:
                 self._late.remove(read)
-                self._free.extend(read.block_ids)  # no entry, no reader names them
+                self.blocks.give_back(read.block_ids)  # no entry, no reader names them
 
     def _on_notif(self, msg: str) -> None:
         """``f"{request_id}:{consumers}"`` after a reader's READ; ``HB:...`` a reader's
@@ -524,16 +533,11 @@ class HostStore:
             for rid in [r for r, e in self._entries.items() if e.expires_at <= now]:
                 self._drop(rid)
                 self._stats.num_expired += 1
-            while self._resting and self._resting[0][0] <= now:
-                self._free.extend(self._resting.pop(0)[1])
+            self.blocks.wake(now)
 
     def _drop(self, rid: str, *, rest: bool = True) -> None:
         """Free an entry's blocks: at once, or (``rest``) after ``reuse_after_s``."""
-        entry = self._entries.pop(rid)
-        if rest and self.reuse_after_s > 0:
-            self._resting.append((self.clock() + self.reuse_after_s, entry.block_ids))
-        else:
-            self._free.extend(entry.block_ids)
+        self.blocks.give_back(self._entries.pop(rid).block_ids, rest=rest)
 
     # ---- queries and operator calls -------------------------------------------------------
     def release(self, store_request_id: str) -> bool:
@@ -571,6 +575,6 @@ class HostStore:
     def stats(self) -> StoreStats:
         with self._lock:
             s = dataclasses.replace(self._stats)
-            s.num_free_blocks, s.num_entries = len(self._free), len(self._entries)
+            s.num_free_blocks, s.num_entries = self.blocks.num_free, len(self._entries)
             s.num_reads_in_flight = len(self._late)
             return s

@@ -35,7 +35,7 @@ def _store(clock: Clock, *, free_after_read: bool) -> HostStore:
         clock=clock,
     )
     # What take_in leaves: blocks 0-2 taken, one entry expiring ttl_s from now.
-    store._free = store._free[3:]
+    store.blocks.take(3)
     store._entries["hs-0"] = _Entry(
         block_ids=[0, 1, 2], source_engine_id="d", num_tokens=90, expires_at=clock() + 60
     )
@@ -114,7 +114,7 @@ def test_released_blocks_rest_before_reuse_blocks_a_reader_freed_do_not() -> Non
     store._entries["hs-1"] = _Entry(
         block_ids=[0, 1], source_engine_id="d", num_tokens=40, expires_at=clock() + 60
     )
-    store._free = store._free[2:]
+    store.blocks.take(2)
     store._on_notif("hs-1:1")
     assert store.stats().num_free_blocks == 8
 
