@@ -330,6 +330,15 @@ class KVConfig(StrictSection):
         "it the request gets 503 service_unavailable with Retry-After; calls to a restarting "
         "service wait for the new instance up to this long.",
     )
+    kept_check_grace_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="How old a decode engine's kept KV must be before its host asks the KV "
+        "service whether a turn's hand-over booked it; KV nobody booked (the turn's deadline "
+        "passed as it finished, its ingress died) is then drained instead of pinned until "
+        "decoder_kv_blocks_ttl_s. Longer than a hand-over takes (service_timeout_s).",
+    )
     service_start_timeout_s: float = Field(
         120.0,
         gt=0,

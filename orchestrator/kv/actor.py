@@ -34,6 +34,7 @@ from orchestrator.kv.durable import BoundedStore, RayKVStore
 from orchestrator.kv.envelope import decode_result, dispatch, encode_call
 from orchestrator.kv.host_nodes import NodeStores, app_store_names
 from orchestrator.kv.host_tier import HostTierSpec, lookup_host_store
+from orchestrator.kv.kept_check import KeptLedger, check_kept
 from orchestrator.kv.messages import LedgerReport
 from orchestrator.kv.service import API_METHODS, KVService, KVServiceAPI, merge_counters
 from orchestrator.observability.metrics import make_metrics
@@ -347,6 +348,8 @@ class EpochWatcher:
     ``page_bytes``. With ``reads`` (the kept blocks its engine read since the last call)
     and ``peers_read`` (its engine frees blocks peers read), each beat also passes reads
     to their holders (``peer_reads``): for engines that cannot see their peers' reads.
+    With ``kept`` (a decode host's ledger), each beat then asks about the entries past
+    their grace and sends those no hand-over booked to be drained (``check_kept``).
     """
 
     def __init__(
@@ -362,7 +365,9 @@ class EpochWatcher:
         page_bytes: int = 4 * 2**20,
         reads: Callable[[], list[tuple[str, str]]] | None = None,
         peers_read: Callable[[list[str]], Awaitable[None]] | None = None,
+        kept: KeptLedger | None = None,
     ) -> None:
+        self.kept = kept
         self.reads = reads
         self.peers_read = peers_read
         self._unsent_reads: list[tuple[str, str]] = []
@@ -397,12 +402,14 @@ class EpochWatcher:
             self._unsent_reads = []  # sent: not again (a failed call keeps them)
             if freed:
                 await self.peers_read(freed)
-        if epoch == self.reported_epoch:
-            return False
-        for page in self.report().pages(self.page_bytes):
-            await asyncio.wait_for(handle.restore.remote(page), self.timeout_s)
-        self.reported_epoch = epoch
-        return True
+        reported = bool(epoch != self.reported_epoch)
+        if reported:
+            for page in self.report().pages(self.page_bytes):
+                await asyncio.wait_for(handle.restore.remote(page), self.timeout_s)
+            self.reported_epoch = epoch
+        if self.kept is not None:
+            await check_kept(handle, self.kept, self.timeout_s)
+        return reported
 
     async def run_forever(self) -> None:
         while True:

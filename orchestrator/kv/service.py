@@ -33,6 +33,8 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
+import msgspec
+
 from orchestrator.kv.adoption import LedgerAdoption, rebuild_from_marks
 from orchestrator.kv.decider import KVDecider
 from orchestrator.kv.drains import Drains, HostTier, PrefillPool, host_record
@@ -40,11 +42,13 @@ from orchestrator.kv.durable import BoundedStore, DurableStore, MemoryStore, Wri
 from orchestrator.kv.engines import EngineRegistry, count_decode_paths, engine_pool
 from orchestrator.kv.host_reads import HostReads, restore_host_reads
 from orchestrator.kv.integrity import ReuseOff
+from orchestrator.kv.kept_check import KeptCheck, KeptRef, KeptVerdict
 from orchestrator.kv.lease_desk import LeaseDesk
 from orchestrator.kv.messages import (
     Claim,
     Handover,
     IntegrityMismatch,
+    KeptBlocks,
     KVDecision,
     LeaseWatch,
     LedgerReport,
@@ -150,6 +154,10 @@ class KVServiceAPI(Protocol):
         self, engine_id: str, node_ids: Sequence[str] = (), stats: dict[str, Any] | None = None
     ) -> str: ...
 
+    async def kept_check(self, refs: list[KeptRef]) -> KeptVerdict: ...
+
+    async def kept_orphans(self, kept: list[KeptBlocks]) -> int: ...
+
     async def peer_reads(self, engine_id: str, reads: Sequence[tuple[str, str]]) -> list[str]: ...
 
     async def engines_lost(self, engine_ids: Sequence[str]) -> int: ...
@@ -188,6 +196,7 @@ class KVService:
         handover_wait_s: float = HANDOVER_WAIT_S,
         turn_lease_s: float = 0.0,
         host: HostTier | None = None,
+        kept_check_margin_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -294,6 +303,18 @@ class KVService:
         self.metrics = MetricsBook(silence_s=engine_silence_s)
         # The engines' loads with their last progress: which are short of KV (_make_room).
         self.engine_book = EngineBook()
+        # Decode blocks no hand-over booked, found by the hosts' checks (kept_check.py).
+        lifecycle = self.decider.lifecycle
+        self.unbooked = KeptCheck(
+            retention_s=config.ttl_s,
+            margin_s=kept_check_margin_s,
+            clock=clock,
+            busy=lambda sid: (
+                self.adoption.restoring
+                or (sid is not None and (sid in self.running or lifecycle.held(sid)))
+            ),
+            drain=self.drains.drain,
+        )
         # Engine pairs whose reuse an integrity check turned off (``orchestrator.kv.integrity``).
         self.reuse_off = ReuseOff(
             store=self.store, lifecycle=self.decider.lifecycle, wall_clock=wall_clock
@@ -302,7 +323,12 @@ class KVService:
     @property
     def counters(self) -> dict[str, int]:
         """The service's counters, from its parts (a copy)."""
-        return {**self.drains.counters, **self.adoption.counters, **self.engines.counters}
+        return {
+            **self.drains.counters,
+            **self.adoption.counters,
+            **self.engines.counters,
+            **self.unbooked.counters,
+        }
 
     @property
     def engine_silence_s(self) -> float:
@@ -376,8 +402,16 @@ class KVService:
 
     async def turn_done(self, done: TurnDone) -> Handover:
         """Book the turn's kept blocks and the session's tokens (``SessionTurns.done``);
-        the answer may hold the session's next turn for ``done.holder`` (a lease)."""
-        return self.turns.done(done)
+        the answer may hold the session's next turn for ``done.holder`` (a lease). Blocks
+        a host's check found unbooked before this came are not booked (``KeptCheck``):
+        the turn hands over as one that kept no KV."""
+        params = done.kv_transfer_params
+        if self.unbooked.refused(params):
+            done = msgspec.structs.replace(done, kv_transfer_params=None)
+        handover = self.turns.done(done)
+        if handover.accepted:
+            self.unbooked.booked(params)
+        return handover
 
     async def turn_abandoned(self, session_id: str | None) -> None:
         if session_id is not None:
@@ -508,6 +542,15 @@ class KVService:
         ``node_ids`` and its engine's counters ``stats``; returns the epoch."""
         self.engines.heartbeat(engine_id, node_ids, stats, self.clock())
         return self.epoch
+
+    async def kept_check(self, refs: list[KeptRef]) -> KeptVerdict:
+        """A decode host's kept entries, past their grace: which no hand-over booked
+        (``KeptCheck.check``)."""
+        return self.unbooked.check(refs)
+
+    async def kept_orphans(self, kept: list[KeptBlocks]) -> int:
+        """The entries a check called orphans, whole: drained (``KeptCheck``)."""
+        return self.unbooked.drain_orphans(kept)
 
     async def peer_reads(self, engine_id: str, reads: Sequence[tuple[str, str]]) -> list[str]:
         """An engine host's reads of other engines' kept blocks since its last call

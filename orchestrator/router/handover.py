@@ -179,7 +179,8 @@ class HandOver:
                     self.leases.unconfirmed(sid, done.next_lease_id)
                 # The service is unreachable (its client's deadline passed): end the
                 # claim if it can be reached now; otherwise its tick ends it. The kept
-                # blocks stay with their engine until its TTL.
+                # blocks stay with their engine until its host's check finds them
+                # unbooked and the service drains them (``orchestrator.kv.kept_check``).
                 self.metrics.inc("kvtide_turn_handover_failures_total")
                 log.warning(
                     "turn %s: could not hand over to the service: %s", report.request_id, exc

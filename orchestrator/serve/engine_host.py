@@ -211,6 +211,7 @@ class EngineHost:
             role=role,
             ttl_s=config.kv.decoder_kv_blocks_ttl_s,
             clock=time.monotonic,
+            check_grace_s=config.kv.kept_check_grace_s if role == "decode" else None,
         )
         app = ctx.app_name
         where = self.placement()
@@ -226,6 +227,7 @@ class EngineHost:
             # the reader's host passes them on through the service.
             reads=self.ledger.take_reads if config.backend == "simulated" else None,
             peers_read=self.engine.peers_read,
+            kept=self.ledger if role == "decode" else None,
         )
         self._watcher = asyncio.get_running_loop().create_task(watcher.run_forever())
 

@@ -13,6 +13,10 @@ them). Two facts, each seen by one engine host, settle it:
 
 Kept minus consumed, minus expired, is exactly what the decode engines still hold. Each
 host keeps its half until the blocks' TTL passes, then forgets it. The clock is passed in.
+
+A decode host also asks the running service about each entry once it is ``check_grace_s``
+old (``due_checks``): one no hand-over booked is drained (``orchestrator.kv.kept_check``).
+Entries sent whole to a new epoch (``report``) are that epoch's adoption's, not checked.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from engines.base import GenerateChunk, GenerateRequest
 from engines.kv_params import KVTransferParams
 from orchestrator.bounded import BoundedMap
+from orchestrator.kv.kept_check import KeptRef
 from orchestrator.kv.messages import KeptBlocks, LedgerReport
 
 __all__ = ["MAX_UNSENT_READS", "EngineLedger"]
@@ -48,9 +53,16 @@ class EngineLedger:
     """One engine host's half of the ledger. Single-threaded (the host's event loop)."""
 
     def __init__(
-        self, *, engine_id: str, role: str, ttl_s: float, clock: Callable[[], float]
+        self,
+        *,
+        engine_id: str,
+        role: str,
+        ttl_s: float,
+        clock: Callable[[], float],
+        check_grace_s: float | None = None,
     ) -> None:
         self.engine_id = engine_id
+        self.check_grace_s = check_grace_s
         self.role = role
         self.ttl_s = ttl_s
         self.clock = clock
@@ -59,6 +71,9 @@ class EngineLedger:
         self._kept: BoundedMap[tuple[str, str], _Kept] = BoundedMap()
         self._consumed: BoundedMap[tuple[str, str], None] = BoundedMap()
         self._reads: deque[tuple[str, str]] = deque(maxlen=MAX_UNSENT_READS)
+        # Kept entries not checked yet (finish order), and those to ask about again.
+        self._unchecked: deque[tuple[str, str]] = deque()
+        self._again: set[tuple[str, str]] = set()
 
     def __len__(self) -> int:
         return len(self._kept) + len(self._consumed)
@@ -115,6 +130,8 @@ class EngineLedger:
             finished_s=now,
         )
         self._kept.put((engine_id, request_id), kept_blocks, expires_s=expiry_s)
+        if self.check_grace_s is not None:
+            self._unchecked.append((engine_id, request_id))
 
     def on_read(self, params: KVTransferParams | None) -> None:
         """A prefill request that read kept blocks succeeded: the decode engine freed them."""
@@ -133,26 +150,70 @@ class EngineLedger:
         reads, self._reads = list(self._reads), deque(maxlen=MAX_UNSENT_READS)
         return reads
 
-    def report(self) -> LedgerReport:
-        """What the service needs to rebuild, with times as durations from now."""
+    def due_checks(self) -> list[KeptRef]:
+        """The kept entries ``check_grace_s`` old or more not checked yet, and those the
+        service asked about again; each leaves the ledger's queue as it is returned."""
+        if self.check_grace_s is None:
+            return []
         now = self.clock()
         self._prune(now)
-        kept = [
-            KeptBlocks(
-                engine_id=engine_id,
-                request_id=request_id,
-                session_id=k.session_id,
-                block_ids=list(k.block_ids),
-                num_tokens=k.num_tokens,
-                token_ids=list(k.token_ids),
-                kv_transfer_params=k.params,
-                expires_in_s=k.expiry_s - now,
-                age_s=now - k.finished_s,
-            )
-            for (engine_id, request_id), k in self._kept.items()
-        ]
+        due: list[tuple[str, str]] = [k for k in self._again if k in self._kept]
+        self._again.clear()
+        while self._unchecked:
+            key = self._unchecked[0]
+            kept = self._kept.get(key)
+            if kept is not None and now - kept.finished_s < self.check_grace_s:
+                break
+            self._unchecked.popleft()
+            if kept is not None:
+                due.append(key)
+        return [self._ref(key, now) for key in due]
+
+    def check_again(self, keys: Sequence[tuple[str, str]]) -> None:
+        """Ask about these entries (engine and request ids) at the next check: their
+        turn may still hand over."""
+        self._again.update((e, r) for e, r in keys)
+
+    def kept(self, keys: Sequence[tuple[str, str]]) -> list[KeptBlocks]:
+        """These entries whole, those the ledger still has."""
+        now = self.clock()
+        pairs = [(e, r) for e, r in keys]
+        return [self._whole(key, k, now) for key in pairs if (k := self._kept.get(key))]
+
+    def _ref(self, key: tuple[str, str], now: float) -> KeptRef:
+        kept = self._kept.get(key)
+        assert kept is not None
+        return KeptRef(
+            engine_id=key[0],
+            request_id=key[1],
+            session_id=kept.session_id,
+            age_s=now - kept.finished_s,
+        )
+
+    def report(self) -> LedgerReport:
+        """What the service needs to rebuild, with times as durations from now. Its
+        entries are the new epoch's to adopt: none is checked after it."""
+        now = self.clock()
+        self._prune(now)
+        self._unchecked.clear()
+        self._again.clear()
+        kept = [self._whole(key, k, now) for key, k in self._kept.items()]
         return LedgerReport(
             engine_id=self.engine_id, role=self.role, kept=kept, consumed=list(self._consumed)
+        )
+
+    @staticmethod
+    def _whole(key: tuple[str, str], k: _Kept, now: float) -> KeptBlocks:
+        return KeptBlocks(
+            engine_id=key[0],
+            request_id=key[1],
+            session_id=k.session_id,
+            block_ids=list(k.block_ids),
+            num_tokens=k.num_tokens,
+            token_ids=list(k.token_ids),
+            kv_transfer_params=k.params,
+            expires_in_s=k.expiry_s - now,
+            age_s=now - k.finished_s,
         )
 
     def _prune(self, now: float) -> None:
