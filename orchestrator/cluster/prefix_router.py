@@ -27,6 +27,7 @@ on a thread of their own; a lock keeps the index whole.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -61,6 +62,8 @@ __all__ = ["PrefixAwareRouter", "prefill_router_config"]
 # its functions carry copies of the module-level objects they use. The notes must be
 # this process's own book, so they are reached through ``route_notes.put`` (a module
 # function, pickled by name).
+
+log = logging.getLogger("kvtide.prefix_router")
 
 # Routed-but-not-yet-sent requests remembered (one per request being routed).
 _MAX_PENDING = 4096
@@ -123,6 +126,14 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         loads = await self._queue_lengths(candidate_replicas)
         if not loads:  # no replica answered: let Serve probe them all
             return [candidate_replicas]
+        if len(loads) < len(candidate_replicas):
+            log.warning(
+                "prefill routing chose among %s: %d of %d replicas did not report their "
+                "queue length in time",
+                sorted(loads),
+                len(candidate_replicas) - len(loads),
+                len(candidate_replicas),
+            )
         self._find_publishers(candidate_replicas)
         hashes = self._prefix.hashes(request.prompt_token_ids)
         with self._lock:

@@ -602,6 +602,7 @@ class KVService:
             **self.decider.stats(),
             "bytes_held": {e: lifecycle.bytes_held(e) for e in engines},
             **self.drains.stats(),
+            **self.unbooked.counters,  # kept decode blocks no hand-over booked (kept_check)
             # A turn held for an ingress replica is not running until it is used.
             "num_turns_running": len(self.running) - self.leases.num_unused(),
             "num_turns_leased": self.leases.num_unused(),

@@ -40,9 +40,11 @@ def test_a_conversations_turns_stay_on_the_prefill_engine_that_holds_its_history
     result = json.loads(done.stdout.strip().splitlines()[-1])
     conversations = result["conversations"]
     firsts = [turns[0] for turns in conversations]
-    # New conversations spread over the idle engines.
-    assert [t["prefill_route_reason"] for t in firsts] == ["least_loaded", "least_loaded"]
-    assert firsts[0]["prefill_replica"] != firsts[1]["prefill_replica"]
+    # New conversations spread over the idle engines. (The driver's log says why not:
+    # a replica whose queue length the router could not read in time is left out.)
+    why = (firsts, done.stderr[-6000:])
+    assert [t["prefill_route_reason"] for t in firsts] == ["least_loaded", "least_loaded"], why
+    assert firsts[0]["prefill_replica"] != firsts[1]["prefill_replica"], why
     for turns in conversations:
         first = turns[0]
         for n, turn in enumerate(turns[1:], start=2):

@@ -30,6 +30,7 @@ BLOCK_TOKENS = 128  # the simulated engine's block on CPU
 TURN_BLOCKS = DECODE_KV_BLOCKS // 2  # two session turns fill the decode's KV cache
 BURST = 8  # session turns at once: four times what the decode engine runs together
 POLL_S = 0.2
+KEPT_CHECK_GRACE_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]]:
     from orchestrator import runtime
 
     config = overload_config(tmp_path_factory.mktemp("ovs"))
+    config.kv.kept_check_grace_s = KEPT_CHECK_GRACE_S
     with runtime.running(config, say=lambda _: None) as base_url:
         yield base_url, config
 
@@ -163,3 +165,67 @@ def test_a_burst_of_session_turns_that_fills_the_decode_kv_heals(app: tuple[str,
     )
     status, body = health(base_url)
     assert (status, body["status"]) == (200, "ok")
+
+
+def test_a_decode_whose_turn_never_hands_over_has_its_kept_blocks_freed(
+    app: tuple[str, Any],
+) -> None:
+    """An ingress that dies between its decode's last token and the hand-over (or whose
+    deadline passes right then): the decode engine keeps the session's blocks and the
+    service never hears of them. Before, they stayed pinned for the decode TTL (480 s);
+    now the decode host's check finds them unbooked after ``kv.kept_check_grace_s`` and
+    the service drains them (``orchestrator.kv.kept_check``). The turn is run here as
+    the router runs one, straight on the pools' Serve handles, with no hand-over."""
+    import asyncio
+
+    from ray import serve
+
+    from engines.base import GenerateRequest, final_chunk
+    from engines.kv_params import KVTransferParams
+    from orchestrator import runtime
+    from orchestrator.serve.engine_host import deployment_name
+
+    base_url, _ = app
+    assert decode_blocks_used(base_url) == 0  # the previous test left nothing kept
+    drained_before = get(base_url, "/kvtide/stats")["kept_orphans_drained"]
+
+    def pool(name: str) -> Any:
+        handle = serve.get_deployment_handle(deployment_name(name), runtime.APP_NAME)
+        return handle.options(stream=True)
+
+    async def turn_without_hand_over() -> None:
+        prompt = list(range(1, 3 * BLOCK_TOKENS))
+        pre = await final_chunk(
+            pool("prefill").generate.remote(
+                GenerateRequest(
+                    request_id="lost-1-p",
+                    prompt_token_ids=prompt,
+                    max_tokens=1,
+                    kv_transfer_params=KVTransferParams.keep_for_decode(),
+                    session_id="lost",
+                )
+            )
+        )
+        assert pre.kv_transfer_params is not None
+        last = await final_chunk(
+            pool("decode").generate.remote(
+                GenerateRequest(
+                    request_id="lost-1-d",
+                    prompt_token_ids=[*prompt, *pre.token_ids],
+                    max_tokens=8,
+                    kv_transfer_params=pre.kv_transfer_params.for_decode(keep=True),
+                    session_id="lost",
+                )
+            )
+        )
+        assert last.kv_transfer_params is not None
+        assert last.kv_transfer_params.kept_blocks() is not None  # the decode kept them
+
+    asyncio.run(turn_without_hand_over())
+    wait_until(
+        "decode blocks used after a turn that never handed over",
+        lambda: (decode_blocks_used(base_url) == 0, kv_state(base_url)),
+        within_s=KEPT_CHECK_GRACE_S + 10.0,
+    )
+    drained = get(base_url, "/kvtide/stats")["kept_orphans_drained"] - drained_before
+    assert drained == 1  # that turn's blocks, once
