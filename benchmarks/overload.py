@@ -27,8 +27,11 @@ TURN_PROMPT = "lorem ipsum " * 20
 CAPACITY_TURNS = DECODE_KV_BLOCKS // math.ceil((TURN_MAX_TOKENS + 60) / 128)
 
 
-def overload_config(tmp: Path, *, request_timeout_s: float = 4.0) -> Any:
-    """The app under overload (see the module); a private Ray temp dir under ``tmp``."""
+def overload_config(
+    tmp: Path, *, request_timeout_s: float = 4.0, kv: dict[str, Any] | None = None
+) -> Any:
+    """The app under overload (see the module); a private Ray temp dir under ``tmp``;
+    ``kv``: more of the ``kv`` section."""
     from engines.tiny_model import generate_tiny_model
     from orchestrator.cluster.ports import free_port
     from orchestrator.config import parse_config
@@ -45,7 +48,7 @@ def overload_config(tmp: Path, *, request_timeout_s: float = 4.0) -> Any:
             },
             # Simulated engines in two processes cannot read each other's blocks: the
             # decode computes the prompt itself.
-            "kv": {"kv_load_failure_policy": "recompute", "prefill_lease_s": 5},
+            "kv": {"kv_load_failure_policy": "recompute", "prefill_lease_s": 5, **(kv or {})},
             "server": {"port": free_port(), "request_timeout_s": request_timeout_s},
             "admission": {"max_waiting_per_engine": 4, "stall_s": 3, "retry_after_s": 1},
             "ray": {"temp_dir": str(tmp / "ray"), "num_cpus": 16},

@@ -22,7 +22,8 @@ the service answers:
   the drain never races a record of the same blocks;
 - **unknown**: older than what the service remembers (``retention_s``, or a booking
   dropped past ``max_entries``), or from before the service's epoch (a restart's
-  ledger adoption, ``orchestrator.kv.adoption``, owns those): left to the TTL, since
+  ledger adoption, ``orchestrator.kv.adoption``, owns those; the host sends none of
+  them, as its report to a new epoch ends their checks): left to the TTL, since
   a drain of blocks that a forgotten booking's pull already freed would read whatever
   the engine put in them since.
 """
@@ -140,10 +141,12 @@ class KeptCheck:
                 if seen == ORPHAN:
                     orphans.append(key)  # its whole entry did not come yet
                 continue
-            finished_s = now - ref.age_s - self.margin_s  # the earliest it can have been
+            # The host checks nothing it finished before its report to this epoch (those
+            # are the adoption's): the first test is a second guard. The others allow
+            # for the check's transit, which makes an entry look younger than it is.
             if (
-                finished_s <= self.started_s
-                or finished_s <= self._forgot_before_s
+                now - ref.age_s <= self.started_s
+                or now - ref.age_s - self.margin_s <= self._forgot_before_s
                 or ref.age_s + self.margin_s >= self.retention_s
             ):
                 self.counters["kept_unknown"] += 1
