@@ -60,6 +60,7 @@ from engines.kv_params import KVTransferParams
 from orchestrator.kv.messages import LeasedRecord
 from policies.kv_cost import worth_pulling
 from policies.kv_records import KVLifecycleConfig, KVRecord, RecomputeReason
+from policies.turn_state import REFUSED_KEPT, Grant, RestoredLeases, proposals_allowed
 
 __all__ = [
     "HANDOVER_WAIT_S",
@@ -76,20 +77,8 @@ HANDOVER_WAIT_S = 5.0
 (and a provisional lease's use for its grant); the lease's margin before an offer ends."""
 
 
-REFUSED_KEPT = 4096
-"""How many refused proposals the book remembers (their hand-overs come within
-``grace_s`` of the refusal, or never)."""
-
 WATCH_WAIT_S = 2.0
 """How long a lessee's ``lease_watch`` call waits at the service for a revocation."""
-
-
-def proposals_allowed(config: KVLifecycleConfig, lasts_s: float) -> bool:
-    """Whether a hand-over may propose its next turn's lease (a provisional lease): leases
-    on and no idle budget (under one, a record booked over it is evicted at once, and
-    holding every proposed record would keep the engines over it). Both sides ask it: the
-    lessee before it proposes, the service before it grants a proposal."""
-    return lasts_s > 0 and config.idle_budget_bytes_per_engine is None
 
 
 def offer_of(
@@ -119,18 +108,6 @@ def offer_of(
         not_worth=None if not_worth is None else not_worth.value,
         source_pool=record.pool_id,
     )
-
-
-@dataclass(slots=True)
-class Grant:
-    """A lease as the service books it."""
-
-    session_id: str
-    holder: str
-    lease_id: int
-    record: KVRecord | None
-    lapses_s: float  # service clock: lasts_s + grace_s after the grant
-    used: bool = False
 
 
 @dataclass(slots=True)
@@ -287,58 +264,3 @@ class LeaseBook:
     def forget_silent(self, now: float) -> None:
         for name in [h for h, s in self._holders.items() if now - s.last_seen_s > 60.0]:
             del self._holders[name]
-
-
-@dataclass(slots=True)
-class _Restored:
-    session_id: str
-    holder: str | None
-    lapses_s: float
-    vouched: bool = False
-
-
-class RestoredLeases:
-    """Unused leases a previous service instance granted, known to a restarted one only
-    by their running marks (``orchestrator.kv.marks``). Each mark ends on its lessee's
-    evidence: the lessee gives the lease back or uses it (``pop``), or its watch reports
-    the leases it still holds and this one is not among them (``vouched``: a lease whose
-    grant never reached it, or that it gave back before the restart and whose mark the
-    old instance had no time to clear). One its lessee vouches for is a running turn
-    like any (it ends with its turn). One nobody vouches for lapses when the lease would
-    have (``lapsed``). The caller clears the returned sessions' running marks."""
-
-    def __init__(self) -> None:
-        self._by_id: dict[int, _Restored] = {}
-
-    def __len__(self) -> int:
-        return len(self._by_id)
-
-    def add(self, lease_id: int, session_id: str, holder: str | None, lapses_s: float) -> None:
-        self._by_id[lease_id] = _Restored(session_id, holder, lapses_s)
-
-    def pop(self, lease_id: int) -> str | None:
-        restored = self._by_id.pop(lease_id, None)
-        return None if restored is None else restored.session_id
-
-    def vouched(self, holder: str, held: Collection[int]) -> list[str]:
-        """``holder`` holds exactly the leases ``held``: its restored leases not among
-        them are over (returned), unless it vouched for them before (they ended since,
-        with their turn or given back: their marks went then); those among them are now
-        its running turns, kept here until they end, so that the lessee's giving one
-        back, or its use refused, still ends the mark (``pop``)."""
-        over = []
-        for lease_id, restored in list(self._by_id.items()):
-            if restored.holder != holder:
-                continue
-            if lease_id in held:
-                restored.vouched = True
-                continue
-            del self._by_id[lease_id]
-            if not restored.vouched:
-                over.append(restored.session_id)
-        return over
-
-    def lapsed(self, now: float) -> list[str]:
-        """Sessions of the leases nobody vouched for that are past their lapse time."""
-        over = [lid for lid, r in self._by_id.items() if not r.vouched and now >= r.lapses_s]
-        return [self._by_id.pop(lid).session_id for lid in over]
