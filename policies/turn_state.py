@@ -5,10 +5,11 @@ while a turn ran.
 Pure and single-threaded, as ``policies.kv_lifecycle``: every method takes the time as
 ``now_s`` (where time matters) and returns its effects for the KV service to apply
 (``orchestrator.kv.turn_effects``): running marks written through or cleared
-(``MarkRunning``, ``ClearRunning``), an owner's idle clock restarted (``TouchOwner``), a
-lessee asked for its lease back (``RevokeLease``), and the KV books' own effects
-(``policies.kv_records.Effect``: kept blocks nobody will reuse), in the order to apply
-them. The protocol the rules serve is ``orchestrator.kv.turn_leases``'s.
+(``MarkRunning``, ``ClearRunning``), an owner's idle clock restarted (``TouchOwner``) and
+the KV books' own effects (``policies.kv_records.Effect``: kept blocks nobody will
+reuse), in the order to apply them; and which lessee to ask for a lease back
+(``RevokeLease``, from ``LeaseGrants``). The protocol these rules serve is described in
+``orchestrator.kv.turn_leases``.
 
 The rules, per session:
 
@@ -47,6 +48,7 @@ __all__ = [
     "REFUSED_KEPT",
     "ClearRunning",
     "Grant",
+    "LeaseGrants",
     "MarkRunning",
     "RestoredLeases",
     "RevokeLease",
@@ -82,11 +84,9 @@ class ClearRunning:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TouchOwner:
-    """Restart the idle clock of the session's owner: the key ``key_name`` when it still
-    owns the session (None: whichever key owns it)."""
+    """Restart the idle clock of the key that owns the session (a held turn runs)."""
 
     session_id: str
-    key_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,7 +97,7 @@ class RevokeLease:
     lease_id: int
 
 
-TurnEffect = MarkRunning | ClearRunning | TouchOwner | RevokeLease | Effect
+TurnEffect = MarkRunning | ClearRunning | TouchOwner | Effect
 
 
 def proposals_allowed(config: KVLifecycleConfig, lasts_s: float) -> bool:
@@ -218,6 +218,20 @@ class LeaseGrants:
     def lapsed(self, now_s: float) -> list[Grant]:
         """Unused grants past their lapse time (their lessee went silent)."""
         return [g for g in self.grants.values() if not g.used and now_s >= g.lapses_s]
+
+    def revocations(self, record: KVRecord) -> list[RevokeLease]:
+        """``record`` is gone: revoke an unused lease that would read it."""
+        grant = self.unused(record.session_id)
+        if grant is None or grant.record != record:
+            return []
+        return [RevokeLease(holder=grant.holder, lease_id=grant.lease_id)]
+
+    def revoke_session(self, session_id: str) -> list[RevokeLease]:
+        """The session's KV changed under an unused lease (a host tier's copy was booked,
+        or an engine short of KV asks it back): revoke the lease, so that the next turn
+        asks and finds it."""
+        grant = self.unused(session_id)
+        return [] if grant is None else [RevokeLease(holder=grant.holder, lease_id=grant.lease_id)]
 
     def refuse(self, lease_id: int) -> None:
         self.refused[lease_id] = None
@@ -354,17 +368,18 @@ class TurnState:
         return [*self.lifecycle.unhold(grant.session_id, now_s), *self.clear(grant.session_id)]
 
     def use(
-        self, session_id: str, lease_id: int, reason: RecomputeReason | None, now_s: float
+        self, session_id: str, lease_id: int, reason: str | None, now_s: float
     ) -> tuple[bool, list[TurnEffect]]:
         """The lessee runs the held turn: it pulls the leased record (``reason`` None) or
-        recomputes for ``reason``. False when the lease is no longer held (ended, used,
-        or granted by a previous instance: its restored mark goes), or the books refuse
-        its use (``KVLifecycle.use_held``: the lease ends)."""
+        recomputes for ``reason`` (a ``RecomputeReason``'s value). False when the lease
+        is no longer held (ended, used, or granted by a previous instance: its restored
+        mark goes), or the books refuse its use (``KVLifecycle.use_held``: it ends)."""
         grant = self.leases.find(session_id, lease_id)
         if grant is None or grant.used:
             restored = self.restored.pop(lease_id)
             return False, [] if restored is None else self.clear(restored)
-        if not self.lifecycle.use_held(session_id, record=grant.record, reason=reason, now_s=now_s):
+        why = None if reason is None else RecomputeReason(reason)
+        if not self.lifecycle.use_held(session_id, record=grant.record, reason=why, now_s=now_s):
             return False, self.end(grant, now_s)
         grant.used = True
         # The turn's grace counts from now; its mark no longer names an unused lease.
@@ -396,20 +411,6 @@ class TurnState:
             if grant.holder == holder and not grant.used:
                 effects += self.end(grant, now_s)
         return effects
-
-    def revocations(self, record: KVRecord) -> list[TurnEffect]:
-        """``record`` is gone: revoke an unused lease that would read it."""
-        grant = self.leases.unused(record.session_id)
-        if grant is None or grant.record != record:
-            return []
-        return [RevokeLease(holder=grant.holder, lease_id=grant.lease_id)]
-
-    def revoke_session(self, session_id: str) -> list[TurnEffect]:
-        """The session's KV changed under an unused lease (a host tier's copy was booked,
-        or an engine short of KV asks it back): revoke the lease, so that the next turn
-        asks and finds it."""
-        grant = self.leases.unused(session_id)
-        return [] if grant is None else [RevokeLease(holder=grant.holder, lease_id=grant.lease_id)]
 
     # -- a turn's end, a close, the tick -------------------------------------------------
 

@@ -52,7 +52,6 @@ the lessee's, in each ingress replica, is ``orchestrator.router.held_leases``.
 from __future__ import annotations
 
 import asyncio
-import secrets
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
@@ -60,7 +59,13 @@ from engines.kv_params import KVTransferParams
 from orchestrator.kv.messages import LeasedRecord
 from policies.kv_cost import worth_pulling
 from policies.kv_records import KVLifecycleConfig, KVRecord, RecomputeReason
-from policies.turn_state import REFUSED_KEPT, Grant, RestoredLeases, proposals_allowed
+from policies.turn_state import (
+    Grant,
+    LeaseGrants,
+    RestoredLeases,
+    RevokeLease,
+    proposals_allowed,
+)
 
 __all__ = [
     "HANDOVER_WAIT_S",
@@ -121,18 +126,37 @@ class _Holder:
 
 
 class LeaseBook:
-    """The service's leases and lessees. Single event loop; the clock is the service's."""
+    """The service's lessees: each one's standing watch, the leases it is asked to give
+    back and the sessions it is asked about, and the provisional uses waiting for their
+    grant. The grants themselves, and the rules that grant and end them, are
+    ``policies.turn_state``'s (``table``). Single event loop; the clock is the service's."""
 
     def __init__(self, *, lasts_s: float, grace_s: float, clock: Callable[[], float]) -> None:
-        self.lasts_s = lasts_s
-        self.grace_s = grace_s
+        self.table = LeaseGrants(lasts_s=lasts_s, grace_s=grace_s)
         self.clock = clock
-        self.grants: dict[str, Grant] = {}
         self._holders: dict[str, _Holder] = {}
-        # Provisional uses waiting for their proposed lease's grant, by lease id; and the
-        # proposals whose use was refused (never granted later), oldest first.
+        # Provisional uses waiting for their proposed lease's grant, by lease id.
         self._awaited: dict[int, asyncio.Event] = {}
-        self._refused: dict[int, None] = {}
+
+    @property
+    def lasts_s(self) -> float:
+        return self.table.lasts_s
+
+    @lasts_s.setter
+    def lasts_s(self, value: float) -> None:
+        self.table.lasts_s = value
+
+    @property
+    def grace_s(self) -> float:
+        return self.table.grace_s
+
+    @grace_s.setter
+    def grace_s(self, value: float) -> None:
+        self.table.grace_s = value
+
+    @property
+    def grants(self) -> dict[str, Grant]:
+        return self.table.grants
 
     def watching(self, holder: str, now: float) -> bool:
         """Whether ``holder``'s watch is running (it called within the last few waits)."""
@@ -148,30 +172,21 @@ class LeaseBook:
         lease_id: int | None = None,
     ) -> Grant:
         """Book a lease: ``lease_id`` the lessee proposed, or a new one."""
-        grant = Grant(
-            session_id=session_id,
-            holder=holder,
-            # Unique across service instances.
-            lease_id=secrets.randbits(62) if lease_id is None else lease_id,
-            record=record,
-            lapses_s=now + self.lasts_s + self.grace_s,
-        )
-        self.grants[session_id] = grant
-        awaited = self._awaited.pop(grant.lease_id, None)
-        if awaited is not None:
-            awaited.set()
+        grant = self.table.grant(session_id, holder, record, now, lease_id)
+        self.announce(grant.lease_id)
         return grant
 
-    def refused(self, lease_id: int) -> bool:
-        """Whether a provisional use of the proposed ``lease_id`` was refused (it is not
-        granted any more)."""
-        return lease_id in self._refused
+    def announce(self, lease_id: int) -> None:
+        """The lease was granted: a provisional use waiting for it goes on."""
+        awaited = self._awaited.pop(lease_id, None)
+        if awaited is not None:
+            awaited.set()
 
     async def granted(self, session_id: str, lease_id: int) -> Grant | None:
         """The lease, waiting up to ``grace_s`` for the hand-over that proposes it; a use
         that finds none is refused for good."""
-        grant = self.find(session_id, lease_id)
-        if grant is None and lease_id not in self._refused:
+        grant = self.table.find(session_id, lease_id)
+        if grant is None and lease_id not in self.table.refused:
             awaited = self._awaited.setdefault(lease_id, asyncio.Event())
             try:
                 await asyncio.wait_for(awaited.wait(), self.grace_s)
@@ -179,43 +194,31 @@ class LeaseBook:
                 pass
             finally:
                 self._awaited.pop(lease_id, None)
-            grant = self.find(session_id, lease_id)
+            grant = self.table.find(session_id, lease_id)
         if grant is None:
-            self._refused[lease_id] = None
-            while len(self._refused) > REFUSED_KEPT:
-                del self._refused[next(iter(self._refused))]
+            self.table.refuse(lease_id)
         return grant
 
-    def find(self, session_id: str, lease_id: int) -> Grant | None:
-        grant = self.grants.get(session_id)
-        return grant if grant is not None and grant.lease_id == lease_id else None
-
     def num_unused(self) -> int:
-        return sum(not g.used for g in self.grants.values())
+        return self.table.num_unused()
 
     def revoke_record(self, record: KVRecord) -> None:
         """``record`` is gone: revoke an unused lease that would read it."""
-        grant = self.grants.get(record.session_id)
-        if grant is not None and not grant.used and grant.record == record:
-            self.revoke(grant)
+        for revoke in self.table.revocations(record):
+            self.revoke(revoke)
 
     def revoke_session(self, session_id: str) -> None:
-        """The session's KV changed under an unused lease (a host tier's copy was
-        booked): revoke the lease, so that the next turn asks and finds it."""
-        grant = self.grants.get(session_id)
-        if grant is not None and not grant.used:
-            self.revoke(grant)
+        """The session's KV changed under an unused lease (a host tier's copy was booked):
+        revoke the lease, so that the next turn asks and finds it."""
+        for revoke in self.table.revoke_session(session_id):
+            self.revoke(revoke)
 
-    def revoke(self, grant: Grant) -> None:
-        """Ask the lessee to give ``grant`` back."""
-        holder = self._holders.get(grant.holder)
+    def revoke(self, revoke: RevokeLease) -> None:
+        """Ask the lessee to give the lease back."""
+        holder = self._holders.get(revoke.holder)
         if holder is not None:
-            holder.revoked.add(grant.lease_id)
+            holder.revoked.add(revoke.lease_id)
             holder.wake.set()
-
-    def lapsed(self, now: float) -> list[Grant]:
-        """Unused grants past their lapse time (their lessee went silent)."""
-        return [g for g in self.grants.values() if not g.used and now >= g.lapses_s]
 
     async def watch(self, holder: str, wait_s: float) -> tuple[list[int], list[str]]:
         """The leases ``holder`` is asked to give back and the sessions it is asked

@@ -182,7 +182,7 @@ def test_a_used_lease_remarks_its_turn_without_the_lease_and_touches_the_owner()
 def test_a_lease_used_to_recompute_runs_the_held_turn_and_counts_its_reason() -> None:
     s = state()
     lease_id = granted(s)
-    assert s.use("s1", lease_id, RecomputeReason.PREFIX_MISMATCH, 1.0)[0]
+    assert s.use("s1", lease_id, RecomputeReason.PREFIX_MISMATCH.value, 1.0)[0]
     assert not s.lifecycle.held("s1")  # running now, no longer held
     assert s.lifecycle.stats().num_recomputes_for(RecomputeReason.PREFIX_MISMATCH) == 1
 
@@ -271,12 +271,14 @@ def test_a_gone_record_revokes_the_unused_lease_that_would_read_it() -> None:
     record = s.lifecycle.record("s1")
     assert record is not None
     revoke = [RevokeLease(holder="replica-a", lease_id=lease_id)]
-    assert s.revocations(record) == revoke and s.revoke_session("s1") == revoke
-    assert s.revocations(replace(record, block_ids=(9,))) == []  # another record of the session
-    assert s.revoke_session("s2") == []
+    assert s.leases.revocations(record) == revoke and s.leases.revoke_session("s1") == revoke
+    assert (
+        s.leases.revocations(replace(record, block_ids=(9,))) == []
+    )  # another record of the session
+    assert s.leases.revoke_session("s2") == []
     s.use("s1", lease_id, None, 1.0)
     assert (
-        s.revocations(record) == [] and s.revoke_session("s1") == []
+        s.leases.revocations(record) == [] and s.leases.revoke_session("s1") == []
     )  # used: it ends with its turn
 
 
