@@ -14,8 +14,10 @@ It owns, for the whole application:
   and rebuilds them from its durable marks and the engine hosts' ledgers.
 
 ``KVService`` composes the parts, each with one job: a session's turns
-(``session_turns.SessionTurns``), running turns and owners with their durable marks
-(``turn_marks``), turn leases (``lease_desk.LeaseDesk``), drains (``drains.Drains``), the
+(``session_turns.SessionTurns``), the rules of each session's running turn and lease
+(``policies.turn_state.TurnState``, pure) and their effects applied
+(``turn_effects.TurnEffects``): running marks and owners with their durable entries
+(``turn_marks``), turn leases (``lease_desk.LeaseDesk``), drains (``drains.Drains``); the
 engine registry (``engines.EngineRegistry``), restart adoption
 (``adoption.LedgerAdoption``) and the ingress replicas' metric books
 (``metrics_book.MetricsBook``). It is plain asyncio (tested with fake pools and a moved

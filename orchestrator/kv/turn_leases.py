@@ -45,8 +45,10 @@ provisional pull may be reading; an unused proposed lease lapses like any. Under
 budget nothing is proposed (a record booked over it is evicted at once). A use that
 found no grant within the wait is refused, and its id is never granted later.
 
-This module is the service's side (its grants go through ``orchestrator.kv.lease_desk``);
-the lessee's, in each ingress replica, is ``orchestrator.router.held_leases``.
+This module is the service's side of the channel to the lessees (its grants go through
+``orchestrator.kv.lease_desk``; the rules that grant, use, end and revoke leases are
+``policies.turn_state``'s); the lessee's, in each ingress replica, is
+``orchestrator.router.held_leases``.
 """
 
 from __future__ import annotations
