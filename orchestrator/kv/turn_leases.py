@@ -61,7 +61,7 @@ from engines.kv_params import KVTransferParams
 from orchestrator.kv.messages import LeasedRecord
 from policies.kv_cost import worth_pulling
 from policies.kv_records import KVLifecycleConfig, KVRecord, RecomputeReason
-from policies.turn_state import (
+from policies.turn_leases import (
     Grant,
     LeaseGrants,
     RestoredLeases,

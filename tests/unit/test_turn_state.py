@@ -10,16 +10,8 @@ from dataclasses import replace
 from kv_stories import CONFIG, tokens
 
 from policies.kv_lifecycle import KVLifecycle, RecomputeReason
-from policies.turn_state import (
-    REFUSED_KEPT,
-    ClearRunning,
-    LeaseGrants,
-    MarkRunning,
-    RevokeLease,
-    TouchOwner,
-    TurnState,
-    proposals_allowed,
-)
+from policies.turn_leases import REFUSED_KEPT, LeaseGrants, RevokeLease, proposals_allowed
+from policies.turn_state import ClearRunning, MarkRunning, TouchOwner, TurnState
 
 DIGEST = 1234  # the digest of the session's last turn, as the service keeps it
 
