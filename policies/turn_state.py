@@ -266,8 +266,11 @@ class TurnState:
 
     def closing(self, session_id: str) -> None:
         """A close of the session (its unused lease given back first): a turn of it still
-        running, or its hand-over on its way, has its KV freed when it hands over. Kept
-        while that same mark stands (a later turn's mark is another)."""
+        running, or its hand-over on its way, has its KV freed when it hands over, instead
+        of starting the session anew (a client that closes as its last token lands,
+        before the hand-over, would otherwise leave that turn's KV kept under the closed
+        session until its TTL). Kept while that same mark stands (a later turn's mark is
+        another)."""
         since = self.started.get
         for sid in [s for s, at in self.closed_running.items() if since(s) != at]:
             del self.closed_running[sid]  # that turn's mark is gone
