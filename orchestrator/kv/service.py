@@ -14,8 +14,10 @@ It owns, for the whole application:
   and rebuilds them from its durable marks and the engine hosts' ledgers.
 
 ``KVService`` composes the parts, each with one job: a session's turns
-(``session_turns.SessionTurns``), running turns and owners with their durable marks
-(``turn_marks``), turn leases (``lease_desk.LeaseDesk``), drains (``drains.Drains``), the
+(``session_turns.SessionTurns``), the rules of each session's running turn and lease
+(``policies.turn_state.TurnState``, pure) and their effects applied
+(``turn_effects.TurnEffects``): running marks and owners with their durable entries
+(``turn_marks``), turn leases (``lease_desk.LeaseDesk``), drains (``drains.Drains``); the
 engine registry (``engines.EngineRegistry``), restart adoption
 (``adoption.LedgerAdoption``) and the ingress replicas' metric books
 (``metrics_book.MetricsBook``). It is plain asyncio (tested with fake pools and a moved
@@ -61,10 +63,12 @@ from orchestrator.kv.ownership import Principal, SessionOwners
 from orchestrator.kv.replay import Replay, TurnReplayBook
 from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.kv.session_turns import SessionTurns, whole_turn_done
+from orchestrator.kv.turn_effects import TurnEffects
 from orchestrator.kv.turn_leases import HANDOVER_WAIT_S, LeaseBook
 from orchestrator.kv.turn_marks import OwnerMarks, RunningTurns
 from policies.admission import AdmissionSettings, EngineBook, EngineLoad, short_of_kv
 from policies.kv_lifecycle import KVLifecycleConfig, Release, ReleaseReason
+from policies.turn_state import TurnState
 
 log = logging.getLogger("kvtide.kv_service")
 
@@ -227,18 +231,22 @@ class KVService:
         )
         self.owners = SessionOwners(idle_ttl_s=config.ttl_s, max_sessions=max_sessions)
         self.owner_marks = OwnerMarks(self.owners, marks=self.marks, wall_clock=wall_clock)
-        # One running turn per session (a claim older than running_grace_s is stale:
-        # its ingress is gone); a session's next begin_turn waits handover_wait_s for
-        # the running one's turn_done.
-        self.running = RunningTurns(
-            marks=self.marks,
-            grace_s=running_grace_s,
-            handover_wait_s=handover_wait_s,
-            wall_clock=wall_clock,
-        )
         # Turns held for the ingress replica that ran a session's last turn
         # (``orchestrator.kv.turn_leases``); the lease's margin is the handover wait.
         self.leases = LeaseBook(lasts_s=turn_lease_s, grace_s=handover_wait_s, clock=clock)
+        # Each session's running turn and lease, as rules (``policies.turn_state``): one
+        # running turn per session (a claim older than running_grace_s is stale: its
+        # ingress is gone). Their marks are written through, and a session's next
+        # begin_turn waits handover_wait_s for the running one's turn_done (``running``).
+        self.turn_state = TurnState(
+            self.decider.lifecycle, running_grace_s=running_grace_s, leases=self.leases.table
+        )
+        self.running = RunningTurns(
+            state=self.turn_state,
+            marks=self.marks,
+            handover_wait_s=handover_wait_s,
+            wall_clock=wall_clock,
+        )
         # Decode blocks the host tier read, for a restarted service (host_reads.py).
         self.host_reads = HostReads(self.marks, ttl_s=config.ttl_s, wall_clock=wall_clock)
         # A host tier's copies are booked again once the engines' ledgers had their
@@ -255,17 +263,22 @@ class KVService:
             clock=clock,
             mark_read=self.host_reads.mark,
         )
+        self.turn_effects = TurnEffects(
+            running=self.running, owners=self.owner_marks, drains=self.drains, clock=clock
+        )
         self.lease_desk = LeaseDesk(
+            state=self.turn_state,
             book=self.leases,
-            decider=self.decider,
-            tokens=self.tokens,
+            effects=self.turn_effects,
             running=self.running,
-            owners=self.owner_marks,
-            drains=self.drains,
+            tokens=self.tokens,
+            owners=self.owners,
             epoch=self.epoch,
             clock=clock,
         )
         self.turns = SessionTurns(
+            state=self.turn_state,
+            effects=self.turn_effects,
             decider=self.decider,
             tokens=self.tokens,
             owners=self.owner_marks,
@@ -280,7 +293,7 @@ class KVService:
         rebuild_from_marks(
             self.store,
             self.running,
-            self.lease_desk.restored,
+            self.turn_state.restored,
             self.owners,
             lease_lapse_s=lapse_s,
             now=clock(),
@@ -341,11 +354,11 @@ class KVService:
 
     @property
     def running_grace_s(self) -> float:
-        return self.running.grace_s
+        return self.turn_state.running_grace_s
 
     @running_grace_s.setter
     def running_grace_s(self, value: float) -> None:
-        self.running.grace_s = value
+        self.turn_state.running_grace_s = value
 
     @property
     def handover_wait_s(self) -> float:
@@ -482,11 +495,10 @@ class KVService:
         now = self.clock()
         if not self._host_adopted and now - self.started_s >= self.adoption.restore_wait_s:
             await self.adopt_host_copies()
-        for sid in self.running.stale(now):
-            self.lease_desk.drop(sid)
-            self.running.clear(sid)
-        self.lease_desk.lapse(now)
-        for sid in self.owners.expire(now, keep=self.running.started):
+        # Stale running marks, lapsed leases and restored marks nobody vouched for end.
+        self.turn_effects.apply(self.turn_state.on_tick(now))
+        self.leases.forget_silent(now)
+        for sid in self.owners.expire(now, keep=self.turn_state.started):
             self.owner_marks.delete(sid)
             await self.close(sid)
         self.drains.apply(self.decider.tick(now))
@@ -604,7 +616,7 @@ class KVService:
             **self.drains.stats(),
             **self.unbooked.counters,  # kept decode blocks no hand-over booked (kept_check)
             # A turn held for an ingress replica is not running until it is used.
-            "num_turns_running": len(self.running) - self.leases.num_unused(),
+            "num_turns_running": len(self.turn_state) - self.leases.num_unused(),
             "num_turns_leased": self.leases.num_unused(),
             "replay_bytes": self.replays.num_bytes,
             "num_replay_duplicates": self.replays.num_duplicates,

@@ -2,9 +2,11 @@
 that owns the session), planned (``KVDecider``), handed over (``turn_done``: the kept
 blocks and the session's tokens booked together) or abandoned, and the session closed.
 
-Owner, running turn and lease state live in their own books (``OwnerMarks``,
-``RunningTurns``, ``LeaseDesk``); this class keeps the order a turn's steps take through
-them. Single event loop; the clock is the service's.
+The rules of a session's running turn, its lease and a close while it runs are
+``policies.turn_state``'s (``TurnState``); this class asks it, applies what it returns
+(``TurnEffects``), and keeps the order of a turn's steps: the owner's claim
+(``SessionOwners``), the waits (``RunningTurns``, ``LeaseDesk``), the KV plan
+(``KVDecider``) and the session's tokens. Single event loop; the clock is the service's.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from orchestrator.kv.lease_desk import LeaseDesk
 from orchestrator.kv.messages import Claim, Handover, SessionInfo, SessionPrefix, TurnDone
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.session_tokens import SessionTokens, prefix_digest
+from orchestrator.kv.turn_effects import TurnEffects
 from orchestrator.kv.turn_marks import OwnerMarks, RunningTurns
+from policies.turn_state import TurnState
 
 __all__ = ["SessionTurns", "whole_turn_done"]
 
@@ -57,6 +61,8 @@ class SessionTurns:
     def __init__(
         self,
         *,
+        state: TurnState,
+        effects: TurnEffects,
         decider: KVDecider,
         tokens: SessionTokens,
         owners: OwnerMarks,
@@ -65,6 +71,8 @@ class SessionTurns:
         drains: Drains,
         clock: Callable[[], float],
     ) -> None:
+        self.state = state
+        self.effects = effects
         self.decider = decider
         self.tokens = tokens
         self.owners = owners
@@ -72,12 +80,6 @@ class SessionTurns:
         self.leases = leases
         self.drains = drains
         self.clock = clock
-        # Sessions closed while a turn of theirs ran, with when that turn's running mark
-        # was set: its hand-over frees its KV instead of starting the session anew (a
-        # client that closes as its last token lands, before the hand-over, would
-        # otherwise leave that turn's KV kept under the closed session until its TTL).
-        # Kept while that same mark stands (a later turn's mark is another).
-        self.closed_running: dict[str, float] = {}
         self._closing: set[asyncio.Task[bool]] = set()
 
     def prefix(self, session_id: str, principal: Principal | None) -> SessionPrefix:
@@ -105,8 +107,7 @@ class SessionTurns:
         or ``turn_abandoned``, which clear the mark."""
         now = self.clock()
         owners = self.owners.owners
-        started = self.running.running_since(session_id)
-        if started is not None and now - started < self.running.grace_s:
+        if self.state.in_progress(session_id, now):
             if owners.owner(session_id, now) not in (None, principal.name):
                 return Claim(outcome="not_found")
             return Claim(
@@ -128,7 +129,7 @@ class SessionTurns:
         for sid in ended:
             self.owners.delete(sid)  # the owners book has forgotten it
             await self.close(sid)
-        self.running.mark(session_id, now, holder=holder)
+        self.effects.apply(self.state.mark(session_id, now, holder=holder))
         if not principal.is_anonymous and was_owner != principal.name:
             # Written before the answer (behind the writes queued before it, so that a
             # queued delete of an earlier owner cannot land after it).
@@ -187,11 +188,11 @@ class SessionTurns:
         """Wait for the session's running turn, or its lease, to end (see ``begin``);
         False at once for another key's session (it learns nothing, revokes nothing)."""
         for _ in range(2):  # a hand-over waited for may hold the next turn for its replica
-            if self.leases.unused(session_id) is not None:
+            if self.state.leases.unused(session_id) is not None:
                 if not self.owned(session_id, principal):
                     return False
                 await self.leases.give_back(session_id)  # a silent lessee's lapses now
-            if session_id not in self.running:
+            if session_id not in self.state:
                 return True
             if not self.owned(session_id, principal):
                 return False
@@ -210,17 +211,14 @@ class SessionTurns:
         done = whole
         now = self.clock()
         sid = done.session_id
-        closed = sid is not None and self._closed_while_running(sid)
+        # A turn under a lease ends the lease.
+        closed, ended = (False, []) if sid is None else self.state.hand_over(sid)
+        self.effects.apply(ended)
         if sid is None or (closed and done.next_lease_id is None):
             # Nobody will pull these blocks back (no session, or it was closed while
             # this turn ran): free them now, not at the TTL.
-            if sid is not None:
-                self.leases.drop(sid)
-                self.running.clear(sid)
             self.drains.drain(done.kv_transfer_params, done.token_ids)
             return Handover(accepted=True)
-        self.leases.drop(sid)  # a turn under a lease ends the lease
-        self.running.clear(sid)
         self.owners.touch(sid, done.owner, now)
         # The record this turn supersedes covers the *previous* tokens: drain it with
         # those (a rewritten history does not start with them).
@@ -232,7 +230,7 @@ class SessionTurns:
         expiry = None if done.kv_expires_in_s is None else now + done.kv_expires_in_s
         # A proposed lease's record is held from its booking: its lessee may be pulling
         # it already (``orchestrator.kv.turn_leases``, provisional leases).
-        proposed = self.leases.proposal(done.next_lease_id, done.holder)
+        proposed = self.state.proposal(done.next_lease_id, done.holder)
         self.drains.apply(
             self.decider.turn_finished(
                 sid,
@@ -246,9 +244,6 @@ class SessionTurns:
         )
         digest = None if done.next_token_ids is None else prefix_digest(done.next_token_ids)
         lease = self.leases.grant(sid, done.holder, now, proposed, digest)
-        lifecycle = self.decider.lifecycle
-        if lease is None and lifecycle.held(sid):  # held for a proposal not granted
-            self.drains.apply(lifecycle.unhold(sid, now))
         if closed:
             # Closed while this turn ran, but its lessee proposed the next lease and may
             # be pulling the record under it already: booked and held as any, then
@@ -258,16 +253,8 @@ class SessionTurns:
             task.add_done_callback(self._closing.discard)
         return Handover(accepted=True, lease=lease)
 
-    def _closed_while_running(self, session_id: str) -> bool:
-        """Whether the session was closed while the turn handing over now ran (its
-        running mark the one the close saw); forgets it."""
-        at = self.closed_running.pop(session_id, None)
-        return at is not None and at == self.running.running_since(session_id)
-
     def abandoned(self, session_id: str) -> None:
-        self.closed_running.pop(session_id, None)
-        self.leases.drop(session_id)
-        self.running.clear(session_id)
+        self.effects.apply(self.state.abandoned(session_id))
         self.drains.apply(self.decider.abandon(session_id, self.clock()))
 
     def info(self, session_id: str) -> SessionInfo:
@@ -300,12 +287,7 @@ class SessionTurns:
         A turn held for an ingress replica is given back first; a turn still running
         (or its hand-over still on its way) has its KV freed when it hands over."""
         await self.leases.give_back(session_id, ask=False)
-        since = self.running.running_since
-        for sid in [s for s, at in self.closed_running.items() if since(s) != at]:
-            del self.closed_running[sid]  # that turn's mark is gone
-        started = since(session_id)
-        if started is not None:
-            self.closed_running[session_id] = started
+        self.state.closing(session_id)
         known = self.decider.lifecycle.lease_expiry(session_id) is not None
         self.drains.apply(self.decider.close(session_id, self.clock()))
         self.tokens.forget(session_id)

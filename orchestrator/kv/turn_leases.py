@@ -45,14 +45,15 @@ provisional pull may be reading; an unused proposed lease lapses like any. Under
 budget nothing is proposed (a record booked over it is evicted at once). A use that
 found no grant within the wait is refused, and its id is never granted later.
 
-This module is the service's side (its grants go through ``orchestrator.kv.lease_desk``);
-the lessee's, in each ingress replica, is ``orchestrator.router.held_leases``.
+This module is the service's side of the channel to the lessees (its grants go through
+``orchestrator.kv.lease_desk``; the rules that grant, use, end and revoke leases are
+``policies.turn_state``'s); the lessee's, in each ingress replica, is
+``orchestrator.router.held_leases``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import secrets
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
@@ -60,6 +61,13 @@ from engines.kv_params import KVTransferParams
 from orchestrator.kv.messages import LeasedRecord
 from policies.kv_cost import worth_pulling
 from policies.kv_records import KVLifecycleConfig, KVRecord, RecomputeReason
+from policies.turn_leases import (
+    Grant,
+    LeaseGrants,
+    RestoredLeases,
+    RevokeLease,
+    proposals_allowed,
+)
 
 __all__ = [
     "HANDOVER_WAIT_S",
@@ -76,20 +84,8 @@ HANDOVER_WAIT_S = 5.0
 (and a provisional lease's use for its grant); the lease's margin before an offer ends."""
 
 
-REFUSED_KEPT = 4096
-"""How many refused proposals the book remembers (their hand-overs come within
-``grace_s`` of the refusal, or never)."""
-
 WATCH_WAIT_S = 2.0
 """How long a lessee's ``lease_watch`` call waits at the service for a revocation."""
-
-
-def proposals_allowed(config: KVLifecycleConfig, lasts_s: float) -> bool:
-    """Whether a hand-over may propose its next turn's lease (a provisional lease): leases
-    on and no idle budget (under one, a record booked over it is evicted at once, and
-    holding every proposed record would keep the engines over it). Both sides ask it: the
-    lessee before it proposes, the service before it grants a proposal."""
-    return lasts_s > 0 and config.idle_budget_bytes_per_engine is None
 
 
 def offer_of(
@@ -122,18 +118,6 @@ def offer_of(
 
 
 @dataclass(slots=True)
-class Grant:
-    """A lease as the service books it."""
-
-    session_id: str
-    holder: str
-    lease_id: int
-    record: KVRecord | None
-    lapses_s: float  # service clock: lasts_s + grace_s after the grant
-    used: bool = False
-
-
-@dataclass(slots=True)
 class _Holder:
     last_seen_s: float
     revoked: set[int] = field(default_factory=set)
@@ -144,18 +128,37 @@ class _Holder:
 
 
 class LeaseBook:
-    """The service's leases and lessees. Single event loop; the clock is the service's."""
+    """The service's lessees: each one's standing watch, the leases it is asked to give
+    back and the sessions it is asked about, and the provisional uses waiting for their
+    grant. The grants themselves, and the rules that grant and end them, are
+    ``policies.turn_state``'s (``table``). Single event loop; the clock is the service's."""
 
     def __init__(self, *, lasts_s: float, grace_s: float, clock: Callable[[], float]) -> None:
-        self.lasts_s = lasts_s
-        self.grace_s = grace_s
+        self.table = LeaseGrants(lasts_s=lasts_s, grace_s=grace_s)
         self.clock = clock
-        self.grants: dict[str, Grant] = {}
         self._holders: dict[str, _Holder] = {}
-        # Provisional uses waiting for their proposed lease's grant, by lease id; and the
-        # proposals whose use was refused (never granted later), oldest first.
+        # Provisional uses waiting for their proposed lease's grant, by lease id.
         self._awaited: dict[int, asyncio.Event] = {}
-        self._refused: dict[int, None] = {}
+
+    @property
+    def lasts_s(self) -> float:
+        return self.table.lasts_s
+
+    @lasts_s.setter
+    def lasts_s(self, value: float) -> None:
+        self.table.lasts_s = value
+
+    @property
+    def grace_s(self) -> float:
+        return self.table.grace_s
+
+    @grace_s.setter
+    def grace_s(self, value: float) -> None:
+        self.table.grace_s = value
+
+    @property
+    def grants(self) -> dict[str, Grant]:
+        return self.table.grants
 
     def watching(self, holder: str, now: float) -> bool:
         """Whether ``holder``'s watch is running (it called within the last few waits)."""
@@ -171,30 +174,21 @@ class LeaseBook:
         lease_id: int | None = None,
     ) -> Grant:
         """Book a lease: ``lease_id`` the lessee proposed, or a new one."""
-        grant = Grant(
-            session_id=session_id,
-            holder=holder,
-            # Unique across service instances.
-            lease_id=secrets.randbits(62) if lease_id is None else lease_id,
-            record=record,
-            lapses_s=now + self.lasts_s + self.grace_s,
-        )
-        self.grants[session_id] = grant
-        awaited = self._awaited.pop(grant.lease_id, None)
-        if awaited is not None:
-            awaited.set()
+        grant = self.table.grant(session_id, holder, record, now, lease_id)
+        self.announce(grant.lease_id)
         return grant
 
-    def refused(self, lease_id: int) -> bool:
-        """Whether a provisional use of the proposed ``lease_id`` was refused (it is not
-        granted any more)."""
-        return lease_id in self._refused
+    def announce(self, lease_id: int) -> None:
+        """The lease was granted: a provisional use waiting for it goes on."""
+        awaited = self._awaited.pop(lease_id, None)
+        if awaited is not None:
+            awaited.set()
 
     async def granted(self, session_id: str, lease_id: int) -> Grant | None:
         """The lease, waiting up to ``grace_s`` for the hand-over that proposes it; a use
         that finds none is refused for good."""
-        grant = self.find(session_id, lease_id)
-        if grant is None and lease_id not in self._refused:
+        grant = self.table.find(session_id, lease_id)
+        if grant is None and lease_id not in self.table.refused:
             awaited = self._awaited.setdefault(lease_id, asyncio.Event())
             try:
                 await asyncio.wait_for(awaited.wait(), self.grace_s)
@@ -202,43 +196,31 @@ class LeaseBook:
                 pass
             finally:
                 self._awaited.pop(lease_id, None)
-            grant = self.find(session_id, lease_id)
+            grant = self.table.find(session_id, lease_id)
         if grant is None:
-            self._refused[lease_id] = None
-            while len(self._refused) > REFUSED_KEPT:
-                del self._refused[next(iter(self._refused))]
+            self.table.refuse(lease_id)
         return grant
 
-    def find(self, session_id: str, lease_id: int) -> Grant | None:
-        grant = self.grants.get(session_id)
-        return grant if grant is not None and grant.lease_id == lease_id else None
-
     def num_unused(self) -> int:
-        return sum(not g.used for g in self.grants.values())
+        return self.table.num_unused()
 
     def revoke_record(self, record: KVRecord) -> None:
         """``record`` is gone: revoke an unused lease that would read it."""
-        grant = self.grants.get(record.session_id)
-        if grant is not None and not grant.used and grant.record == record:
-            self.revoke(grant)
+        for revoke in self.table.revocations(record):
+            self.revoke(revoke)
 
     def revoke_session(self, session_id: str) -> None:
-        """The session's KV changed under an unused lease (a host tier's copy was
-        booked): revoke the lease, so that the next turn asks and finds it."""
-        grant = self.grants.get(session_id)
-        if grant is not None and not grant.used:
-            self.revoke(grant)
+        """The session's KV changed under an unused lease (a host tier's copy was booked):
+        revoke the lease, so that the next turn asks and finds it."""
+        for revoke in self.table.revoke_session(session_id):
+            self.revoke(revoke)
 
-    def revoke(self, grant: Grant) -> None:
-        """Ask the lessee to give ``grant`` back."""
-        holder = self._holders.get(grant.holder)
+    def revoke(self, revoke: RevokeLease) -> None:
+        """Ask the lessee to give the lease back."""
+        holder = self._holders.get(revoke.holder)
         if holder is not None:
-            holder.revoked.add(grant.lease_id)
+            holder.revoked.add(revoke.lease_id)
             holder.wake.set()
-
-    def lapsed(self, now: float) -> list[Grant]:
-        """Unused grants past their lapse time (their lessee went silent)."""
-        return [g for g in self.grants.values() if not g.used and now >= g.lapses_s]
 
     async def watch(self, holder: str, wait_s: float) -> tuple[list[int], list[str]]:
         """The leases ``holder`` is asked to give back and the sessions it is asked
@@ -287,58 +269,3 @@ class LeaseBook:
     def forget_silent(self, now: float) -> None:
         for name in [h for h, s in self._holders.items() if now - s.last_seen_s > 60.0]:
             del self._holders[name]
-
-
-@dataclass(slots=True)
-class _Restored:
-    session_id: str
-    holder: str | None
-    lapses_s: float
-    vouched: bool = False
-
-
-class RestoredLeases:
-    """Unused leases a previous service instance granted, known to a restarted one only
-    by their running marks (``orchestrator.kv.marks``). Each mark ends on its lessee's
-    evidence: the lessee gives the lease back or uses it (``pop``), or its watch reports
-    the leases it still holds and this one is not among them (``vouched``: a lease whose
-    grant never reached it, or that it gave back before the restart and whose mark the
-    old instance had no time to clear). One its lessee vouches for is a running turn
-    like any (it ends with its turn). One nobody vouches for lapses when the lease would
-    have (``lapsed``). The caller clears the returned sessions' running marks."""
-
-    def __init__(self) -> None:
-        self._by_id: dict[int, _Restored] = {}
-
-    def __len__(self) -> int:
-        return len(self._by_id)
-
-    def add(self, lease_id: int, session_id: str, holder: str | None, lapses_s: float) -> None:
-        self._by_id[lease_id] = _Restored(session_id, holder, lapses_s)
-
-    def pop(self, lease_id: int) -> str | None:
-        restored = self._by_id.pop(lease_id, None)
-        return None if restored is None else restored.session_id
-
-    def vouched(self, holder: str, held: Collection[int]) -> list[str]:
-        """``holder`` holds exactly the leases ``held``: its restored leases not among
-        them are over (returned), unless it vouched for them before (they ended since,
-        with their turn or given back: their marks went then); those among them are now
-        its running turns, kept here until they end, so that the lessee's giving one
-        back, or its use refused, still ends the mark (``pop``)."""
-        over = []
-        for lease_id, restored in list(self._by_id.items()):
-            if restored.holder != holder:
-                continue
-            if lease_id in held:
-                restored.vouched = True
-                continue
-            del self._by_id[lease_id]
-            if not restored.vouched:
-                over.append(restored.session_id)
-        return over
-
-    def lapsed(self, now: float) -> list[str]:
-        """Sessions of the leases nobody vouched for that are past their lapse time."""
-        over = [lid for lid, r in self._by_id.items() if not r.vouched and now >= r.lapses_s]
-        return [self._by_id.pop(lid).session_id for lid in over]

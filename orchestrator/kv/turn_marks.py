@@ -3,10 +3,11 @@ its ``DurableStore`` (formats: ``orchestrator.kv.marks``).
 
 ``RunningTurns``: one turn per session at once. A session's running turn is marked when
 it is claimed (or held for an ingress replica by a turn lease) and cleared when it ends;
-a mark older than ``grace_s`` is stale (its ingress is gone). The marks are written
-through, so a restarted service still refuses a second turn of a session whose turn its
-ingress is running. A turn hands itself over (``turn_done``) after its client has its
-last token: the session's next turn waits ``handover_wait_s`` for it (``wait_ended``).
+a mark older than ``grace_s`` is stale (its ingress is gone): those rules are
+``policies.turn_state``'s, and this part applies them. The marks are written through, so
+a restarted service still refuses a second turn of a session whose turn its ingress is
+running. A turn hands itself over (``turn_done``) after its client has its last token:
+the session's next turn waits ``handover_wait_s`` for it (``wait_ended``).
 
 ``OwnerMarks``: the owner book's durable entries, each rewritten whenever the owner's
 idle clock restarts.
@@ -23,75 +24,62 @@ from typing import Any
 from orchestrator.kv.durable import DurableStore, WriteBehind
 from orchestrator.kv.marks import OWNER_PREFIX, RUNNING_PREFIX, owner_entry, running_mark
 from orchestrator.kv.ownership import Principal, SessionOwners
-from orchestrator.kv.turn_leases import Grant
+from policies.turn_state import ClearRunning, MarkRunning, TurnState
 
 __all__ = ["OwnerMarks", "RunningTurns"]
 
 
 class RunningTurns:
-    """Session id -> when its running turn was claimed (service clock), marked in the
-    store; and the events a session's next turn waits on for the running one to end."""
+    """The running marks in the store, and the waits on them: applies the turn state's
+    ``MarkRunning`` and ``ClearRunning`` (``policies.turn_state``, which keeps the marks'
+    times and decides when they are set and cleared), and a session's next turn waits
+    here for its running one to end."""
 
     def __init__(
         self,
         *,
+        state: TurnState,
         marks: DurableStore | WriteBehind,
-        grace_s: float,
         handover_wait_s: float,
         wall_clock: Callable[[], float],
     ) -> None:
+        self.state = state
         self.marks = marks
-        self.grace_s = grace_s
         self.handover_wait_s = handover_wait_s
         self.wall_clock = wall_clock
-        self.started: dict[str, float] = {}
-        # The ingress replica running the session's turn, where it said (a lessee's id).
-        self.holders: dict[str, str] = {}
         self._ended: dict[str, asyncio.Event] = {}
 
     def __contains__(self, session_id: object) -> bool:
-        return session_id in self.started
+        return session_id in self.state
 
-    def __len__(self) -> int:
-        return len(self.started)
+    @property
+    def grace_s(self) -> float:
+        """How long a running mark holds (older, it is stale: its ingress is gone)."""
+        return self.state.running_grace_s
 
-    def running_since(self, session_id: str) -> float | None:
-        return self.started.get(session_id)
+    @grace_s.setter
+    def grace_s(self, value: float) -> None:
+        self.state.running_grace_s = value
 
     def restored(self, session_id: str, started_s: float) -> None:
         """A turn a previous instance marked (its mark is already in the store)."""
-        self.started[session_id] = started_s
+        self.state.restore(session_id, started_s)
 
-    def mark(
-        self, session_id: str, now: float, grant: Grant | None = None, holder: str | None = None
-    ) -> None:
-        """Mark the session's turn running from ``now`` (for ``grant``'s lessee: a turn
-        held by an unused lease, whose mark names the lease), on ``holder`` when known."""
-        self.started[session_id] = now
-        holder = grant.holder if grant is not None else holder
-        if holder is None:
-            self.holders.pop(session_id, None)
+    def write(self, mark: MarkRunning) -> None:
+        """Write the session's running mark (naming its unused lease, if held by one)."""
+        if mark.lease_id is None:
+            value = running_mark(self.wall_clock())
         else:
-            self.holders[session_id] = holder
-        mark = (
-            running_mark(self.wall_clock())
-            if grant is None
-            else running_mark(self.wall_clock(), grant.lease_id, grant.holder)
-        )
-        self.marks.put(RUNNING_PREFIX + session_id, mark)
+            value = running_mark(self.wall_clock(), mark.lease_id, mark.holder or "")
+        self.marks.put(RUNNING_PREFIX + mark.session_id, value)
 
-    def clear(self, session_id: str) -> None:
+    def cleared(self, clear: ClearRunning) -> None:
         """The session's turn ended: its mark goes and a next turn waiting on it runs."""
-        self.holders.pop(session_id, None)
-        if self.started.pop(session_id, None) is not None:
-            self.marks.delete(RUNNING_PREFIX + session_id)
-        ended = self._ended.pop(session_id, None)
+        if clear.marked:
+            self.marks.delete(RUNNING_PREFIX + clear.session_id)
+        ended = self._ended.pop(clear.session_id, None)
         if ended is not None:
             ended.set()
-
-    def stale(self, now: float) -> list[str]:
-        """The sessions whose running mark is past ``grace_s``."""
-        return [s for s, t in self.started.items() if now - t >= self.grace_s]
 
     async def wait_ended(
         self, session_id: str, still_running: Awaitable[bool] | None = None
@@ -100,7 +88,7 @@ class RunningTurns:
         client may send the next turn before the finished one's ``turn_done`` lands.
         ``still_running``: its replica's answer whether it is still generating; True ends
         the wait at once (the turn is refused, not waited for)."""
-        if session_id not in self.started or self.handover_wait_s <= 0:
+        if session_id not in self.state or self.handover_wait_s <= 0:
             return
         ended = self._ended.setdefault(session_id, asyncio.Event())
         waits: set[asyncio.Future[Any]] = {asyncio.ensure_future(ended.wait())}
