@@ -127,7 +127,8 @@ ROUTES = {
     ("GET", "/v1/responses/{response_id}"),
     ("DELETE", "/v1/responses/{response_id}"),
 }
-"""docs/api.md's routes: all the app serves."""
+"""Every route the ingress serves (docs/api.md, sdk.md, auth.md, observability.md), and
+no other."""
 
 
 async def _asgi(app: Any, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
