@@ -1,29 +1,6 @@
-"""Errors a caller of kvtide can trigger. Messages name the offending value and the fix.
-
-    KVTideError
-    ├── ConfigError                 a config field is missing or invalid (names the field)
-    └── RequestError                a request kvtide cannot serve → OpenAI-style body, HTTP 4xx/5xx
-        ├── InvalidRequest          400: malformed JSON, bad parameter values
-        │   └── UnsupportedParameter    a field kvtide's own layer does not serve
-        ├── ContextLengthExceeded   400: prompt + max_tokens over the model's context
-        ├── AuthenticationFailed    401: API key missing, malformed or unknown (never echoed)
-        ├── PermissionDenied        403: an operator route called with a key that is not one
-        ├── ModelNotFound           404: the requested model is not served here
-        ├── NotFound                404: a route that is switched off in the config
-        ├── SessionNotFound         404: no such session for this key (also: another key's)
-        ├── ResponseNotFound        404: no such stored response for this key (likewise)
-        ├── RequestTimeout          408: the body took over server.request_body_timeout_s
-        ├── TurnInProgress          409: the session already has a turn running
-        ├── PayloadTooLarge         413: the body is over server.max_request_bytes
-        ├── UnsupportedMediaType    415: the body is not application/json
-        ├── IdempotencyKeyReused    422: an Idempotency-Key sent with a different request
-        ├── LimitExceeded           429: over one of the key's limits (``code`` says which)
-        ├── ServingLayerRefused     4xx: refused by vLLM's serving layer, as vLLM's server would
-        └── Unavailable             503 with Retry-After: retrying later may succeed
-            ├── EngineUnavailable   no healthy engine in a pool, or an engine failed
-            ├── ServiceUnavailable  the KV lifecycle service did not answer in time
-            ├── DeadlineExceeded    the request ran past server.request_timeout_s
-            └── Overloaded          a pool cannot take the turn now (admission control)
+"""Errors kvtide raises on purpose, under one root: ``KVTideError``, whose docstring
+draws the whole tree (those a caller triggers are here; the server's internal ones live
+beside the code that raises them). Messages name the offending value and the fix.
 
 "Cannot right now" (no KV to reuse, a pool is busy) is a return value, not an exception.
 """
@@ -61,7 +38,46 @@ __all__ = [
 
 
 class KVTideError(Exception):
-    """Base of every error kvtide raises on purpose."""
+    """Base of every error kvtide's server raises on purpose. The tree (HTTP status
+    where the error is a response; the other branches never reach a client as such):
+
+    KVTideError
+    ├── ConfigError                 a config field is missing or invalid (names the field)
+    ├── RequestError                a request kvtide cannot serve → OpenAI-style body, HTTP 4xx/5xx
+    │   ├── InvalidRequest          400: malformed JSON, bad parameter values
+    │   │   └── UnsupportedParameter    a field kvtide's own layer does not serve
+    │   ├── ContextLengthExceeded   400: prompt + max_tokens over the model's context
+    │   ├── AuthenticationFailed    401: API key missing, malformed or unknown (never echoed)
+    │   ├── PermissionDenied        403: an operator route called with a key that is not one
+    │   ├── ModelNotFound           404: the requested model is not served here
+    │   ├── NotFound                404: a route that is switched off in the config
+    │   ├── SessionNotFound         404: no such session for this key (also: another key's)
+    │   ├── ResponseNotFound        404: no such stored response for this key (likewise)
+    │   ├── RequestTimeout          408: the body took over server.request_body_timeout_s
+    │   ├── TurnInProgress          409: the session already has a turn running
+    │   ├── PayloadTooLarge         413: the body is over server.max_request_bytes
+    │   ├── UnsupportedMediaType    415: the body is not application/json
+    │   ├── IdempotencyKeyReused    422: an Idempotency-Key sent with a different request
+    │   ├── LimitExceeded           429: over one of the key's limits (``code`` says which)
+    │   ├── ServingLayerRefused     4xx: refused by vLLM's serving layer, as vLLM's server would
+    │   └── Unavailable             503 with Retry-After: retrying later may succeed
+    │       ├── EngineUnavailable   no healthy engine in a pool, or an engine failed
+    │       ├── ServiceUnavailable  the KV lifecycle service did not answer in time
+    │       ├── DeadlineExceeded    the request ran past server.request_timeout_s
+    │       └── Overloaded          a pool cannot take the turn now (admission control)
+    ├── PlacementGroupError         a placement group not made as planned (cluster.errors;
+    │   │                           also a placement.errors.PlacementError)
+    │   ├── PlacementTimeout        Ray did not place the group within the bound
+    │   └── PlacementMismatch       Ray put a bundle outside the planned node or domain
+    ├── EnginesNotPlaced            an engine's group not placed in time (cluster.supervisor)
+    ├── EnginesUnplaceable          no domain has room for an engine (cluster.pool_layout)
+    ├── CallTimedOut                a GCS call past its deadline (cluster.deadlines; also a
+    │                               TimeoutError)
+    ├── HostReadPending             a host-tier READ may still land (kv.drains; also a
+    │                               RuntimeError)
+    └── LeaseRefused                the service refused a turn's lease use; the turn runs
+                                    again through begin_turn (router.turn_report)
+    """
 
 
 class ConfigError(KVTideError, ValueError):

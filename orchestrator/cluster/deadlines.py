@@ -19,6 +19,8 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import TypeVar
 
+from orchestrator.errors import KVTideError
+
 __all__ = ["GCS_TIMEOUT_S", "CallTimedOut", "call_within", "call_within_async"]
 
 T = TypeVar("T")
@@ -32,7 +34,7 @@ _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix=
 deadline even when all are held (their calls wait for a thread, and are cancelled)."""
 
 
-class CallTimedOut(TimeoutError):
+class CallTimedOut(KVTideError, TimeoutError):
     """``what`` did not answer within ``timeout_s``."""
 
     def __init__(self, what: str, timeout_s: float) -> None:

@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 from engines.base import GenerateRequest, final_chunk
 from engines.kv_params import KVTransferParams
+from orchestrator.errors import KVTideError
 from orchestrator.kv.decider import params_of
 from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.kv.turn_leases import LeaseBook
@@ -111,7 +112,7 @@ def host_record(copy: HostCopy, tag: dict[str, Any], now: float) -> KVRecord | N
         return None
 
 
-class HostReadPending(RuntimeError):
+class HostReadPending(KVTideError, RuntimeError):
     """A take-in failed with its READ possibly still in flight: the store, not the
     service, ends the decode engine's hold on the blocks (``engines.host_store``)."""
 

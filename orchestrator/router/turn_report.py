@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engines.base import GenerateChunk, GenerateRequest
+from orchestrator.errors import KVTideError
 from orchestrator.kv.conversations import is_unnamed
 from orchestrator.observability import tracing as tr
 
@@ -120,7 +121,7 @@ class TurnReport:
         }
 
 
-class LeaseRefused(Exception):
+class LeaseRefused(KVTideError):
     """The service refused a turn's lease use: the turn ended before any output; run it
     again through ``begin_turn``."""
 

@@ -1,12 +1,20 @@
-"""The OpenAI-compatible ingress: a Ray Serve deployment with a FastAPI app.
+"""The OpenAI-compatible ingress: a Ray Serve deployment serving a FastAPI app.
 
 It validates and tokenizes requests (so the router sees token ids and the KV decider can
 hash prefixes), runs each turn through the ``Router`` (prefill pool → NIXL → decode pool)
 and streams SSE back. Errors are OpenAI-style bodies with 4xx/5xx codes; a failed request
 leaves no KV record behind.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /kvtide/stats`` (KV lifecycle counters and engine counters).
+``Ingress`` is the composition root: it builds the router, the KV service's client and
+the parts that serve HTTP, each with what it uses (``RouteGroups``), and serves the app
+that includes their routers (``serving_app``; Serve asks for it once the replica is
+built, ``__serve_build_asgi_app__``). It also runs the replica's standing calls to the
+service (its metrics every second, its turn leases) and hands over at shutdown.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
+(``own_layer``), ``/v1/responses`` (``responses_routes``), ``GET /health``,
+``/metrics``, ``/kvtide/stats``, ``/kvtide/sessions/{id}``,
+``/kvtide/integrity/reuse`` (``operator_views``).
 """
 
 from __future__ import annotations
@@ -16,33 +24,28 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from functools import partial
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from opentelemetry.trace import Span
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from orchestrator.cluster import route_notes
 from orchestrator.cluster.handle_pool import HandlePool
 from orchestrator.config import KVTideConfig
-from orchestrator.errors import (
-    RequestError,
-)
+from orchestrator.errors import RequestError
 from orchestrator.kv.actor import get_or_create_service, service_client
 from orchestrator.kv.decider import kv_lifecycle_config
 from orchestrator.kv.host_tier import host_tier_spec
-from orchestrator.kv.ownership import Principal
+from orchestrator.kv.service import KVServiceAPI
 from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.observability import tracing as tr
-from orchestrator.observability.metrics import http_status, make_metrics
+from orchestrator.observability.metrics import Metrics, make_metrics
 from orchestrator.router import Router
 from orchestrator.router.held_leases import WATCH_WAIT_S, HeldLeases
 from orchestrator.router.integrity import IntegritySettings
-from orchestrator.serve import openai_api as api
 from orchestrator.serve import vllm_api
 from orchestrator.serve.admission import AdmissionGate
 from orchestrator.serve.auth import Authenticator, ConcurrencyGate
@@ -50,16 +53,16 @@ from orchestrator.serve.model_info import kv_bytes_per_token_of
 from orchestrator.serve.operator_views import OperatorViews
 from orchestrator.serve.own_layer import OwnLayer
 from orchestrator.serve.prompts import PromptEncoder
-from orchestrator.serve.responses import (
-    ending,
-    server_error_body,
-)
+from orchestrator.serve.request_edge import RequestEdge
+from orchestrator.serve.request_guard import RequestGuard
+from orchestrator.serve.responses import server_error_body
 from orchestrator.serve.responses_api import response_book
 from orchestrator.serve.responses_routes import ResponsesRoutes
 from orchestrator.serve.tool_turns import ToolTurns
-from orchestrator.serve.turn_opening import TurnOpening
+from orchestrator.serve.turn_opening import TurnOpener
+from orchestrator.serve.vllm_routes import VLLMLayer, VLLMTurns
 
-__all__ = ["Ingress", "fastapi_app"]
+__all__ = ["Ingress", "RouteGroups", "route_groups", "serving_app"]
 
 log = logging.getLogger("kvtide.ingress")
 
@@ -68,15 +71,12 @@ log = logging.getLogger("kvtide.ingress")
 SESSION_TOKENS_MAX = 10_000
 SESSION_TOKENS_MAX_BYTES = 256 * 2**20
 
-fastapi_app = FastAPI(title="kvtide", docs_url=None, redoc_url=None, openapi_url=None)
 
-
-@fastapi_app.exception_handler(RequestError)
-async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
+async def _request_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestError)
     return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers())
 
 
-@fastapi_app.exception_handler(Exception)
 async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
     # The details go to the log only: a body must not carry actor ids, PIDs or paths.
     log.exception("internal error")
@@ -84,9 +84,103 @@ async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(body, status_code=500)
 
 
+def serving_app(routers: Iterable[APIRouter]) -> FastAPI:
+    """The ingress's FastAPI app: ``routers`` included, a ``RequestError`` answered with
+    its OpenAI-style body and status, anything else with a 500 that names nothing
+    internal; no docs or OpenAPI schema routes."""
+    app = FastAPI(title="kvtide", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_exception_handler(RequestError, _request_error)
+    app.add_exception_handler(Exception, _internal_error)
+    for router in routers:
+        app.include_router(router)
+    return app
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouteGroups:
+    """The ingress's parts that serve HTTP, each built with what it uses: the request
+    edge (key, body, span), the guard (concurrency, Idempotency-Key), the turn opener,
+    vLLM's serving layer over kvtide's turns, and the three route groups
+    (``routers``)."""
+
+    edge: RequestEdge
+    guard: RequestGuard
+    opener: TurnOpener
+    vllm: VLLMLayer
+    own: OwnLayer
+    responses: ResponsesRoutes
+    operator: OperatorViews
+
+    def routers(self) -> list[APIRouter]:
+        return [self.operator.routes, self.own.routes, self.responses.routes]
+
+
+def route_groups(
+    *,
+    config: KVTideConfig,
+    router: Router,
+    kv: KVServiceAPI,
+    prompts: PromptEncoder,
+    session_tokens: SessionTokens,
+    metrics: Metrics,
+    gate: ConcurrencyGate,
+    admission: AdmissionGate,
+    pools: Mapping[str, HandlePool],
+    pool_handles: Mapping[str, DeploymentHandle],
+) -> RouteGroups:
+    """The parts wired together (loads vLLM's serving classes for ``config.model``:
+    seconds, off the event loop in a replica)."""
+    edge = RequestEdge(config=config, auth=Authenticator(config.server.api_keys), metrics=metrics)
+    opener = TurnOpener(
+        config=config,
+        kv=kv,
+        router=router,
+        admission=admission,
+        metrics=metrics,
+        prompts=prompts,
+        session_tokens=session_tokens,
+    )
+    # vLLM's OpenAI serving layer for what kvtide's own does not serve (tools,
+    # structured outputs, logprobs, n, ...): its config and tokenizer, no engine.
+    turns = VLLMTurns(config=config, router=router, opener=opener)
+    serving = vllm_api.build_serving(config.model, turns.run)
+    guard = RequestGuard(kv=kv, gate=gate)
+    vllm = VLLMLayer(kv=kv, gate=gate, guard=guard, serving=serving, tool_turns=ToolTurns())
+    # What vLLM's Responses API stores, bounded in bytes (``responses_api``).
+    book = response_book(config, router.clock)
+    book.install(serving.responses)
+    return RouteGroups(
+        edge=edge,
+        guard=guard,
+        opener=opener,
+        vllm=vllm,
+        own=OwnLayer(
+            config=config,
+            kv=kv,
+            router=router,
+            gate=gate,
+            prompts=prompts,
+            edge=edge,
+            guard=guard,
+            opener=opener,
+            vllm=vllm,
+        ),
+        responses=ResponsesRoutes(kv=kv, router=router, edge=edge, vllm=vllm, book=book),
+        operator=OperatorViews(
+            config=config,
+            kv=kv,
+            router=router,
+            admission=admission,
+            pools=pools,
+            pool_handles=pool_handles,
+            edge=edge,
+        ),
+    )
+
+
 @serve.deployment(name="ingress", max_ongoing_requests=256)
-@serve.ingress(fastapi_app)
-class Ingress(TurnOpening, OwnLayer, ResponsesRoutes, OperatorViews):
+@serve.ingress()
+class Ingress:
     async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
         self,
         config: KVTideConfig,
@@ -198,19 +292,24 @@ class Ingress(TurnOpening, OwnLayer, ResponsesRoutes, OperatorViews):
                 report_timeout_s=kv.service_timeout_s,
             ),
         )
-        # vLLM's OpenAI serving layer for what kvtide's own does not serve (tools,
-        # structured outputs, logprobs, n, ...): its config and tokenizer, no engine.
-        self.vllm = await asyncio.to_thread(vllm_api.build_serving, config.model, self._vllm_turn)
-        self.tool_turns = ToolTurns()
-        # What vLLM's Responses API stores, bounded in bytes (``responses_api``).
-        self.response_book = response_book(config, time.monotonic)
-        self.response_book.install(self.vllm.responses)
-        self.auth = Authenticator(config.server.api_keys)
         # Per ingress replica: a key's concurrent requests are counted where they run.
         self.gate = ConcurrencyGate(retry_after_s=1.0)
         # Turns a pool cannot take now are refused at once (``policies.admission``).
         self.admission = AdmissionGate(
             config.admission.settings(), pools=list(self.pools), metrics=self.metrics
+        )
+        self.routes = await asyncio.to_thread(
+            route_groups,
+            config=config,
+            router=self.router,
+            kv=self.kv,
+            prompts=self.prompts,
+            session_tokens=self.session_tokens,
+            metrics=self.metrics,
+            gate=self.gate,
+            admission=self.admission,
+            pools=self.pools,
+            pool_handles=self.pool_handles,
         )
         # Every replica's metric book goes to the service, which sums them for stats.
         self._reporter = asyncio.get_running_loop().create_task(self._report_metrics_forever())
@@ -290,130 +389,6 @@ class Ingress(TurnOpening, OwnLayer, ResponsesRoutes, OperatorViews):
             with contextlib.suppress(RequestError):
                 await self.kv.lease_watch(leases.holder, leases.take_released(), 0.0)
 
-    # ---- routes ----------------------------------------------------------------------
-
-    @fastapi_app.get("/health")
-    async def health(self) -> JSONResponse:
-        return await self._health()
-
-    def _principal(self, http: Request) -> Principal:
-        return self.auth.authenticate(http.headers.get("authorization"))
-
-    @fastapi_app.get("/v1/models")
-    async def models(self, request: Request) -> dict[str, Any]:
-        self._principal(request)
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.config.model.name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "kvtide",
-                    "max_model_len": self.config.model.max_model_len,
-                }
-            ],
-        }
-
-    @fastapi_app.get("/metrics")
-    async def prometheus_metrics(self, request: Request) -> PlainTextResponse:
-        return await self._prometheus_metrics(request)
-
-    @fastapi_app.get("/kvtide/stats")
-    async def stats(self, request: Request) -> dict[str, Any]:
-        return await self._stats(request)
-
-    @fastapi_app.post("/kvtide/integrity/reuse")
-    async def reuse_on(self, request: Request) -> dict[str, Any]:
-        return await self._reuse_on(request)
-
-    @fastapi_app.get("/kvtide/sessions/{session_id}")
-    async def get_session(self, session_id: str, request: Request) -> dict[str, Any]:
-        return await self._get_session(session_id, request)
-
-    @fastapi_app.post("/kvtide/sessions/{session_id}/renew")
-    async def renew_session(self, session_id: str, request: Request) -> dict[str, Any]:
-        return await self._renew_session(session_id, request)
-
-    @fastapi_app.delete("/kvtide/sessions/{session_id}")
-    async def close_session(self, session_id: str, request: Request) -> dict[str, Any]:
-        return await self._close_session(session_id, request)
-
-    @fastapi_app.post("/v1/chat/completions")
-    async def chat(self, request: Request) -> Any:
-        return await self._traced(request, "chat", self._chat)
-
-    @fastapi_app.post("/v1/responses")
-    async def responses(self, request: Request) -> Any:
-        return await self._traced(request, "responses", self._responses_create)
-
-    @fastapi_app.get("/v1/responses/{response_id}")
-    async def get_response(
-        self,
-        response_id: str,
-        request: Request,
-        stream: bool = False,
-        starting_after: int | None = None,
-    ) -> Any:
-        return await self._responses_get(response_id, request, stream, starting_after)
-
-    @fastapi_app.delete("/v1/responses/{response_id}")
-    async def delete_response(self, response_id: str, request: Request) -> dict[str, Any]:
-        return await self._responses_delete(response_id, request)
-
-    @fastapi_app.post("/v1/completions")
-    async def completions(self, request: Request) -> Any:
-        return await self._traced(request, "text_completion", self._completion)
-
-    async def _body(self, request: Request) -> dict[str, Any]:
-        """The JSON body, refused (413) past ``server.max_request_bytes`` before it is
-        read whole."""
-        raw = await api.read_body(
-            request.stream(),
-            request.headers.get("content-length"),
-            self.config.server.max_request_bytes,
-            self.config.server.request_body_timeout_s,
-        )
-        return api.parse_body(raw, request.headers.get("content-type"))
-
-    async def _traced(
-        self,
-        request: Request,
-        operation: str,
-        handler: Callable[[Request, Span], Awaitable[Any]],
-    ) -> Any:
-        """One request's root span (continuing the caller's ``traceparent``) and its
-        request metrics; a stream ends them when it ends."""
-        root = tr.start_ingress_span(
-            request.headers,
-            method=request.method,
-            route=request.url.path,
-            operation=operation,
-            model=self.config.model.name,
-        )
-        self.metrics.request_started()
-        try:
-            response = await handler(request, root)
-        except BaseException as exc:
-            code = exc.status_code if isinstance(exc, RequestError) else 500
-            if isinstance(exc, Exception):
-                tr.record_error(root, exc)
-            self._finish(root, code if isinstance(exc, Exception) else None)
-            raise
-        if isinstance(response, StreamingResponse):
-            response.body_iterator = ending(response.body_iterator, partial(self._finish, root))
-        else:
-            self._finish(root, response.status_code)
-        return response
-
-    def _finish(self, root: Span, status_code: int | None) -> None:
-        """``status_code`` None: the client went away."""
-        tr.set_attrs(root, {tr.HTTP_RESPONSE_STATUS_CODE: status_code})
-        if status_code is None:
-            root.set_attribute(tr.CANCELLED, True)
-        root.end()
-        self.metrics.request_finished(
-            "cancelled" if status_code is None else http_status(status_code)
-        )
-
-    # ---- the turn ------------------------------------------------------------------
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        """Serve's call once the replica is built: the app this replica serves."""
+        return serving_app(self.routes.routers())

@@ -1,10 +1,7 @@
 """The ingress's routes for operators and the SDK's session calls: ``/health``,
 ``/metrics``, ``/kvtide/stats``, ``/kvtide/sessions/{id}`` (read, renew, close) and
 ``/kvtide/integrity/reuse`` (reuse turned back on for an engine pair: operators only,
-``auth.require_operator``).
-
-A mixin of ``Ingress`` (the attributes used are the ingress's; its route decorators
-call these methods).
+``auth.require_operator``), as an ``APIRouter`` that ``Ingress`` includes.
 """
 
 from __future__ import annotations
@@ -12,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from ray.serve.handle import DeploymentHandle
 
@@ -30,6 +28,7 @@ from orchestrator.router import Router
 from orchestrator.serve import openai_api as api
 from orchestrator.serve.admission import AdmissionGate
 from orchestrator.serve.auth import require_operator
+from orchestrator.serve.request_edge import RequestEdge
 from orchestrator.serve.requests import parse_reuse_on
 from orchestrator.serve.responses import pool_stats, session_body
 
@@ -40,19 +39,33 @@ log = logging.getLogger("kvtide.ingress")
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+@dataclass(slots=True, kw_only=True, eq=False)
 class OperatorViews:
-    """``Ingress``'s operator and session routes (see the module)."""
+    """The ingress's operator and session routes (see the module). ``pools``: each pool's
+    handles; ``pool_handles``: where ``/health`` looks (a pool, or each of a pool's
+    domain deployments)."""
 
     config: KVTideConfig
     kv: KVServiceAPI
     router: Router
     admission: AdmissionGate
-    pool_handles: Mapping[str, DeploymentHandle]
     pools: Mapping[str, HandlePool]
-    _principal: Callable[[Request], Principal]
-    _body: Callable[[Request], Awaitable[dict[str, Any]]]
+    pool_handles: Mapping[str, DeploymentHandle]
+    edge: RequestEdge
+    routes: APIRouter = field(init=False)
 
-    async def _health(self) -> JSONResponse:
+    def __post_init__(self) -> None:
+        self.routes = APIRouter()
+        add = self.routes.add_api_route
+        add("/health", self.health, methods=["GET"])
+        add("/metrics", self.prometheus_metrics, methods=["GET"])
+        add("/kvtide/stats", self.stats, methods=["GET"])
+        add("/kvtide/integrity/reuse", self.reuse_on, methods=["POST"])
+        add("/kvtide/sessions/{session_id}", self.get_session, methods=["GET"])
+        add("/kvtide/sessions/{session_id}/renew", self.renew_session, methods=["POST"])
+        add("/kvtide/sessions/{session_id}", self.close_session, methods=["DELETE"])
+
+    async def health(self) -> JSONResponse:
         """200 ``ok`` when every pool and the KV service answer within their deadlines;
         503 naming what did not (each check bounded: /health never hangs). ``degraded``
         when an engine makes no progress or a pool refuses turns (admission control):
@@ -91,18 +104,18 @@ class OperatorViews:
     async def _session_of(self, session_id: str, http: Request) -> tuple[str, Principal]:
         """The session a ``/kvtide/sessions/{id}`` route names, if the caller may see it.
         With API keys, an unknown session and another key's look the same: 404."""
-        principal = self._principal(http)
+        principal = self.edge.principal(http)
         sid = api.parse_session_id(session_id)
         assert sid is not None
         if not await self.kv.session_owned(sid, principal):
             raise session_not_found(sid)
         return sid, principal
 
-    async def _prometheus_metrics(self, request: Request) -> PlainTextResponse:
+    async def prometheus_metrics(self, request: Request) -> PlainTextResponse:
         """kvtide's metrics in Prometheus's text format: every ingress replica's book and
         the KV service's, summed (each replica reports its book every second). Behind
         the API keys like every route; 404 with ``observability.metrics`` off."""
-        self._principal(request)
+        self.edge.principal(request)
         if not self.config.observability.metrics:
             raise NotFound("metrics are off (observability.metrics: false)")
         await self.router.settled()
@@ -111,13 +124,13 @@ class OperatorViews:
             render_prometheus(kv.get("metrics", {})), media_type=PROMETHEUS_CONTENT_TYPE
         )
 
-    async def _stats(self, request: Request) -> dict[str, Any]:
+    async def stats(self, request: Request) -> dict[str, Any]:
         """The service's books with every engine's counters (each engine host reports its
         own with its heartbeat; summed per pool) and every ingress replica's metrics
         (summed, with the service's). A pool none of whose engines has reported yet (just
         deployed) is asked directly, one replica, within the service deadline. A key that
         is not an operator's sees no other key's session or request ids."""
-        principal = self._principal(request)
+        principal = self.edge.principal(request)
         await self.router.settled()  # the turns finished here are in the books
         kv = await self.kv.stats()
         if not principal.may_operate:
@@ -148,7 +161,7 @@ class OperatorViews:
             "metrics": metrics,
         }
 
-    async def _get_session(self, session_id: str, request: Request) -> dict[str, Any]:
+    async def get_session(self, session_id: str, request: Request) -> dict[str, Any]:
         """Where kvtide holds the session's KV now (``record`` is null when nothing is
         offered: never recorded, expired, evicted or closed)."""
         sid, principal = await self._session_of(session_id, request)
@@ -158,7 +171,7 @@ class OperatorViews:
             raise session_not_found(sid)
         return session_body(info)
 
-    async def _renew_session(self, session_id: str, request: Request) -> dict[str, Any]:
+    async def renew_session(self, session_id: str, request: Request) -> dict[str, Any]:
         """Extend the session's KV lease (the SDK's heartbeat while a conversation idles)."""
         sid, principal = await self._session_of(session_id, request)
         await self.router.settled()
@@ -167,7 +180,7 @@ class OperatorViews:
             raise session_not_found(sid)
         return session_body(info)
 
-    async def _close_session(self, session_id: str, request: Request) -> dict[str, Any]:
+    async def close_session(self, session_id: str, request: Request) -> dict[str, Any]:
         """End a session: its kept KV is drained back to prefill (freed on decode now)."""
         sid, principal = await self._session_of(session_id, request)
         await self.router.settled()
@@ -175,12 +188,12 @@ class OperatorViews:
             raise session_not_found(sid)
         return {"id": sid, "object": "session.deleted", "deleted": True}
 
-    async def _reuse_on(self, request: Request) -> dict[str, Any]:
+    async def reuse_on(self, request: Request) -> dict[str, Any]:
         """Turn reuse back on for an engine pair an integrity check turned off (the pairs
         are in ``/kvtide/stats``, ``kv.reuse_off``); 404 when it is not off. Operators
         only (403)."""
-        require_operator(self._principal(request), "POST /kvtide/integrity/reuse")
-        body = parse_reuse_on(await self._body(request))
+        require_operator(self.edge.principal(request), "POST /kvtide/integrity/reuse")
+        body = parse_reuse_on(await self.edge.body(request))
         prefill, source = body.prefill_engine_id, body.source_engine_id
         if not await self.kv.reuse_on(prefill, source):
             raise NotFound(

@@ -1,8 +1,8 @@
 """kvtide's own OpenAI layer in the ingress: the plain text requests it serves itself
 (``requests.py`` parses them strictly; a request asking for more goes to vLLM's serving
 layer, ``vllm_routes``), their responses and streams, and the replay of a stored one.
-
-A mixin of ``Ingress`` (the attributes are the ingress's).
+Its routes (``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``)
+are an ``APIRouter`` that ``Ingress`` includes.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry.trace import Span
 
@@ -22,11 +23,13 @@ from orchestrator.config import KVTideConfig
 from orchestrator.errors import ContextLengthExceeded, RequestError, UnsupportedParameter
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.service import KVServiceAPI
-from orchestrator.router import TurnReport
+from orchestrator.router import Router, TurnReport
 from orchestrator.serve import openai_api as api
 from orchestrator.serve import vllm_api
 from orchestrator.serve.auth import ConcurrencyGate, Ticket, check_request
 from orchestrator.serve.prompts import PromptEncoder
+from orchestrator.serve.request_edge import RequestEdge
+from orchestrator.serve.request_guard import RequestGuard
 from orchestrator.serve.responses import (
     Output,
     begin_replay,
@@ -37,52 +40,87 @@ from orchestrator.serve.responses import (
     stream_error,
     usage_of,
 )
-from orchestrator.serve.turn_opening import REQUEST_ID_HEADER, maybe_in_thread
+from orchestrator.serve.turn_opening import REQUEST_ID_HEADER, TurnOpener, maybe_in_thread
 from orchestrator.serve.turns import OpenedTurn, OpenTurn
-from orchestrator.serve.vllm_routes import VLLMRoutes
+from orchestrator.serve.vllm_routes import VLLMLayer
 
 __all__ = ["OwnLayer"]
 
 log = logging.getLogger("kvtide.ingress")
 
 
-class OwnLayer(VLLMRoutes):
-    """``Ingress``'s own OpenAI layer (see the module); what it does not serve goes to
-    vLLM's (``VLLMRoutes``)."""
+OwnHandler = Callable[[api.ApiRequest, Request, Principal, Span, float], Awaitable[Any]]
+"""kvtide's own layer's work on a parsed request: ``(request, http, principal, root,
+t_in)``."""
+
+
+@dataclass(slots=True, kw_only=True, eq=False)
+class OwnLayer:
+    """kvtide's own OpenAI layer (see the module); what it does not serve goes to vLLM's
+    (``vllm``)."""
 
     config: KVTideConfig
     kv: KVServiceAPI
+    router: Router
     gate: ConcurrencyGate
     prompts: PromptEncoder
-    _principal: Callable[[Request], Principal]
-    _body: Callable[[Request], Awaitable[dict[str, Any]]]
-    _guarded: Callable[..., Awaitable[Any]]
-    _open_turn: Callable[[OpenTurn], Awaitable[OpenedTurn]]
+    edge: RequestEdge
+    guard: RequestGuard
+    opener: TurnOpener
+    vllm: VLLMLayer
+    routes: APIRouter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.routes = APIRouter()
+        self.routes.add_api_route("/v1/chat/completions", self._post_chat, methods=["POST"])
+        self.routes.add_api_route("/v1/completions", self._post_completion, methods=["POST"])
+        self.routes.add_api_route("/v1/models", self.models, methods=["GET"])
+
+    async def _post_chat(self, request: Request) -> Any:
+        return await self.edge.traced(request, "chat", self.chat)
+
+    async def _post_completion(self, request: Request) -> Any:
+        return await self.edge.traced(request, "text_completion", self.completion)
+
+    async def models(self, request: Request) -> dict[str, Any]:
+        self.edge.principal(request)
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.config.model.name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "kvtide",
+                    "max_model_len": self.config.model.max_model_len,
+                }
+            ],
+        }
 
     async def _layer_for(
         self,
         kind: Literal["chat", "completion"],
         request: Request,
         root: Span,
-        own: Callable[[api.ApiRequest, Request, Principal, Span, float], Awaitable[Any]],
+        own: OwnHandler,
     ) -> Any:
         """A request for kvtide's own layer (``own``) when its parser takes it; one that
         asks for more of what vLLM's server honours goes to vLLM's layer."""
-        principal = self._principal(request)
-        body = await self._body(request)
+        principal = self.edge.principal(request)
+        body = await self.edge.body(request)
         t_in = self.router.clock()
         parse = api.parse_chat if kind == "chat" else api.parse_completion
         try:
             req = parse(body, self.config.model.name)
         except UnsupportedParameter:
             vllm_api.check_fields(kind, body)
-            return await self._vllm_request(kind, body, request, principal, root, t_in)
+            return await self.vllm.request(kind, body, request, principal, root, t_in)
         return await own(req, request, principal, root, t_in)
 
-    async def _chat(self, request: Request, root: Span) -> Any:
+    async def chat(self, request: Request, root: Span) -> Any:
         return await self._layer_for("chat", request, root, self._own_chat)
 
-    async def _completion(self, request: Request, root: Span) -> Any:
+    async def completion(self, request: Request, root: Span) -> Any:
         return await self._layer_for("completion", request, root, self._own_completion)
 
     async def _own_chat(
@@ -151,7 +189,7 @@ class OwnLayer(VLLMRoutes):
         (429), an Idempotency-Key's earlier run (replayed, or 409 while it runs), the
         key's limits and the context (429/400); then one service call claims the
         session for the key (404 for another key's, 409 while a turn runs, 429 at a
-        session limit) and plans the turn's KV (``_open_turn``). The turn runs once per
+        session limit) and plans the turn's KV (``TurnOpener.open``). The turn runs once per
         Idempotency-Key and releases its concurrency ticket when the response (or
         stream) ends."""
 
@@ -166,7 +204,7 @@ class OwnLayer(VLLMRoutes):
 
         async def run(ticket: Ticket, replay_key: str | None) -> Any:
             rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
-            opened = await self._open_turn(
+            opened = await self.opener.open(
                 OpenTurn(
                     principal=principal,
                     session_header=api.session_header(http.headers.get("x-session-id")),
@@ -190,7 +228,7 @@ class OwnLayer(VLLMRoutes):
             )
             return await self._respond(req, opened, replay_key, ticket)
 
-        return await self._guarded(
+        return await self.guard.guarded(
             http,
             principal,
             run,
@@ -207,7 +245,7 @@ class OwnLayer(VLLMRoutes):
         replay_key: str | None,
         ticket: Ticket,
     ) -> Any:
-        """kvtide's own OpenAI layer's response to a turn opened by ``_open_turn``."""
+        """kvtide's own OpenAI layer's response to a turn opened by ``TurnOpener.open``."""
         rid, ids, first, turn = opened.request_id, opened.ids, opened.first, opened.turn
         if req.stream:
             return StreamingResponse(
@@ -230,8 +268,8 @@ class OwnLayer(VLLMRoutes):
 
     def _fingerprint(self) -> str | None:
         """vLLM's ``system_fingerprint`` for this model, as kvtide's vLLM layer gives it."""
-        serving = getattr(self, "vllm", None)
-        return None if serving is None else serving.chat.system_fingerprint
+        fingerprint: str | None = self.vllm.serving.chat.system_fingerprint
+        return fingerprint
 
     def _replayed(self, req: api.ApiRequest, body: dict[str, Any]) -> Any:
         """A completed turn's stored response, in the shape this request asked for."""

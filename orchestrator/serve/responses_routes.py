@@ -1,18 +1,19 @@
 """The Responses API (``/v1/responses``) in the ingress: vLLM's ``OpenAIServingResponses``
 over kvtide's turn, with what it stores bounded, owned by API keys and tied to kvtide
-sessions (``orchestrator.serve.responses_api``).
-
-A mixin of ``Ingress``, beside ``VLLMRoutes`` (whose guarded turn it uses).
+sessions (``orchestrator.serve.responses_api``). Its turns go through vLLM's layer
+(``vllm_routes.VLLMLayer``); its routes (``POST /v1/responses``, ``GET`` and ``DELETE
+/v1/responses/{id}``) are an ``APIRouter`` that ``Ingress`` includes.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from orchestrator.errors import (
@@ -21,12 +22,13 @@ from orchestrator.errors import (
     ResponseNotFound,
     UnsupportedParameter,
 )
-from orchestrator.kv.ownership import Principal
 from orchestrator.kv.service import KVServiceAPI
 from orchestrator.router import Router
 from orchestrator.serve import openai_api as api
 from orchestrator.serve import vllm_api
+from orchestrator.serve.request_edge import RequestEdge
 from orchestrator.serve.responses_api import ResponseBook
+from orchestrator.serve.vllm_routes import VLLMLayer
 
 __all__ = ["ResponsesRoutes", "nulls_as_defaults"]
 
@@ -57,42 +59,52 @@ def nulls_as_defaults(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+@dataclass(slots=True, kw_only=True, eq=False)
 class ResponsesRoutes:
-    """``Ingress``'s Responses API (the attributes used are the ingress's)."""
+    """The ingress's Responses API (see the module); ``book`` holds what vLLM's
+    Responses serving class stores."""
 
     kv: KVServiceAPI
     router: Router
-    vllm: vllm_api.VLLMServing
-    response_book: ResponseBook
-    _principal: Callable[[Request], Principal]
-    _body: Callable[[Request], Awaitable[dict[str, Any]]]
-    _vllm_request: Callable[..., Awaitable[Any]]
+    edge: RequestEdge
+    vllm: VLLMLayer
+    book: ResponseBook
+    routes: APIRouter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.routes = APIRouter()
+        self.routes.add_api_route("/v1/responses", self._post, methods=["POST"])
+        self.routes.add_api_route("/v1/responses/{response_id}", self.get, methods=["GET"])
+        self.routes.add_api_route("/v1/responses/{response_id}", self.delete, methods=["DELETE"])
+
+    async def _post(self, request: Request) -> Any:
+        return await self.edge.traced(request, "responses", self.create)
 
     def _owner(self, http: Request) -> str | None:
-        principal = self._principal(http)
+        principal = self.edge.principal(http)
         return None if principal.is_anonymous else principal.name
 
     def _check_owned(self, response_id: str, http: Request, param: str | None = None) -> None:
         """404 unless the caller has a stored response ``response_id``."""
-        if not self.response_book.owns(response_id, self._owner(http)):
+        if not self.book.owns(response_id, self._owner(http)):
             raise _not_found(response_id, param)
 
     async def _close_dropped_sessions(self) -> None:
         """Close the sessions whose last response the book dropped (their KV freed); a
         service that does not answer leaves them to expire at the KV TTL."""
-        for session_id in self.response_book.take_sessions_to_close():
+        for session_id in self.book.take_sessions_to_close():
             try:
                 await self.kv.close(session_id)
             except RequestError as exc:
                 log.warning("responses: session %s not closed: %s", session_id, exc)
 
-    async def _responses_create(self, http: Request, root: Any) -> Any:
+    async def create(self, http: Request, root: Any) -> Any:
         """``POST /v1/responses``: a new response, stored by default (OpenAI's ``store``),
         continuing ``previous_response_id``'s conversation when given: the input items
         sent are only the new ones, the history is the server's, and the turn runs in
         the session the book gives it (``ResponseBook.begin``)."""
-        principal = self._principal(http)
-        body = nulls_as_defaults(await self._body(http))
+        principal = self.edge.principal(http)
+        body = nulls_as_defaults(await self.edge.body(http))
         t_in = self.router.clock()
         vllm_api.check_fields("responses", body)
         owner = None if principal.is_anonymous else principal.name
@@ -104,7 +116,7 @@ class ResponsesRoutes:
         store = body.get("store", True) is not False
         header = api.session_header(http.headers.get("x-session-id"))
         response_id = f"resp_{uuid.uuid4().hex}"
-        session = self.response_book.begin(
+        session = self.book.begin(
             response_id, owner, previous=previous, store=store, named_session=header
         )
         completed = False
@@ -114,11 +126,11 @@ class ResponsesRoutes:
             completed = True
 
         async def settle() -> None:
-            self.response_book.settle(response_id, completed)
+            self.book.settle(response_id, completed)
             await self._close_dropped_sessions()
 
         try:
-            response = await self._vllm_request(
+            response = await self.vllm.request(
                 "responses",
                 body,
                 http,
@@ -160,11 +172,15 @@ class ResponsesRoutes:
         response.body_iterator = settled_at_end(response.body_iterator)
         return response
 
-    async def _responses_get(
-        self, response_id: str, http: Request, stream: bool, starting_after: int | None
+    async def get(
+        self,
+        response_id: str,
+        request: Request,
+        stream: bool = False,
+        starting_after: int | None = None,
     ) -> Any:
         """``GET /v1/responses/{id}``: the caller's stored response (as vLLM keeps it)."""
-        self._check_owned(response_id, http)
+        self._check_owned(response_id, request)
         if stream:
             # vLLM replays the events of background responses only, which kvtide does
             # not run: a stored response is read whole.
@@ -173,19 +189,19 @@ class ResponsesRoutes:
                 "does not run; GET the stored response without stream",
                 param="stream",
             )
-        result = await self.vllm.responses.retrieve_responses(
+        result = await self.vllm.serving.responses.retrieve_responses(
             response_id, starting_after=starting_after, stream=False
         )
         if hasattr(result, "error"):
             raise vllm_api.error_of(result)
         return JSONResponse(result.model_dump(mode="json", by_alias=True))
 
-    async def _responses_delete(self, response_id: str, http: Request) -> dict[str, Any]:
+    async def delete(self, response_id: str, request: Request) -> dict[str, Any]:
         """``DELETE /v1/responses/{id}``: the stored response and its messages are
         forgotten (a later ``previous_response_id`` naming it is 404) and, when nothing
         continued it, its session is closed (the KV kept for it freed)."""
-        self._check_owned(response_id, http)
-        self.response_book.drop(response_id)
+        self._check_owned(response_id, request)
+        self.book.drop(response_id)
         await self.router.settled()  # its turn's hand-over booked before the close
         await self._close_dropped_sessions()
         return {"id": response_id, "object": "response", "deleted": True}

@@ -1,22 +1,19 @@
-"""How the ingress opens a turn, for kvtide's own OpenAI layer and vLLM's alike: the
-guard every turn runs under (the key's concurrency ticket, its Idempotency-Key) and the
-turn itself (``_open_turn``: the session by header or by the conversation's text, the
-prompt tokenized from this replica's copy of the session's last turn, the key's limits,
-admission, the turn lease or the KV service's ``begin_turn``, the first item).
+"""How the ingress opens a turn, for kvtide's own OpenAI layer and vLLM's alike
+(``TurnOpener.open``: the session by header or by the conversation's text, the prompt
+tokenized from this replica's copy of the session's last turn, the key's limits,
+admission, the turn lease or the KV service's ``begin_turn``, the first item), under
+the guard of ``request_guard``.
 
-A mixin of ``Ingress`` (the attributes are the ingress's).
+``TurnOpener`` is built by ``Ingress`` with what it uses and held by both OpenAI layers
+(``own_layer``, ``vllm_routes``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
-
-from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from engines.base import GenerateChunk
 from orchestrator.config import KVTideConfig
@@ -24,7 +21,6 @@ from orchestrator.errors import (
     EngineUnavailable,
     LimitExceeded,
     NotFound,
-    ServiceUnavailable,
     TurnInProgress,
 )
 from orchestrator.kv.messages import KVDecision, TurnLease
@@ -34,14 +30,12 @@ from orchestrator.kv.session_tokens import SessionTokens, prefix_digest
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import Metrics
 from orchestrator.router import LeaseRefused, Router, TurnReport
-from orchestrator.serve import openai_api as api
 from orchestrator.serve.admission import AdmissionGate
-from orchestrator.serve.auth import ConcurrencyGate, Ticket
 from orchestrator.serve.prompts import PromptEncoder
-from orchestrator.serve.responses import raise_unclaimed, replay_key_of
+from orchestrator.serve.responses import raise_unclaimed
 from orchestrator.serve.turns import OpenedTurn, OpenTurn
 
-__all__ = ["REQUEST_ID_HEADER", "TurnOpening"]
+__all__ = ["REQUEST_ID_HEADER", "TurnOpener"]
 
 REQUEST_ID_HEADER = "x-kvtide-request-id"
 """The response header naming kvtide's request id (the completion's ``id``)."""
@@ -72,13 +66,49 @@ def _extends(ids: Sequence[int], prefix: Sequence[int]) -> bool:
     return 0 < n <= len(ids) and list(ids[:n]) == list(prefix)
 
 
-class TurnOpening:
-    """``Ingress``'s turn opening (see the module)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Begun:
+    """What ``begin_turn`` settled: the prompt's ids (tokenized again when the service's
+    last turn was another replica's), its max_tokens, the plan, and the seconds spent
+    waiting for the service and tokenizing again."""
+
+    ids: list[int]
+    max_tokens: int
+    decision: KVDecision | None
+    service_s: float
+    tokenize_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Prompt:
+    """A turn's prompt ids, the digest and ids of this replica's copy of the session's
+    last turn they were tokenized from, and the seconds the template and tokenizing
+    took."""
+
+    ids: list[int]
+    digest: int | None
+    last_ids: Sequence[int]
+    tokenize_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Leased:
+    """A turn taken under the session's lease held here: the lease (None: none held),
+    its plan, the task reporting its use, and the seconds waited for a hand-over."""
+
+    lease: TurnLease | None = None
+    decision: KVDecision | None = None
+    used: asyncio.Task[bool] | None = None
+    service_s: float = 0.0
+
+
+@dataclass(slots=True, kw_only=True, eq=False)
+class TurnOpener:
+    """How the ingress opens a turn (see the module)."""
 
     config: KVTideConfig
     kv: KVServiceAPI
     router: Router
-    gate: ConcurrencyGate
     admission: AdmissionGate
     metrics: Metrics
     prompts: PromptEncoder
@@ -105,16 +135,13 @@ class TurnOpening:
         digest: int | None,
         last_ids: Sequence[int],
         limits: Callable[[list[int]], int],
-    ) -> tuple[list[int], int, KVDecision | None, float, float]:
+    ) -> Begun:
         """The turn's one service call before it runs (``begin_turn``: the session
         claimed, the KV plan made), with the prompt tokenized from this replica's copy of
         the session's last turn (``digest`` names it, ``last_ids`` are its ids). The call
         carries only the ids the prompt adds to that last turn. When the service's last
         turn is another one (the previous turn ran on another replica), tokenize again
-        from it, check ``limits`` again (the prompt's max_tokens), and ask again.
-
-        Returns the prompt's ids, its max_tokens, the plan, the seconds spent waiting
-        for the service and those spent tokenizing again."""
+        from it, check ``limits`` again (the prompt's max_tokens), and ask again."""
         waited = tokenized = 0.0
         leases = self.router.leases
         holder = None if leases is None else leases.holder
@@ -144,63 +171,13 @@ class TurnOpening:
                 tokenized += self.router.clock() - t0
                 max_tokens = limits(ids)
         raise_unclaimed(claim, session_id)
-        return ids, max_tokens, claim.decision, waited, tokenized
-
-    async def _guarded(
-        self,
-        http: Request,
-        principal: Principal,
-        run: Callable[[Ticket, str | None], Awaitable[Any]],
-        begin: Callable[[str, str], Awaitable[dict[str, Any] | None]],
-        replayed: Callable[[dict[str, Any]], Any],
-        num_sequences: int = 1,
-    ) -> Any:
-        """``run(ticket, replay_key)`` under the key's concurrency ticket (counting the
-        request's ``num_sequences``: its ``n`` choices), once per
-        Idempotency-Key: ``begin(replay_key, attempt)`` looks the key up (the stored
-        response of an earlier run, which is ``replayed``; 409 while it runs, 422 when
-        the key came with another request; None: run now, as after a failed run). The
-        ticket is released when the response ends (a stream's own end releases it).
-
-        ``attempt`` names this HTTP attempt in the book. A ``begin`` that fails here
-        (the service did not answer in time) may still reach the service later (Ray
-        delivers it to a restarted instance) and book the key running for nobody: the
-        attempt takes back what it may have booked, and only that, so the client's
-        retry runs instead of waiting out a turn that never runs."""
-        replay_key = replay_key_of(
-            http.headers.get("idempotency-key"),
-            principal.name,
-            api.session_header(http.headers.get("x-session-id")),
+        return Begun(
+            ids=ids,
+            max_tokens=max_tokens,
+            decision=claim.decision,
+            service_s=waited,
+            tokenize_s=tokenized,
         )
-        ticket = self.gate.acquire(principal, num_sequences)
-        streaming = False
-        try:
-            if replay_key is not None:
-                attempt = uuid.uuid4().hex
-                try:
-                    stored = await begin(replay_key, attempt)
-                except ServiceUnavailable:
-                    await asyncio.shield(self._take_back(replay_key, attempt))
-                    raise
-                if stored is not None:
-                    return replayed(stored)
-            try:
-                response = await run(ticket, replay_key)
-            except BaseException:
-                if replay_key is not None:
-                    await asyncio.shield(self.kv.replay_fail(replay_key))
-                raise
-            streaming = isinstance(response, StreamingResponse)
-            return response
-        finally:
-            if not streaming:  # a stream releases its ticket when it ends
-                self.gate.release(ticket)
-
-    async def _take_back(self, replay_key: str, attempt: str) -> None:
-        """Free ``replay_key`` if ``attempt`` booked it running (sent even when the
-        service does not answer: Ray delivers it after the ``begin`` it follows)."""
-        with contextlib.suppress(ServiceUnavailable):
-            await self.kv.replay_fail(replay_key, attempt)
 
     def _session_for(self, turn: OpenTurn) -> tuple[str | None, str | None]:
         """The turn's session and, without a header, its conversation's state: the
@@ -219,12 +196,9 @@ class TurnOpening:
             return self.session_tokens.conversations.new_session_id(turn.principal.name), "started"
         return None, None
 
-    async def _prompt_ids(
-        self, turn: OpenTurn, session_id: str | None
-    ) -> tuple[list[int], int | None, Sequence[int], float]:
-        """The prompt's ids, the digest and ids of this replica's copy of the session's
-        last turn they were tokenized from (``begin_turn`` checks it), and the seconds
-        the chat template and tokenizing took. Token continuity: a prompt that extends
+    async def _prompt_ids(self, turn: OpenTurn, session_id: str | None) -> Prompt:
+        """The prompt, tokenized from this replica's copy of the session's last turn
+        (``begin_turn`` checks its digest). Token continuity: a prompt that extends
         the session's last turn continues from its exact ids; one that does not keeps
         the ids it came with, if any."""
         digest: int | None = None
@@ -241,7 +215,7 @@ class TurnOpening:
             t_tokenize = self.router.clock()
             ids = await self._tokenize(text, last_text, last_ids)
             tokenize_s += self.router.clock() - t_tokenize
-        return ids, digest, last_ids, tokenize_s
+        return Prompt(ids=ids, digest=digest, last_ids=last_ids, tokenize_s=tokenize_s)
 
     def _not_generating_here(
         self, turn: OpenTurn, session_id: str | None, conversation: str | None
@@ -260,33 +234,33 @@ class TurnOpening:
 
     async def _under_lease(
         self, session_id: str | None, principal: Principal, ids: list[int], digest: int | None
-    ) -> tuple[TurnLease | None, KVDecision | None, asyncio.Task[bool] | None, float]:
+    ) -> Leased:
         """The session's turn lease held here, taken for this turn, with its plan and
         its use reported to the service (a task, awaited before the first token), and
-        the seconds waited for a hand-over; or nothing.
+        the seconds waited for a hand-over; or no lease.
 
         Held since its last turn here: claimed and planned without a service call on the
         path (``orchestrator.kv.turn_leases``), provisionally while the last turn's
         hand-over is still on its way."""
         leases = self.router.leases
         if session_id is None or leases is None:
-            return None, None, None, 0.0
+            return Leased()
         waited_s = 0.0
         lease = leases.take(session_id, principal, digest)
         if lease is None:  # a hand-over on its way may yet bring one
             waited_s = await self.router.handed_over(session_id)
             lease = leases.take(session_id, principal, digest)
         if lease is None:
-            return None, None, None, waited_s
+            return Leased(service_s=waited_s)
         decision = leases.decide(lease, ids)
         reason = None if decision.reason is None else decision.reason.value
         self.metrics.inc("kvtide_turn_leases_total", outcome="used")
         used = asyncio.get_running_loop().create_task(
             self.kv.lease_used(session_id, lease.lease_id, reason, leases.provisional(lease))
         )
-        return lease, decision, used, waited_s
+        return Leased(lease=lease, decision=decision, used=used, service_s=waited_s)
 
-    async def _open_turn(self, turn: OpenTurn) -> OpenedTurn:
+    async def open(self, turn: OpenTurn) -> OpenedTurn:
         """The turn started: its session found (by header, or the unnamed one its text
         continues), its prompt tokenized from this replica's copy of the session's last
         turn, checked against ``turn.limits``, claimed and planned (under the session's
@@ -309,23 +283,26 @@ class TurnOpening:
     async def _opened(
         self, turn: OpenTurn, session_id: str | None, conversation: str | None
     ) -> OpenedTurn:
-        """``_open_turn`` once the session is known and booked opening here."""
+        """``open`` once the session is known and booked opening here."""
         principal, text = turn.principal, turn.text
-        ids, digest, last_ids, tokenize_s = await self._prompt_ids(turn, session_id)
+        prompt = await self._prompt_ids(turn, session_id)
+        ids, digest, last_ids = prompt.ids, prompt.digest, prompt.last_ids
+        tokenize_s = prompt.tokenize_s
         max_tokens = turn.limits(ids)
         # Refused now (503 overloaded) rather than queued past its deadline.
         pools = ("prefill", self.router.decode_pool_for(len(ids))[0])
         self.admission.check(pools, turn.num_sequences)
-        lease, decision, lease_used, service_s = await self._under_lease(
-            session_id, principal, ids, digest
-        )
+        leased = await self._under_lease(session_id, principal, ids, digest)
+        lease, decision, lease_used = leased.lease, leased.decision, leased.used
+        service_s = leased.service_s
         if lease is None and session_id is not None:
             try:
-                ids, max_tokens, decision, begun_s, again_s = await self._begin_turn(
+                begun = await self._begin_turn(
                     session_id, principal, text, ids, max_tokens, digest, last_ids, turn.limits
                 )
-                service_s += begun_s
-                tokenize_s += again_s
+                ids, max_tokens, decision = begun.ids, begun.max_tokens, begun.decision
+                service_s += begun.service_s
+                tokenize_s += begun.tokenize_s
             except (TurnInProgress, LimitExceeded, NotFound):
                 if conversation is None:
                     raise
@@ -369,10 +346,12 @@ class TurnOpening:
             assert session_id is not None
             self.metrics.inc("kvtide_turn_leases_total", outcome="refused")
             self.router.opening(session_id, turn.request_id, owner_of(principal))
-            ids, max_tokens, decision, service_s, again_s = await self._begin_turn(
+            begun = await self._begin_turn(
                 session_id, principal, text, ids, max_tokens, digest, last_ids, turn.limits
             )
-            tokenize_s += again_s
+            ids, max_tokens, decision = begun.ids, begun.max_tokens, begun.decision
+            service_s = begun.service_s
+            tokenize_s += begun.tokenize_s
             t_router = self.router.clock()
             running = start(ids, max_tokens, decision, None)
             try:

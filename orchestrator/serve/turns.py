@@ -1,6 +1,6 @@
 """What the ingress knows of a turn as it opens it, and what it hands to the response.
 
-``Ingress._open_turn`` takes an ``OpenTurn`` (from kvtide's own OpenAI layer or from
+``TurnOpener.open`` takes an ``OpenTurn`` (from kvtide's own OpenAI layer or from
 vLLM's serving layer through ``orchestrator.serve.turn_client``) and returns an
 ``OpenedTurn``: the turn claimed, planned and run to its first item.
 """

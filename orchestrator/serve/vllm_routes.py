@@ -1,9 +1,12 @@
 """The ingress's requests served by vLLM's OpenAI serving layer (``vllm_api``).
 
-A mixin of ``Ingress``: the same guard (concurrency ticket, Idempotency-Key) and the same
-turn (``Ingress._open_turn``: session, token continuity, limits, lease or
-``begin_turn``) as kvtide's own layer; vLLM's classes parse the request, render it and
-shape the response. See ``orchestrator.serve.vllm_api``.
+The same guard (concurrency ticket, Idempotency-Key) and the same turn
+(``TurnOpener.open``: session, token continuity, limits, lease or ``begin_turn``) as
+kvtide's own layer; vLLM's classes parse the request, render it and shape the response.
+Two parts, each built with what it uses: ``VLLMTurns`` runs the turns vLLM's serving
+layer asks for (its ``TurnRunner``), ``VLLMLayer`` takes a request through that layer.
+Neither has routes of its own: kvtide's own layer and the Responses routes hand it what
+they do not serve. See ``orchestrator.serve.vllm_api``.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -26,12 +30,14 @@ from orchestrator.router import Router, TurnReport
 from orchestrator.serve import openai_api as api
 from orchestrator.serve import vllm_api
 from orchestrator.serve.auth import ConcurrencyGate, Ticket, check_request
+from orchestrator.serve.request_guard import RequestGuard
 from orchestrator.serve.responses import begin_replay, body_fingerprints
 from orchestrator.serve.tool_turns import ToolTurns, tool_calls_of
 from orchestrator.serve.turn_client import CURRENT_TURN, TurnContext
-from orchestrator.serve.turns import OpenedTurn, OpenTurn
+from orchestrator.serve.turn_opening import TurnOpener
+from orchestrator.serve.turns import OpenTurn
 
-__all__ = ["VLLMRoutes"]
+__all__ = ["VLLMLayer", "VLLMTurns"]
 
 log = logging.getLogger("kvtide.ingress")
 
@@ -41,89 +47,16 @@ _OBJECT = {"chat": "chat.completion", "completion": "text_completion", "response
 _PROMPT_PARAM = {"chat": "messages", "completion": "prompt", "responses": "input"}
 
 
-class VLLMRoutes:
-    """``Ingress``'s vLLM-served requests (the attributes used are the ingress's)."""
+@dataclass(slots=True, kw_only=True, eq=False)
+class VLLMTurns:
+    """The turns vLLM's serving layer asks for (its ``TurnRunner``: ``run``), opened as
+    every turn is."""
 
     config: KVTideConfig
-    kv: KVServiceAPI
     router: Router
-    gate: ConcurrencyGate
-    vllm: vllm_api.VLLMServing
-    tool_turns: ToolTurns
-    _open_turn: Callable[[OpenTurn], Awaitable[OpenedTurn]]
-    _guarded: Callable[..., Awaitable[Any]]
+    opener: TurnOpener
 
-    async def _vllm_request(
-        self,
-        kind: vllm_api.Kind,
-        body: dict[str, Any],
-        http: Request,
-        principal: Principal,
-        root: Any,
-        t_in: float,
-        *,
-        session_id: str | None = None,
-        sessionless: bool = False,
-        on_done: Callable[[], None] | None = None,
-        fields: dict[str, Any] | None = None,
-    ) -> Any:
-        """``body``, which kvtide's own layer does not serve, through vLLM's.
-        ``session_id``: the turn's session when the request names none in its header
-        (a Responses API chain's); ``sessionless``: without a header, the turn runs in
-        no session (none found by its text either: it keeps nothing); ``on_done``:
-        called once the response is complete; ``fields``: set by kvtide (the response's
-        id), not part of the request's identity for an Idempotency-Key."""
-        messages = body.get("messages") if kind == "chat" else None
-        sent = body
-        body = {**body, **(fields or {})}
-        if isinstance(messages, list):
-            # Tool-calling turns answered here render as the decode wrote them.
-            generated = self.tool_turns.as_generated(messages)
-            if generated is not None:
-                body = {**body, "messages": generated}
-        req = vllm_api.parse_request(kind, body)
-        max_tokens = body.get(
-            "max_output_tokens", body.get("max_completion_tokens", body.get("max_tokens"))
-        )
-        header = api.session_header(http.headers.get("x-session-id"))
-        ctx = TurnContext(
-            principal=principal,
-            session_header=header or session_id,
-            sessionless=sessionless and header is None,
-            has_history=body.get("previous_response_id") is not None
-            or any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages or ()),
-            requested_max_tokens=max_tokens if isinstance(max_tokens, int) else None,
-            prompt_param=_PROMPT_PARAM[kind],
-            root=root,
-            t_in=t_in,
-        )
-        ctx.extra["kind"] = kind
-        ctx.extra["on_done"] = on_done
-        # Each of the n choices is a sequence on the pools: the key's concurrency and
-        # admission count them all (``_vllm_turn`` caps each at the key's max_tokens).
-        num_choices = max(1, int(getattr(req, "n", None) or 1))
-        ctx.extra["num_choices"] = num_choices
-        stream = bool(body.get("stream"))
-
-        async def run(ticket: Ticket, replay_key: str | None) -> Any:
-            # Set for the rest of this request's task (each request has its own): vLLM
-            # may call the engine lazily, while its stream is read (the Responses API).
-            CURRENT_TURN.set(ctx)
-            result = await self.vllm.create(kind, req, http)
-            return await self._vllm_respond(ctx, result, stream, replay_key, ticket)
-
-        return await self._guarded(
-            http,
-            principal,
-            run,
-            lambda key, attempt: begin_replay(
-                self.kv, key, attempt, kind, body_fingerprints(kind, sent)
-            ),
-            lambda stored: _replayed(stored, stream),
-            num_choices,
-        )
-
-    async def _vllm_turn(
+    async def run(
         self,
         ctx: TurnContext,
         ids: list[int],
@@ -170,7 +103,7 @@ class VLLMRoutes:
             ctx.extra["max_tokens"] = principal.cap_max_tokens(min(params.max_tokens, room))
             return int(ctx.extra["max_tokens"])
 
-        opened = await self._open_turn(
+        opened = await self.opener.open(
             OpenTurn(
                 principal=principal,
                 session_header=None if whole else ctx.session_header,
@@ -195,7 +128,89 @@ class VLLMRoutes:
         finally:
             await opened.turn.aclose()
 
-    async def _vllm_respond(
+
+@dataclass(slots=True, kw_only=True, eq=False)
+class VLLMLayer:
+    """A request through vLLM's serving layer (``serving``, whose turns ``VLLMTurns``
+    runs), guarded as every turn is; its response with kvtide's object and headers."""
+
+    kv: KVServiceAPI
+    gate: ConcurrencyGate
+    guard: RequestGuard
+    serving: vllm_api.VLLMServing
+    tool_turns: ToolTurns
+
+    async def request(
+        self,
+        kind: vllm_api.Kind,
+        body: dict[str, Any],
+        http: Request,
+        principal: Principal,
+        root: Any,
+        t_in: float,
+        *,
+        session_id: str | None = None,
+        sessionless: bool = False,
+        on_done: Callable[[], None] | None = None,
+        fields: dict[str, Any] | None = None,
+    ) -> Any:
+        """``body``, which kvtide's own layer does not serve, through vLLM's.
+        ``session_id``: the turn's session when the request names none in its header
+        (a Responses API chain's); ``sessionless``: without a header, the turn runs in
+        no session (none found by its text either: it keeps nothing); ``on_done``:
+        called once the response is complete; ``fields``: set by kvtide (the response's
+        id), not part of the request's identity for an Idempotency-Key."""
+        messages = body.get("messages") if kind == "chat" else None
+        sent = body
+        body = {**body, **(fields or {})}
+        if isinstance(messages, list):
+            # Tool-calling turns answered here render as the decode wrote them.
+            generated = self.tool_turns.as_generated(messages)
+            if generated is not None:
+                body = {**body, "messages": generated}
+        req = vllm_api.parse_request(kind, body)
+        max_tokens = body.get(
+            "max_output_tokens", body.get("max_completion_tokens", body.get("max_tokens"))
+        )
+        header = api.session_header(http.headers.get("x-session-id"))
+        ctx = TurnContext(
+            principal=principal,
+            session_header=header or session_id,
+            sessionless=sessionless and header is None,
+            has_history=body.get("previous_response_id") is not None
+            or any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages or ()),
+            requested_max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+            prompt_param=_PROMPT_PARAM[kind],
+            root=root,
+            t_in=t_in,
+        )
+        ctx.extra["kind"] = kind
+        ctx.extra["on_done"] = on_done
+        # Each of the n choices is a sequence on the pools: the key's concurrency and
+        # admission count them all (``VLLMTurns`` caps each at the key's max_tokens).
+        num_choices = max(1, int(getattr(req, "n", None) or 1))
+        ctx.extra["num_choices"] = num_choices
+        stream = bool(body.get("stream"))
+
+        async def run(ticket: Ticket, replay_key: str | None) -> Any:
+            # Set for the rest of this request's task (each request has its own): vLLM
+            # may call the engine lazily, while its stream is read (the Responses API).
+            CURRENT_TURN.set(ctx)
+            result = await self.serving.create(kind, req, http)
+            return await self._respond(ctx, result, stream, replay_key, ticket)
+
+        return await self.guard.guarded(
+            http,
+            principal,
+            run,
+            lambda key, attempt: begin_replay(
+                self.kv, key, attempt, kind, body_fingerprints(kind, sent)
+            ),
+            lambda stored: _replayed(stored, stream),
+            num_choices,
+        )
+
+    async def _respond(
         self,
         ctx: TurnContext,
         result: Any,
@@ -235,12 +250,12 @@ class VLLMRoutes:
             await result.aclose()
             raise ctx.error or EngineUnavailable("the decode engine returned no output")
         return StreamingResponse(
-            self._vllm_sse(ctx, leading, result, replay_key, ticket),
+            self._sse(ctx, leading, result, replay_key, ticket),
             media_type="text/event-stream",
             headers=ctx.extra.get("headers"),
         )
 
-    async def _vllm_sse(
+    async def _sse(
         self,
         ctx: TurnContext,
         leading: list[str],

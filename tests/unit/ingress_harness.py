@@ -7,7 +7,8 @@ feeds them."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -17,13 +18,13 @@ from test_router import FakePool, decode_script, make_router, prefill_script
 from engines.tiny_model import generate_tiny_model, is_tiny_model_dir
 from orchestrator.config import KVTideConfig, parse_config
 from orchestrator.errors import RequestError
+from orchestrator.kv.service import KVServiceAPI
 from orchestrator.serve.admission import AdmissionGate
 from orchestrator.serve.auth import Authenticator, ConcurrencyGate
-from orchestrator.serve.ingress import Ingress
+from orchestrator.serve.ingress import Ingress, route_groups
+from orchestrator.serve.operator_views import OperatorViews
 from orchestrator.serve.prompts import PromptEncoder
-from orchestrator.serve.responses_api import response_book
-from orchestrator.serve.tool_turns import ToolTurns
-from orchestrator.serve.vllm_api import build_serving
+from orchestrator.serve.request_edge import RequestEdge
 
 MODEL = "kvtide-tiny"
 
@@ -34,36 +35,74 @@ class _BareIngress(Ingress.func_or_class):  # type: ignore[misc,name-defined]
 
 
 def bare_ingress(
-    tokenizer: Any, *, vllm: bool = True, max_model_len: int = 256, **server: Any
+    tokenizer: Any,
+    *,
+    vllm: bool = True,
+    max_model_len: int = 256,
+    routing: Mapping[str, Any] | None = None,
+    kv: Callable[[KVServiceAPI], KVServiceAPI] | None = None,
+    prompts: type[PromptEncoder] = PromptEncoder,
+    **server: Any,
 ) -> Any:
-    """An ``Ingress`` with the state its ``__init__`` would give it (config: the embedded
-    default with a ``max_model_len``-token context and ``server`` fields). ``vllm``: with vLLM's
-    OpenAI serving layer on the tiny model (generated where the embedded default keeps
-    it; ~10 s to import vLLM the first time in a process)."""
+    """An ``Ingress`` with the state its ``__init__`` would give it, its parts composed
+    as it composes them (config: the embedded default with a ``max_model_len``-token
+    context, ``routing`` and ``server`` fields; no pools to ask for /health or
+    /kvtide/stats). ``kv(service)``: the service the router and the parts call (a
+    wrapper of the real one); ``prompts``: the prompt encoder's class. ``vllm``: with
+    the OpenAI route groups, which need vLLM's OpenAI serving layer on the tiny model
+    (generated where the embedded default keeps it; ~10 s to import vLLM the first
+    time in a process); without, the operator views only (``routes.operator``)."""
     config: KVTideConfig = parse_config(
-        {"model": {"max_model_len": max_model_len}, "server": server}
+        {"model": {"max_model_len": max_model_len}, "server": server, "routing": routing or {}}
     )
     ingress = _BareIngress.__new__(_BareIngress)
     router = make_router(FakePool(prefill_script()), FakePool(decode_script))
+    if kv is not None:
+        router.kv = kv(router.kv)
     ingress.config = config
     ingress.tokenizer = tokenizer
-    ingress.prompts = PromptEncoder(tokenizer, max_model_len=config.model.max_model_len)
+    ingress.prompts = prompts(tokenizer, max_model_len=config.model.max_model_len)
     ingress.router = router
     ingress.session_tokens = router.session_tokens
     ingress.kv = router.kv
     ingress.metrics = router.metrics
-    ingress.auth = Authenticator(config.server.api_keys)
+    ingress.pools = {}
+    ingress.pool_handles = {}
     ingress.gate = ConcurrencyGate(retry_after_s=1.0)
     ingress.admission = AdmissionGate(
         config.admission.settings(), pools=("prefill", "decode"), metrics=router.metrics
     )
-    if vllm:
-        if not is_tiny_model_dir(config.model.resolved_path()):
-            generate_tiny_model(config.model.resolved_path())
-        ingress.vllm = build_serving(config.model, ingress._vllm_turn)
-        ingress.tool_turns = ToolTurns()
-        ingress.response_book = response_book(config, ingress.router.clock)
-        ingress.response_book.install(ingress.vllm.responses)
+    if not vllm:
+        edge = RequestEdge(
+            config=config, auth=Authenticator(config.server.api_keys), metrics=router.metrics
+        )
+        ingress.routes = SimpleNamespace(
+            edge=edge,
+            operator=OperatorViews(
+                config=config,
+                kv=ingress.kv,
+                router=router,
+                admission=ingress.admission,
+                pools={},
+                pool_handles={},
+                edge=edge,
+            ),
+        )
+        return ingress
+    if not is_tiny_model_dir(config.model.resolved_path()):
+        generate_tiny_model(config.model.resolved_path())
+    ingress.routes = route_groups(
+        config=config,
+        router=router,
+        kv=ingress.kv,
+        prompts=ingress.prompts,
+        session_tokens=router.session_tokens,
+        metrics=router.metrics,
+        gate=ingress.gate,
+        admission=ingress.admission,
+        pools={},
+        pool_handles={},
+    )
     return ingress
 
 
@@ -115,14 +154,15 @@ async def handle(ingress: Any, path: str, body: bytes, **headers: str) -> tuple[
     ``RequestError`` becomes its OpenAI-style body as the app's handler renders it; any
     other exception propagates (the app would answer 500)."""
     request, _ = http_request(path, body, {k.replace("_", "-"): v for k, v in headers.items()})
+    routes = ingress.routes
     if path.endswith("chat/completions"):
-        handler, operation = ingress._chat, "chat"
+        handler, operation = routes.own.chat, "chat"
     elif path.endswith("/responses"):
-        handler, operation = ingress._responses_create, "responses"
+        handler, operation = routes.responses.create, "responses"
     else:
-        handler, operation = ingress._completion, "text_completion"
+        handler, operation = routes.own.completion, "text_completion"
     try:
-        response = await ingress._traced(request, operation, handler)
+        response = await routes.edge.traced(request, operation, handler)
     except RequestError as exc:
         rendered = JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers())
         await ingress.router.settled()

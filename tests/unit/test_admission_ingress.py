@@ -49,7 +49,6 @@ def report(
 def overloaded_ingress(tiny_tokenizer: Any, clock: Clock) -> Any:
     ingress = bare_ingress(tiny_tokenizer)
     ingress.admission.clock = clock
-    ingress.pool_handles = {}  # /health asks no pool here; the service answers
     # The decode engine has had requests waiting and none running for 11 s.
     ingress.admission.observe(report(waiting=3, finished=7))
     clock.now_s += 11.0
@@ -92,7 +91,7 @@ def test_health_is_degraded_while_a_pool_refuses_turns_and_ok_after(
     ingress = overloaded_ingress(tiny_tokenizer, clock)
 
     async def run() -> None:
-        response = await ingress.health()
+        response = await ingress.routes.operator.health()
         assert response.status_code == 503 and response.headers["Retry-After"] == "2"
         body = json.loads(response.body)
         assert body["status"] == "degraded" and body["refusing_pools"] == ["decode"]
@@ -100,7 +99,7 @@ def test_health_is_degraded_while_a_pool_refuses_turns_and_ok_after(
         assert body["engines"]["decode-r2"]["num_waiting"] == 5
         clock.now_s += 1.0
         ingress.admission.observe(report(waiting=0, finished=12, running=1))
-        response = await ingress.health()
+        response = await ingress.routes.operator.health()
         assert response.status_code == 200 and json.loads(response.body) == {"status": "ok"}
 
     asyncio.run(run())

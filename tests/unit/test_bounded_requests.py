@@ -11,14 +11,14 @@ import json
 from typing import Any
 
 import pytest
-from ingress_harness import MODEL, bare_ingress
+from ingress_harness import MODEL, bare_ingress, http_request
 from starlette.requests import Request
 from test_kv_service import Cluster
 
 from orchestrator.config import parse_config
 from orchestrator.errors import ConfigError, InvalidRequest, RequestTimeout
 from orchestrator.kv.messages import TurnDone
-from orchestrator.serve.ingress import fastapi_app
+from orchestrator.serve.ingress import serving_app
 from orchestrator.serve.requests import parse_chat
 
 
@@ -46,7 +46,7 @@ def test_a_body_that_stops_arriving_is_a_408(tiny_tokenizer: Any) -> None:
             ],
         }
         with pytest.raises(RequestTimeout) as err:
-            await asyncio.wait_for(ingress._chat(Request(scope, receive), None), 5.0)
+            await asyncio.wait_for(ingress.routes.own.chat(Request(scope, receive), None), 5.0)
         assert err.value.status_code == 408
         assert "server.request_body_timeout_s" in err.value.message
         assert "10 bytes" in err.value.message
@@ -112,7 +112,45 @@ def test_config_refuses_a_route_prefix_serve_would_crash_on_and_a_multiline_mode
     assert parse_config({"server": {"route_prefix": "/kvtide"}}).server.route_prefix == "/kvtide"
 
 
-def test_the_schema_is_not_served_at_all() -> None:
+ROUTES = {
+    ("GET", "/health"),
+    ("GET", "/metrics"),
+    ("GET", "/kvtide/stats"),
+    ("POST", "/kvtide/integrity/reuse"),
+    ("GET", "/kvtide/sessions/{session_id}"),
+    ("POST", "/kvtide/sessions/{session_id}/renew"),
+    ("DELETE", "/kvtide/sessions/{session_id}"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("GET", "/v1/models"),
+    ("POST", "/v1/responses"),
+    ("GET", "/v1/responses/{response_id}"),
+    ("DELETE", "/v1/responses/{response_id}"),
+}
+"""Every route the ingress serves (docs/api.md, sdk.md, auth.md, observability.md), and
+no other."""
+
+
+async def _asgi(app: Any, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    """The app's answer to one POST, as Serve's proxy hands it over."""
+    sent: list[dict[str, Any]] = []
+    request, receive = http_request(path, body)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(request.scope, receive, send)
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    payload = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return status, json.loads(payload)
+
+
+def test_the_app_serves_the_route_groups_and_no_schema(tiny_tokenizer: Any) -> None:
+    app = serving_app(bare_ingress(tiny_tokenizer).routes.routers())
+    served = {(m, r.path) for r in app.routes for m in getattr(r, "methods", None) or ()}
+    assert served == ROUTES
     # It would answer without a key; the API is described in docs/api.md.
-    assert fastapi_app.openapi_url is None
-    assert all(getattr(r, "path", "") != "/openapi.json" for r in fastapi_app.routes)
+    assert app.openapi_url is None and app.docs_url is None
+    # A refusal is the app's OpenAI-style body with its status.
+    status, body = asyncio.run(_asgi(app, "/v1/chat/completions", b"{"))
+    assert status == 400 and body["error"]["type"] == "invalid_request_error", body

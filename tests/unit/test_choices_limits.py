@@ -45,7 +45,7 @@ def test_every_choice_is_capped_at_the_keys_max_tokens(tiny_tokenizer: Any) -> N
 
 def test_n_counts_n_against_the_keys_concurrency(tiny_tokenizer: Any) -> None:
     ingress = keyed(tiny_tokenizer, max_concurrent_requests=2)
-    principal = ingress.auth.authenticate(BEARER["authorization"])
+    principal = ingress.routes.edge.auth.authenticate(BEARER["authorization"])
 
     async def run() -> None:
         # More choices than the key may ever run: refused for good, naming n.

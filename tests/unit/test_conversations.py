@@ -128,12 +128,7 @@ def test_the_same_history_sent_while_its_turn_runs_is_served_without_the_session
 
 
 def test_switched_off_a_request_without_the_header_keeps_nothing(tiny_tokenizer: Any) -> None:
-    ingress = bare_ingress(tiny_tokenizer)
-    ingress.config = ingress.config.model_copy(
-        update={
-            "routing": ingress.config.routing.model_copy(update={"reuse_without_session": False})
-        }
-    )
+    ingress = bare_ingress(tiny_tokenizer, routing={"reuse_without_session": False})
     client = Client(ingress)
     for question in ("What is kept?", "And after?", "And then?"):
         assert client.turn(question)["conversation"] is None

@@ -19,7 +19,7 @@ def _chat(**fields: object) -> bytes:
 
 
 def test_a_non_ascii_session_id_is_refused_naming_it_as_sent(tiny_tokenizer: Any) -> None:
-    ingress = bare_ingress(tiny_tokenizer, vllm=False)
+    ingress = bare_ingress(tiny_tokenizer)
     # The header's bytes are UTF-8, as any HTTP client sends "café-1"; the ASGI server
     # hands them over read as Latin-1.
     raw = "café-1".encode().decode("latin-1")

@@ -43,10 +43,7 @@ class Enveloped:
 def test_a_conversation_runs_the_same_with_every_service_call_as_messages(
     tiny_tokenizer: Any,
 ) -> None:
-    first, second, log = two_ingresses(tiny_tokenizer)
-    wire = Enveloped(log.service)
-    for ingress in (first, second):
-        ingress.kv = ingress.router.kv = wire
+    first, second, wire = two_ingresses(tiny_tokenizer, Enveloped)
     chat = Chat("e1")
     assert chat.turn(first, "What is kept?")["kv_plan"] == "recompute"
     # The next turn on the other replica: told the last turn (a typed SessionPrefix),

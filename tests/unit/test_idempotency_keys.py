@@ -125,8 +125,7 @@ class _AnswerLost:
 def test_a_begin_whose_answer_was_lost_does_not_hold_the_key(tiny_tokenizer: Any) -> None:
     """The attempt that got a 503 takes back what its ``begin`` booked: the client's
     retry runs the turn (a 409 until the book's running grace, before)."""
-    ingress = bare_ingress(tiny_tokenizer)
-    ingress.kv = _AnswerLost(ingress.kv)
+    ingress = bare_ingress(tiny_tokenizer, kv=_AnswerLost)
 
     async def run() -> None:
         status, body = await handle(ingress, CHAT, _body(messages=MESSAGES), idempotency_key="k")

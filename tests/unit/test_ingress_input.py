@@ -33,7 +33,7 @@ def test_a_body_over_the_cap_is_refused_before_it_is_read(tiny_tokenizer: Any) -
     async def send(headers: dict[str, str]) -> int:
         request, feed = http_request(CHAT, body, headers, chunk=16 * 1024)
         with pytest.raises(PayloadTooLarge) as err:
-            await ingress._chat(request, None)
+            await ingress.routes.own.chat(request, None)
         assert err.value.status_code == 413
         return feed.num_read
 
@@ -82,7 +82,6 @@ def test_tokenizing_runs_off_the_event_loop_and_models_answers_meanwhile(
 ) -> None:
     # Every prompt counts as long here (a long one is what takes seconds).
     monkeypatch.setattr(turn_opening, "INLINE_MAX_CHARS", 0)
-    ingress = bare_ingress(tiny_tokenizer)
     threads: dict[str, int] = {}
     encoding = threading.Event()
 
@@ -99,7 +98,7 @@ def test_tokenizing_runs_off_the_event_loop_and_models_answers_meanwhile(
             time.sleep(1.0)
             return super().encode(prompt, *args)
 
-    ingress.prompts = Slow(tiny_tokenizer, max_model_len=256)
+    ingress = bare_ingress(tiny_tokenizer, prompts=Slow)
 
     async def story() -> None:
         loop_thread = threading.get_ident()
@@ -107,7 +106,7 @@ def test_tokenizing_runs_off_the_event_loop_and_models_answers_meanwhile(
         assert await asyncio.to_thread(encoding.wait, 10)  # the chat is tokenizing now
         t0 = time.monotonic()
         models, _ = http_request("/v1/models", method="GET")
-        listed = await ingress.models(models)
+        listed = await ingress.routes.own.models(models)
         assert listed["data"][0]["id"] == MODEL
         assert time.monotonic() - t0 < 0.5 and not chat.done()
         status, _ = await chat
@@ -118,7 +117,6 @@ def test_tokenizing_runs_off_the_event_loop_and_models_answers_meanwhile(
 
 
 def test_a_short_prompt_is_tokenized_on_the_event_loop(tiny_tokenizer: Any) -> None:
-    ingress = bare_ingress(tiny_tokenizer)
     threads: dict[str, int] = {}
 
     class Where(PromptEncoder):
@@ -130,7 +128,7 @@ def test_a_short_prompt_is_tokenized_on_the_event_loop(tiny_tokenizer: Any) -> N
             threads["encode"] = threading.get_ident()
             return super().encode(prompt, *args)
 
-    ingress.prompts = Where(tiny_tokenizer, max_model_len=256)
+    ingress = bare_ingress(tiny_tokenizer, prompts=Where)
 
     async def story() -> int:
         status, _ = await handle(ingress, CHAT, _chat())
@@ -229,9 +227,6 @@ def test_the_report_says_how_long_the_template_and_tokenizing_took(tiny_tokenize
     # work: tokenize_s is the template plus tokenizing, a part of ingress_s.
     # One clock on the turn's path: the ingress times its parts by the router's (here the
     # tests' clock, moved by the slow template and tokenizer as time would be).
-    ingress = bare_ingress(tiny_tokenizer)
-    clock = ingress.router.clock
-
     class Slow(PromptEncoder):
         def render_chat(self, messages: Sequence[tuple[str, str]], **kw: bool) -> RenderedChat:
             clock.now_s += 0.05
@@ -241,7 +236,8 @@ def test_the_report_says_how_long_the_template_and_tokenizing_took(tiny_tokenize
             clock.now_s += 0.05
             return super().encode(prompt, *args)
 
-    ingress.prompts = Slow(tiny_tokenizer, max_model_len=256)
+    ingress = bare_ingress(tiny_tokenizer, prompts=Slow)
+    clock = ingress.router.clock
 
     async def story() -> tuple[dict[str, Any], dict[str, Any]]:
         status, chat = await handle(ingress, CHAT, _chat(max_tokens=2))

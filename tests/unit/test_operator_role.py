@@ -25,7 +25,6 @@ def keyed_ingress(tokenizer: Any) -> Any:
         for name, key in KEYS.items()
     ]
     ingress = bare_ingress(tokenizer, vllm=False, api_keys=keys)
-    ingress.pools = {}  # /kvtide/stats asks no pool here
     return ingress
 
 
@@ -44,7 +43,7 @@ async def reuse_on(ingress: Any, key: str | None) -> tuple[int, dict[str, Any]]:
     headers = {} if key is None else {"authorization": f"Bearer {KEYS.get(key, key)}"}
     request, _ = http_request("/kvtide/integrity/reuse", json.dumps(PAIR).encode(), headers)
     try:
-        return 200, await ingress._reuse_on(request)
+        return 200, await ingress.routes.operator.reuse_on(request)
     except RequestError as exc:
         return exc.status_code, exc.body()
 
@@ -52,7 +51,7 @@ async def reuse_on(ingress: Any, key: str | None) -> tuple[int, dict[str, Any]]:
 async def stats(ingress: Any, key: str) -> list[dict[str, Any]]:
     headers = {"authorization": f"Bearer {KEYS[key]}"}
     request, _ = http_request("/kvtide/stats", headers=headers, method="GET")
-    pairs: list[dict[str, Any]] = (await ingress._stats(request))["kv"]["reuse_off"]
+    pairs: list[dict[str, Any]] = (await ingress.routes.operator.stats(request))["kv"]["reuse_off"]
     return pairs
 
 

@@ -81,7 +81,7 @@ def test_a_stored_response_is_its_keys_alone(ingress: Any) -> None:
             f"/v1/responses/{first['id']}", b"", {"authorization": f"Bearer {key}"}
         )
         try:
-            response = await ingress._responses_get(first["id"], request, False, None)
+            response = await ingress.routes.responses.get(first["id"], request, False, None)
         except RequestError as exc:
             return exc.status_code
         assert json.loads(response.body)["id"] == first["id"]
@@ -94,14 +94,15 @@ def test_a_stored_response_is_its_keys_alone(ingress: Any) -> None:
 def test_delete_forgets_the_response_in_vllms_store_too(ingress: Any) -> None:
     status, first = create(ingress, input="hello")
     assert status == 200, first
-    store = ingress.vllm.responses.response_store
+    store = ingress.routes.vllm.serving.responses.response_store
     assert first["id"] in store
     request, _ = http_request(
         f"/v1/responses/{first['id']}", b"", {"authorization": f"Bearer {KEY_A}"}
     )
-    deleted = asyncio.run(ingress._responses_delete(first["id"], request))
+    deleted = asyncio.run(ingress.routes.responses.delete(first["id"], request))
     assert deleted == {"id": first["id"], "object": "response", "deleted": True}
-    assert first["id"] not in store and first["id"] not in ingress.vllm.responses.msg_store
+    messages = ingress.routes.vllm.serving.responses.msg_store
+    assert first["id"] not in store and first["id"] not in messages
     status, body = create(ingress, input="next", previous_response_id=first["id"])
     assert status == 404, body
 
@@ -113,13 +114,13 @@ def test_the_book_expires_with_the_sessions_ttl_and_forgets_in_step(ingress: Any
     clock.now_s += ingress.config.kv.decoder_kv_blocks_ttl_s + 1
     status, body = create(ingress, input="next", previous_response_id=first["id"])
     assert status == 404, body
-    assert first["id"] not in ingress.vllm.responses.response_store
+    assert first["id"] not in ingress.routes.vllm.serving.responses.response_store
 
 
 def test_store_false_keeps_nothing(ingress: Any) -> None:
     status, first = create(ingress, input="hello", store=False)
     assert status == 200, first
-    assert len(ingress.response_book) == 0
+    assert len(ingress.routes.responses.book) == 0
     status, body = create(ingress, input="next", previous_response_id=first["id"])
     assert status == 404, body
 
@@ -132,7 +133,7 @@ def test_a_streamed_response_ends_with_kvtides_object(ingress: Any) -> None:
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
     completed = json.loads(events[-1].split("data: ", 1)[1])
     assert completed["kvtide"]["session_id"] == completed["response"]["id"]
-    assert completed["response"]["id"] in ingress.vllm.responses.response_store
+    assert completed["response"]["id"] in ingress.routes.vllm.serving.responses.response_store
 
 
 # ---- what is kept, and for how long -------------------------------------------------------
@@ -143,8 +144,9 @@ LOG = " ".join(["cache engine rack token"] * 60) + "\nSummarise the incident log
 
 def stores(ingress: Any) -> tuple[int, int, int]:
     """What vLLM's serving class holds: its two maps' sizes, and the book's bytes."""
-    responses = ingress.vllm.responses
-    return len(responses.msg_store), len(responses.response_store), ingress.response_book.num_bytes
+    responses = ingress.routes.vllm.serving.responses
+    book = ingress.routes.responses.book
+    return len(responses.msg_store), len(responses.response_store), book.num_bytes
 
 
 def kept_sessions(ingress: Any, key_name: str) -> int:
@@ -161,7 +163,8 @@ async def cancelled_stream(ingress: Any, **fields: Any) -> None:
     """A streamed request whose client goes away after the first event."""
     body = json.dumps({"model": MODEL, "max_output_tokens": 4, "stream": True, **fields})
     request, _ = http_request("/v1/responses", body.encode(), {"authorization": f"Bearer {KEY_B}"})
-    response = await ingress._traced(request, "responses", ingress._responses_create)
+    routes = ingress.routes
+    response = await routes.edge.traced(request, "responses", routes.responses.create)
     events: AsyncIterator[str] = response.body_iterator
     assert (await events.__anext__()).startswith("event: response.created")
     await events.aclose()  # type: ignore[attr-defined]
@@ -217,7 +220,7 @@ def test_the_store_is_bounded_in_bytes_per_key_and_in_all(tiny_tokenizer: Any) -
         responses_max_mib_per_key=per_key / 2**20,
     )
     ingress.router.decode.script = scripted("sure", finish="length")
-    book = ingress.response_book
+    book = ingress.routes.responses.book
     # Each response stores about 6 KB of conversation (1,000 tokens), and its output.
     text = "cache engine rack token " * 250
     status, b_first = create(ingress, KEY_B, input=text)
@@ -237,7 +240,7 @@ def test_the_store_is_bounded_in_bytes_per_key_and_in_all(tiny_tokenizer: Any) -
     for _ in range(6):
         assert create(ingress, KEY_B, input=text)[0] == 200
         assert book.num_bytes <= total and book.bytes_of("team-b") <= per_key
-    assert len(ingress.vllm.responses.msg_store) == len(book)
+    assert len(ingress.routes.vllm.serving.responses.msg_store) == len(book)
     # One response whose conversation alone is over a key's bound: refused before its
     # turn runs, nothing stored.
     num_turns, before = len(ingress.router.decode.requests), stores(ingress)
@@ -293,7 +296,7 @@ def delete(ingress: Any, response_id: str, key: str = KEY_A) -> Any:
     request, _ = http_request(
         f"/v1/responses/{response_id}", b"", {"authorization": f"Bearer {key}"}
     )
-    return asyncio.run(ingress._responses_delete(response_id, request))
+    return asyncio.run(ingress.routes.responses.delete(response_id, request))
 
 
 def test_delete_closes_the_session_and_frees_its_kv(ingress: Any) -> None:
@@ -394,7 +397,7 @@ def test_a_stored_response_is_not_replayed_as_a_stream(ingress: Any) -> None:
         f"/v1/responses/{response_id}", b"", {"authorization": f"Bearer {KEY_A}"}
     )
     with pytest.raises(RequestError) as refused:
-        asyncio.run(ingress._responses_get(response_id, request, True, None))
+        asyncio.run(ingress.routes.responses.get(response_id, request, True, None))
     assert refused.value.status_code == 400 and refused.value.param == "stream"
     assert "without stream" in str(refused.value)
 

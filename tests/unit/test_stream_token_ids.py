@@ -28,7 +28,7 @@ def _body(kind: str, **fields: Any) -> bytes:
 def test_a_stream_returns_the_token_ids_of_the_unstreamed_answer(
     tiny_tokenizer: Any, kind: str
 ) -> None:
-    ingress = bare_ingress(tiny_tokenizer, vllm=False)
+    ingress = bare_ingress(tiny_tokenizer)
 
     async def run() -> tuple[dict[str, Any], list[dict[str, Any]]]:
         status, whole = await handle(ingress, PATHS[kind], _body(kind))
@@ -53,7 +53,7 @@ def test_a_stream_returns_the_token_ids_of_the_unstreamed_answer(
 
 
 def test_without_return_token_ids_a_stream_carries_no_ids(tiny_tokenizer: Any) -> None:
-    ingress = bare_ingress(tiny_tokenizer, vllm=False)
+    ingress = bare_ingress(tiny_tokenizer)
     body = json.loads(_body("completion", stream=True))
     del body["return_token_ids"]
     status, text = asyncio.run(handle(ingress, PATHS["completion"], json.dumps(body).encode()))

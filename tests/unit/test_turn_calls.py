@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -59,15 +60,15 @@ class CallLog:
         return calls
 
 
-def two_ingresses(tokenizer: Any) -> tuple[Any, Any, CallLog]:
-    first, second = bare_ingress(tokenizer), bare_ingress(tokenizer)
-    log = CallLog(first.kv)
-    for ingress in (first, second):
-        ingress.kv = ingress.router.kv = log
-        ingress.router.prefill = first.router.prefill
-        ingress.router.decode = first.router.decode
-        ingress.router.clock = first.router.clock
-    return first, second, log
+def two_ingresses(tokenizer: Any, wire: Callable[[Any], Any] = CallLog) -> tuple[Any, Any, Any]:
+    """Two ingress replicas on the same pools, clock and KV service, which both call
+    through ``wire(service)`` (returned third)."""
+    first = bare_ingress(tokenizer, kv=wire)
+    second = bare_ingress(tokenizer, kv=lambda _: first.kv)
+    second.router.prefill = first.router.prefill
+    second.router.decode = first.router.decode
+    second.router.clock = first.router.clock
+    return first, second, first.kv
 
 
 class Chat:
@@ -344,17 +345,16 @@ class HoldTurnDone:
 
 
 def test_reading_a_session_after_its_turn_sees_the_turn(tiny_tokenizer: Any) -> None:
-    ingress = bare_ingress(tiny_tokenizer)
-    held = HoldTurnDone(ingress.kv)
-    ingress.kv = ingress.router.kv = held
+    ingress = bare_ingress(tiny_tokenizer, kv=HoldTurnDone)
+    held = ingress.kv
 
     async def story() -> dict[str, Any]:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
         request, _ = http_request(CHAT, json.dumps(body).encode(), {"x-session-id": "s9"})
-        response = await ingress._traced(request, "chat", ingress._chat)
+        response = await ingress.routes.edge.traced(request, "chat", ingress.routes.own.chat)
         assert response.status_code == 200  # answered; its hand-over is still held
         get, _ = http_request("/kvtide/sessions/s9", method="GET")
-        read = asyncio.ensure_future(ingress.get_session("s9", get))
+        read = asyncio.ensure_future(ingress.routes.operator.get_session("s9", get))
         for _ in range(100):  # let the read run as far as it can without the hand-over
             await asyncio.sleep(0)
         held.release.set()
