@@ -21,6 +21,7 @@ from engines.kv_params import KVTransferParams
 from orchestrator.errors import ServiceUnavailable
 from orchestrator.kv.kept_check import KeptCheck, KeptRef, check_kept
 from orchestrator.kv.messages import Handover, TurnDone
+from orchestrator.kv.ownership import ANONYMOUS
 from orchestrator.kv.service import KVService
 
 GRACE_S = 60.0
@@ -117,11 +118,11 @@ def test_a_session_with_a_turn_running_is_asked_about_again_not_drained() -> Non
     async def run() -> None:
         await cluster.turn(S1_T1, "s1")
         _, kept_ids = last_kept(cluster)
-        service.running.mark("s1", cluster.clock())  # a turn of s1's is running
+        await service.begin_turn("s1", ANONYMOUS, S1_T2)  # s1's next turn is running
         cluster.clock.now_s += GRACE_S
         assert await check(cluster) == 0
         assert await check(cluster) == 0  # asked about at every beat while it runs
-        service.running.clear("s1")
+        await service.turn_abandoned("s1")
         assert await check(cluster) == 1
         assert [d.prompt_token_ids for d in drains(cluster)] == [kept_ids]
 
