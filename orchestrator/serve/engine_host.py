@@ -33,6 +33,8 @@ from ray.serve.handle import DeploymentHandle
 
 from engines.base import EngineInfo, EngineSpec, EngineStats, GenerateChunk, GenerateRequest
 from engines.registry import create_engine
+from orchestrator.autoscale.load_meter import LoadMeter
+from orchestrator.autoscale.options import autoscaling_options
 from orchestrator.cluster.kv_events import forget_endpoint, register_endpoint
 from orchestrator.cluster.placed_engine import ray_executor_spec, with_cluster_address
 from orchestrator.cluster.pool_layout import PoolDeployment, pool_deployment_name
@@ -84,9 +86,17 @@ def engine_deployment_options(
     elif pool.role == "decode" and config.server.step_streams:
         # Each ingress's step stream reaches the replica it names.
         routing["request_router_config"] = step_router_config()
+    scaling = autoscaling_options(config, pool_name)
+    size: dict[str, Any] = (
+        {"autoscaling_config": scaling}
+        if scaling is not None
+        else {
+            "num_replicas": deployment.num_replicas if deployment is not None else pool.num_engines
+        }
+    )
     return {
         "name": deployment.name if deployment is not None else deployment_name(pool_name),
-        "num_replicas": deployment.num_replicas if deployment is not None else pool.num_engines,
+        **size,
         # (A step stream takes one of these per ingress replica: twice the engine's
         # batch leaves room.)
         "max_ongoing_requests": max(8, pool.max_num_seqs * 2),
@@ -163,6 +173,7 @@ class EngineHost:
         domain_id: str | None = None,
         warm_with: Sequence[DeploymentHandle] = (),
     ) -> None:
+        started_s = time.monotonic()
         pool = config.pool(pool_name)
         role = pool.role
         ctx = serve.get_replica_context()
@@ -195,6 +206,8 @@ class EngineHost:
         self.engine = create_engine(spec)
         self._info: EngineInfo = await self.engine.start()
         log.info("engine %s ready: %s", engine_id, self._info)
+        self._role = role
+        self.load = LoadMeter(clock=time.monotonic, engine_start_s=time.monotonic() - started_s)
         if warm_with and role == "decode" and config.kv.warm_up and config.backend == "vllm":
             tokens = warm_up_prompt_tokens(
                 self._info.block_size, config.kv.kv_recompute_threshold_tokens
@@ -293,6 +306,16 @@ class EngineHost:
                 yield item
 
     async def _stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        prompt = len(request.prompt_token_ids) if self._role == "prefill" else 0
+        self.load.prompt_taken(prompt)
+        try:
+            async with contextlib.aclosing(self._engine_stream(request)) as stream:
+                async for chunk in stream:
+                    yield chunk
+        finally:
+            self.load.prompt_done(prompt)
+
+    async def _engine_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         stream = coalesce(
             self.ledger.watch(request, self.engine.generate(request)),
             max_tokens=self._chunk_tokens,
@@ -314,6 +337,13 @@ class EngineHost:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """This engine's load for Serve's autoscaler (``orchestrator.autoscale``)."""
+        kept = self.ledger.num_kept_blocks() if self._role == "decode" else 0
+        return self.load.report(
+            self.engine.stats(), num_kv_blocks=self._info.num_kv_blocks, kv_blocks_kept=kept
+        )
 
     def placement(self) -> dict[str, Any]:
         """Where this engine runs, from Ray's own tables: the replica's node and each
