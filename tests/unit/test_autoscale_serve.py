@@ -199,3 +199,41 @@ def test_no_report_yet_keeps_serves_target() -> None:
     decode = policy("decode", SentBooks())
     ctx = Context("test-none", 1, 2, {}, current_time=0.0)
     assert decode(ctx) == (2, {})
+
+
+def test_serves_controller_code_runs_the_policy_it_unpickles() -> None:
+    # What Serve's controller does with the deployment's config: unpickle the policy,
+    # build it from its kwargs, wrap it with Serve's bounds and delays, and call it with
+    # a real AutoscalingContext.
+    from ray.serve._private.autoscaling_state import _resolve_policy_callable
+    from ray.serve.autoscaling_policy import _apply_autoscaling_config
+    from ray.serve.config import AutoscalingContext
+
+    cfg = parse_config(ON)
+    config = EngineHost.options(**engine_deployment_options(cfg, "decode"))._deployment_config
+    scaling = config.autoscaling_config
+    assert scaling is not None
+    policy = _apply_autoscaling_config(_resolve_policy_callable(scaling.policy))
+    board.publish("test-serve-code", "prefill", board.latest("test-serve-code", "prefill"))
+    ctx = AutoscalingContext(
+        deployment_id=None,  # type: ignore[arg-type]
+        deployment_name="decode-pool",
+        app_name="test-serve-code",
+        current_num_replicas=1,
+        target_num_replicas=1,
+        running_replicas=[],
+        total_num_requests=0.0,
+        total_queued_requests=0.0,
+        aggregated_metrics=reports(1, num_running=20),
+        raw_metrics={},
+        capacity_adjusted_min_replicas=1,
+        capacity_adjusted_max_replicas=4,
+        policy_state={},
+        last_scale_up_time=None,
+        last_scale_down_time=None,
+        current_time=5000.0,
+        config=scaling,
+    )
+    count, state = policy(ctx)
+    # 20 sequences / (10 x 0.8) = 2.5 → 3, at once (Serve's delays are 0).
+    assert count == 3 and state["kvtide"]["target"] == 3
