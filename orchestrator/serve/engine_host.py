@@ -338,8 +338,9 @@ class EngineHost:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    def record_autoscaling_stats(self) -> dict[str, float]:
-        """This engine's load for Serve's autoscaler (``orchestrator.autoscale``)."""
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """This engine's load for Serve's autoscaler (``orchestrator.autoscale``); on the
+        replica's event loop, where the ledger and the meter are kept."""
         kept = self.ledger.num_kept_blocks() if self._role == "decode" else 0
         return self.load.report(
             self.engine.stats(), num_kv_blocks=self._info.num_kv_blocks, kv_blocks_kept=kept
