@@ -80,9 +80,10 @@ class AutoscalingConfig(StrictSection):
     interval_s: float = Field(
         5.0,
         ge=1,
-        le=600,
-        description="How often engines report their load to Serve's autoscaler (and so "
-        "how fresh each decision's inputs are).",
+        le=30,
+        description="How often engines report their load to Serve's autoscaler and the "
+        "policy decides (at most 30 s: the KV service drops a metric book older than "
+        "60 s, and the policy's goes with each decision).",
     )
 
     @model_validator(mode="after")
