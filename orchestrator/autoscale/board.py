@@ -12,7 +12,7 @@ import time
 
 from policies.autoscale import Pool, PoolSignals
 
-__all__ = ["latest", "now_s", "publish"]
+__all__ = ["in_ray", "latest", "now_s", "publish"]
 
 _LATEST: dict[tuple[str, Pool], PoolSignals] = {}
 
@@ -29,3 +29,10 @@ def latest(app: str, pool: Pool) -> PoolSignals:
 def now_s() -> float:
     """The process's monotonic clock (when to look the KV service up again)."""
     return time.monotonic()
+
+
+def in_ray() -> bool:
+    """Whether this process is connected to Ray (Serve's controller is)."""
+    import ray
+
+    return bool(ray.is_initialized())

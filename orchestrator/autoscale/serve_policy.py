@@ -93,8 +93,10 @@ class PoolPolicy:
     ``autoscaling`` section as a dict, the pool's ``max_num_seqs``, and whether Ray's
     metrics are on)."""
 
-    # How the KV service is found (a test's fake replaces it; Ray's named actor here).
+    # How the KV service is found, and whether to look (a test's fakes replace them;
+    # outside Ray a lookup would start one).
     find_service = staticmethod(lookup_service)
+    connected = staticmethod(board.in_ray)
 
     def __init__(
         self,
@@ -169,7 +171,7 @@ class PoolPolicy:
     def _send(self, app: str) -> None:
         """The book to the KV service, unanswered (the next decision sends it again)."""
         if self._service is None:
-            if board.now_s() - self._looked_up_s < LOOKUP_RETRY_S:
+            if not self.connected() or board.now_s() - self._looked_up_s < LOOKUP_RETRY_S:
                 return
             self._looked_up_s = board.now_s()
             try:

@@ -35,6 +35,7 @@ from engines.base import EngineInfo, EngineSpec, EngineStats, GenerateChunk, Gen
 from engines.registry import create_engine
 from orchestrator.autoscale.load_meter import LoadMeter
 from orchestrator.autoscale.options import autoscaling_options
+from orchestrator.cluster.deadlines import GCS_TIMEOUT_S, call_within_async
 from orchestrator.cluster.kv_events import forget_endpoint, register_endpoint
 from orchestrator.cluster.placed_engine import ray_executor_spec, with_cluster_address
 from orchestrator.cluster.pool_layout import PoolDeployment, pool_deployment_name
@@ -44,7 +45,7 @@ from orchestrator.cluster.step_router import step_router_config
 from orchestrator.cluster.step_streams import StepOutboxes, StepsOpen
 from orchestrator.config import KVTideConfig
 from orchestrator.config.server import internal_address
-from orchestrator.kv.actor import EpochWatcher, lookup_service
+from orchestrator.kv.actor import EpochWatcher, lookup_service, service_client
 from orchestrator.serve.coalesce import coalesce
 from orchestrator.serve.ledger import EngineLedger
 from orchestrator.serve.warm_up import WarmUp, warm_up_prompt_tokens, warm_up_transfers
@@ -102,11 +103,25 @@ def engine_deployment_options(
         "max_ongoing_requests": max(8, pool.max_num_seqs * 2),
         "health_check_period_s": 10,
         "health_check_timeout_s": 30,
-        "graceful_shutdown_timeout_s": 5,
+        "graceful_shutdown_timeout_s": _graceful_shutdown_s(config, pool_name),
         "ray_actor_options": actor,
         **placement,
         **routing,
     }
+
+
+def _graceful_shutdown_s(config: KVTideConfig, pool_name: str) -> float:
+    """How long Serve gives a stopping replica: 5 s; an autoscaled decode replica
+    without step streams, its in-flight turns' deadline and the move of its sessions'
+    KV to the host tier (``EngineHost.__del__``). With step streams, the ingresses'
+    standing streams keep Serve's drain from ending: the replica is stopped at 5 s
+    (docs/autoscaling.md#not-done)."""
+    pool = config.pool(pool_name)
+    if pool.role != "decode" or config.server.step_streams:
+        return 5.0
+    if autoscaling_options(config, pool_name) is None:
+        return 5.0
+    return config.server.request_timeout_s + config.kv.service_timeout_s + 5.0
 
 
 def uses_ray_executor(config: KVTideConfig, pool_name: str, domain_id: str | None) -> bool:
@@ -188,6 +203,13 @@ class EngineHost:
         while publishes_kv_events(config, pool_name) and events_port in (None, port):
             events_port = free_port(host)
         self._events_replica = None if events_port is None else ctx.replica_id.unique_id
+        # Stopped by a scale-in, a decode host has the KV service move its sessions' KV
+        # to the host tier first (``__del__``).
+        self._retire = (
+            (ctx.app_name, config.kv.service_timeout_s)
+            if (role == "decode" and autoscaling_options(config, pool_name) is not None)
+            else None
+        )
         spec = host_engine_spec(
             config, pool_name, domain_id, engine_id, port, host, gcs_address, events_port
         )
@@ -368,12 +390,31 @@ class EngineHost:
             "bundles": bundles,
         }
 
+    async def _move_sessions(self, app: str, timeout_s: float) -> None:
+        """Before the engine stops: the KV service moves the KV of the sessions it kept
+        to the host tier (``KVService.retire_engine``), within ``timeout_s``; the
+        sessions it could not move recompute their next turn (reason ``scaled_in``)."""
+        engine_id = self._info.engine_id
+        try:
+            handle = await call_within_async(
+                lambda: lookup_service(app), GCS_TIMEOUT_S, "the KV service's lookup"
+            )
+            if handle is None:
+                return
+            service = service_client(handle, timeout_s=timeout_s)
+            moved = await service.retire_engine(engine_id)
+            log.info("engine %s scaled in: %s", engine_id, moved)
+        except Exception as exc:  # the engine stops anyway: its sessions recompute
+            log.warning("engine %s scaled in without moving its sessions: %s", engine_id, exc)
+
     async def check_health(self) -> None:
         health = await self.engine.health()
         if not health.healthy:
             raise RuntimeError(f"engine {health.engine_id} unhealthy: {health.detail}")
 
     async def __del__(self) -> None:
+        if self._retire is not None:
+            await self._move_sessions(*self._retire)
         if self._events_replica is not None:
             with contextlib.suppress(Exception):  # the cluster may be going down too
                 forget_endpoint(self._events_replica)

@@ -145,6 +145,7 @@ def policy(pool: str, service: SentBooks) -> PoolPolicy:
 
     class Policy(PoolPolicy):
         find_service = staticmethod(lambda app: service)
+        connected = staticmethod(lambda: True)
 
     return Policy(
         pool=pool,  # type: ignore[arg-type]
@@ -237,3 +238,16 @@ def test_serves_controller_code_runs_the_policy_it_unpickles() -> None:
     count, state = policy(ctx)
     # 20 sequences / (10 x 0.8) = 2.5 → 3, at once (Serve's delays are 0).
     assert count == 3 and state["kvtide"]["target"] == 3
+
+
+def test_a_stopping_decode_replica_gets_its_turns_deadline_without_step_streams() -> None:
+    # Serve calls the replica's __del__ (which moves its sessions' KV to the host tier)
+    # only after its in-flight requests end, within graceful_shutdown_timeout_s.
+    off = parse_config({**ON, "server": {"step_streams": False, "request_timeout_s": 60}})
+    assert engine_deployment_options(off, "decode")["graceful_shutdown_timeout_s"] == (
+        60 + off.kv.service_timeout_s + 5
+    )
+    assert engine_deployment_options(off, "prefill")["graceful_shutdown_timeout_s"] == 5
+    # With step streams Serve's drain does not end (docs/autoscaling.md#not-done).
+    assert engine_deployment_options(parse_config(ON), "decode")["graceful_shutdown_timeout_s"] == 5
+    assert engine_deployment_options(parse_config({}), "decode")["graceful_shutdown_timeout_s"] == 5
