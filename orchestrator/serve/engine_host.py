@@ -203,13 +203,7 @@ class EngineHost:
         while publishes_kv_events(config, pool_name) and events_port in (None, port):
             events_port = free_port(host)
         self._events_replica = None if events_port is None else ctx.replica_id.unique_id
-        # Stopped by a scale-in, a decode host has the KV service move its sessions' KV
-        # to the host tier first (``__del__``).
-        self._retire = (
-            (ctx.app_name, config.kv.service_timeout_s)
-            if (role == "decode" and autoscaling_options(config, pool_name) is not None)
-            else None
-        )
+        self._retire: tuple[str, float] | None = None  # set once the engine runs
         spec = host_engine_spec(
             config, pool_name, domain_id, engine_id, port, host, gcs_address, events_port
         )
@@ -230,6 +224,10 @@ class EngineHost:
         log.info("engine %s ready: %s", engine_id, self._info)
         self._role = role
         self.load = LoadMeter(clock=time.monotonic, engine_start_s=time.monotonic() - started_s)
+        if role == "decode" and autoscaling_options(config, pool_name) is not None:
+            # Stopped by a scale-in, this host has the KV service move its sessions' KV
+            # to the host tier before the engine stops (``__del__``).
+            self._retire = (ctx.app_name, config.kv.service_timeout_s)
         if warm_with and role == "decode" and config.kv.warm_up and config.backend == "vllm":
             tokens = warm_up_prompt_tokens(
                 self._info.block_size, config.kv.kv_recompute_threshold_tokens
