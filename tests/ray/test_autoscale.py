@@ -82,25 +82,47 @@ def turn(base_url: str, model: str, session_id: str) -> tuple[int, dict[str, Any
     return resp.status_code, resp.json()
 
 
-def running_decode_replicas() -> int:
+def record_engine(base_url: str, session_id: str) -> str | None:
+    """The engine holding the session's KV (``/kvtide/sessions``), None when none."""
+    import httpx
+
+    body = httpx.get(f"{base_url}/kvtide/sessions/{session_id}", timeout=30).json()
+    return None if body["record"] is None else str(body["record"]["engine_id"])
+
+
+def surviving_decode_engine() -> str:
+    """The engine id of the decode pool's one replica."""
     from ray import serve
-    from ray.serve._private.common import ReplicaState
+
+    from orchestrator.runtime import APP_NAME
+    from orchestrator.serve.engine_host import deployment_name
+
+    handle = serve.get_deployment_handle(deployment_name("decode"), APP_NAME)
+    return str(handle.info.remote().result(timeout_s=30).engine_id)
+
+
+def decode_replicas(state: str | None = "RUNNING") -> int:
+    """The decode pool's replicas in ``state`` (None: in any state, stopping too)."""
+    from ray import serve
 
     from orchestrator.runtime import APP_NAME
     from orchestrator.serve.engine_host import deployment_name
 
     app = serve.status().applications[APP_NAME]
-    return app.deployments[deployment_name("decode")].replica_states.get(ReplicaState.RUNNING, 0)
+    states = app.deployments[deployment_name("decode")].replica_states
+    return sum(n for s, n in states.items() if state is None or s == state)
 
 
-def wait_for_replicas(count: int, within_s: float) -> float:
-    """Poll Serve's status until the decode pool runs ``count`` replicas (and no other
-    count in between); the seconds it took."""
+def running_decode_replicas() -> int:
+    return decode_replicas()
+
+
+def wait_for_replicas(count: int, within_s: float, state: str | None = "RUNNING") -> None:
+    """Poll Serve's status until the decode pool has ``count`` replicas in ``state``."""
     t0 = time.monotonic()
-    while running_decode_replicas() != count:
-        assert time.monotonic() - t0 < within_s, f"decode has {running_decode_replicas()}"
+    while decode_replicas(state) != count:
+        assert time.monotonic() - t0 < within_s, f"decode has {decode_replicas(state)}"
         time.sleep(POLL_S)  # polling a condition, not waiting out a race
-    return time.monotonic() - t0
 
 
 def test_decode_scales_out_under_load_and_back_in_after_with_every_session_served(
@@ -142,17 +164,28 @@ def test_decode_scales_out_under_load_and_back_in_after_with_every_session_serve
     assert 'kvtide_autoscale_decisions_total{pool="decode",action="up"}' in metrics
     assert 'kvtide_autoscale_desired_replicas{pool="decode"}' in metrics
 
+    # Where each session's KV is kept now, on either decode engine.
+    before = {sid: record_engine(base_url, sid) for sid in sessions}
+    assert all(before.values()), before
+
     # The load over: the reports' window (11 s) and the scale-down window (5 s) pass,
     # and the pool goes back to one engine.
     wait_for_replicas(1, within_s=90)
-    # Every session's next turn is served. Those whose KV the stopped replica kept had
-    # it moved off before the engine stopped (to the host tier, or dropped with reason
-    # scaled_in where none took it), not lost with the engine (reason evicted).
-    reasons = []
+    wait_for_replicas(1, within_s=90, state=None)  # the other one stopped, not stopping
+    survivor = surviving_decode_engine()
+    stopped = {sid for sid, engine in before.items() if engine != survivor}
+    # The stopped engine's sessions had their KV moved off it before it stopped: no
+    # session's record names it any more (to the host tier, or dropped where none took it).
+    after = {sid: record_engine(base_url, sid) for sid in sessions}
+    assert not (set(before.values()) - {survivor}) & set(after.values()), (before, after)
+    # Every session's next turn is served: the stopped engine's sessions from the host
+    # tier or recomputed with reason scaled_in, none for KV lost with its engine.
     for sid in sessions:
         status, body = turn(base_url, model, sid)
         assert status == 200, body
-        reasons.append(body["kvtide"]["kv_plan_reason"])
-    assert "evicted" not in reasons, reasons
+        report = body["kvtide"]
+        assert report["kv_plan_reason"] != "evicted", report
+        if sid in stopped:
+            assert report["kv_source"] == "host_tier" or report["kv_plan_reason"] == "scaled_in"
     metrics = httpx.get(f"{base_url}/metrics", timeout=30).text
     assert 'kvtide_autoscale_decisions_total{pool="decode",action="down"}' in metrics
