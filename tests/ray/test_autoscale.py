@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +90,18 @@ def record_engine(base_url: str, session_id: str) -> str | None:
     return None if body["record"] is None else str(body["record"]["engine_id"])
 
 
+def kept_on(base_url: str, sessions: list[str]) -> set[str]:
+    """The engines keeping the sessions' KV."""
+    return {e for e in (record_engine(base_url, sid) for sid in sessions) if e is not None}
+
+
+def wait_until(condition: Callable[[], bool], within_s: float) -> None:
+    t0 = time.monotonic()
+    while not condition():
+        assert time.monotonic() - t0 < within_s, "condition not met"
+        time.sleep(POLL_S)  # polling a condition, not waiting out a race
+
+
 def surviving_decode_engine() -> str:
     """The engine id of the decode pool's one replica."""
     from ray import serve
@@ -153,20 +165,28 @@ def test_decode_scales_out_under_load_and_back_in_after_with_every_session_serve
         thread.start()
     try:
         wait_for_replicas(2, within_s=90)
+        # The load goes on until the new engine keeps some sessions' KV too.
+        wait_until(lambda: len(kept_on(base_url, sessions)) == 2, within_s=60)
     finally:
         stop.set()
         for thread in threads:
             thread.join()
     # Every turn of the load was served, the scale-out's included.
     assert statuses and set(statuses) == {200}, statuses
+    # The sessions' last turns may all have landed on one engine: more turns, one at a
+    # time, until each engine keeps some (each lands on either: Serve's pow2).
+    for sid in sessions * 4:
+        if len(kept_on(base_url, sessions)) == 2:
+            break
+        assert turn(base_url, model, sid)[0] == 200
 
     metrics = httpx.get(f"{base_url}/metrics", timeout=30).text
     assert 'kvtide_autoscale_decisions_total{pool="decode",action="up"}' in metrics
     assert 'kvtide_autoscale_desired_replicas{pool="decode"}' in metrics
 
-    # Where each session's KV is kept now, on either decode engine.
+    # Where each session's KV is kept now: on both decode engines.
     before = {sid: record_engine(base_url, sid) for sid in sessions}
-    assert all(before.values()), before
+    assert all(before.values()) and len(set(before.values())) == 2, before
 
     # The load over: the reports' window (11 s) and the scale-down window (5 s) pass,
     # and the pool goes back to one engine.
@@ -174,6 +194,7 @@ def test_decode_scales_out_under_load_and_back_in_after_with_every_session_serve
     wait_for_replicas(1, within_s=90, state=None)  # the other one stopped, not stopping
     survivor = surviving_decode_engine()
     stopped = {sid for sid, engine in before.items() if engine != survivor}
+    assert stopped, (before, survivor)
     # The stopped engine's sessions had their KV moved off it before it stopped: no
     # session's record names it any more (to the host tier, or dropped where none took it).
     after = {sid: record_engine(base_url, sid) for sid in sessions}
