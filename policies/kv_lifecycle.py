@@ -628,14 +628,14 @@ class KVLifecycle:
         return [self._evict(session_id, self._books.sessions[session_id], EvictReason.PRESSURE)]
 
     def retire(self, engine_id: str) -> list[Effect]:
-        """The engine is being stopped (a scale-in): evict every idle record on it
-        (``Evict(scaled_in)``, for the host tier to take); a session whose record is not
-        booked again from the tier recomputes its next turn with reason ``scaled_in``.
-        Held records stay (their lessee's turn may be using them)."""
+        """The engine is being stopped (a scale-in): evict every record on it
+        (``Evict(scaled_in)``, for the host tier to take), as ``on_engine_lost`` does but
+        while its blocks can still be read; a session held for an ingress loses its lease
+        with the record (the caller's part). A session whose record is not booked again
+        from the tier recomputes its next turn with reason ``scaled_in``."""
         effects: list[Effect] = []
-        books = self._books
-        while (session_id := books.idle_nearest_expiry(engine_id)) is not None:
-            session = books.sessions[session_id]
+        for session_id in sorted(self._books.sessions_by_engine.get(engine_id, ())):
+            session = self._books.sessions[session_id]
             effects.append(self._evict(session_id, session, EvictReason.SCALED_IN))
             session.lost_reason = RecomputeReason.SCALED_IN
         return effects

@@ -525,7 +525,7 @@ class KVService:
 
     async def retire_engine(self, engine_id: str) -> dict[str, int]:
         """A decode engine is being stopped by a scale-in (its host calls this before it
-        stops the engine): the KV of its idle sessions goes to the host tier (drained back
+        stops the engine): the KV of its sessions goes to the host tier (drained back
         where there is none), and this answers once those moves are over, with how many
         sessions were on it and how many the tier took (``KVLifecycle.retire``)."""
         before = self.drains.counters["host_take_ins"]

@@ -11,7 +11,9 @@ import asyncio
 
 from test_host_tier import FakeHostTier, prompt
 from test_kv_service import Cluster
+from test_turn_leases import first_turn_leased, leasing_router
 
+from orchestrator.kv.ownership import Principal
 from policies.kv_lifecycle import HOST_POOL
 
 
@@ -59,5 +61,28 @@ def test_retiring_an_engine_with_no_sessions_moves_nothing() -> None:
 
     async def run() -> None:
         assert await svc.retire_engine("decode-nobody") == {"num_sessions": 0, "num_to_host": 0}
+
+    asyncio.run(run())
+
+
+def test_a_session_held_for_an_ingress_moves_too_and_its_lease_is_taken_back() -> None:
+    c = Cluster()
+    c.new_service(host=FakeHostTier())
+    c.service.leases.lasts_s = 30.0
+    router, _ = leasing_router(c)
+    svc = c.service
+
+    async def run() -> None:
+        # The first turn leaves the session's next turn held for replica-a.
+        await first_turn_leased(svc, router, "s9", Principal(name="alice"))
+        [grant] = svc.leases.grants.values()
+        assert grant.record is not None
+        moved = await svc.retire_engine(grant.record.engine_id)
+        assert moved == {"num_sessions": 1, "num_to_host": 1}
+        record = svc.decider.lifecycle.record("s9")
+        assert record is not None and record.pool_id == HOST_POOL
+        # replica-a is told its lease is gone: its next turn asks the service again.
+        revoked, _ = await svc.leases.watch("replica-a", 0.0)
+        assert revoked == [grant.lease_id]
 
     asyncio.run(run())
