@@ -80,9 +80,11 @@ def local_ray_env(config: KVTideConfig) -> dict[str, str]:
     HAProxy's files go to a private directory (Ray's default, ``/tmp/haproxy-serve``, is
     shared by every Ray on the machine); it is short because HAProxy refuses socket paths
     over 97 bytes and Serve adds a 56-character directory to each."""
+    from orchestrator.autoscale.options import autoscaling_env
     from orchestrator.serve.http_guard import MIDDLEWARE_ENV
 
     env: dict[str, str] = dict(MIDDLEWARE_ENV)  # headers checked before Serve reads them
+    env.update(autoscaling_env(config))  # how often replicas report their load
     if config.ray.serve_in_loop:
         env.update(SERVE_IN_LOOP_ENV)
     if config.ray.direct_ingress:

@@ -627,6 +627,19 @@ class KVLifecycle:
         self._room_made_s[engine_id] = now_s
         return [self._evict(session_id, self._books.sessions[session_id], EvictReason.PRESSURE)]
 
+    def retire(self, engine_id: str) -> list[Effect]:
+        """The engine is being stopped (a scale-in): evict every record on it
+        (``Evict(scaled_in)``, for the host tier to take), as ``on_engine_lost`` does but
+        while its blocks can still be read; a session held for an ingress loses its lease
+        with the record (the caller's part). A session whose record is not booked again
+        from the tier recomputes its next turn with reason ``scaled_in``."""
+        effects: list[Effect] = []
+        for session_id in sorted(self._books.sessions_by_engine.get(engine_id, ())):
+            session = self._books.sessions[session_id]
+            effects.append(self._evict(session_id, session, EvictReason.SCALED_IN))
+            session.lost_reason = RecomputeReason.SCALED_IN
+        return effects
+
     def held_nearest_expiry(self, engine_id: str) -> str | None:
         """The session held for an ingress (its next turn's lease, unused) whose record
         on the engine expires first: what to ask back when ``make_room`` finds nothing

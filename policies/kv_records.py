@@ -232,6 +232,7 @@ class RecomputeReason(enum.StrEnum):
     BELOW_THRESHOLD = "below_threshold"  # fewer reusable tokens than the threshold
     CHEAPER_TO_RECOMPUTE = "cheaper_to_recompute"  # the cost model says so
     EVICTED = "evicted"  # dropped under the idle budget or with its engine
+    SCALED_IN = "scaled_in"  # its engine was scaled in and the host tier did not take it
     FAILED_PULL = "failed_pull"  # the last pull of this record failed or hung
     # An integrity check found a pull from the record's engine gave wrong KV: reuse from
     # it is off until an operator turns it back on (``KVLifecycle.set_reuse_off``).
@@ -253,6 +254,7 @@ class EvictReason(enum.StrEnum):
     BUDGET = "budget"  # idle bytes on its engine exceeded the budget
     PRESSURE = "pressure"  # its engine's KV cache was full with nothing running or turns waiting
     ENGINE_LOST = "engine_lost"  # its engine died or restarted: the blocks are gone
+    SCALED_IN = "scaled_in"  # its engine is being stopped by a scale-in
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

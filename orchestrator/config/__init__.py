@@ -32,6 +32,7 @@ from engines.decode_path import decode_path_settings
 from engines.idle_steps import CPU_WAIT_MS as IDLE_STEP_CPU_WAIT_MS
 from engines.idle_steps import ENV_VAR as IDLE_STEP_ENV
 from engines.kv_connector import CPU_PROGRESS_WAIT_MS
+from orchestrator.config.autoscaling import AutoscalingConfig, PoolReplicas
 from orchestrator.config.decode_paths import decode_path_for
 from orchestrator.config.file import read_yaml
 from orchestrator.config.pd_state import check_pd_state
@@ -58,6 +59,7 @@ from orchestrator.errors import ConfigError
 __all__ = [
     "AdmissionConfig",
     "ApiKeyConfig",
+    "AutoscalingConfig",
     "ConfigFile",
     "KVConfig",
     "KVTideConfig",
@@ -65,6 +67,7 @@ __all__ = [
     "ObservabilityConfig",
     "PlacementConfig",
     "PoolConfig",
+    "PoolReplicas",
     "PoolSection",
     "RayConfig",
     "RoutingConfig",
@@ -139,6 +142,7 @@ class ConfigFile(StrictSection):
     kv: KVConfig = KVConfig()
     server: ServerConfig = ServerConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    autoscaling: AutoscalingConfig = AutoscalingConfig()
     ray: RayConfig = RayConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
 
@@ -337,6 +341,31 @@ def _check_gpu_arch(f: ConfigFile) -> None:
         )
 
 
+def _check_autoscaling(f: ConfigFile, placement_mode: str) -> None:
+    """Autoscaling sizes one deployment per pool, starting at its ``num_engines``."""
+    scaling = f.autoscaling
+    if not scaling.enabled:
+        return
+    if placement_mode == "domain":
+        raise ConfigError(
+            "autoscaling.enabled needs placement.mode off: a pool placed by NVLink domain is "
+            "a deployment per domain, which kvtide's policy does not size yet; set "
+            "placement.mode: off or autoscaling.enabled: false",
+            field="autoscaling.enabled",
+        )
+    for name, pool, bounds in (
+        ("prefill", f.prefill, scaling.prefill),
+        ("decode", f.decode, scaling.decode),
+    ):
+        if not bounds.min_replicas <= pool.num_engines <= bounds.max_replicas:
+            raise ConfigError(
+                f"{name}.num_engines ({pool.num_engines}) is the pool's first size and "
+                f"must be within autoscaling.{name}: {bounds.min_replicas} to "
+                f"{bounds.max_replicas}; change one of them",
+                field=f"{name}.num_engines",
+            )
+
+
 def _to_core(f: ConfigFile) -> KVTideConfig:
     prefill = _pool("prefill", "prefill", f.prefill, f.device)
     decode = _pool("decode", "decode", f.decode, f.device)
@@ -350,6 +379,7 @@ def _to_core(f: ConfigFile) -> KVTideConfig:
     _check_kv_blocks(f)
     p = f.placement
     mode = p.mode if p.mode != "auto" else ("domain" if f.device == "cuda" else "off")
+    _check_autoscaling(f, mode)
     core: dict[str, Any] = {
         **dict(f),
         "prefill": prefill,

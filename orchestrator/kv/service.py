@@ -166,6 +166,8 @@ class KVServiceAPI(Protocol):
 
     async def engines_lost(self, engine_ids: Sequence[str]) -> int: ...
 
+    async def retire_engine(self, engine_id: str) -> dict[str, int]: ...
+
     async def engine_loads(self) -> dict[str, dict[str, float]]: ...
 
     async def restore(self, report: LedgerReport) -> None: ...
@@ -575,6 +577,21 @@ class KVService:
         """Engines that died: the KV booked on them is dropped (``EngineRegistry.lose``);
         returns the sessions whose KV was."""
         return self.engines.lose(engine_ids, self.clock())
+
+    async def retire_engine(self, engine_id: str) -> dict[str, int]:
+        """A decode engine is being stopped by a scale-in (its host calls this before it
+        stops the engine): the KV of its sessions goes to the host tier (drained back
+        where there is none), and this answers once those moves are over, with how many
+        sessions were on it and how many the tier took (``KVLifecycle.retire``)."""
+        before = self.drains.counters["host_take_ins"]
+        effects = self.decider.lifecycle.retire(engine_id)
+        self.drains.apply(effects)
+        await self.drains.wait()
+        moved = self.drains.counters["host_take_ins"] - before
+        log.info(
+            "engine %s scaled in: %d sessions, %d to the host tier", engine_id, len(effects), moved
+        )
+        return {"num_sessions": len(effects), "num_to_host": moved}
 
     async def engine_loads(self) -> dict[str, dict[str, float]]:
         """Each live engine's load as its last heartbeat reported it and ``age_s``: what

@@ -1,11 +1,11 @@
 """kvtide's Grafana dashboards, generated from code: ``kvtide dashboards export DIR``.
 
-Two dashboards, each a tuple of rows of panels (small frozen values); ``dashboard_json``
-turns one into Grafana's dashboard model (schema 39: ``timeseries`` panels with
-Prometheus targets, a ``${datasource}`` variable of type Prometheus, a ``$pool``
-variable). Every query reads only metrics declared in ``metrics.METRICS``
-(tests/unit/test_dashboards.py parses each ``expr`` and checks), and docs/observability.md
-lists every panel with its query.
+Three dashboards (serving, the KV lifecycle, the autoscaler), each a tuple of rows of
+panels (small frozen values); ``dashboard_json`` turns one into Grafana's dashboard model
+(schema 39: ``timeseries`` panels with Prometheus targets, a ``${datasource}`` variable
+of type Prometheus, a ``$pool`` variable). Every query reads only metrics declared in
+``metrics.METRICS`` (tests/unit/test_dashboards.py parses each ``expr`` and checks), and
+docs/observability.md lists every panel with its query.
 
 ``source`` picks the names the queries use: ``kvtide`` for kvtide's own ``GET /metrics``
 (one endpoint that already sums every replica), ``ray`` for Ray's per-node endpoints
@@ -420,7 +420,71 @@ KV_LIFECYCLE = Dashboard(
     ),
 )
 
-DASHBOARDS: tuple[Dashboard, ...] = (SERVING, KV_LIFECYCLE)
+AUTOSCALER = Dashboard(
+    uid="kvtide-autoscaler",
+    title="kvtide: autoscaler",
+    description="The pools' engines, desired and running, and the signal that drove each "
+    "decision (docs/autoscaling.md).",
+    rows=(
+        Row(
+            title="Replicas",
+            panels=(
+                Panel(
+                    title="Engines desired and running",
+                    description="What the policy last asked Serve for, and the engines "
+                    "running then, per pool.",
+                    queries=(
+                        Query(
+                            expr="sum by (pool) (kvtide_autoscale_desired_replicas)",
+                            legend="{{pool}} desired",
+                        ),
+                        Query(
+                            expr="sum by (pool) (kvtide_autoscale_replicas)",
+                            legend="{{pool}} running",
+                        ),
+                    ),
+                ),
+                Panel(
+                    title="Scaling events",
+                    description="Decisions that changed a pool's size, by pool and direction.",
+                    queries=(
+                        Query(
+                            expr="sum by (pool, action) "
+                            f"(increase(kvtide_autoscale_decisions_total[{RATE}]))",
+                            legend="{{pool}} {{action}}",
+                        ),
+                    ),
+                    stack=True,
+                ),
+            ),
+        ),
+        Row(
+            title="Signals",
+            panels=(
+                Panel(
+                    title="Driving signal",
+                    description="The signal that asked for the most engines at each "
+                    "pool's last decision (1 while it drives).",
+                    queries=(
+                        Query(
+                            expr="max by (pool, signal) (kvtide_autoscale_driving_signal) > 0",
+                            legend="{{pool}} {{signal}}",
+                        ),
+                    ),
+                ),
+                Panel(
+                    title="KV held for paused sessions",
+                    description="KV bytes engines hold for sessions between turns: "
+                    "decode demand the policy will not scale in under.",
+                    queries=(Query(expr="sum(kvtide_kv_bytes_held)", legend="held"),),
+                    unit="bytes",
+                ),
+            ),
+        ),
+    ),
+)
+
+DASHBOARDS: tuple[Dashboard, ...] = (SERVING, KV_LIFECYCLE, AUTOSCALER)
 
 
 def for_source(expr: str, source: Source) -> str:

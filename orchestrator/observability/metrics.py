@@ -187,6 +187,32 @@ METRICS: tuple[MetricSpec, ...] = (
         tag_keys=("outcome",),
     ),
     MetricSpec(
+        name="kvtide_autoscale_desired_replicas",
+        kind="gauge",
+        description="Engines the autoscaling policy last asked Serve for, per pool.",
+        tag_keys=("pool",),
+    ),
+    MetricSpec(
+        name="kvtide_autoscale_replicas",
+        kind="gauge",
+        description="Engines of the pool running at the policy's last decision.",
+        tag_keys=("pool",),
+    ),
+    MetricSpec(
+        name="kvtide_autoscale_driving_signal",
+        kind="gauge",
+        description="1 for the signal that asked for the most engines at the pool's last "
+        "decision (prefill_load, ttft_backlog, running_seqs, kv_use, held_kv, itl, idle), "
+        "0 for the others.",
+        tag_keys=("pool", "signal"),
+    ),
+    MetricSpec(
+        name="kvtide_autoscale_decisions_total",
+        kind="counter",
+        description="The policy's decisions that changed a pool's size (action: up, down).",
+        tag_keys=("pool", "action"),
+    ),
+    MetricSpec(
         name="kvtide_requests_total",
         kind="counter",
         description="Finished requests by status: ok, client_error, server_error, cancelled.",

@@ -33,6 +33,9 @@ from ray.serve.handle import DeploymentHandle
 
 from engines.base import EngineInfo, EngineSpec, EngineStats, GenerateChunk, GenerateRequest
 from engines.registry import create_engine
+from orchestrator.autoscale.load_meter import LoadMeter
+from orchestrator.autoscale.options import autoscaling_options
+from orchestrator.cluster.deadlines import GCS_TIMEOUT_S, call_within_async
 from orchestrator.cluster.kv_events import forget_endpoint, register_endpoint
 from orchestrator.cluster.placed_engine import ray_executor_spec, with_cluster_address
 from orchestrator.cluster.pool_layout import PoolDeployment, pool_deployment_name
@@ -42,7 +45,7 @@ from orchestrator.cluster.step_router import step_router_config
 from orchestrator.cluster.step_streams import StepOutboxes, StepsOpen
 from orchestrator.config import KVTideConfig
 from orchestrator.config.server import internal_address
-from orchestrator.kv.actor import EpochWatcher, lookup_service
+from orchestrator.kv.actor import EpochWatcher, lookup_service, service_client
 from orchestrator.serve.coalesce import coalesce
 from orchestrator.serve.ledger import EngineLedger
 from orchestrator.serve.warm_up import WarmUp, warm_up_prompt_tokens, warm_up_transfers
@@ -84,19 +87,41 @@ def engine_deployment_options(
     elif pool.role == "decode" and config.server.step_streams:
         # Each ingress's step stream reaches the replica it names.
         routing["request_router_config"] = step_router_config()
+    scaling = autoscaling_options(config, pool_name)
+    size: dict[str, Any] = (
+        {"autoscaling_config": scaling}
+        if scaling is not None
+        else {
+            "num_replicas": deployment.num_replicas if deployment is not None else pool.num_engines
+        }
+    )
     return {
         "name": deployment.name if deployment is not None else deployment_name(pool_name),
-        "num_replicas": deployment.num_replicas if deployment is not None else pool.num_engines,
+        **size,
         # (A step stream takes one of these per ingress replica: twice the engine's
         # batch leaves room.)
         "max_ongoing_requests": max(8, pool.max_num_seqs * 2),
         "health_check_period_s": 10,
         "health_check_timeout_s": 30,
-        "graceful_shutdown_timeout_s": 5,
+        "graceful_shutdown_timeout_s": _graceful_shutdown_s(config, pool_name),
         "ray_actor_options": actor,
         **placement,
         **routing,
     }
+
+
+def _graceful_shutdown_s(config: KVTideConfig, pool_name: str) -> float:
+    """How long Serve gives a stopping replica: 5 s; an autoscaled decode replica
+    without step streams, its in-flight turns' deadline and the move of its sessions'
+    KV to the host tier (``EngineHost.__del__``). With step streams, the ingresses'
+    standing streams keep Serve's drain from ending: the replica is stopped at 5 s
+    (docs/autoscaling.md#not-done)."""
+    pool = config.pool(pool_name)
+    if pool.role != "decode" or config.server.step_streams:
+        return 5.0
+    if autoscaling_options(config, pool_name) is None:
+        return 5.0
+    return config.server.request_timeout_s + config.kv.service_timeout_s + 5.0
 
 
 def uses_ray_executor(config: KVTideConfig, pool_name: str, domain_id: str | None) -> bool:
@@ -163,6 +188,7 @@ class EngineHost:
         domain_id: str | None = None,
         warm_with: Sequence[DeploymentHandle] = (),
     ) -> None:
+        started_s = time.monotonic()
         pool = config.pool(pool_name)
         role = pool.role
         ctx = serve.get_replica_context()
@@ -177,6 +203,7 @@ class EngineHost:
         while publishes_kv_events(config, pool_name) and events_port in (None, port):
             events_port = free_port(host)
         self._events_replica = None if events_port is None else ctx.replica_id.unique_id
+        self._retire: tuple[str, float] | None = None  # set once the engine runs
         spec = host_engine_spec(
             config, pool_name, domain_id, engine_id, port, host, gcs_address, events_port
         )
@@ -195,6 +222,12 @@ class EngineHost:
         self.engine = create_engine(spec)
         self._info: EngineInfo = await self.engine.start()
         log.info("engine %s ready: %s", engine_id, self._info)
+        self._role = role
+        self.load = LoadMeter(clock=time.monotonic, engine_start_s=time.monotonic() - started_s)
+        if role == "decode" and autoscaling_options(config, pool_name) is not None:
+            # Stopped by a scale-in, this host has the KV service move its sessions' KV
+            # to the host tier before the engine stops (``__del__``).
+            self._retire = (ctx.app_name, config.kv.service_timeout_s)
         if warm_with and role == "decode" and config.kv.warm_up and config.backend == "vllm":
             tokens = warm_up_prompt_tokens(
                 self._info.block_size, config.kv.kv_recompute_threshold_tokens
@@ -295,6 +328,16 @@ class EngineHost:
                 yield item
 
     async def _stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        prompt = len(request.prompt_token_ids) if self._role == "prefill" else 0
+        self.load.prompt_taken(prompt)
+        try:
+            async with contextlib.aclosing(self._engine_stream(request)) as stream:
+                async for chunk in stream:
+                    yield chunk
+        finally:
+            self.load.prompt_done(prompt)
+
+    async def _engine_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         stream = coalesce(
             self.ledger.watch(request, self.engine.generate(request)),
             max_tokens=self._chunk_tokens,
@@ -316,6 +359,14 @@ class EngineHost:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """This engine's load for Serve's autoscaler (``orchestrator.autoscale``); on the
+        replica's event loop, where the ledger and the meter are kept."""
+        kept = self.ledger.num_kept_blocks() if self._role == "decode" else 0
+        return self.load.report(
+            self.engine.stats(), num_kv_blocks=self._info.num_kv_blocks, kv_blocks_kept=kept
+        )
 
     def placement(self) -> dict[str, Any]:
         """Where this engine runs, from Ray's own tables: the replica's node and each
@@ -339,12 +390,31 @@ class EngineHost:
             "bundles": bundles,
         }
 
+    async def _move_sessions(self, app: str, timeout_s: float) -> None:
+        """Before the engine stops: the KV service moves the KV of the sessions it kept
+        to the host tier (``KVService.retire_engine``), within ``timeout_s``; the
+        sessions it could not move recompute their next turn (reason ``scaled_in``)."""
+        engine_id = self._info.engine_id
+        try:
+            handle = await call_within_async(
+                lambda: lookup_service(app), GCS_TIMEOUT_S, "the KV service's lookup"
+            )
+            if handle is None:
+                return
+            service = service_client(handle, timeout_s=timeout_s)
+            moved = await service.retire_engine(engine_id)
+            log.info("engine %s scaled in: %s", engine_id, moved)
+        except Exception as exc:  # the engine stops anyway: its sessions recompute
+            log.warning("engine %s scaled in without moving its sessions: %s", engine_id, exc)
+
     async def check_health(self) -> None:
         health = await self.engine.health()
         if not health.healthy:
             raise RuntimeError(f"engine {health.engine_id} unhealthy: {health.detail}")
 
     async def __del__(self) -> None:
+        if self._retire is not None:
+            await self._move_sessions(*self._retire)
         if self._events_replica is not None:
             with contextlib.suppress(Exception):  # the cluster may be going down too
                 forget_endpoint(self._events_replica)

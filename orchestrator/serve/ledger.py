@@ -150,6 +150,12 @@ class EngineLedger:
         reads, self._reads = list(self._reads), deque(maxlen=MAX_UNSENT_READS)
         return reads
 
+    def num_kept_blocks(self) -> int:
+        """Blocks this decode engine keeps for sessions between turns (until their TTL;
+        a read by a peer that this host does not see counts until then)."""
+        self._prune(self.clock())
+        return sum(len(k.block_ids) for _, k in self._kept.items())
+
     def due_checks(self) -> list[KeptRef]:
         """The kept entries ``check_grace_s`` old or more not checked yet, and those the
         service asked about again; each leaves the ledger's queue as it is returned."""

@@ -103,8 +103,12 @@ def test_every_declared_metric_has_a_panel() -> None:
 def test_the_cli_writes_valid_grafana_dashboards(tmp_path: Path, capsys: Any) -> None:
     assert main(["dashboards", "export", str(tmp_path / "boards")]) == 0
     files = sorted((tmp_path / "boards").iterdir())
-    assert [f.name for f in files] == ["kvtide-kv-lifecycle.json", "kvtide-serving.json"]
-    assert capsys.readouterr().out.count("wrote ") == 2
+    assert [f.name for f in files] == [
+        "kvtide-autoscaler.json",
+        "kvtide-kv-lifecycle.json",
+        "kvtide-serving.json",
+    ]
+    assert capsys.readouterr().out.count("wrote ") == 3
     for path in files:
         board = json.loads(path.read_text())
         ids = [p["id"] for p in board["panels"]]
@@ -166,6 +170,12 @@ def _one_tick(m: Metrics) -> None:
     m.set_bytes_held("decode-0", 1 << 22)
     m.set_sessions_live(4)
     m.set_engines_by_decode_path({"decode": {"stock": 1}, "prefill": {"stock": 1}})
+    for pool in ("prefill", "decode"):
+        m.set_gauge("kvtide_autoscale_desired_replicas", 2, pool=pool)
+        m.set_gauge("kvtide_autoscale_replicas", 1, pool=pool)
+        m.set_gauge("kvtide_autoscale_driving_signal", 1, pool=pool, signal="running_seqs")
+        m.set_gauge("kvtide_autoscale_driving_signal", 0, pool=pool, signal="idle")
+        m.inc("kvtide_autoscale_decisions_total", pool=pool, action="up")
 
 
 @pytest.fixture

@@ -71,8 +71,19 @@ class Model:
         self.now_s += self.rng.choice([0.0, 0.5, 2.0, 10.0, 60.0])
         session_id = self.rng.choice(SESSIONS)
         op = self.rng.choices(
-            ["start", "pull", "finish", "abandon", "renew", "close", "tick", "lost", "reuse"],
-            weights=[25, 10, 20, 8, 8, 4, 15, 2, 2],
+            [
+                "start",
+                "pull",
+                "finish",
+                "abandon",
+                "renew",
+                "close",
+                "tick",
+                "lost",
+                "reuse",
+                "retire",
+            ],
+            weights=[25, 10, 20, 8, 8, 4, 15, 2, 2, 2],
         )[0]
         before = self.booked()
         effects: list[Effect] = []
@@ -100,6 +111,8 @@ class Model:
         elif op == "tick":
             effects = self.kv.on_tick(self.now_s)
             self.check_nothing_due()
+        elif op == "retire":  # a scale-in stops an engine: its idle records go first
+            effects = self.kv.retire(self.rng.choice(ENGINES))
         else:
             effects = self.kv.on_engine_lost(self.rng.choice(ENGINES), self.now_s)
         self.check_effects(effects, before)
