@@ -4,7 +4,10 @@ it names. Serve offers no call pinned to a replica otherwise; a step stream must
 the replica whose engine runs the requests it carries.
 
 A step stream whose replica is gone (not among Serve's candidates) is routed like any
-call; the host answers with its own id and the ingress, seeing another, fails it.
+call; the host answers with its own id and the ingress, seeing another, fails it. A
+replica that leaves the router's set is being stopped: the callers in this process are
+told (``step_streams.replicas_gone``), so that their standing streams to it end and
+Serve's drain of it can finish.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RunningReplica
 
+from orchestrator.cluster import step_streams
 from orchestrator.cluster.step_streams import StepsOpen
 
 __all__ = ["StepRouter", "pinned_replica", "step_router_config"]
@@ -45,3 +49,10 @@ class StepRouter(PowerOfTwoChoicesRequestRouter):
             if pinned:
                 return [pinned]
         return await super().choose_replicas(candidate_replicas, pending_request)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        gone = {r.unique_id for r in self._replica_id_set} - {
+            r.replica_id.unique_id for r in replicas
+        }
+        super().update_replicas(replicas)
+        step_streams.replicas_gone(gone)

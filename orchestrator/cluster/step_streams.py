@@ -46,6 +46,15 @@ logged. On the ingress side a request's reader exists before its call is made, a
 of the caller's step streams hands it its chunks (also before its call has named the
 replica), so none arrives before its reader; a reader is dropped only after its finished
 chunk, its error or its close, when nothing more is wanted.
+
+A replica Serve stops (a scale-in, a redeploy) is drained first: Serve stops routing to
+it and waits for its ongoing calls, and a standing step stream never ends by itself, so
+the drain would run to Serve's force-kill (``graceful_shutdown_timeout_s``) and the
+replica's ``__del__`` (which moves its sessions' KV off) would never run. So the decode
+deployments' request router (``step_router.StepRouter``), told which replicas left its
+set, calls ``replicas_gone`` (a module function: the router is shipped by value), and
+each caller in the process ends its step stream to such a replica once no request of
+its own reads from there.
 """
 
 from __future__ import annotations
@@ -53,8 +62,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator, Collection
 from typing import Any
 
 import msgspec
@@ -69,6 +80,7 @@ __all__ = [
     "StepsOpen",
     "decode_batch",
     "encode_batch",
+    "replicas_gone",
 ]
 
 
@@ -293,6 +305,10 @@ class StepChannels:
         self._readers: dict[str, asyncio.Queue[GenerateChunk | BaseException]] = {}
         self._streams: dict[str, asyncio.Task[None]] = {}
         self._members: dict[str, set[str]] = {}  # replica -> its requests being read
+        self._gone: set[str] = set()  # replicas Serve stopped routing to (draining)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        with _CHANNELS_LOCK:
+            _CHANNELS.add(self)
 
     def generate(self, request: GenerateRequest) -> StepStream:
         return StepStream(self, request)
@@ -304,16 +320,38 @@ class StepChannels:
             return  # already closed
         self._members.setdefault(replica, set()).add(request_id)
         if replica not in self._streams:
-            loop = asyncio.get_running_loop()
+            self._loop = loop = asyncio.get_running_loop()
             self._streams[replica] = loop.create_task(self._read(replica))
 
     def detach(self, request_id: str) -> None:
         self._readers.pop(request_id, None)
         for members in self._members.values():
             members.discard(request_id)
+        self._end_gone()
+
+    def replicas_gone(self, replicas: Collection[str]) -> None:
+        """Serve stopped routing to ``replicas``: end the step stream to each once no
+        request reads from it. Safe from any thread (Serve's router may run on its own)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return  # no step stream was ever opened here
+        gone = set(replicas)
+
+        def on_loop() -> None:
+            self._gone |= gone
+            self._end_gone()
+
+        loop.call_soon_threadsafe(on_loop)
+
+    def _end_gone(self) -> None:
+        for replica in self._gone & set(self._streams):
+            if not self._members.get(replica):
+                log.info("ending the step stream to %s: Serve is stopping it", replica)
+                self._streams[replica].cancel()
 
     async def _read(self, replica: str) -> None:
         error: BaseException | None = None
+        stream: Any = None
         try:
             stream = self._handle.steps.remote(StepsOpen(replica=replica, caller=self.caller))
             first = True
@@ -330,6 +368,9 @@ class StepChannels:
             error = RuntimeError(f"engine replica {replica}'s step stream ended")
         except asyncio.CancelledError:
             error = RuntimeError(f"engine replica {replica}'s step stream was cancelled")
+            cancel = getattr(stream, "cancel", None)
+            if cancel is not None:
+                cancel()  # the replica's side ends too (Serve cancels the call)
             raise
         except Exception as exc:
             error = exc
@@ -343,8 +384,27 @@ class StepChannels:
 
     async def close(self) -> None:
         """Stop every step stream (the ingress is going away)."""
+        with _CHANNELS_LOCK:
+            _CHANNELS.discard(self)
         tasks = list(self._streams.values())
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks)
+
+
+# Every caller's channels in this process, for ``replicas_gone``.
+_CHANNELS: weakref.WeakSet[StepChannels] = weakref.WeakSet()
+_CHANNELS_LOCK = threading.Lock()
+
+
+def replicas_gone(replicas: Collection[str]) -> None:
+    """Serve stopped routing to ``replicas`` (they are being stopped): every caller in
+    this process ends its step stream to each once its own requests there have ended,
+    so the replica's graceful drain can finish (see the module)."""
+    if not replicas:
+        return
+    with _CHANNELS_LOCK:
+        channels = list(_CHANNELS)
+    for channel in channels:
+        channel.replicas_gone(replicas)

@@ -41,10 +41,10 @@ def autoscale_config(tmp: Path) -> Any:
             # Simulated engines in two processes cannot read each other's blocks: the
             # decode computes the prompt itself.
             "kv": {"kv_load_failure_policy": "recompute", "prefill_lease_s": 5},
-            # Each request's tokens on its own Serve call: a stopping decode replica's
-            # drain then ends with its requests, and its __del__ moves its sessions' KV
-            # (docs/autoscaling.md#scale-in; with step streams it does not).
-            "server": {"port": free_port(), "request_timeout_s": 60, "step_streams": False},
+            # Step streams on (the default): the ingress ends its standing stream to a
+            # replica Serve stops, so the drain ends with its requests and its __del__
+            # moves its sessions' KV (docs/autoscaling.md#scale-in).
+            "server": {"port": free_port(), "request_timeout_s": 60},
             # Turns past what the pool runs queue (the autoscaler's load), not refused.
             "admission": {"enabled": False},
             "autoscaling": {

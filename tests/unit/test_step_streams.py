@@ -19,6 +19,7 @@ from orchestrator.cluster.step_streams import (
     StepOutboxes,
     StepsOpen,
     decode_batch,
+    replicas_gone,
 )
 
 
@@ -362,3 +363,32 @@ def test_a_step_stream_on_its_way_keeps_the_outbox_a_failed_request_leaves_empty
         return [t for c in chunks for t in c.token_ids]
 
     assert asyncio.run(story()) == [3]
+
+
+def test_a_replica_serve_stops_has_its_step_stream_ended_once_its_requests_end() -> None:
+    """Serve drains a replica it stops (scale-in, redeploy) by waiting for its ongoing
+    calls; a standing step stream never ends by itself, so the drain ran to Serve's
+    force-kill and the replica's ``__del__`` (which moves its sessions' KV) never ran."""
+
+    async def story() -> None:
+        host = Host()
+        channels = StepChannels(host, caller="ingress-1")
+        a = channels.generate(req("a"))
+        await anext_after_step(host, a, {"a": 1})
+        (call,) = host.steps.calls
+        host.engine.step({"a": 2}, finished=("a",))
+        assert (await anext(a)).finished
+        await settle()
+        assert not call.task.done()  # a replica in service keeps its stream
+        b = channels.generate(req("b"))
+        await anext_after_step(host, b, {"b": 1})
+        replicas_gone(["r1"])  # Serve stopped routing to r1; b still runs there
+        await settle()
+        assert not call.task.done()
+        host.engine.step({"b": 2}, finished=("b",))
+        assert (await anext(b)).finished  # b's last chunk came through
+        await settle()
+        assert call.task.done()  # then the stream ended: the replica's drain can finish
+        assert len(host.outboxes) == 0
+
+    asyncio.run(story())
