@@ -111,13 +111,12 @@ def engine_deployment_options(
 
 
 def _graceful_shutdown_s(config: KVTideConfig, pool_name: str) -> float:
-    """How long Serve gives a stopping replica: 5 s; an autoscaled decode replica
-    without step streams, its in-flight turns' deadline and the move of its sessions'
-    KV to the host tier (``EngineHost.__del__``). With step streams, the ingresses'
-    standing streams keep Serve's drain from ending: the replica is stopped at 5 s
-    (docs/autoscaling.md#not-done)."""
+    """How long Serve gives a stopping replica: 5 s; an autoscaled decode replica, its
+    in-flight turns' deadline and the move of its sessions' KV to the host tier
+    (``EngineHost.__del__``). The ingresses end their standing step streams to it once
+    their requests there are done (``step_streams.replicas_gone``), so the drain ends."""
     pool = config.pool(pool_name)
-    if pool.role != "decode" or config.server.step_streams:
+    if pool.role != "decode":
         return 5.0
     if autoscaling_options(config, pool_name) is None:
         return 5.0

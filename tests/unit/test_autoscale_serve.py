@@ -240,14 +240,15 @@ def test_serves_controller_code_runs_the_policy_it_unpickles() -> None:
     assert count == 3 and state["kvtide"]["target"] == 3
 
 
-def test_a_stopping_decode_replica_gets_its_turns_deadline_without_step_streams() -> None:
+def test_a_stopping_autoscaled_decode_replica_gets_its_turns_deadline() -> None:
     # Serve calls the replica's __del__ (which moves its sessions' KV to the host tier)
-    # only after its in-flight requests end, within graceful_shutdown_timeout_s.
-    off = parse_config({**ON, "server": {"step_streams": False, "request_timeout_s": 60}})
-    assert engine_deployment_options(off, "decode")["graceful_shutdown_timeout_s"] == (
-        60 + off.kv.service_timeout_s + 5
-    )
-    assert engine_deployment_options(off, "prefill")["graceful_shutdown_timeout_s"] == 5
-    # With step streams Serve's drain does not end (docs/autoscaling.md#not-done).
-    assert engine_deployment_options(parse_config(ON), "decode")["graceful_shutdown_timeout_s"] == 5
+    # only after its in-flight requests end, within graceful_shutdown_timeout_s; the
+    # ingresses end their step streams to it (step_streams.replicas_gone).
+    for streams in (True, False):
+        on = parse_config({**ON, "server": {"step_streams": streams, "request_timeout_s": 60}})
+        assert engine_deployment_options(on, "decode")["graceful_shutdown_timeout_s"] == (
+            60 + on.kv.service_timeout_s + 5
+        )
+        assert engine_deployment_options(on, "prefill")["graceful_shutdown_timeout_s"] == 5
+    # Not autoscaled: Serve's 5 s.
     assert engine_deployment_options(parse_config({}), "decode")["graceful_shutdown_timeout_s"] == 5
