@@ -97,7 +97,6 @@ class DecodeSide:
         the turn's report (``t0``: when the turn began)."""
         turn, report = state.turn, state.report
         rid, prompt_token_ids, max_tokens = turn.request_id, turn.prompt_token_ids, turn.max_tokens
-        assert pre.kv_transfer_params is not None  # the prefill side checked
         report.decode_pool, decode = self.pools.for_prompt(len(prompt_token_ids))
         # Only a session's decode keeps its blocks for the next turn to pull back; a
         # sessionless one frees them when it finishes (engines/kv_connector.py).
@@ -107,7 +106,7 @@ class DecodeSide:
         # probability (``orchestrator.router.integrity``).
         checked = state.integrity is not None
         while True:
-            assert pre.kv_transfer_params is not None
+            assert pre.kv_transfer_params is not None  # the turn's prefill checked
             decode_req = turn.decode_request(
                 f"{rid}-d" if not report.migrations else f"{rid}-d{report.migrations}",
                 [*prompt_token_ids, *out.ids],
