@@ -172,7 +172,9 @@ async def _story(root: Path) -> dict[str, Any]:
     leases.new_epoch((await svc.lease_watch("replica-a", [], 0.0)).epoch)
     rng = random.Random(31)
 
-    def turn(session: str, n: int, prompt: list[int], decision: Any, lease: Any = None) -> Turn:
+    def alices_turn(
+        session: str, n: int, prompt: list[int], decision: Any, lease: Any = None
+    ) -> Turn:
         """Alice's turn ``n`` of the session, as the ingress would build it."""
         return Turn(
             prompt_token_ids=prompt,
@@ -192,7 +194,7 @@ async def _story(root: Path) -> dict[str, Any]:
         claim = await svc.begin_turn(session, alice, prompt, None, 0, "replica-a")
         assert claim.outcome == "claimed", claim
         out: list[int] = []
-        async for chunk, _ in router.run_turn(turn(session, 1, prompt, claim.decision)):
+        async for chunk, _ in router.run_turn(alices_turn(session, 1, prompt, claim.decision)):
             out.extend(chunk.token_ids)
         await until(lambda: any(d.session_id == session for d in svc.arrived))
         done = next(d for d in svc.arrived if d.session_id == session)
@@ -214,7 +216,9 @@ async def _story(root: Path) -> dict[str, Any]:
             return [
                 item
                 async for item in router.run_turn(
-                    turn(session, 2, prompt, decision, LeaseUse(lease_id=lease.lease_id, used=used))
+                    alices_turn(
+                        session, 2, prompt, decision, LeaseUse(lease_id=lease.lease_id, used=used)
+                    )
                 )
             ]
 
