@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from engines.base import GenerateRequest
+from engines.base import GenerateRequest, Sampling
 from engines.kv_params import KVTransferParams
 
 
@@ -152,7 +152,7 @@ async def direct_turn(
             request_id=rid + "-d",
             prompt_token_ids=prompt,
             max_tokens=max_tokens,
-            ignore_eos=True,
+            sampling=Sampling(ignore_eos=True),
             kv_transfer_params=pre.kv_transfer_params,
         )
     ):

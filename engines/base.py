@@ -40,6 +40,7 @@ __all__ = [
     "GenerateRequest",
     "KVTransferSpec",
     "RequestFailed",
+    "Sampling",
     "TokenLogprob",
     "final_chunk",
 ]
@@ -108,19 +109,17 @@ class EngineSpec:
     kv_events_port: int | None = None
 
 
-class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """One generation on one engine. Prompts arrive as token ids (the ingress tokenizes)."""
+class Sampling(msgspec.Struct, frozen=True, kw_only=True):
+    """How a request's tokens are sampled: vLLM's ``SamplingParams`` fields of the same
+    names, declared once (the API's request models map to it, the router passes it on,
+    the engines read it). The defaults change nothing; an engine that cannot apply a
+    field (the simulated engine, whose output is not sampled) ignores it."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
-    stop: list[str] = []
+    stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-    # vLLM's SamplingParams of the same names; the defaults change nothing. An engine that
-    # cannot apply one (the simulated engine) ignores it: its output is not sampled.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -128,6 +127,15 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     min_p: float = 0.0
     # Capped at max_tokens by the engine (a prefill runs one token of a longer turn).
     min_tokens: int = 0
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """One generation on one engine. Prompts arrive as token ids (the ingress tokenizes)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling: Sampling = Sampling()
     kv_transfer_params: KVTransferParams | None = None
     # The conversation this request serves (None: none). Engines ignore it; the engine
     # host keeps it in its ledger of kept KV so the KV service can be rebuilt.

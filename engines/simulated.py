@@ -281,8 +281,8 @@ class SimulatedEngine(EngineAdapter):
             )
         params = request.kv_transfer_params if self.spec.kv_transfer is not None else None
         digest = zlib.crc32(array("I", request.prompt_token_ids).tobytes())
-        if request.temperature > 0:
-            digest = zlib.crc32(str(request.seed or 0).encode(), digest)
+        if request.sampling.temperature > 0:
+            digest = zlib.crc32(str(request.sampling.seed or 0).encode(), digest)
         return _Request(
             request=request,
             out=asyncio.Queue(),

@@ -26,20 +26,21 @@ __all__ = [
 
 def sampling_args_for(request: GenerateRequest) -> dict[str, Any]:
     """The keyword arguments of vLLM's ``SamplingParams`` for ``request`` (pure; tested)."""
+    sampling = request.sampling
     return {
         "max_tokens": request.max_tokens,
-        "temperature": request.temperature,
-        "top_p": request.top_p,
-        "seed": request.seed,
-        "stop": list(request.stop) or None,
-        "ignore_eos": request.ignore_eos,
-        "presence_penalty": request.presence_penalty,
-        "frequency_penalty": request.frequency_penalty,
-        "repetition_penalty": request.repetition_penalty,
-        "top_k": request.top_k,
-        "min_p": request.min_p,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "seed": sampling.seed,
+        "stop": list(sampling.stop) or None,
+        "ignore_eos": sampling.ignore_eos,
+        "presence_penalty": sampling.presence_penalty,
+        "frequency_penalty": sampling.frequency_penalty,
+        "repetition_penalty": sampling.repetition_penalty,
+        "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
         # vLLM refuses min_tokens > max_tokens; a turn's prefill asks for one token.
-        "min_tokens": min(request.min_tokens, request.max_tokens),
+        "min_tokens": min(sampling.min_tokens, request.max_tokens),
         "prompt_logprobs": request.prompt_logprobs,
         "logprobs": request.logprobs,
         "extra_args": _extra_args(request, None),

@@ -37,29 +37,25 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from opentelemetry.trace import Span
 
 from engines.base import GenerateChunk
 from engines.kv_params import KVTransferParams
-from orchestrator.errors import (
-    RequestError,
-    ServiceUnavailable,
-)
+from orchestrator.errors import RequestError, ServiceUnavailable
 from orchestrator.kv.decider import kv_decision
-from orchestrator.kv.messages import KVDecision
 from orchestrator.kv.service import KVServiceAPI
 from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import Metrics
-from orchestrator.router.decode_side import DecodeSide
+from orchestrator.router.decode_side import DecodePool, DecodePools, DecodeSide
 from orchestrator.router.handover import HandOver
 from orchestrator.router.held_leases import HeldLeases
 from orchestrator.router.integrity import IntegrityCheck, IntegritySettings
 from orchestrator.router.prefill_side import PrefillSide
+from orchestrator.router.transfers import Transfers
+from orchestrator.router.turn import LeaseUse, Turn, TurnState
 from orchestrator.router.turn_report import (
     KV_SOURCES,
     LeaseRefused,
@@ -69,12 +65,16 @@ from orchestrator.router.turn_report import (
 from policies.kv_records import RecomputeReason
 from policies.prefix_routing import RouteChoice
 
-__all__ = ["KV_SOURCES", "LeaseRefused", "PoolClient", "Router", "TurnReport"]
+__all__ = ["KV_SOURCES", "LeaseRefused", "LeaseUse", "PoolClient", "Router", "Turn", "TurnReport"]
 
 log = logging.getLogger("kvtide.router")
 
 
-class Router(PrefillSide, DecodeSide):
+class Router:
+    """The turn's path on one ingress replica: it holds its parts, each built with what
+    it uses: the prefill side, the decode side (and its pools), the hand-over to the
+    service, the integrity check, this replica's turn leases (see the module)."""
+
     def __init__(
         self,
         *,
@@ -101,27 +101,15 @@ class Router(PrefillSide, DecodeSide):
                 "the turn leases and the router read different clocks: give HeldLeases the "
                 "router's clock (one clock on a turn's path)"
             )
-        if (decode_long is None) != (long_context_threshold_tokens is None):
-            raise ValueError(
-                "a long-context decode pool needs long_context_threshold_tokens, and the "
-                "threshold needs the pool: give both or neither"
-            )
-        self.prefill = prefill
-        self.decode = decode
-        self.decode_long = decode_long
-        self.long_context_threshold_tokens = long_context_threshold_tokens
         self.metrics = metrics if metrics is not None else Metrics()
-        # For the bytes offered to a transfer (blocks x block size x bytes per token).
-        self.block_size_tokens = block_size_tokens
-        self.kv_bytes_per_token = kv_bytes_per_token
-        self.pull_timeout_s = pull_timeout_s
         self.request_timeout_s = request_timeout_s
-        # A turn whose decode engine dies continues on another, this many times at most.
-        self.max_migrations = max_migrations
         self.clock = clock
-        # With prefix-aware prefill routing: where the request router sent a prefill
-        # request (by request id) and why (``orchestrator.cluster.route_notes``).
-        self.prefill_routes = prefill_routes
+        pools = DecodePools(decode, decode_long, long_context_threshold_tokens)
+        transfers = Transfers(
+            metrics=self.metrics,
+            block_size_tokens=block_size_tokens,
+            kv_bytes_per_token=kv_bytes_per_token,
+        )
         # Finished turns on their way to the service; this replica's turn leases
         # (``orchestrator.kv.turn_leases``; None: none asked) go with them.
         self.handover = HandOver(
@@ -141,12 +129,53 @@ class Router(PrefillSide, DecodeSide):
             clock=clock,
             settings=integrity if integrity is not None else IntegritySettings(sample_fraction=0),
         )
+        self.prefill_side = PrefillSide(
+            pool=prefill,
+            service=lambda: self.kv,
+            metrics=self.metrics,
+            clock=clock,
+            transfers=transfers,
+            pull_timeout_s=pull_timeout_s,
+            max_migrations=max_migrations,
+            routes=prefill_routes,
+        )
+        self.decode_side = DecodeSide(
+            pools=pools,
+            prefill=self.prefill_side,
+            handover=self.handover,
+            integrity=self.integrity,
+            transfers=transfers,
+            metrics=self.metrics,
+            clock=clock,
+            max_migrations=max_migrations,
+        )
         # The sessions with a turn generating here: session id -> (request id, owner).
         # From the turn's start to its last item (or its end otherwise).
         self._generating: dict[str, tuple[str, str | None]] = {}
         # The sessions with a turn the ingress is opening here (``opening``: tokenizing,
         # its lease or its service call), until it starts or does not run.
         self._opening: dict[str, tuple[str, str | None]] = {}
+
+    # The pools, as the parts hold them (an ingress's tests put fakes in their place).
+    @property
+    def prefill(self) -> PoolClient:
+        return self.prefill_side.pool
+
+    @prefill.setter
+    def prefill(self, pool: PoolClient) -> None:
+        self.prefill_side.pool = pool
+
+    @property
+    def decode(self) -> PoolClient:
+        return self.decode_side.pools.decode
+
+    @decode.setter
+    def decode(self, pool: PoolClient) -> None:
+        self.decode_side.pools.decode = pool
+
+    @property
+    def max_migrations(self) -> int:
+        return self.decode_side.max_migrations
 
     # The service, the caller's copy of each session's last turn (the ingress tokenizes
     # the next one from it; written once the service has booked the turn) and the turn
@@ -218,117 +247,55 @@ class Router(PrefillSide, DecodeSide):
         """The turn ``request_id`` of the session is at its last item (or ended)."""
         _forget(self._generating, session_id, request_id)
 
-    def decode_pool_for(self, num_prompt_tokens: int) -> tuple[str, PoolClient]:
-        """The decode pool of a prompt: the long-context pool (TP+DCP) above the pool
-        planner's threshold (``placement.pools.PoolPlan.threshold_tokens``), the TP-only
-        pool up to it."""
-        threshold = self.long_context_threshold_tokens
-        if self.decode_long is not None and threshold is not None:
-            if num_prompt_tokens > threshold:
-                return "decode_long", self.decode_long
-        return "decode", self.decode
+    def decode_pool_for(self, num_prompt_tokens: int) -> DecodePool:
+        """The decode pool of a prompt (``DecodePools.for_prompt``)."""
+        return self.decode_side.pools.for_prompt(num_prompt_tokens)
 
-    async def run_turn(
-        self,
-        *,
-        prompt_token_ids: list[int],
-        max_tokens: int,
-        session_id: str | None = None,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: tuple[str, ...] = (),
-        ignore_eos: bool = False,
-        request_id: str | None = None,
-        prompt_text: str | None = None,
-        trace_parent: tr.Parent = None,
-        owner: str | None = None,
-        sampling_options: Mapping[str, float | int] | None = None,
-        decision: KVDecision | None = None,
-        lease_id: int | None = None,
-        lease_used: Awaitable[bool] | None = None,
-        sampling_params: Any = None,
-        prompt_logprobs: int | None = None,
-    ) -> AsyncGenerator[tuple[GenerateChunk, TurnReport], None]:
-        """Stream decode chunks; each comes with the (growing) turn report.
+    async def run_turn(self, turn: Turn) -> AsyncGenerator[tuple[GenerateChunk, TurnReport], None]:
+        """Stream ``turn``'s decode chunks; each comes with the (growing) turn report.
 
-        ``prompt_text``: the rendered prompt, when it came as text; the session's next
-        turn continues tokenizing from it plus the generated text. ``trace_parent``: the
-        ingress span the turn's spans hang under (see ``orchestrator.observability.tracing``).
-        ``owner``: the API key's name; the finished turn refreshes its ownership.
-        ``sampling_options``: further ``GenerateRequest`` sampling fields (penalties,
-        ``top_k``, ``min_p``, ``min_tokens``), given to prefill and decode alike.
-        ``sampling_params``: the engine's own (vLLM's, from its OpenAI serving layer),
-        given to the decode, which samples every token the client gets; the prefill's
-        one token is not used. ``prompt_logprobs``: asked of the prefill, which computes
-        the prompt (the report's ``extra["prompt_logprobs"]``).
-        ``decision``: the KV plan the service gave when the turn began (``begin_turn``),
-        or the caller made under a turn lease (``lease_id``; ``lease_used`` is the service's
-        answer to its use, awaited before the first item: when it refuses, the turn ends
-        with ``LeaseRefused`` before any output and reports nothing). Without it a
-        session's turn asks the service (``decide_turn``).
+        Under a turn lease (``turn.lease``) the service's answer to its use is awaited
+        before the first item: when it refuses, the turn ends with ``LeaseRefused``
+        before any output and reports nothing.
         """
-        rid = request_id or uuid.uuid4().hex
         report = TurnReport(
-            request_id=rid, session_id=session_id, num_prompt_tokens=len(prompt_token_ids)
+            request_id=turn.request_id,
+            session_id=turn.session_id,
+            num_prompt_tokens=len(turn.prompt_token_ids),
         )
-        sampling = {
-            "temperature": temperature,
-            "top_p": top_p,
-            "seed": seed,
-            "stop": list(stop),
-            "ignore_eos": ignore_eos,
-            "prompt_logprobs": prompt_logprobs,
-            **(sampling_options or {}),
-        }
-        report.extra["owner"] = owner
-        report.extra["lease_id"] = lease_id
-        report.extra["lease_used"] = lease_used
-        report.extra["deadline_s"] = self.clock() + self.request_timeout_s
-        report.extra["sampling_params"] = sampling_params
+        state = TurnState(
+            turn=turn,
+            report=report,
+            deadline_s=self.clock() + self.request_timeout_s,
+            lease_pending=None if turn.lease is None else turn.lease.used,
+        )
         with tr.span(
             tr.SPAN_ROUTE,
-            {tr.GEN_AI_RESPONSE_ID: rid, tr.GEN_AI_CONVERSATION_ID: session_id},
-            parent=trace_parent,
+            {tr.GEN_AI_RESPONSE_ID: turn.request_id, tr.GEN_AI_CONVERSATION_ID: turn.session_id},
+            parent=turn.trace_parent,
         ) as route:
-            async for item in self._turn(
-                route,
-                report,
-                prompt_token_ids,
-                max_tokens,
-                session_id,
-                prompt_text,
-                sampling,
-                decision,
-            ):
+            async for item in self._turn(route, state):
                 yield item
             tr.set_attrs(route, {tr.KV_SOURCE: report.kv_source})
 
     async def _turn(
-        self,
-        route: Span,
-        report: TurnReport,
-        prompt_token_ids: list[int],
-        max_tokens: int,
-        session_id: str | None,
-        prompt_text: str | None,
-        sampling: dict[str, Any],
-        given: KVDecision | None,
+        self, route: Span, state: TurnState
     ) -> AsyncIterator[tuple[GenerateChunk, TurnReport]]:
-        rid = report.request_id
+        turn, report = state.turn, state.report
+        rid, session_id = turn.request_id, turn.session_id
         t0 = self.clock()
         done = False
         if session_id is not None:
             self.not_opened(session_id, rid)  # opened: now it runs
-            self._generating[session_id] = (rid, report.extra.get("owner"))
+            self._generating[session_id] = (rid, turn.owner)
         try:
             with tr.span(tr.SPAN_KV_DECISION, parent=route) as decision_span:
-                if given is not None:
-                    decision = given
+                if turn.decision is not None:
+                    decision = turn.decision
                 elif session_id is None:
                     decision = kv_decision(RecomputeReason.NO_SESSION)
                 else:
-                    decision = await self.kv.decide_turn(session_id, prompt_token_ids)
+                    decision = await self.kv.decide_turn(session_id, turn.prompt_token_ids)
                 # A mismatch found here refuses its source's reuse before the service
                 # has heard of it.
                 decision = self.integrity.vetted(decision)
@@ -337,18 +304,16 @@ class Router(PrefillSide, DecodeSide):
                     {tr.KV_PLAN: decision.kind, tr.KV_PLAN_REASON: decision.reason_text},
                 )
             report.kv_plan, report.kv_plan_reason = decision.kind, decision.reason_text
-            report.extra["integrity"] = self.integrity.sample(decision)
+            state.integrity = self.integrity.sample(decision)
 
-            base = {"prompt_token_ids": prompt_token_ids, "session_id": session_id, **sampling}
             params = KVTransferParams.keep_for_decode()
             if decision.kind == "pull" and decision.kv_transfer_params is not None:
                 params = decision.kv_transfer_params.pull_back(keep=True)
             t_engine = self.clock()
-            async for item in self._stream(
-                route, decision, params, base, rid, max_tokens, report, t0, t_engine, prompt_text
-            ):
-                if report.extra["lease_used"] is not None:
-                    await self._lease_confirmed(report)
+            pre = await self.prefill_side.prefill_turn(route, state, decision, params, t0, t_engine)
+            async for item in self.decode_side.stream(route, state, pre, t0):
+                if state.lease_pending is not None:
+                    await self._lease_confirmed(state)
                 if item[0].finished:
                     done = True
                     # Before the client's last token: its next turn is not refused here.
@@ -357,33 +322,33 @@ class Router(PrefillSide, DecodeSide):
         finally:
             self._generated(session_id, rid)
             if not done:
-                await self._turn_unfinished(report, session_id)
+                await self._turn_unfinished(state)
 
-    async def _turn_unfinished(self, report: TurnReport, session_id: str | None) -> None:
+    async def _turn_unfinished(self, state: TurnState) -> None:
         """A turn that failed, was cancelled or whose client went away: its lease ends,
         and the service hears it was abandoned (no record kept)."""
-        lease_id = report.extra.get("lease_id")
-        if lease_id is not None:
+        turn = state.turn
+        session_id = turn.session_id
+        if turn.lease is not None:
             assert session_id is not None
             if self.leases is not None:
-                self.leases.ended(session_id, lease_id)
-            if report.extra["lease_used"] is not None:  # ended before its first item
+                self.leases.ended(session_id, turn.lease.lease_id)
+            if state.lease_pending is not None:  # ended before its first item
                 with contextlib.suppress(LeaseRefused, RequestError):
-                    await asyncio.shield(self._lease_confirmed(report))
-        if session_id is not None and not report.extra.get("lease_refused"):
+                    await asyncio.shield(self._lease_confirmed(state))
+        if session_id is not None and not state.lease_refused:
             try:
                 await asyncio.shield(self.kv.turn_abandoned(session_id))
             except RequestError:  # the service is unreachable: its tick ends the turn
-                log.warning(
-                    "could not report turn %s of %s abandoned", report.request_id, session_id
-                )
+                log.warning("could not report turn %s of %s abandoned", turn.request_id, session_id)
 
-    async def _lease_confirmed(self, report: TurnReport) -> None:
+    async def _lease_confirmed(self, state: TurnState) -> None:
         """Wait for the service's answer to the turn's lease use; ``LeaseRefused`` when it
         refused (the lease was given up: another turn may own the session now). An
         unreachable service is not a refusal: the turn ends as any, reported abandoned."""
-        used: Awaitable[bool] = report.extra["lease_used"]
-        report.extra["lease_used"] = None
+        used = state.lease_pending
+        assert used is not None
+        state.lease_pending = None
         try:
             ok = await used
         except RequestError:
@@ -392,8 +357,8 @@ class Router(PrefillSide, DecodeSide):
                 retry_after_s=1.0,
             ) from None
         if not ok:
-            report.extra["lease_refused"] = True
-            raise LeaseRefused(report.session_id or "")
+            state.lease_refused = True
+            raise LeaseRefused(state.report.session_id or "")
 
 
 def _forget(book: dict[str, tuple[str, str | None]], session_id: str | None, rid: str) -> None:

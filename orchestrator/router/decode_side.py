@@ -1,9 +1,9 @@
 """The router's decode side: a turn's tokens streamed from a decode engine that pulls
 the prompt's KV from the prefill engine, and, when that engine fails mid-stream, the
-turn continued on another (its prompt and the tokens streamed so far prefilled again),
-``max_migrations`` times at most; the finished turn handed to the KV service.
-
-A mixin of ``Router`` (the attributes used are the router's).
+turn continued on another (its prompt and the tokens streamed so far prefilled again
+by the prefill side), ``max_migrations`` times at most; the finished turn handed to the
+KV service (``HandOver``) and, when sampled, checked (``IntegrityCheck``). The decode
+pool of a prompt is ``DecodePools``' choice.
 """
 
 from __future__ import annotations
@@ -11,107 +11,107 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import NamedTuple
 
 from opentelemetry.trace import Span, SpanKind
 
 from engines.base import GenerateChunk, GenerateRequest
 from engines.kv_params import KVTransferParams
-from orchestrator.errors import (
-    EngineUnavailable,
-)
-from orchestrator.kv.messages import KVDecision
+from orchestrator.errors import EngineUnavailable
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import Metrics
 from orchestrator.router.handover import HandOver
 from orchestrator.router.integrity import IntegrityCheck, take_logprobs
-from orchestrator.router.prefill_side import plain_prefill
+from orchestrator.router.prefill_side import PrefillSide
 from orchestrator.router.streams import bounded
-from orchestrator.router.turn_report import (
-    PoolClient,
-    Streamed,
-    TurnReport,
-)
-from policies.kv_lifecycle import HOST_POOL
+from orchestrator.router.transfers import Transfers
+from orchestrator.router.turn import TurnState
+from orchestrator.router.turn_report import PoolClient, Streamed, TurnReport
 
 log = logging.getLogger("kvtide.router")
 
-__all__ = ["DecodeSide"]
+__all__ = ["DecodePool", "DecodePools", "DecodeSide"]
+
+
+class DecodePool(NamedTuple):
+    """The decode pool a prompt goes to, and its name (the report's ``decode_pool``)."""
+
+    name: str
+    pool: PoolClient
+
+
+class DecodePools:
+    """The decode pools: the TP-only pool, and the long-context pool (TP+DCP) with the
+    pool planner's threshold (``placement.pools.PoolPlan.threshold_tokens``)."""
+
+    def __init__(
+        self, decode: PoolClient, long: PoolClient | None, threshold_tokens: int | None
+    ) -> None:
+        if (long is None) != (threshold_tokens is None):
+            raise ValueError(
+                "a long-context decode pool needs long_context_threshold_tokens, and the "
+                "threshold needs the pool: give both or neither"
+            )
+        self.decode = decode
+        self.long = long
+        self.threshold_tokens = threshold_tokens
+
+    def for_prompt(self, num_prompt_tokens: int) -> DecodePool:
+        """The long-context pool above the threshold, the TP-only pool up to it."""
+        threshold = self.threshold_tokens
+        if self.long is not None and threshold is not None and num_prompt_tokens > threshold:
+            return DecodePool("decode_long", self.long)
+        return DecodePool("decode", self.decode)
 
 
 class DecodeSide:
-    """``Router``'s decode side (see the module)."""
+    """A turn's tokens on the decode pools (see the module)."""
 
-    metrics: Metrics
-    clock: Callable[[], float]
-    max_migrations: int
-    handover: HandOver
-    integrity: IntegrityCheck
-    decode_pool_for: Callable[[int], tuple[str, PoolClient]]
-    _prefill_turn: Callable[..., Any]
-    _recompute: Callable[..., Any]
-    _transfer_attrs: Callable[..., dict[str, Any]]
-    _count_transfer: Callable[..., None]
-
-    async def _stream(
+    def __init__(
         self,
-        route: Span,
-        decision: KVDecision,
-        params: KVTransferParams,
-        base: dict[str, Any],
-        rid: str,
-        max_tokens: int,
-        report: TurnReport,
-        t0: float,
-        t_engine: float,
-        prompt_text: str | None,
+        *,
+        pools: DecodePools,
+        prefill: PrefillSide,
+        handover: HandOver,
+        integrity: IntegrityCheck,
+        transfers: Transfers,
+        metrics: Metrics,
+        clock: Callable[[], float],
+        max_migrations: int,
+    ) -> None:
+        self.pools = pools
+        # Prefills a migrated turn's prompt and the tokens streamed so far again.
+        self.prefill = prefill
+        self.handover = handover
+        self.integrity = integrity
+        self.transfers = transfers
+        self.metrics = metrics
+        self.clock = clock
+        # A turn whose decode engine dies continues on another, this many times at most.
+        self.max_migrations = max_migrations
+
+    async def stream(
+        self, route: Span, state: TurnState, pre: GenerateChunk, t0: float
     ) -> AsyncIterator[tuple[GenerateChunk, TurnReport]]:
-        prompt_token_ids: list[int] = base["prompt_token_ids"]
-        with tr.span(
-            tr.SPAN_PREFILL, {tr.ENGINE_POOL: "prefill"}, parent=route, kind=SpanKind.CLIENT
-        ) as prefill_span:
-            pre = await self._prefill_turn(prefill_span, decision, params, base, rid, report)
-        report.prefill_s = self.clock() - t_engine
-        # kvtide's own work: deciding before the engines, booking after them.
-        report.router_s = t_engine - t0
-        report.num_cached_tokens = pre.num_cached_tokens
-        # The prompt's log probabilities, when asked: the prefill computed them.
-        report.extra["prompt_logprobs"] = pre.prompt_logprobs
-        if pre.num_cached_tokens > 0:
-            # A pull whose engine says it read nothing found every block in its own
-            # prefix cache: the KV came from there, not back from decode.
-            pulled = decision.kind == "pull" and not report.pull_fallback
-            report.kv_source = (
-                "prefix_cache"
-                if not pulled or pre.kv_read_bytes == 0
-                else "host_tier"
-                if decision.source_pool == HOST_POOL
-                else "sent_back"
-            )
-        if pre.kv_transfer_params is None:
-            raise EngineUnavailable(
-                "the prefill engine returned no kv_transfer_params; is it configured with "
-                "a KV connector (kv_transfer_config)?"
-            )
-        report.decode_pool, decode = self.decode_pool_for(len(prompt_token_ids))
+        """The turn's tokens, decoded from the prefill's last chunk ``pre``, each with
+        the turn's report (``t0``: when the turn began)."""
+        turn, report = state.turn, state.report
+        rid, prompt_token_ids, max_tokens = turn.request_id, turn.prompt_token_ids, turn.max_tokens
+        report.decode_pool, decode = self.pools.for_prompt(len(prompt_token_ids))
         # Only a session's decode keeps its blocks for the next turn to pull back; a
         # sessionless one frees them when it finishes (engines/kv_connector.py).
         keep = report.session_id is not None
         out = Streamed()
         # A turn sampled for the integrity check: its decode gives each token's log
         # probability (``orchestrator.router.integrity``).
-        checked = report.extra.get("integrity") is not None
+        checked = state.integrity is not None
         while True:
-            decode_req = GenerateRequest(
-                request_id=f"{rid}-d" if not report.migrations else f"{rid}-d{report.migrations}",
-                max_tokens=max_tokens - len(out.ids),
-                kv_transfer_params=pre.kv_transfer_params.for_decode(keep=keep),
-                sampling_params=report.extra["sampling_params"],
-                **{
-                    **base,
-                    "prompt_token_ids": [*prompt_token_ids, *out.ids],
-                    "prompt_logprobs": None,
-                },
+            assert pre.kv_transfer_params is not None  # the turn's prefill checked
+            decode_req = turn.decode_request(
+                f"{rid}-d" if not report.migrations else f"{rid}-d{report.migrations}",
+                [*prompt_token_ids, *out.ids],
+                max_tokens - len(out.ids),
+                pre.kv_transfer_params.for_decode(keep=keep),
                 logprobs=0 if checked else None,
             )
             try:
@@ -122,7 +122,7 @@ class DecodeSide:
                     kind=SpanKind.CLIENT,
                 ) as decode_span:
                     async for item in self._decode(
-                        route, decode_span, decode, decode_req, pre, report, t0, out, prompt_text
+                        route, decode_span, decode, decode_req, pre, state, t0, out
                     ):
                         yield item
                 return
@@ -133,12 +133,12 @@ class DecodeSide:
             # and the tokens already streamed, decode the rest; nothing is sent twice.
             report.migrations += 1
             log.warning("turn %s: decode failed after %d tokens; migrating", rid, len(out.ids))
-            resumed = {**base, "prompt_token_ids": [*prompt_token_ids, *out.ids]}
-            pre = await self._recompute(
-                plain_prefill(f"{rid}-m{report.migrations}", resumed),
-                report,
-                report.extra["deadline_s"],
+            resumed = turn.prefill_request(
+                f"{rid}-m{report.migrations}",
+                KVTransferParams.keep_for_decode(),
+                [*prompt_token_ids, *out.ids],
             )
+            pre = await self.prefill.recompute(resumed, report, state.deadline_s)
 
     async def _decode(
         self,
@@ -147,15 +147,14 @@ class DecodeSide:
         decode: PoolClient,
         decode_req: GenerateRequest,
         pre: GenerateChunk,
-        report: TurnReport,
+        state: TurnState,
         t0: float,
         out: Streamed,
-        prompt_text: str | None,
     ) -> AsyncIterator[tuple[GenerateChunk, TurnReport]]:
         """Stream one decode request; ``out`` holds what the turn streamed so far (also
         from engines before this one, when the turn migrated)."""
+        report = state.report
         session_id = report.session_id
-        prompt_token_ids = decode_req.prompt_token_ids[: report.num_prompt_tokens]
         output_ids, output_text = out.ids, out.text
         first = not output_ids and report.ttft_s == 0.0
         # What this decode engine read for the request: its first chunk says. Each decode
@@ -164,24 +163,24 @@ class DecodeSide:
         said = pulled = False
         prev = self.clock()
         t_start = tr.now_ns()
-        deadline_s: float = report.extra["deadline_s"]
+        deadline_s = state.deadline_s
         # Closed with the turn: a consumer that stops reading (the client went away)
         # aborts the decode request now, not when the generator is collected.
         stream = bounded(decode.generate(decode_req), deadline_s, self.clock, report.decode_pool)
         async with contextlib.aclosing(stream):
             async for engine_chunk in stream:
                 now = self.clock()
-                chunk = take_logprobs(report, engine_chunk)
+                chunk = take_logprobs(state, engine_chunk)
                 if not said:
                     read_bytes, said = chunk.kv_read_bytes, True
                 if not pulled and (chunk.token_ids or chunk.finished):
                     pulled = True
                     # The decode engine pulled the prompt's KV before its first token.
-                    attrs = self._transfer_attrs(
+                    attrs = self.transfers.attrs(
                         pre.kv_transfer_params, "prefill_to_decode", read_bytes
                     )
                     tr.record_span(tr.SPAN_KV_TRANSFER, t_start, tr.now_ns(), attrs, parent=span)
-                    self._count_transfer(report, "prefill_to_decode", attrs)
+                    self.transfers.count(report, "prefill_to_decode", attrs)
                 if first and (chunk.token_ids or chunk.finished):
                     report.ttft_s = now - t0
                     first = False
@@ -210,16 +209,9 @@ class DecodeSide:
                     # A sessionless turn whose decode kept nothing leaves nothing to book
                     # or drain: no call to the service.
                     if session_id is not None or (kept is not None and kept.kept_blocks()):
-                        done = self.handover.message(
-                            report, chunk, prompt_token_ids, out, prompt_text
-                        )
+                        done = self.handover.message(state, chunk, out)
                         self.handover.give(route, report, done)
-                    report.extra["decode_engine_id"] = chunk.engine_id
-                    self.integrity.after_turn(
-                        report,
-                        prompt_token_ids,
-                        output_ids,
-                        report.extra.get("integrity_logprobs", []),
-                    )
+                    state.decode_engine_id = chunk.engine_id
+                    self.integrity.after_turn(state, output_ids)
                     report.router_s += self.clock() - now
                 yield chunk, report

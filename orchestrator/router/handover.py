@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 from opentelemetry.trace import Span
@@ -28,11 +29,22 @@ from orchestrator.kv.session_tokens import SessionTokens, prefix_digest
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import Metrics
 from orchestrator.router.held_leases import HeldLeases
+from orchestrator.router.turn import TurnState
 from orchestrator.router.turn_report import Streamed, TurnReport
 
-__all__ = ["HandOver"]
+__all__ = ["HandOver", "HandOverMessage"]
 
 log = logging.getLogger("kvtide.router")
+
+
+@dataclass(frozen=True, slots=True)
+class HandOverMessage:
+    """A finished turn for the service: ``sent``, only what the turn added (the prompt's
+    start is the session's last turn, which the service holds), and ``whole``, sent in
+    its place when the service holds another last turn."""
+
+    sent: TurnDone
+    whole: TurnDone
 
 
 class HandOver:
@@ -58,18 +70,13 @@ class HandOver:
         self._handovers: set[asyncio.Task[None]] = set()
         self._handing: dict[str, asyncio.Task[None]] = {}
 
-    def message(
-        self,
-        report: TurnReport,
-        chunk: GenerateChunk,
-        prompt_token_ids: list[int],
-        out: Streamed,
-        prompt_text: str | None,
-    ) -> tuple[TurnDone, TurnDone]:
+    def message(self, state: TurnState, chunk: GenerateChunk, out: Streamed) -> HandOverMessage:
         """The decode's kept blocks and the session's next tokens, for the service: as
         sent (what the turn added) and whole. This replica's copy of the session's last
         turn is updated at once (a next turn here tokenizes from it; ``begin_turn``
         checks it against the service's)."""
+        turn, report = state.turn, state.report
+        prompt_token_ids, prompt_text = turn.prompt_token_ids, turn.prompt_text
         next_text, next_ids = self._continuation(
             prompt_text, list(prompt_token_ids), out.text, out.ids, chunk.finish_reason
         )
@@ -91,7 +98,7 @@ class HandOver:
         next_len = None
         if next_ids is not None and len(next_ids) <= len(ids) and next_ids == ids[: len(next_ids)]:
             next_len = len(next_ids)
-        owner = report.extra.get("owner")
+        owner = turn.owner
         # The next turn's lease, proposed; held here provisionally by the hand-over's task
         # (``_turn_done``), off the path of this turn's last token.
         proposed = None
@@ -106,7 +113,7 @@ class HandOver:
             next_token_ids=next_ids,
             owner=owner,
             holder=None if sid is None or self.leases is None else self.leases.holder,
-            lease_id=report.extra.get("lease_id"),
+            lease_id=None if turn.lease is None else turn.lease.lease_id,
             next_lease_id=proposed,
         )
         sent = msgspec.structs.replace(
@@ -117,13 +124,15 @@ class HandOver:
             prefix_digest=digest if prefix_len else None,
             next_len=next_len,
         )
-        return sent, whole
+        return HandOverMessage(sent, whole)
 
-    def give(self, route: Span, report: TurnReport, done: tuple[TurnDone, TurnDone]) -> None:
+    def give(self, route: Span, report: TurnReport, done: HandOverMessage) -> None:
         """Give the finished turn to the service off the turn's path: the client gets its
         last tokens without waiting for the booking. The session's next turn waits for it
         in ``begin_turn`` (the service holds a turn's claim until its ``turn_done``)."""
-        task = asyncio.get_running_loop().create_task(self._turn_done(route, report, *done))
+        task = asyncio.get_running_loop().create_task(
+            self._turn_done(route, report, done.sent, done.whole)
+        )
         self._handovers.add(task)
         task.add_done_callback(self._handovers.discard)
         sid = report.session_id

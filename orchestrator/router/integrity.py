@@ -49,6 +49,7 @@ from orchestrator.kv.messages import IntegrityMismatch, KVDecision
 from orchestrator.kv.service import KVServiceAPI
 from orchestrator.observability.metrics import Metrics
 from orchestrator.router.streams import bounded
+from orchestrator.router.turn import IntegritySample, TurnState
 from orchestrator.router.turn_report import PoolClient, TurnReport
 from policies.kv_records import RecomputeReason
 
@@ -83,14 +84,6 @@ class IntegritySettings:
     report_backoff_max_s: float = 30.0
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class IntegritySample:
-    """A turn chosen for the check: its plan's reason and the engine it pulls from."""
-
-    source_engine_id: str
-    plan_reason: str
-
-
 def token_logprob(candidates: Sequence[TokenLogprob] | None, token_id: int) -> float | None:
     """The log probability ``candidates`` (one position's) give ``token_id``; None when
     they do not name it."""
@@ -100,30 +93,29 @@ def token_logprob(candidates: Sequence[TokenLogprob] | None, token_id: int) -> f
     return None
 
 
-def take_logprobs(report: TurnReport, chunk: GenerateChunk) -> GenerateChunk:
-    """A sampled turn's decode chunk: each token's log probability kept in the report
-    (``extra["integrity_logprobs"]``, None where the engine gave none), and the chunk as
+def take_logprobs(state: TurnState, chunk: GenerateChunk) -> GenerateChunk:
+    """A sampled turn's decode chunk: each token's log probability kept in the turn's
+    state (``integrity_logprobs``, None where the engine gave none), and the chunk as
     its client gets it: without log probabilities when the client did not ask for them
     (its vLLM sampling parameters ask none; kvtide's own layer serves none)."""
-    if report.extra.get("integrity") is None:
+    if state.integrity is None:
         return chunk
-    kept: list[float | None] = report.extra.setdefault("integrity_logprobs", [])
+    kept = state.integrity_logprobs
     positions = chunk.logprobs or []
     for i, token in enumerate(chunk.token_ids):
         kept.append(token_logprob(positions[i], token) if i < len(positions) else None)
-    asked = getattr(report.extra.get("sampling_params"), "logprobs", None) is not None
+    asked = getattr(state.turn.engine_sampling, "logprobs", None) is not None
     if asked or (chunk.logprobs is None and chunk.cumulative_logprob is None):
         return chunk
     return msgspec.structs.replace(chunk, logprobs=None, cumulative_logprob=None)
 
 
-def _constrained(report: TurnReport) -> bool:
+def _constrained(state: TurnState) -> bool:
     """The turn's decode sampled under a grammar: vLLM applies a structured output's
     bitmask to the logits before its sampler, so even its raw log probabilities are
     renormalised over the tokens the grammar allows (off by several nats from the
     prefill's unconstrained ones, for a tool call's JSON)."""
-    params = report.extra.get("sampling_params")
-    return getattr(params, "structured_outputs", None) is not None
+    return getattr(state.turn.engine_sampling, "structured_outputs", None) is not None
 
 
 class IntegrityCheck:
@@ -178,16 +170,11 @@ class IntegrityCheck:
             source_engine_id=params.remote_engine_id, plan_reason=decision.reason_text
         )
 
-    def after_turn(
-        self,
-        report: TurnReport,
-        prompt_token_ids: list[int],
-        output_ids: list[int],
-        logprobs: list[float | None],
-    ) -> None:
-        """The sampled turn ended with these output tokens and their decode's log
-        probabilities: start its check off the turn's path, or count it skipped."""
-        sample: IntegritySample | None = report.extra.get("integrity")
+    def after_turn(self, state: TurnState, output_ids: list[int]) -> None:
+        """The sampled turn ended with these output tokens (their decode's log
+        probabilities in its state): start its check off the turn's path, or count it
+        skipped."""
+        sample, report, logprobs = state.integrity, state.report, state.integrity_logprobs
         if sample is None:
             return
         num = min(self.settings.num_tokens, len(output_ids), len(logprobs))
@@ -198,7 +185,7 @@ class IntegrityCheck:
             or report.prefill_replica is None
         ):
             why = "the turn did not decode from the pulled KV"
-        elif _constrained(report):
+        elif _constrained(state):
             why = (
                 "its decode sampled under a grammar (structured output): vLLM's log "
                 "probabilities are then the grammar's, which a recompute does not give"
@@ -211,7 +198,9 @@ class IntegrityCheck:
             self._skipped(report, why)
             return
         task = asyncio.get_running_loop().create_task(
-            self._check(sample, report, prompt_token_ids, output_ids[:num], logprobs[:num])
+            self._check(
+                sample, state, state.turn.prompt_token_ids, output_ids[:num], logprobs[:num]
+            )
         )
         self._running.add(task)
         task.add_done_callback(self._running.discard)
@@ -251,11 +240,12 @@ class IntegrityCheck:
     async def _check(
         self,
         sample: IntegritySample,
-        report: TurnReport,
+        state: TurnState,
         prompt: list[int],
         output: list[int],
         reused: list[float | None],
     ) -> None:
+        report = state.report
         try:
             chunk = await self._recomputed(report.request_id, prompt, output)
         except Exception as exc:  # the check's own failure: the turn is long done
@@ -285,10 +275,10 @@ class IntegrityCheck:
         mismatch = IntegrityMismatch(
             prefill_engine_id=report.prefill_replica or "",
             source_engine_id=sample.source_engine_id,
-            decode_engine_id=report.extra.get("decode_engine_id"),
+            decode_engine_id=state.decode_engine_id,
             session_id=report.session_id,
             request_id=report.request_id,
-            owner=report.extra.get("owner"),
+            owner=state.turn.owner,
             num_tokens=len(output),
             max_abs_diff=diff,
             tolerance=tolerance,

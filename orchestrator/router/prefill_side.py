@@ -1,20 +1,19 @@
 """The router's prefill side: a turn's prompt computed on a prefill engine, pulling the
 previous turn's KV back from the decode engine that kept it when the plan says so (a
 failed or slow pull becomes a plain prefill), or recomputed on another engine after a
-failure; the transfer's bytes (moved and offered) into the metrics and the report.
-
-A mixin of ``Router`` (the attributes used are the router's).
+failure; the transfer's bytes (moved and offered) into the metrics and the report
+(``Transfers``). Its prefill's facts (time, cached tokens, where the prompt's KV came
+from) go into the turn's report.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
-from opentelemetry.trace import Span
+from opentelemetry.trace import Span, SpanKind
 
 from engines.base import GenerateChunk, GenerateRequest, RequestFailed, final_chunk
 from engines.kv_params import KVTransferParams
@@ -27,26 +26,15 @@ from orchestrator.kv.service import KVServiceAPI
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import Metrics
 from orchestrator.router.streams import bounded
-from orchestrator.router.turn_report import (
-    PoolClient,
-    TurnReport,
-)
+from orchestrator.router.transfers import Transfers
+from orchestrator.router.turn import TurnState
+from orchestrator.router.turn_report import PoolClient, TurnReport
+from policies.kv_lifecycle import HOST_POOL
 from policies.prefix_routing import RouteChoice
 
 log = logging.getLogger("kvtide.router")
 
-__all__ = ["PrefillSide", "plain_prefill"]
-
-
-def plain_prefill(request_id: str, fields: Mapping[str, Any]) -> GenerateRequest:
-    """A prefill that computes the prompt (nothing pulled back) and keeps its KV for the
-    decode engine to read."""
-    return GenerateRequest(
-        request_id=request_id,
-        max_tokens=1,
-        kv_transfer_params=KVTransferParams.keep_for_decode(),
-        **fields,
-    )
+__all__ = ["PrefillSide"]
 
 
 async def _last(stream: AsyncIterator[GenerateChunk]) -> GenerateChunk:
@@ -57,17 +45,72 @@ async def _last(stream: AsyncIterator[GenerateChunk]) -> GenerateChunk:
 
 
 class PrefillSide:
-    """``Router``'s prefill side (see the module)."""
+    """A turn's prompt on the prefill pool (see the module)."""
 
-    prefill: PoolClient
-    kv: KVServiceAPI
-    metrics: Metrics
-    clock: Callable[[], float]
-    pull_timeout_s: float
-    max_migrations: int
-    block_size_tokens: int
-    kv_bytes_per_token: int
-    prefill_routes: Callable[[str], RouteChoice | None] | None
+    def __init__(
+        self,
+        *,
+        pool: PoolClient,
+        service: Callable[[], KVServiceAPI],
+        metrics: Metrics,
+        clock: Callable[[], float],
+        transfers: Transfers,
+        pull_timeout_s: float,
+        max_migrations: int,
+        routes: Callable[[str], RouteChoice | None] | None,
+    ) -> None:
+        self.pool = pool
+        self.service = service
+        self.metrics = metrics
+        self.clock = clock
+        self.transfers = transfers
+        self.pull_timeout_s = pull_timeout_s
+        # A prefill whose engine fails is run again on another, this many times at most.
+        self.max_migrations = max_migrations
+        # With prefix-aware prefill routing: where the request router sent a prefill
+        # request (by request id) and why (``orchestrator.cluster.route_notes``).
+        self.routes = routes
+
+    async def prefill_turn(
+        self,
+        route: Span,
+        state: TurnState,
+        decision: KVDecision,
+        params: KVTransferParams,
+        t0: float,
+        t_engine: float,
+    ) -> GenerateChunk:
+        """The turn's prefill (``t_engine``: when it began, ``t0``: when the turn did),
+        its facts in the turn's report; its last chunk carries the params the decode
+        engine pulls the prompt's KV with."""
+        report = state.report
+        with tr.span(
+            tr.SPAN_PREFILL, {tr.ENGINE_POOL: "prefill"}, parent=route, kind=SpanKind.CLIENT
+        ) as prefill_span:
+            pre = await self._prefill_turn(prefill_span, decision, params, state)
+        report.prefill_s = self.clock() - t_engine
+        # kvtide's own work: deciding before the engines, booking after them.
+        report.router_s = t_engine - t0
+        report.num_cached_tokens = pre.num_cached_tokens
+        # The prompt's log probabilities, when asked: the prefill computed them.
+        report.prompt_logprobs = pre.prompt_logprobs
+        if pre.num_cached_tokens > 0:
+            # A pull whose engine says it read nothing found every block in its own
+            # prefix cache: the KV came from there, not back from decode.
+            pulled = decision.kind == "pull" and not report.pull_fallback
+            report.kv_source = (
+                "prefix_cache"
+                if not pulled or pre.kv_read_bytes == 0
+                else "host_tier"
+                if decision.source_pool == HOST_POOL
+                else "sent_back"
+            )
+        if pre.kv_transfer_params is None:
+            raise EngineUnavailable(
+                "the prefill engine returned no kv_transfer_params; is it configured with "
+                "a KV connector (kv_transfer_config)?"
+            )
+        return pre
 
     async def _prefill(
         self, req: GenerateRequest, deadline_s: float, pull_timeout_s: float | None = None
@@ -78,13 +121,13 @@ class PrefillSide:
         if pull_timeout_s is not None:
             limit = min(deadline_s, self.clock() + pull_timeout_s)
         try:
-            return await _last(bounded(self.prefill.generate(req), limit, self.clock, "prefill"))
+            return await _last(bounded(self.pool.generate(req), limit, self.clock, "prefill"))
         except DeadlineExceeded:
             if limit < deadline_s:
                 raise TimeoutError from None  # the pull's own bound, not the request's
             raise
 
-    async def _recompute(
+    async def recompute(
         self, req: GenerateRequest, report: TurnReport, deadline_s: float
     ) -> GenerateChunk:
         """A plain prefill (nothing pulled back); when its engine fails, the prompt is
@@ -108,23 +151,16 @@ class PrefillSide:
             )
 
     async def _prefill_turn(
-        self,
-        span: Span,
-        decision: KVDecision,
-        params: KVTransferParams,
-        base: dict[str, Any],
-        rid: str,
-        report: TurnReport,
+        self, span: Span, decision: KVDecision, params: KVTransferParams, state: TurnState
     ) -> GenerateChunk:
         """The prefill, pulling the kept KV back when decided; a failed or hung pull
         becomes a plain prefill."""
         t_start = tr.now_ns()
-        deadline_s: float = report.extra["deadline_s"]
-        first = GenerateRequest(
-            request_id=f"{rid}-p", max_tokens=1, kv_transfer_params=params, **base
-        )
+        turn, report, deadline_s = state.turn, state.report, state.deadline_s
+        rid, prompt = turn.request_id, turn.prompt_token_ids
+        first = turn.prefill_request(f"{rid}-p", params, prompt)
         if decision.kind != "pull":
-            pre = await self._recompute(first, report, deadline_s)
+            pre = await self.recompute(first, report, deadline_s)
         else:
             try:
                 pre = await self._prefill(first, deadline_s, self.pull_timeout_s)
@@ -137,29 +173,26 @@ class PrefillSide:
                         tr.SPAN_KV_TRANSFER,
                         t_start,
                         tr.now_ns(),
-                        self._transfer_attrs(
+                        self.transfers.attrs(
                             decision.kv_transfer_params, "decode_to_prefill", None
                         ),
                         parent=span,
                     ),
                     exc,
                 )
-                await self.kv.pull_failed(report.session_id)
+                await self.service().pull_failed(report.session_id)
                 report.pull_fallback = True
-                pre = await self._recompute(
-                    plain_prefill(f"{rid}-r", base),
-                    report,
-                    deadline_s,
-                )
+                plain = turn.prefill_request(f"{rid}-r", KVTransferParams.keep_for_decode(), prompt)
+                pre = await self.recompute(plain, report, deadline_s)
             else:
                 # The prefill engine pulled the previous turn's KV back: its own count of
                 # what the pull moved is on its output.
-                attrs = self._transfer_attrs(
+                attrs = self.transfers.attrs(
                     decision.kv_transfer_params, "decode_to_prefill", pre.kv_read_bytes
                 )
                 tr.record_span(tr.SPAN_KV_TRANSFER, t_start, tr.now_ns(), attrs, parent=span)
                 self.metrics.inc("kvtide_kv_send_backs_total")
-                self._count_transfer(report, "decode_to_prefill", attrs)
+                self.transfers.count(report, "decode_to_prefill", attrs)
         if decision.kind != "pull" or report.pull_fallback:
             self.metrics.inc("kvtide_kv_recomputes_total")
         tr.set_attrs(
@@ -172,31 +205,11 @@ class PrefillSide:
     def _note_route(self, pre: GenerateChunk, report: TurnReport) -> None:
         """Which prefill engine computed the turn's prompt, and why it was chosen."""
         report.prefill_replica = pre.engine_id
-        if self.prefill_routes is None:
+        if self.routes is None:
             return
-        route = self.prefill_routes(pre.request_id)
+        route = self.routes(pre.request_id)
         if route is None:
             report.prefill_route_reason = "unrecorded"
             return
         report.prefill_route_reason = route.reason
         report.prefill_matched_tokens = route.num_matched_tokens
-
-    def _transfer_attrs(
-        self, params: KVTransferParams | None, direction: tr.Direction, moved: int | None
-    ) -> dict[str, Any]:
-        num_blocks = params.num_blocks if params is not None else 0
-        return tr.kv_transfer_attrs(
-            num_blocks, self.block_size_tokens, self.kv_bytes_per_token, direction, moved
-        )
-
-    def _count_transfer(
-        self, report: TurnReport, direction: tr.Direction, attrs: Mapping[str, Any]
-    ) -> None:
-        """A finished transfer into the metrics and the turn's report: the bytes it
-        moved (where the reading engine measured them) and those offered."""
-        moved: int | None = attrs.get(tr.KV_TRANSFER_BYTES)
-        offered = int(attrs[tr.KV_TRANSFER_OFFERED_BYTES])
-        if moved is not None:
-            self.metrics.add_transfer_bytes(direction, moved)
-        self.metrics.add_offered_bytes(direction, offered)
-        report.add_transfer(direction, moved, offered)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engines.base import GenerateChunk, GenerateRequest
+from engines.base import GenerateChunk, GenerateRequest, TokenLogprob
 from orchestrator.errors import KVTideError
 from orchestrator.kv.conversations import is_unnamed
 from orchestrator.observability import tracing as tr
@@ -33,7 +33,8 @@ class PoolClient(Protocol):
 
 @dataclass(slots=True, kw_only=True)
 class TurnReport:
-    """Per-turn facts, returned to the client in the response's ``kvtide`` object."""
+    """Per-turn facts, returned to the client in the response's ``kvtide`` object; the
+    router writes them as the turn runs, its callers read them."""
 
     request_id: str
     session_id: str | None
@@ -82,7 +83,9 @@ class TurnReport:
     kv_offered_bytes: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(tr.DIRECTIONS, 0)
     )
-    extra: dict[str, Any] = field(default_factory=dict)
+    # The prompt's log probabilities, when the turn asked its prefill for them (vLLM's
+    # ``prompt_logprobs``: one list per position, None at the first); not in ``as_dict``.
+    prompt_logprobs: list[list[TokenLogprob] | None] | None = None
 
     def add_transfer(self, direction: tr.Direction, moved: int | None, offered: int) -> None:
         """A KV transfer of this turn: what it moved (None: not measured) and was offered."""

@@ -23,7 +23,7 @@ from orchestrator.config import KVTideConfig
 from orchestrator.errors import ContextLengthExceeded, RequestError, UnsupportedParameter
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.service import KVServiceAPI
-from orchestrator.router import Router, TurnReport
+from orchestrator.router import Router, TurnReport, TurnSampling
 from orchestrator.serve import openai_api as api
 from orchestrator.serve import vllm_api
 from orchestrator.serve.auth import ConcurrencyGate, Ticket, check_request
@@ -216,14 +216,7 @@ class OwnLayer:
                     render_s=render_s,
                     root=root,
                     request_id=rid,
-                    run_args={
-                        "temperature": req.temperature,
-                        "top_p": req.top_p,
-                        "seed": req.seed,
-                        "stop": req.stop,
-                        "ignore_eos": req.ignore_eos,
-                        "sampling_options": req.sampling_options(),
-                    },
+                    run_args=TurnSampling(sampling=req.sampling),
                 )
             )
             return await self._respond(req, opened, replay_key, ticket)

@@ -36,6 +36,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from engines.base import Sampling
 from orchestrator.errors import InvalidRequest, ModelNotFound
 from orchestrator.serve.refusals import invalid_request, shown
 
@@ -63,37 +64,16 @@ class ApiRequest:
     prompt_text: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     max_tokens: int | None
-    temperature: float
-    top_p: float
-    seed: int | None
-    stop: tuple[str, ...]
+    # How the engines sample the answer (vLLM's SamplingParams defaults: no effect).
+    sampling: Sampling
     stream: bool
     include_usage: bool
     # vLLM's extension: every streamed chunk carries the usage so far.
     continuous_usage: bool = False
-    ignore_eos: bool
     # vLLM's extension: return prompt and completion token ids in the response.
     return_token_ids: bool = False
     # vLLM's extension: the model goes on writing the final (assistant) message.
     continue_final_message: bool = False
-    # Sampling the engines apply (vLLM's SamplingParams defaults: no effect).
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    min_tokens: int = 0
-
-    def sampling_options(self) -> dict[str, float | int]:
-        """The ``engines.base.GenerateRequest`` fields beyond the router's own."""
-        return {
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "min_tokens": self.min_tokens,
-        }
 
 
 # ---- field types ------------------------------------------------------------------------
@@ -429,21 +409,23 @@ def _common(b: _Common, served_model: str, max_tokens: int | None) -> dict[str, 
     return {
         "model": b.model,
         "max_tokens": max_tokens,
-        "temperature": 1.0 if b.temperature is None else b.temperature,
-        "top_p": 1.0 if b.top_p is None else b.top_p,
-        "seed": b.seed,
-        "stop": b.stop,
+        "sampling": Sampling(
+            temperature=1.0 if b.temperature is None else b.temperature,
+            top_p=1.0 if b.top_p is None else b.top_p,
+            seed=b.seed,
+            stop=b.stop,
+            ignore_eos=bool(b.ignore_eos),
+            presence_penalty=b.presence_penalty or 0.0,
+            frequency_penalty=b.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if b.repetition_penalty is None else b.repetition_penalty,
+            top_k=b.top_k or 0,
+            min_p=b.min_p or 0.0,
+            min_tokens=b.min_tokens or 0,
+        ),
         "stream": bool(b.stream),
         "include_usage": bool(b.stream_options and b.stream_options.include_usage),
         "continuous_usage": bool(b.stream_options and b.stream_options.continuous_usage_stats),
-        "ignore_eos": bool(b.ignore_eos),
         "return_token_ids": bool(b.return_token_ids),
-        "presence_penalty": b.presence_penalty or 0.0,
-        "frequency_penalty": b.frequency_penalty or 0.0,
-        "repetition_penalty": 1.0 if b.repetition_penalty is None else b.repetition_penalty,
-        "top_k": b.top_k or 0,
-        "min_p": b.min_p or 0.0,
-        "min_tokens": b.min_tokens or 0,
     }
 
 

@@ -13,6 +13,8 @@ import json
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any
 
+import msgspec
+
 from engines.base import GenerateChunk
 from orchestrator.errors import (
     IdempotencyKeyReused,
@@ -104,11 +106,9 @@ def request_fingerprints(req: api.ApiRequest) -> tuple[str, ...]:
     the endpoint and a digest of what the request asks. The first is the request's own;
     a request that continues its final assistant message has a second, that of the
     request it continues (the same messages without the last one)."""
-    fields = {
-        f.name: getattr(req, f.name)
-        for f in dataclasses.fields(req)
-        if f.name not in _NOT_FINGERPRINTED
-    }
+    asked = {f.name: getattr(req, f.name) for f in dataclasses.fields(req)}
+    asked |= msgspec.structs.asdict(asked.pop("sampling"))  # its fields, by their names
+    fields = {name: v for name, v in asked.items() if name not in _NOT_FINGERPRINTED}
     own = _fingerprint(req.kind, fields)
     if not (req.continue_final_message and req.messages):
         return (own,)

@@ -320,7 +320,7 @@ class TurnEngine:
             if child.seed is not None:
                 child.seed += index
             streams[index] = self._run(ctx, ids, text, child, f"{request_id}-c{index}", False)
-        prompt_logprobs = _prompt_logprobs(report.extra.get("prompt_logprobs"))
+        prompt_logprobs = _prompt_logprobs(report.prompt_logprobs)
         async for outputs, finished in _outputs(streams, params, ctx):
             yield RequestOutput(
                 request_id=request_id,

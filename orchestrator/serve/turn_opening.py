@@ -29,7 +29,7 @@ from orchestrator.kv.service import KVServiceAPI
 from orchestrator.kv.session_tokens import SessionTokens, prefix_digest
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import Metrics
-from orchestrator.router import LeaseRefused, Router, TurnReport
+from orchestrator.router import LeaseRefused, LeaseUse, Router, Turn, TurnReport
 from orchestrator.serve.admission import AdmissionGate
 from orchestrator.serve.prompts import PromptEncoder
 from orchestrator.serve.responses import raise_unclaimed
@@ -319,18 +319,26 @@ class TurnOpener:
         def start(
             ids: list[int], max_tokens: int, decision: KVDecision | None, lease_id: int | None
         ) -> AsyncGenerator[tuple[GenerateChunk, TurnReport], None]:
+            asked = turn.run_args
             return self.router.run_turn(
-                prompt_token_ids=ids,
-                max_tokens=max_tokens,
-                session_id=session_id,
-                request_id=turn.request_id,
-                prompt_text=text,
-                trace_parent=turn.root,
-                owner=owner_of(principal),
-                decision=decision,
-                lease_id=lease_id,
-                lease_used=lease_used if lease_id is not None else None,
-                **turn.run_args,
+                Turn(
+                    prompt_token_ids=ids,
+                    max_tokens=max_tokens,
+                    session_id=session_id,
+                    request_id=turn.request_id,
+                    prompt_text=text,
+                    trace_parent=turn.root,
+                    owner=owner_of(principal),
+                    sampling=asked.sampling,
+                    engine_sampling=asked.engine_sampling,
+                    prompt_logprobs=asked.prompt_logprobs,
+                    decision=decision,
+                    lease=(
+                        None
+                        if lease_id is None or lease_used is None
+                        else LeaseUse(lease_id=lease_id, used=lease_used)
+                    ),
+                )
             )
 
         # Wait for the first item so that prefill failures become a proper status code.

@@ -7,13 +7,13 @@ vLLM's serving layer through ``orchestrator.serve.turn_client``) and returns an
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from engines.base import GenerateChunk
 from orchestrator.kv.ownership import Principal
-from orchestrator.router import TurnReport
+from orchestrator.router import TurnReport, TurnSampling
 
 __all__ = ["OpenTurn", "OpenedTurn"]
 
@@ -25,8 +25,8 @@ class OpenTurn:
     ``retokenize``: tokenize ``text`` again from the session's last turn when there
     is one (token continuity: the ids the decode made stay as they were, not as the
     text tokenizes afresh). ``limits(ids)`` checks the key's limits and the context
-    and returns the turn's max_tokens. ``run_args``: ``Router.run_turn``'s sampling
-    arguments. ``num_sequences``: the sequences the request runs on the pools (its
+    and returns the turn's max_tokens. ``run_args``: how the turn samples (its
+    ``Turn``'s sampling fields). ``num_sequences``: the sequences the request runs on the pools (its
     ``n`` choices: this turn and ``n - 1`` sessionless requests of its prompt), which
     admission counts."""
 
@@ -41,7 +41,7 @@ class OpenTurn:
     request_id: str
     render_s: float = 0.0
     retokenize: bool = False
-    run_args: Mapping[str, Any] = field(default_factory=dict)
+    run_args: TurnSampling = field(default_factory=TurnSampling)
     num_sequences: int = 1
 
 

@@ -26,7 +26,7 @@ from orchestrator.config import KVTideConfig
 from orchestrator.errors import ContextLengthExceeded, EngineUnavailable, IdempotencyKeyReused
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.service import KVServiceAPI
-from orchestrator.router import Router, TurnReport
+from orchestrator.router import Router, Turn, TurnReport, TurnSampling
 from orchestrator.serve import openai_api as api
 from orchestrator.serve import vllm_api
 from orchestrator.serve.auth import ConcurrencyGate, Ticket, check_request
@@ -70,11 +70,13 @@ class VLLMTurns:
         (the key's max_tokens)."""
         if not is_turn:
             async for item in self.router.run_turn(
-                prompt_token_ids=ids,
-                max_tokens=ctx.extra["max_tokens"],
-                request_id=request_id,
-                trace_parent=ctx.root,
-                sampling_params=params,
+                Turn(
+                    prompt_token_ids=ids,
+                    max_tokens=ctx.extra["max_tokens"],
+                    request_id=request_id,
+                    trace_parent=ctx.root,
+                    engine_sampling=params,
+                )
             ):
                 yield item
             return
@@ -115,7 +117,9 @@ class VLLMTurns:
                 root=ctx.root,
                 request_id=request_id,
                 retokenize=True,
-                run_args={"sampling_params": params, "prompt_logprobs": params.prompt_logprobs},
+                run_args=TurnSampling(
+                    engine_sampling=params, prompt_logprobs=params.prompt_logprobs
+                ),
                 num_sequences=ctx.extra["num_choices"],
             )
         )

@@ -35,7 +35,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from engines.base import GenerateChunk, GenerateRequest, final_chunk
+from engines.base import GenerateChunk, GenerateRequest, Sampling, final_chunk
 from engines.kv_params import KVTransferParams
 
 __all__ = ["WarmUp", "warm_up_prompt_tokens", "warm_up_transfers"]
@@ -166,7 +166,7 @@ async def _turn(
                 request_id=f"{rid}-d",
                 prompt_token_ids=prompt,
                 max_tokens=2,
-                ignore_eos=True,
+                sampling=Sampling(ignore_eos=True),
                 # Kept, for the read-back that makes the other handshake.
                 kv_transfer_params=pre.kv_transfer_params.for_decode(keep=True),
             )

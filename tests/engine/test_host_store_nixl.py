@@ -115,13 +115,13 @@ def test_blocks_about_to_expire_are_not_taken_in(story: dict[str, Any]) -> None:
 
 async def _run(engine: Any, rid: str, prompt: list[int], max_tokens: int, params: Any) -> Any:
     """One engine request: its tokens, the bytes it read over NIXL, its final params."""
-    from engines.base import GenerateRequest
+    from engines.base import GenerateRequest, Sampling
 
     request = GenerateRequest(
         request_id=rid,
         prompt_token_ids=prompt,
         max_tokens=max_tokens,
-        ignore_eos=True,
+        sampling=Sampling(ignore_eos=True),
         kv_transfer_params=params,
     )
     out: dict[str, Any] = {"tokens": [], "read_bytes": None}
@@ -225,6 +225,7 @@ async def _story(root: Path) -> dict[str, Any]:
 async def _through_kvtide(prefill: Any, decode: Any, rng: Any, t: dict[str, Any]) -> None:
     import time
 
+    from engines.base import Sampling
     from engines.host_store import HostStore
     from engines.kv_params import KVTransferParams
     from engines.tiny_model import DEFAULT_SHAPE
@@ -232,7 +233,7 @@ async def _through_kvtide(prefill: Any, decode: Any, rng: Any, t: dict[str, Any]
     from orchestrator.kv.host_tier import HostStoreActor, HostTierClient
     from orchestrator.kv.ownership import ANONYMOUS
     from orchestrator.kv.service import KVService
-    from orchestrator.router import Router
+    from orchestrator.router import Router, Turn
 
     block, per_token = 32, DEFAULT_SHAPE.kv_bytes_per_token_fp32
     store = HostStoreActor("kvtide-host-test", 16 * 2**20, ttl_s=300)
@@ -275,12 +276,14 @@ async def _through_kvtide(prefill: Any, decode: Any, rng: Any, t: dict[str, Any]
         items = [
             item
             async for item in turns.run_turn(
-                prompt_token_ids=prompt,
-                max_tokens=TURN_TOKENS,
-                ignore_eos=True,
-                session_id=session,
-                request_id=rid,
-                decision=claim.decision,
+                Turn(
+                    prompt_token_ids=prompt,
+                    max_tokens=TURN_TOKENS,
+                    sampling=Sampling(ignore_eos=True),
+                    session_id=session,
+                    request_id=rid,
+                    decision=claim.decision,
+                )
             )
         ]
         await turns.settled()

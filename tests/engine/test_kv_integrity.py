@@ -106,9 +106,11 @@ def test_the_corrupted_block_left_in_the_prefill_prefix_cache_is_caught_again(
 async def _story(root: Path) -> dict[str, Any]:
     import random
 
+    from engines.base import Sampling
     from orchestrator.kv.ownership import ANONYMOUS
     from orchestrator.kv.service import KVService
     from orchestrator.observability.metrics import Metrics
+    from orchestrator.router import Turn
 
     decode, prefill = await start_pair(
         root, "it", prefill_env=(("KVTIDE_FAULT_CORRUPT_PULLED_KV", "corrupt-"),)
@@ -133,12 +135,14 @@ async def _story(root: Path) -> dict[str, Any]:
         items = [
             item
             async for item in router.run_turn(
-                prompt_token_ids=prompt,
-                max_tokens=64,
-                ignore_eos=True,
-                session_id=session,
-                request_id=rid,
-                decision=claim.decision,
+                Turn(
+                    prompt_token_ids=prompt,
+                    max_tokens=64,
+                    sampling=Sampling(ignore_eos=True),
+                    session_id=session,
+                    request_id=rid,
+                    decision=claim.decision,
+                )
             )
         ]
         for chunk, _ in items:

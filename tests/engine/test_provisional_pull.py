@@ -96,12 +96,13 @@ async def _story(root: Path) -> dict[str, Any]:
     import random
     import time
 
-    from engines.base import GenerateChunk, GenerateRequest
+    from engines.base import GenerateChunk, GenerateRequest, Sampling
     from orchestrator.kv.messages import Handover, TurnDone
     from orchestrator.kv.ownership import Principal
     from orchestrator.kv.service import KVService
     from orchestrator.kv.session_tokens import prefix_digest
     from orchestrator.observability.metrics import Metrics
+    from orchestrator.router import LeaseUse, Turn
     from orchestrator.router.held_leases import HeldLeases
 
     alice = Principal(name="alice")
@@ -171,6 +172,21 @@ async def _story(root: Path) -> dict[str, Any]:
     leases.new_epoch((await svc.lease_watch("replica-a", [], 0.0)).epoch)
     rng = random.Random(31)
 
+    def alices_turn(
+        session: str, n: int, prompt: list[int], decision: Any, lease: Any = None
+    ) -> Turn:
+        """Alice's turn ``n`` of the session, as the ingress would build it."""
+        return Turn(
+            prompt_token_ids=prompt,
+            max_tokens=num_tokens,
+            sampling=Sampling(ignore_eos=True),
+            session_id=session,
+            owner="alice",
+            request_id=f"{session}-{n}",
+            decision=decision,
+            lease=lease,
+        )
+
     async def first_turn(session: str) -> tuple[list[int], TurnDone]:
         """The session's first turn, run to its last token; its hand-over has reached
         the service, which holds it unbooked."""
@@ -178,15 +194,7 @@ async def _story(root: Path) -> dict[str, Any]:
         claim = await svc.begin_turn(session, alice, prompt, None, 0, "replica-a")
         assert claim.outcome == "claimed", claim
         out: list[int] = []
-        async for chunk, _ in router.run_turn(
-            prompt_token_ids=prompt,
-            max_tokens=num_tokens,
-            ignore_eos=True,
-            session_id=session,
-            owner="alice",
-            request_id=f"{session}-1",
-            decision=claim.decision,
-        ):
+        async for chunk, _ in router.run_turn(alices_turn(session, 1, prompt, claim.decision)):
             out.extend(chunk.token_ids)
         await until(lambda: any(d.session_id == session for d in svc.arrived))
         done = next(d for d in svc.arrived if d.session_id == session)
@@ -208,15 +216,9 @@ async def _story(root: Path) -> dict[str, Any]:
             return [
                 item
                 async for item in router.run_turn(
-                    prompt_token_ids=prompt,
-                    max_tokens=num_tokens,
-                    ignore_eos=True,
-                    session_id=session,
-                    owner="alice",
-                    request_id=f"{session}-2",
-                    decision=decision,
-                    lease_id=lease.lease_id,
-                    lease_used=used,
+                    alices_turn(
+                        session, 2, prompt, decision, LeaseUse(lease_id=lease.lease_id, used=used)
+                    )
                 )
             ]
 

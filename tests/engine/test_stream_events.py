@@ -16,7 +16,7 @@ import httpx
 import pytest
 from ray import serve
 
-from engines.base import GenerateChunk, GenerateRequest
+from engines.base import GenerateChunk, GenerateRequest, Sampling
 from orchestrator.serve.coalesce import coalesce
 
 pytestmark = pytest.mark.engine
@@ -77,7 +77,10 @@ def test_coalescing_asked_for_sends_a_real_engines_tokens_in_chunks(kvtide_app: 
 
     def request(rid: str) -> GenerateRequest:
         return GenerateRequest(
-            request_id=rid, prompt_token_ids=prompt, max_tokens=NUM_TOKENS, ignore_eos=True
+            request_id=rid,
+            prompt_token_ids=prompt,
+            max_tokens=NUM_TOKENS,
+            sampling=Sampling(ignore_eos=True),
         )
 
     async def run() -> tuple[list[GenerateChunk], list[GenerateChunk]]:

@@ -86,7 +86,7 @@ def test_stop_strings_are_bounded_in_bytes() -> None:
     with pytest.raises(InvalidRequest) as err:
         parse_chat(_chat(stop=[big, big, big, big]), MODEL)
     assert err.value.param == "stop" and "4096" in err.value.message
-    assert parse_chat(_chat(stop=["x" * 1024] * 4), MODEL).stop[0] == "x" * 1024
+    assert parse_chat(_chat(stop=["x" * 1024] * 4), MODEL).sampling.stop[0] == "x" * 1024
 
 
 def test_continuing_the_final_message_needs_add_generation_prompt_false() -> None:

@@ -22,7 +22,7 @@ from orchestrator.kv.messages import IntegrityMismatch, KVDecision
 from orchestrator.kv.ownership import ANONYMOUS
 from orchestrator.kv.service import KVService
 from orchestrator.observability.metrics import Metrics
-from orchestrator.router import Router, TurnReport
+from orchestrator.router import Router, Turn, TurnReport
 from orchestrator.router.integrity import IntegritySettings
 from orchestrator.serve.requests import parse_reuse_on
 from policies.kv_records import RecomputeReason
@@ -148,11 +148,13 @@ async def turn(
     items = [
         item
         async for item in router.run_turn(
-            prompt_token_ids=prompt,
-            max_tokens=4,
-            session_id="s",
-            decision=claim.decision,
-            sampling_params=sampling_params,
+            Turn(
+                prompt_token_ids=prompt,
+                max_tokens=4,
+                session_id="s",
+                decision=claim.decision,
+                engine_sampling=sampling_params,
+            )
         )
     ]
     await router.settled()
@@ -542,7 +544,7 @@ async def turn_on(
     items = [
         item
         async for item in router.run_turn(
-            prompt_token_ids=prompt, max_tokens=4, session_id="s", decision=claim.decision
+            Turn(prompt_token_ids=prompt, max_tokens=4, session_id="s", decision=claim.decision)
         )
     ]
     await router.settled()

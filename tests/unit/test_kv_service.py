@@ -21,7 +21,7 @@ from orchestrator.kv.actor import EpochWatcher
 from orchestrator.kv.decider import kv_lifecycle_config
 from orchestrator.kv.messages import LedgerReport, TurnDone
 from orchestrator.kv.service import KVService
-from orchestrator.router import Router, TurnReport
+from orchestrator.router import Router, Turn, TurnReport
 from orchestrator.serve.ledger import EngineLedger
 
 TTL_S = 480.0
@@ -97,10 +97,12 @@ class Cluster:
         reports = [
             r
             async for _, r in router.run_turn(
-                prompt_token_ids=prompt,
-                max_tokens=3,
-                session_id=session,
-                request_id=f"r-{self.num_requests}",
+                Turn(
+                    prompt_token_ids=prompt,
+                    max_tokens=3,
+                    session_id=session,
+                    request_id=f"r-{self.num_requests}",
+                )
             )
         ]
         await router.settled()

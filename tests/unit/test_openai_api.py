@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from engines.base import Sampling
 from orchestrator.errors import (
     InvalidRequest,
     ModelNotFound,
@@ -86,8 +87,13 @@ def test_valid_requests_parse_to_one_frozen_request() -> None:
         MODEL,
     )
     assert req.messages == (("user", "hi"),)
-    assert (req.max_tokens, req.temperature, req.stream, req.include_usage) == (5, 0.0, True, True)
-    assert req.stop == ("END",) and req.seed == 3
+    assert (req.max_tokens, req.sampling.temperature, req.stream, req.include_usage) == (
+        5,
+        0.0,
+        True,
+        True,
+    )
+    assert req.sampling.stop == ("END",) and req.sampling.seed == 3
     text_parts = api.parse_chat(
         _chat(
             messages=[
@@ -324,21 +330,7 @@ def test_max_completion_tokens_null_does_not_hide_max_tokens() -> None:
 
 
 def test_sampling_vllm_can_honour_is_carried() -> None:
-    req = api.parse_chat(
-        _chat(
-            presence_penalty=0.5,
-            frequency_penalty=-0.5,
-            repetition_penalty=1.2,
-            top_k=40,
-            min_p=0.05,
-            min_tokens=3,
-            max_tokens=10,
-            seed=-7,
-            temperature=1,  # an integer is a number
-        ),
-        MODEL,
-    )
-    assert req.sampling_options() == {
+    asked = {
         "presence_penalty": 0.5,
         "frequency_penalty": -0.5,
         "repetition_penalty": 1.2,
@@ -346,16 +338,11 @@ def test_sampling_vllm_can_honour_is_carried() -> None:
         "min_p": 0.05,
         "min_tokens": 3,
     }
-    assert (req.seed, req.temperature) == (-7, 1.0)
-    plain = api.parse_chat(_chat(), MODEL).sampling_options()
-    assert plain == {
-        "presence_penalty": 0.0,
-        "frequency_penalty": 0.0,
-        "repetition_penalty": 1.0,
-        "top_k": 0,
-        "min_p": 0.0,
-        "min_tokens": 0,
-    }
+    # An integer temperature is a number.
+    req = api.parse_chat(_chat(**asked, max_tokens=10, seed=-7, temperature=1), MODEL)
+    assert req.sampling == Sampling(**asked, seed=-7, temperature=1.0)
+    # Unset, each is vLLM's default (OpenAI's temperature 1): no effect.
+    assert api.parse_chat(_chat(), MODEL).sampling == Sampling(temperature=1.0)
 
 
 @pytest.mark.parametrize(

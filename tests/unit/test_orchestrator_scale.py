@@ -23,7 +23,7 @@ from engines.simulated import SimulatedEngine, VirtualClock
 from engines.simulated_kv import SimulatedFabric
 from orchestrator.kv.decider import kv_lifecycle_config
 from orchestrator.kv.service import KVService
-from orchestrator.router import Router, TurnReport
+from orchestrator.router import Router, Turn, TurnReport
 
 NUM_PREFILL, NUM_DECODE, NUM_SESSIONS = 8, 64, 400
 KV_BYTES_PER_TOKEN = 131_072  # Llama-3-8B, bf16, TP1
@@ -64,7 +64,7 @@ async def session(router: Router, sid: int) -> list[TurnReport]:
         output: list[int] = []
         last: TurnReport | None = None
         async for chunk, report in router.run_turn(
-            prompt_token_ids=prompt, max_tokens=16, session_id=f"s{sid}"
+            Turn(prompt_token_ids=prompt, max_tokens=16, session_id=f"s{sid}")
         ):
             output.extend(chunk.token_ids)
             last = report

@@ -38,6 +38,7 @@ def test_public_names_are_pinned() -> None:
             "EngineSpec",
             "KVTransferSpec",
             "GenerateRequest",
+            "Sampling",
             "TokenLogprob",
             "GenerateChunk",
             "EngineInfo",
@@ -79,9 +80,12 @@ def test_public_names_are_pinned() -> None:
     assert sorted(orchestrator.router.__all__) == [
         "KV_SOURCES",
         "LeaseRefused",
+        "LeaseUse",
         "PoolClient",
         "Router",
+        "Turn",
         "TurnReport",
+        "TurnSampling",
         "abort_stream",
         "bounded",
     ]
@@ -114,3 +118,35 @@ def test_the_modules_that_import_vllm_are_the_ones_the_architecture_lists() -> N
     section = text.split("### Where vLLM is imported", 1)[1].split("\n#", 1)[0]
     listed = set(re.findall(r"^- `([^`]+\.py)`", section, re.M))
     assert _modules_importing("vllm") == listed
+
+
+def test_the_routers_parts_are_held_and_its_turn_is_one_object() -> None:
+    """The router holds its parts (built with what they use) instead of inheriting
+    them: no class under orchestrator/router/ has a base class of the project's own
+    (protocols and exceptions aside), no sibling call is typed ``Callable[..., Any]``,
+    the turn crosses into ``run_turn`` as one ``Turn`` and its report has no free-form
+    ``extra``."""
+    import ast
+    import dataclasses
+    import inspect
+
+    from orchestrator.router import Router, TurnReport
+
+    own = set()
+    classes: list[tuple[str, ast.ClassDef]] = []
+    for path in sorted((REPO / "orchestrator" / "router").glob("*.py")):
+        text = path.read_text()
+        assert "Callable[..., Any]" not in text, path.name
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                own.add(node.name)
+                classes.append((path.name, node))
+    inherited = [
+        f"{name}: {node.name}({ast.unparse(base)})"
+        for name, node in classes
+        for base in node.bases
+        if ast.unparse(base) in own
+    ]
+    assert inherited == []
+    assert list(inspect.signature(Router.run_turn).parameters) == ["self", "turn"]
+    assert "extra" not in {f.name for f in dataclasses.fields(TurnReport)}

@@ -18,7 +18,7 @@ from orchestrator.kv.messages import Handover, TurnDone
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.service import KVService
 from orchestrator.kv.session_tokens import prefix_digest
-from orchestrator.router import Router, TurnReport
+from orchestrator.router import LeaseUse, Router, Turn, TurnReport
 from orchestrator.router.held_leases import HeldLeases
 
 ALICE = Principal(name="alice")
@@ -69,12 +69,14 @@ async def first_turn(svc: HeldBooking, router: Router) -> TurnDone:
     claim = await svc.begin_turn("s1", ALICE, S1_T1, None, 0, "replica-a")
     assert claim.outcome == "claimed"
     async for _ in router.run_turn(
-        prompt_token_ids=S1_T1,
-        max_tokens=3,
-        session_id="s1",
-        owner="alice",
-        request_id="r-1",
-        decision=claim.decision,
+        Turn(
+            prompt_token_ids=S1_T1,
+            max_tokens=3,
+            session_id="s1",
+            owner="alice",
+            request_id="r-1",
+            decision=claim.decision,
+        )
     ):
         pass
     while not svc.arrived:
@@ -101,14 +103,15 @@ def second_turn(
         return [
             item
             async for item in router.run_turn(
-                prompt_token_ids=S1_T2,
-                max_tokens=3,
-                session_id="s1",
-                owner="alice",
-                request_id="r-2",
-                decision=decision,
-                lease_id=lease.lease_id,
-                lease_used=used,
+                Turn(
+                    prompt_token_ids=S1_T2,
+                    max_tokens=3,
+                    session_id="s1",
+                    owner="alice",
+                    request_id="r-2",
+                    decision=decision,
+                    lease=LeaseUse(lease_id=lease.lease_id, used=used),
+                )
             )
         ]
 

@@ -18,7 +18,7 @@ from orchestrator.kv.messages import Handover, TurnDone
 from orchestrator.kv.ownership import ANONYMOUS
 from orchestrator.kv.service import KVService
 from orchestrator.kv.session_tokens import SessionTokens
-from orchestrator.router import Router, TurnReport
+from orchestrator.router import Router, Turn, TurnReport
 from policies.kv_records import KVLifecycleConfig
 from policies.prefix_routing import RouteChoice
 
@@ -155,6 +155,8 @@ def make_router(prefill: FakePool, decode: FakePool, **kw: Any) -> Router:
         clock=clock,
         prefill_routes=kw.get("prefill_routes"),
         session_tokens=SessionTokens(ttl_s=480),
+        block_size_tokens=kw.get("block_size_tokens", 16),
+        kv_bytes_per_token=kw.get("kv_bytes_per_token", 0),
     )
 
 
@@ -166,7 +168,9 @@ def service_of(router: Router) -> CountingService:
 async def turn(router: Router, prompt: list[int], session: str | None) -> TurnReport:
     reports = [
         r
-        async for _, r in router.run_turn(prompt_token_ids=prompt, max_tokens=3, session_id=session)
+        async for _, r in router.run_turn(
+            Turn(prompt_token_ids=prompt, max_tokens=3, session_id=session)
+        )
     ]
     await router.settled()
     return reports[-1]
@@ -340,7 +344,7 @@ def test_the_next_turn_continues_from_the_tokens_the_model_generated() -> None:
         reports = [
             r
             async for _, r in router.run_turn(
-                prompt_token_ids=[1, 2, 3], max_tokens=3, session_id="s", prompt_text="hi"
+                Turn(prompt_token_ids=[1, 2, 3], max_tokens=3, session_id="s", prompt_text="hi")
             )
         ]
         assert reports[-1].finish_reason == "length"
@@ -468,7 +472,7 @@ def test_a_turn_whose_decode_engine_dies_continues_on_another_without_repeating(
         seen: list[int] = []
         reports: list[TurnReport] = []
         async for chunk, report in router.run_turn(
-            prompt_token_ids=prompt, max_tokens=5, session_id="s"
+            Turn(prompt_token_ids=prompt, max_tokens=5, session_id="s")
         ):
             seen.extend(chunk.token_ids)
             reports.append(report)

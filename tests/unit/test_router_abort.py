@@ -18,6 +18,7 @@ from test_router import Script, decode_script, make_router, prefill_script, turn
 from engines.base import GenerateChunk, GenerateRequest
 from engines.kv_params import KVTransferParams
 from orchestrator.errors import DeadlineExceeded
+from orchestrator.router import Turn
 
 
 class ServeStream:
@@ -107,7 +108,7 @@ def test_a_client_that_goes_away_mid_stream_aborts_the_decode_request() -> None:
     router = make_router(prefill, decode)
 
     async def run() -> None:
-        stream = router.run_turn(prompt_token_ids=list(range(100)), max_tokens=3)
+        stream = router.run_turn(Turn(prompt_token_ids=list(range(100)), max_tokens=3))
         chunk, _ = await anext(stream)
         assert not chunk.finished
         await stream.aclose()  # the ingress closes the turn when its client is gone

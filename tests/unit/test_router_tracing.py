@@ -18,7 +18,7 @@ from test_router import FakePool, Script, decode_script, make_router, prefill_sc
 from engines.base import GenerateChunk, GenerateRequest
 from orchestrator.config import parse_config
 from orchestrator.observability import tracing as tr
-from orchestrator.router import Router
+from orchestrator.router import Router, Turn
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
@@ -39,7 +39,7 @@ async def traced_turn(router: Router, prompt: list[int], headers: dict[str, str]
         headers, method="POST", route="/v1/completions", operation="text_completion", model="m"
     )
     async for _ in router.run_turn(
-        prompt_token_ids=prompt, max_tokens=3, session_id="s1", trace_parent=root
+        Turn(prompt_token_ids=prompt, max_tokens=3, session_id="s1", trace_parent=root)
     ):
         pass
     await router.settled()
@@ -78,8 +78,9 @@ def test_a_pulled_back_turn_is_one_trace_with_transfer_bytes(
     router = make_router(
         FakePool(prefill_script(cached=101, read_bytes=BLOCK_BYTES)),
         FakePool(reading_decode_script(BLOCK_BYTES)),
+        block_size_tokens=16,
+        kv_bytes_per_token=4096,
     )
-    router.block_size_tokens, router.kv_bytes_per_token = 16, 4096
     asyncio.run(traced_turn(router, PROMPT, {}))  # turn 1: keeps KV on decode
     spans.clear()
     asyncio.run(traced_turn(router, [*PROMPT, 11, 12, 13, 50], {"traceparent": TRACEPARENT}))
@@ -126,8 +127,9 @@ def test_metrics_count_what_the_turns_did(spans: InMemorySpanExporter) -> None:
     router = make_router(
         FakePool(prefill_script(cached=101, read_bytes=BLOCK_BYTES)),
         FakePool(reading_decode_script(BLOCK_BYTES)),
+        block_size_tokens=16,
+        kv_bytes_per_token=4096,
     )
-    router.block_size_tokens, router.kv_bytes_per_token = 16, 4096
     asyncio.run(traced_turn(router, PROMPT, {}))
     asyncio.run(traced_turn(router, [*PROMPT, 11, 12, 13, 50], {}))
     snap = router.metrics.snapshot()
@@ -148,7 +150,9 @@ def test_metrics_count_what_the_turns_did(spans: InMemorySpanExporter) -> None:
 async def reports(router: Router, prompt: list[int]) -> dict[str, object]:
     """The turn's ``kvtide`` object, as the client gets it."""
     last = None
-    async for _, report in router.run_turn(prompt_token_ids=prompt, max_tokens=3, session_id="s1"):
+    async for _, report in router.run_turn(
+        Turn(prompt_token_ids=prompt, max_tokens=3, session_id="s1")
+    ):
         last = report
     await router.settled()
     assert last is not None
@@ -159,8 +163,9 @@ def test_the_turn_reports_the_bytes_moved_and_offered_apart() -> None:
     router = make_router(
         FakePool(prefill_script(cached=101, read_bytes=BLOCK_BYTES)),
         FakePool(reading_decode_script(2 * BLOCK_BYTES)),
+        block_size_tokens=16,
+        kv_bytes_per_token=4096,
     )
-    router.block_size_tokens, router.kv_bytes_per_token = 16, 4096
     first = asyncio.run(reports(router, PROMPT))
     # Turn 1: nothing sent back; decode read both blocks prefill offered.
     assert first["kv_transfer_bytes"] == {
@@ -188,8 +193,9 @@ def test_a_send_back_that_moved_nothing_reports_the_prefix_cache_as_the_source()
     router = make_router(
         FakePool(prefill_script(cached=101, read_bytes=0)),
         FakePool(reading_decode_script(2 * BLOCK_BYTES)),
+        block_size_tokens=16,
+        kv_bytes_per_token=4096,
     )
-    router.block_size_tokens, router.kv_bytes_per_token = 16, 4096
     asyncio.run(reports(router, PROMPT))
     second = asyncio.run(reports(router, [*PROMPT, 11, 12, 13, 50]))
     assert second["kv_plan"] == "pull"
@@ -202,8 +208,9 @@ def test_bytes_an_engine_does_not_measure_are_null_never_the_offered_figure() ->
     router = make_router(
         FakePool(prefill_script(cached=101, read_bytes=None)),
         FakePool(reading_decode_script(None)),
+        block_size_tokens=16,
+        kv_bytes_per_token=4096,
     )
-    router.block_size_tokens, router.kv_bytes_per_token = 16, 4096
     asyncio.run(reports(router, PROMPT))
     second = asyncio.run(reports(router, [*PROMPT, 11, 12, 13, 50]))
     assert second["kv_transfer_bytes"] == {"prefill_to_decode": None, "decode_to_prefill": None}

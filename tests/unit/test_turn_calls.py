@@ -25,7 +25,7 @@ from orchestrator.kv.messages import Handover, TurnDone
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.service import API_METHODS, KVService
 from orchestrator.kv.session_tokens import NO_PREFIX, prefix_digest
-from orchestrator.router import Router
+from orchestrator.router import Router, Turn
 
 CHAT = "/v1/chat/completions"
 
@@ -67,7 +67,6 @@ def two_ingresses(tokenizer: Any, wire: Callable[[Any], Any] = CallLog) -> tuple
     second = bare_ingress(tokenizer, kv=lambda _: first.kv)
     second.router.prefill = first.router.prefill
     second.router.decode = first.router.decode
-    second.router.clock = first.router.clock
     return first, second, first.kv
 
 
@@ -239,7 +238,7 @@ def test_a_turns_last_token_does_not_wait_for_its_hand_over_to_the_service() -> 
         chunks = [
             chunk
             async for chunk, _ in router.run_turn(
-                prompt_token_ids=S1_T1, max_tokens=3, session_id="s1", request_id="r-1"
+                Turn(prompt_token_ids=S1_T1, max_tokens=3, session_id="s1", request_id="r-1")
             )
         ]
         # The client has every token, the finished one included, while the service
@@ -255,7 +254,7 @@ def test_a_turns_last_token_does_not_wait_for_its_hand_over_to_the_service() -> 
         second = [
             r
             async for _, r in router.run_turn(
-                prompt_token_ids=S1_T2, max_tokens=3, session_id="s1", request_id="r-2"
+                Turn(prompt_token_ids=S1_T2, max_tokens=3, session_id="s1", request_id="r-2")
             )
         ]
         assert second[-1].kv_source == "sent_back"
@@ -274,7 +273,7 @@ def test_the_next_turn_waits_for_the_last_turns_hand_over_then_claims() -> None:
         router = Router(prefill=c.prefill, decode=c.decode, kv=service, pull_timeout_s=5.0)
         assert (await service.begin_turn("s1", alice, S1_T1, None)).outcome == "claimed"
         async for _ in router.run_turn(
-            prompt_token_ids=S1_T1, max_tokens=3, session_id="s1", request_id="r-1"
+            Turn(prompt_token_ids=S1_T1, max_tokens=3, session_id="s1", request_id="r-1")
         ):
             pass
         # The client's next turn arrives before the finished one is handed over.
@@ -308,7 +307,7 @@ def test_a_failed_hand_over_is_counted_and_ends_the_sessions_claim() -> None:
         reports = [
             r
             async for _, r in router.run_turn(
-                prompt_token_ids=S1_T1, max_tokens=3, session_id="s1", request_id="r-1"
+                Turn(prompt_token_ids=S1_T1, max_tokens=3, session_id="s1", request_id="r-1")
             )
         ]
         assert reports[-1].finish_reason == "length"  # the client's turn completed

@@ -20,7 +20,7 @@ from test_turn_calls import CallLog, two_ingresses
 from orchestrator.kv.durable import MemoryStore
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.session_tokens import prefix_digest
-from orchestrator.router import Router
+from orchestrator.router import LeaseUse, Router, Turn
 from orchestrator.router.held_leases import HeldLeases
 
 CHAT = "/v1/chat/completions"
@@ -233,12 +233,14 @@ async def first_turn_leased(svc: Any, router: Router, session: str, owner: Princ
     claim = await svc.begin_turn(session, owner, S1_T1)
     assert claim.outcome == "claimed"
     async for _ in router.run_turn(
-        prompt_token_ids=S1_T1,
-        max_tokens=3,
-        session_id=session,
-        owner=owner.name,
-        request_id="r-1",
-        decision=claim.decision,
+        Turn(
+            prompt_token_ids=S1_T1,
+            max_tokens=3,
+            session_id=session,
+            owner=owner.name,
+            request_id="r-1",
+            decision=claim.decision,
+        )
     ):
         pass
     await router.settled()
@@ -289,14 +291,15 @@ def test_a_lease_serves_its_owner_key_only() -> None:
         reports = [
             r
             async for _, r in router.run_turn(
-                prompt_token_ids=S1_T2,
-                max_tokens=3,
-                session_id="s4",
-                owner="alice",
-                request_id="r-2",
-                decision=decision,
-                lease_id=lease.lease_id,
-                lease_used=used,
+                Turn(
+                    prompt_token_ids=S1_T2,
+                    max_tokens=3,
+                    session_id="s4",
+                    owner="alice",
+                    request_id="r-2",
+                    decision=decision,
+                    lease=LeaseUse(lease_id=lease.lease_id, used=used),
+                )
             )
         ]
         await router.settled()
