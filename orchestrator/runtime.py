@@ -366,7 +366,25 @@ def shutdown() -> None:
             if actor is not None:
                 ray.kill(actor)
     finally:
+        _close_handles()
         ray.shutdown()
+
+
+def _close_handles() -> None:
+    """Stop the routers of the Serve handles this process made: each runs background
+    tasks on a thread of its own (an autoscaled deployment's handle pushes its metrics
+    every few seconds), and a Ray call from one after ``ray.shutdown`` starts a new
+    local Ray in the default temp dir, which the next ``ray.init`` here then trips on."""
+    from ray.serve import context as serve_context
+
+    client = serve_context._global_client
+    if client is None:
+        return
+    try:
+        client.shutdown_cached_handles()
+    except Exception as exc:  # Ray may be going down already: nothing left to stop
+        logging.getLogger("kvtide").debug("closing Serve handles: %s", exc)
+    serve_context._disconnect()
 
 
 @contextmanager
