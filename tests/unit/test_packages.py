@@ -86,6 +86,7 @@ def test_public_names_are_pinned() -> None:
         "LeaseUse",
         "PoolClient",
         "Router",
+        "RouterSettings",
         "Turn",
         "TurnReport",
         "TurnSampling",
@@ -191,3 +192,17 @@ def test_the_routers_turn_is_one_object() -> None:
     from orchestrator.router import Router
 
     assert list(inspect.signature(Router.run_turn).parameters) == ["self", "turn"]
+
+
+def test_the_router_and_the_service_take_their_settings_as_one_object() -> None:
+    """``Router`` and ``KVService`` take their collaborators and one frozen settings
+    object, built from the config in one place: no setting is a parameter of its own."""
+    import dataclasses
+
+    from orchestrator.kv.service import KVService, ServiceSettings
+    from orchestrator.router import Router, RouterSettings
+
+    for cls, settings in ((Router, RouterSettings), (KVService, ServiceSettings)):
+        params = set(inspect.signature(cls.__init__).parameters)
+        assert "settings" in params, cls.__name__
+        assert params.isdisjoint(f.name for f in dataclasses.fields(settings)), cls.__name__
