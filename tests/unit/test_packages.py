@@ -153,21 +153,40 @@ def test_turn_path_classes_hold_their_parts_instead_of_inheriting_them() -> None
     """No class under orchestrator/serve/ or orchestrator/router/ inherits behaviour
     from another of the project's classes (a mixin sharing one ``self``): each base of
     the project's own is a protocol, an exception or a fields-only pydantic model."""
-    classes = _turn_path_classes()
-    own = {node.name for _, node in classes}
+    from pydantic import BaseModel
+
+    from orchestrator.serve.turn_client import TurnEngine
+
+    class ModelWithAMethod(BaseModel):
+        def shared(self) -> None:
+            pass
+
+    own = {
+        node.name
+        for root in ("orchestrator", "engines", "kernels", "placement", "policies")
+        for path in (REPO / root).rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
     inherited = [
         (path, node.name, ast.unparse(base))
-        for path, node in classes
+        for path, node in _turn_path_classes()
         for base in node.bases
-        if ast.unparse(base) in own
+        if ast.unparse(base).rsplit(".", 1)[-1] in own
     ]
     assert inherited, "the scan sees the request models' bases"
     refused = []
     for path, name, base_name in inherited:
-        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
-        if not _allowed_base(getattr(module, base_name)):
+        found: object = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        for part in base_name.split("."):
+            found = getattr(found, part)
+        assert isinstance(found, type)
+        if not _allowed_base(found):
             refused.append(f"{path}: {name}({base_name})")
     assert refused == []
+    # The rule refuses a plain class and a pydantic model with methods of its own.
+    assert not _allowed_base(TurnEngine)
+    assert not _allowed_base(ModelWithAMethod)
 
 
 def test_the_turn_path_has_no_untyped_context() -> None:
