@@ -262,7 +262,7 @@ def service_speed(
     num_sessions: int = 100_000, prompt_tokens: int = 1024, with_actor: bool = True
 ) -> list[str]:
     """The service's calls per turn, in-process and through its Ray actor."""
-    from orchestrator.kv.service import KVService
+    from orchestrator.kv.service import KVService, ServiceSettings
 
     rng = random.Random(0)
     base = list(range(100, 100 + prompt_tokens - 1))
@@ -299,7 +299,11 @@ def service_speed(
         return time.perf_counter() - t_all, plans, dones
 
     rows = []
-    service = KVService(_service_config(), prefill=None, drain_timeout_s=5.0)
+    service = KVService(
+        _service_config(),
+        prefill=None,
+        settings=ServiceSettings(drain_timeout_s=5.0),
+    )
     asyncio.run(populate(service))
     wall, plans, dones = asyncio.run(drive(service, 1))
     rows.append(("in-process", 2 * calls / wall, plans, dones))

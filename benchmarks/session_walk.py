@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from engines.kv_params import KVTransferParams  # noqa: E402
 from orchestrator.kv.messages import TurnDone  # noqa: E402
 from orchestrator.kv.ownership import ANONYMOUS  # noqa: E402
-from orchestrator.kv.service import KVService  # noqa: E402
+from orchestrator.kv.service import KVService, ServiceSettings  # noqa: E402
 from policies.kv_records import KVLifecycleConfig  # noqa: E402
 
 SESSION_PARTS = tuple(
@@ -142,8 +142,7 @@ async def walk_turns() -> tuple[Walk, Walk]:
     service = KVService(
         KVLifecycleConfig(ttl_s=120, safety_margin_s=15, recompute_threshold_tokens=4),
         prefill=None,
-        drain_timeout_s=5.0,
-        turn_lease_s=30.0,
+        settings=ServiceSettings(drain_timeout_s=5.0, turn_lease_s=30.0),
         clock=lambda: 100.0,
     )
     await service.lease_watch("replica-a", [], 0.0)  # the replica's watch runs

@@ -36,7 +36,13 @@ from orchestrator.kv.host_nodes import NodeStores, app_store_names
 from orchestrator.kv.host_tier import HostTierSpec, lookup_host_store
 from orchestrator.kv.kept_check import KeptLedger, check_kept
 from orchestrator.kv.messages import LedgerReport
-from orchestrator.kv.service import API_METHODS, KVService, KVServiceAPI, merge_counters
+from orchestrator.kv.service import (
+    API_METHODS,
+    KVService,
+    KVServiceAPI,
+    ServiceSettings,
+    merge_counters,
+)
 from orchestrator.observability.metrics import make_metrics
 from policies.kv_lifecycle import KVLifecycleConfig
 
@@ -110,13 +116,15 @@ class _ServiceActor:
         self.service = KVService(
             config,
             prefill=None if prefill is None else HandlePool(prefill),  # None: no drains
-            drain_timeout_s=drain_timeout_s,
-            num_prefill_engines=num_prefill_engines,
+            settings=ServiceSettings(
+                drain_timeout_s=drain_timeout_s,
+                num_prefill_engines=num_prefill_engines,
+                replay_max_bytes=replay_max_bytes,
+                running_grace_s=running_grace_s,
+                turn_lease_s=turn_lease_s,
+                session_state_max_bytes=session_state_max_bytes,
+            ),
             store=BoundedStore(RayKVStore(f"{SERVICE_NAMESPACE}-{service_name(app_name)}")),
-            replay_max_bytes=replay_max_bytes,
-            running_grace_s=running_grace_s,
-            turn_lease_s=turn_lease_s,
-            session_state_max_bytes=session_state_max_bytes,
             host=self.stores,
         )
         self._ticker: asyncio.Task[None] | None = None

@@ -61,10 +61,11 @@ from orchestrator.kv.messages import (
 from orchestrator.kv.metrics_book import MetricsBook, merge_counters
 from orchestrator.kv.ownership import Principal, SessionOwners
 from orchestrator.kv.replay import Replay, TurnReplayBook
+from orchestrator.kv.service_settings import ServiceSettings
 from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.kv.session_turns import SessionTurns, whole_turn_done
 from orchestrator.kv.turn_effects import TurnEffects
-from orchestrator.kv.turn_leases import HANDOVER_WAIT_S, LeaseBook
+from orchestrator.kv.turn_leases import LeaseBook
 from orchestrator.kv.turn_marks import OwnerMarks, RunningTurns
 from policies.admission import AdmissionSettings, EngineBook, EngineLoad, short_of_kv
 from policies.kv_lifecycle import KVLifecycleConfig, Release, ReleaseReason
@@ -80,6 +81,7 @@ __all__ = [
     "KVService",
     "KVServiceAPI",
     "PrefillPool",
+    "ServiceSettings",
     "count_decode_paths",
     "engine_pool",
     "merge_counters",
@@ -190,27 +192,18 @@ class KVService:
         config: KVLifecycleConfig,
         *,
         prefill: PrefillPool | None,
-        drain_timeout_s: float,
-        num_prefill_engines: int = 1,
-        restore_wait_s: float = 10.0,
-        max_sessions: int = 50_000,
-        engine_silence_s: float = 60.0,
+        settings: ServiceSettings,
         store: DurableStore | None = None,
-        replay_max_bytes: int = 64 * 2**20,
-        session_state_max_bytes: int | None = None,
-        running_grace_s: float = 600.0,
-        handover_wait_s: float = HANDOVER_WAIT_S,
-        turn_lease_s: float = 0.0,
         host: HostTier | None = None,
-        kept_check_margin_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        s = settings
         self.decider = KVDecider(config)
         # Each session's last turn: bounded in bytes too (a long history is ~8 bytes a
         # token with its text), so the service's memory has a bound the config names.
         self.tokens = SessionTokens(
-            max_sessions=max_sessions, ttl_s=config.ttl_s, max_bytes=session_state_max_bytes
+            max_sessions=s.max_sessions, ttl_s=config.ttl_s, max_bytes=s.session_state_max_bytes
         )
         self.clock = clock
         self.wall_clock = wall_clock
@@ -228,25 +221,25 @@ class KVService:
         self.replays = TurnReplayBook(
             clock=clock,
             store=self.store,
-            max_bytes=replay_max_bytes,
-            running_grace_s=running_grace_s,
+            max_bytes=s.replay_max_bytes,
+            running_grace_s=s.running_grace_s,
         )
-        self.owners = SessionOwners(idle_ttl_s=config.ttl_s, max_sessions=max_sessions)
+        self.owners = SessionOwners(idle_ttl_s=config.ttl_s, max_sessions=s.max_sessions)
         self.owner_marks = OwnerMarks(self.owners, marks=self.marks, wall_clock=wall_clock)
         # Turns held for the ingress replica that ran a session's last turn
         # (``orchestrator.kv.turn_leases``); the lease's margin is the handover wait.
-        self.leases = LeaseBook(lasts_s=turn_lease_s, grace_s=handover_wait_s, clock=clock)
+        self.leases = LeaseBook(lasts_s=s.turn_lease_s, grace_s=s.handover_wait_s, clock=clock)
         # Each session's running turn and lease, as rules (``policies.turn_state``): one
         # running turn per session (a claim older than running_grace_s is stale: its
         # ingress is gone). Their marks are written through, and a session's next
         # begin_turn waits handover_wait_s for the running one's turn_done (``running``).
         self.turn_state = TurnState(
-            self.decider.lifecycle, running_grace_s=running_grace_s, leases=self.leases.table
+            self.decider.lifecycle, running_grace_s=s.running_grace_s, leases=self.leases.table
         )
         self.running = RunningTurns(
             state=self.turn_state,
             marks=self.marks,
-            handover_wait_s=handover_wait_s,
+            handover_wait_s=s.handover_wait_s,
             wall_clock=wall_clock,
         )
         # Decode blocks the host tier read, for a restarted service (host_reads.py).
@@ -256,7 +249,7 @@ class KVService:
         self._host_adopted = host is None
         self.drains = Drains(
             prefill=prefill,
-            timeout_s=drain_timeout_s,
+            timeout_s=s.drain_timeout_s,
             tokens=self.tokens,
             leases=self.leases,
             reuse_off=lambda: self.decider.lifecycle.reuse_off,
@@ -291,7 +284,7 @@ class KVService:
         )
         # What a previous instance marked: its running turns (unused leases among them)
         # and its keys' sessions.
-        lapse_s = turn_lease_s + handover_wait_s
+        lapse_s = s.turn_lease_s + s.handover_wait_s
         rebuild_from_marks(
             self.store,
             self.running,
@@ -304,8 +297,8 @@ class KVService:
             decider=self.decider,
             tokens=self.tokens,
             drains=self.drains,
-            num_prefill_engines=num_prefill_engines,
-            restore_wait_s=restore_wait_s,
+            num_prefill_engines=s.num_prefill_engines,
+            restore_wait_s=s.restore_wait_s,
             started_s=self.started_s,
             clock=clock,
             consumed=restore_host_reads(self.store, wall=wall_clock()),
@@ -313,16 +306,16 @@ class KVService:
         # The latest counters of every engine (from its heartbeat) and every ingress
         # replica (``report_metrics``): /kvtide/stats sums them.
         self.engines = EngineRegistry(
-            silence_s=engine_silence_s, decider=self.decider, drains=self.drains
+            silence_s=s.engine_silence_s, decider=self.decider, drains=self.drains
         )
-        self.metrics = MetricsBook(silence_s=engine_silence_s)
+        self.metrics = MetricsBook(silence_s=s.engine_silence_s)
         # The engines' loads with their last progress: which are short of KV (_make_room).
         self.engine_book = EngineBook()
         # Decode blocks no hand-over booked, found by the hosts' checks (kept_check.py).
         lifecycle = self.decider.lifecycle
         self.unbooked = KeptCheck(
             retention_s=config.ttl_s,
-            margin_s=kept_check_margin_s,
+            margin_s=s.kept_check_margin_s,
             clock=clock,
             busy=lambda sid: (
                 self.adoption.restoring

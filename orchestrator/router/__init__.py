@@ -4,6 +4,7 @@ streams (``streams``), its hand-over to the KV service (``handover``) and this r
 turn leases (``held_leases``)."""
 
 from orchestrator.router.core import Router
+from orchestrator.router.settings import RouterSettings
 from orchestrator.router.streams import abort_stream, bounded
 from orchestrator.router.turn import LeaseUse, Turn, TurnSampling
 from orchestrator.router.turn_report import KV_SOURCES, LeaseRefused, PoolClient, TurnReport
@@ -14,6 +15,7 @@ __all__ = [
     "LeaseUse",
     "PoolClient",
     "Router",
+    "RouterSettings",
     "Turn",
     "TurnReport",
     "TurnSampling",

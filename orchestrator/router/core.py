@@ -52,8 +52,9 @@ from orchestrator.observability.metrics import Metrics
 from orchestrator.router.decode_side import DecodePool, DecodePools, DecodeSide
 from orchestrator.router.handover import HandOver
 from orchestrator.router.held_leases import HeldLeases
-from orchestrator.router.integrity import IntegrityCheck, IntegritySettings
+from orchestrator.router.integrity import IntegrityCheck
 from orchestrator.router.prefill_side import PrefillSide
+from orchestrator.router.settings import RouterSettings
 from orchestrator.router.transfers import Transfers
 from orchestrator.router.turn import LeaseUse, Turn, TurnState
 from orchestrator.router.turn_report import (
@@ -81,34 +82,28 @@ class Router:
         prefill: PoolClient,
         decode: PoolClient,
         kv: KVServiceAPI,
-        pull_timeout_s: float,
-        eos_token_id: int | None = None,
+        settings: RouterSettings,
         decode_long: PoolClient | None = None,
-        long_context_threshold_tokens: int | None = None,
         metrics: Metrics | None = None,
-        block_size_tokens: int = 16,
-        kv_bytes_per_token: int = 0,
-        request_timeout_s: float = 600.0,
-        max_migrations: int = 2,
         clock: Callable[[], float] = time.monotonic,
         prefill_routes: Callable[[str], RouteChoice | None] | None = None,
         session_tokens: SessionTokens | None = None,
         leases: HeldLeases | None = None,
-        integrity: IntegritySettings | None = None,
     ) -> None:
+        s = settings
         if leases is not None and leases.clock is not clock:
             raise ValueError(
                 "the turn leases and the router read different clocks: give HeldLeases the "
                 "router's clock (one clock on a turn's path)"
             )
         self.metrics = metrics if metrics is not None else Metrics()
-        self.request_timeout_s = request_timeout_s
+        self.request_timeout_s = s.request_timeout_s
         self.clock = clock
-        pools = DecodePools(decode, decode_long, long_context_threshold_tokens)
+        pools = DecodePools(decode, decode_long, s.long_context_threshold_tokens)
         transfers = Transfers(
             metrics=self.metrics,
-            block_size_tokens=block_size_tokens,
-            kv_bytes_per_token=kv_bytes_per_token,
+            block_size_tokens=s.block_size_tokens,
+            kv_bytes_per_token=s.kv_bytes_per_token,
         )
         # Finished turns on their way to the service; this replica's turn leases
         # (``orchestrator.kv.turn_leases``; None: none asked) go with them.
@@ -116,7 +111,7 @@ class Router:
             kv=kv,
             metrics=self.metrics,
             clock=clock,
-            eos_token_id=eos_token_id,
+            eos_token_id=s.eos_token_id,
             session_tokens=session_tokens,
             leases=leases,
         )
@@ -127,7 +122,7 @@ class Router:
             service=lambda: self.kv,
             metrics=self.metrics,
             clock=clock,
-            settings=integrity if integrity is not None else IntegritySettings(sample_fraction=0),
+            settings=s.integrity,
         )
         self.prefill_side = PrefillSide(
             pool=prefill,
@@ -135,8 +130,8 @@ class Router:
             metrics=self.metrics,
             clock=clock,
             transfers=transfers,
-            pull_timeout_s=pull_timeout_s,
-            max_migrations=max_migrations,
+            pull_timeout_s=s.pull_timeout_s,
+            max_migrations=s.max_migrations,
             routes=prefill_routes,
         )
         self.decode_side = DecodeSide(
@@ -147,7 +142,7 @@ class Router:
             transfers=transfers,
             metrics=self.metrics,
             clock=clock,
-            max_migrations=max_migrations,
+            max_migrations=s.max_migrations,
         )
         # The sessions with a turn generating here: session id -> (request id, owner).
         # From the turn's start to its last item (or its end otherwise).

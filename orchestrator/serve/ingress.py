@@ -43,7 +43,7 @@ from orchestrator.kv.service import KVServiceAPI
 from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import Metrics, make_metrics
-from orchestrator.router import Router
+from orchestrator.router import Router, RouterSettings
 from orchestrator.router.held_leases import WATCH_WAIT_S, HeldLeases
 from orchestrator.router.integrity import IntegritySettings
 from orchestrator.serve import vllm_api
@@ -266,14 +266,23 @@ class Ingress:
             prefill=prefill_pool,
             decode=decode_pool,
             kv=self.kv,
-            pull_timeout_s=kv.pull_timeout_s,
-            eos_token_id=self.tokenizer.eos_token_id,
+            settings=RouterSettings(
+                pull_timeout_s=kv.pull_timeout_s,
+                eos_token_id=self.tokenizer.eos_token_id,
+                long_context_threshold_tokens=config.routing.long_context_threshold_tokens,
+                block_size_tokens=info.block_size,
+                kv_bytes_per_token=lifecycle.kv_bytes_per_token,
+                request_timeout_s=config.server.request_timeout_s,
+                integrity=IntegritySettings(
+                    sample_fraction=kv.integrity_sample_fraction,
+                    logprob_tolerance=kv.integrity_logprob_tolerance,
+                    num_tokens=kv.integrity_num_tokens,
+                    timeout_s=config.server.request_timeout_s,
+                    report_timeout_s=kv.service_timeout_s,
+                ),
+            ),
             decode_long=self.pools.get("decode_long"),
-            long_context_threshold_tokens=config.routing.long_context_threshold_tokens,
             metrics=self.metrics,
-            block_size_tokens=info.block_size,
-            kv_bytes_per_token=lifecycle.kv_bytes_per_token,
-            request_timeout_s=config.server.request_timeout_s,
             prefill_routes=route_notes.take if config.routing.prefix_aware else None,
             session_tokens=self.session_tokens,
             clock=time.monotonic,
@@ -283,13 +292,6 @@ class Ingress:
                 )
                 if kv.turn_lease_s > 0
                 else None
-            ),
-            integrity=IntegritySettings(
-                sample_fraction=kv.integrity_sample_fraction,
-                logprob_tolerance=kv.integrity_logprob_tolerance,
-                num_tokens=kv.integrity_num_tokens,
-                timeout_s=config.server.request_timeout_s,
-                report_timeout_s=kv.service_timeout_s,
             ),
         )
         # Per ingress replica: a key's concurrent requests are counted where they run.

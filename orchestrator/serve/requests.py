@@ -237,7 +237,8 @@ class Message(_Body):
 
 
 class _Common(_Body):
-    """Fields of both endpoints."""
+    """Fields of both endpoints, declared once: a base of fields and validators only,
+    pydantic's way to share them (no method reaches ``self``; test_packages holds it)."""
 
     model: Annotated[Text, StringConstraints(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None

@@ -27,38 +27,53 @@ import contextlib
 import contextvars
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from engines.base import GenerateChunk, TokenLogprob
 from orchestrator.errors import ServingLayerRefused
 
-__all__ = ["CURRENT_TURN", "TurnContext", "TurnEngine", "TurnRunner", "make_turn_client"]
+if TYPE_CHECKING:
+    from orchestrator.kv.ownership import Principal
+    from orchestrator.router import TurnReport
+
+__all__ = ["CURRENT_TURN", "Kind", "TurnContext", "TurnEngine", "TurnRunner", "make_turn_client"]
 
 
-@dataclass(slots=True, kw_only=True)
+Kind = Literal["chat", "completion", "responses"]
+"""The API a request came in by (vLLM's serving class that takes it)."""
+
+
+@dataclass(slots=True, kw_only=True, eq=False)
 class TurnContext:
     """One HTTP request's facts for its turn, and what the turn left for the response.
 
     Set by the ingress before it calls vLLM's serving class; ``generate`` reads it.
-    ``report`` (choice 0's ``TurnReport``), ``session_id``, ``conversation`` and
-    ``error`` (a failure before the first token, raised by the ingress as its status
-    instead of an error event in a stream) are written by the turn. ``sessionless``:
-    the turn runs in no session, even one its text would continue."""
+    ``sessionless``: the turn runs in no session, even one its text would continue;
+    ``num_choices``: the request's ``n`` (each choice a sequence on the pools);
+    ``on_done``: called once the response is complete. The rest is written by the turn:
+    ``max_tokens`` (the cap its limits set, which the further choices take too),
+    ``prompt_token_ids`` (as the turn tokenized them) and the response's ``headers``
+    once it is opened; ``report`` (choice 0's ``TurnReport``); ``raw_text`` (choice 0's
+    text as generated); ``error`` (a failure before the first token, raised by the
+    ingress as its status instead of an error event in a stream)."""
 
-    principal: Any
+    kind: Kind
+    principal: Principal
     session_header: str | None
     has_history: bool
     sessionless: bool = False
     requested_max_tokens: int | None
     prompt_param: str
+    num_choices: int = 1
+    on_done: Callable[[], None] | None = None
     root: Any
     t_in: float
-    render_s: float = 0.0
-    report: Any = None
-    session_id: str | None = None
-    conversation: str | None = None
+    max_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None
+    headers: dict[str, str] | None = None
+    report: TurnReport | None = None
+    raw_text: list[str] = field(default_factory=list)
     error: BaseException | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 CURRENT_TURN: contextvars.ContextVar[TurnContext] = contextvars.ContextVar("kvtide_turn")
@@ -201,10 +216,9 @@ async def _outputs(
     delta = params.output_kind == RequestOutputKind.DELTA
     choices = {i: _Choice() for i in streams}
     num_finished = 0
-    raw: list[str] = ctx.extra.setdefault("raw_text", [])
     async for index, chunk in _merged(streams):
         if index == 0:
-            raw.append(chunk.text)
+            ctx.raw_text.append(chunk.text)
         num_finished += chunk.finished
         finished = num_finished == len(streams)
         if delta:
@@ -252,7 +266,7 @@ def _inline_when_short(renderer: Any) -> None:
 
 class TurnEngine:
     """What vLLM's serving classes ask of an engine, answered by kvtide's turns (the
-    methods of vLLM's ``EngineClient``; ``make_turn_client`` adds the base class)."""
+    methods of vLLM's ``EngineClient``; ``make_turn_client`` registers it as one)."""
 
     def __init__(self, vllm_config: Any, run: TurnRunner) -> None:
         from vllm.renderers import renderer_from_config
@@ -307,7 +321,8 @@ class TurnEngine:
         turn, first, report = await self._first(
             ctx, list(prompt["prompt_token_ids"]), text, params, request_id
         )
-        ids = ctx.extra["prompt_token_ids"]  # as the turn tokenized them
+        ids = ctx.prompt_token_ids  # as the turn tokenized them (set once it opened)
+        assert ids is not None
 
         async def choice_zero() -> TurnStream:
             yield first, report
@@ -356,6 +371,9 @@ class TurnEngine:
     async def get_supported_tasks(self) -> tuple[str, ...]:
         return ("generate",)
 
+    def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
+        """Admitted: the ingress's guard has counted the request's ``n`` sequences."""
+
     async def is_tracing_enabled(self) -> bool:
         return False
 
@@ -388,12 +406,11 @@ class TurnEngine:
         return None
 
 
-def make_turn_client(vllm_config: Any, run: TurnRunner) -> Any:
-    """A ``TurnEngine`` that is a vLLM ``EngineClient``, on ``vllm_config``'s model,
-    whose turns ``run`` runs. vLLM is imported here, in the ingress replica only."""
+def make_turn_client(vllm_config: Any, run: TurnRunner) -> TurnEngine:
+    """A ``TurnEngine`` on ``vllm_config``'s model whose turns ``run`` runs, registered
+    as a vLLM ``EngineClient`` (it answers all of that interface's methods vLLM's
+    serving classes call). vLLM is imported here, in the ingress replica only."""
     from vllm.engine.protocol import EngineClient
 
-    class TurnClient(TurnEngine, EngineClient):  # type: ignore[misc]
-        pass
-
-    return TurnClient(vllm_config, run)
+    EngineClient.register(TurnEngine)
+    return TurnEngine(vllm_config, run)

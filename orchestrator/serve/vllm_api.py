@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from orchestrator.config.sections import ModelConfig
 from orchestrator.errors import (
@@ -34,7 +34,7 @@ from orchestrator.errors import (
     UnsupportedParameter,
 )
 from orchestrator.serve.refusals import invalid_request, shown
-from orchestrator.serve.turn_client import TurnRunner, make_turn_client
+from orchestrator.serve.turn_client import Kind, TurnRunner, make_turn_client
 
 __all__ = [
     "Kind",
@@ -49,8 +49,6 @@ __all__ = [
     "sse_events",
     "with_kvtide",
 ]
-
-Kind = Literal["chat", "completion", "responses"]
 
 # Fields only kvtide sets: a client's would steer the engines' KV transfer.
 _KVTIDE_ONLY = frozenset({"kv_transfer_params"})

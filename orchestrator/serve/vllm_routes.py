@@ -69,10 +69,12 @@ class VLLMTurns:
         a further choice of the turn's prompt, without its session, capped as the turn
         (the key's max_tokens)."""
         if not is_turn:
+            # Started once choice 0 is open: its limits have set the cap.
+            assert ctx.max_tokens is not None
             async for item in self.router.run_turn(
                 Turn(
                     prompt_token_ids=ids,
-                    max_tokens=ctx.extra["max_tokens"],
+                    max_tokens=ctx.max_tokens,
                     request_id=request_id,
                     trace_parent=ctx.root,
                     engine_sampling=params,
@@ -102,8 +104,8 @@ class VLLMTurns:
                     "history.",
                     param=ctx.prompt_param,
                 )
-            ctx.extra["max_tokens"] = principal.cap_max_tokens(min(params.max_tokens, room))
-            return int(ctx.extra["max_tokens"])
+            ctx.max_tokens = principal.cap_max_tokens(min(params.max_tokens, room))
+            return ctx.max_tokens
 
         opened = await self.opener.open(
             OpenTurn(
@@ -120,11 +122,11 @@ class VLLMTurns:
                 run_args=TurnSampling(
                     engine_sampling=params, prompt_logprobs=params.prompt_logprobs
                 ),
-                num_sequences=ctx.extra["num_choices"],
+                num_sequences=ctx.num_choices,
             )
         )
-        ctx.extra["prompt_token_ids"] = opened.ids
-        ctx.extra["headers"] = opened.headers
+        ctx.prompt_token_ids = opened.ids
+        ctx.headers = opened.headers
         try:
             yield opened.first
             async for item in opened.turn:
@@ -177,7 +179,11 @@ class VLLMLayer:
             "max_output_tokens", body.get("max_completion_tokens", body.get("max_tokens"))
         )
         header = api.session_header(http.headers.get("x-session-id"))
+        # Each of the n choices is a sequence on the pools: the key's concurrency and
+        # admission count them all (``VLLMTurns`` caps each at the key's max_tokens).
+        num_choices = max(1, int(getattr(req, "n", None) or 1))
         ctx = TurnContext(
+            kind=kind,
             principal=principal,
             session_header=header or session_id,
             sessionless=sessionless and header is None,
@@ -185,15 +191,11 @@ class VLLMLayer:
             or any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages or ()),
             requested_max_tokens=max_tokens if isinstance(max_tokens, int) else None,
             prompt_param=_PROMPT_PARAM[kind],
+            num_choices=num_choices,
+            on_done=on_done,
             root=root,
             t_in=t_in,
         )
-        ctx.extra["kind"] = kind
-        ctx.extra["on_done"] = on_done
-        # Each of the n choices is a sequence on the pools: the key's concurrency and
-        # admission count them all (``VLLMTurns`` caps each at the key's max_tokens).
-        num_choices = max(1, int(getattr(req, "n", None) or 1))
-        ctx.extra["num_choices"] = num_choices
         stream = bool(body.get("stream"))
 
         async def run(ticket: Ticket, replay_key: str | None) -> Any:
@@ -228,17 +230,18 @@ class VLLMLayer:
             raise ctx.error
         if hasattr(result, "error") and not isinstance(result, AsyncIterator):
             raise vllm_api.error_of(result)
-        kind: vllm_api.Kind = ctx.extra["kind"]
+        kind = ctx.kind
         if not stream:
             body = result.model_dump(mode="json", by_alias=kind == "responses")
+            assert ctx.report is not None  # the turn answered: its first token came
             body["kvtide"] = ctx.report.as_dict()
             if kind == "chat":
                 self._remember_tool_turn(ctx, body["choices"][0].get("message") or {})
             if replay_key is not None:
                 await self.kv.replay_complete(replay_key, body)
-            if ctx.extra["on_done"] is not None:
-                ctx.extra["on_done"]()
-            return JSONResponse(body, headers=ctx.extra.get("headers"))
+            if ctx.on_done is not None:
+                ctx.on_done()
+            return JSONResponse(body, headers=ctx.headers)
         if kind == "responses":
             result = vllm_api.sse_events(result)
         # Read until the turn has its first token (the Responses API announces the
@@ -256,7 +259,7 @@ class VLLMLayer:
         return StreamingResponse(
             self._sse(ctx, leading, result, replay_key, ticket),
             media_type="text/event-stream",
-            headers=ctx.extra.get("headers"),
+            headers=ctx.headers,
         )
 
     async def _sse(
@@ -271,6 +274,7 @@ class VLLMLayer:
         completed = False
         calls = vllm_api.StreamedToolCalls()
         try:
+            assert ctx.report is not None  # ``_respond`` read up to the first token
             async for event in vllm_api.prepend(leading, rest):
                 event = vllm_api.with_kvtide(event, ctx.report.as_dict)
                 calls.add(event)
@@ -279,10 +283,10 @@ class VLLMLayer:
             completed = not any(e.startswith(('data: {"error"', "event: error")) for e in events)
             if completed:
                 self._remember_tool_turn(ctx, calls.message())
-                if ctx.extra["on_done"] is not None:
-                    ctx.extra["on_done"]()
+                if ctx.on_done is not None:
+                    ctx.on_done()
             if replay_key is not None and completed:
-                stored = {"object": _OBJECT[ctx.extra["kind"]], _EVENTS: events}
+                stored = {"object": _OBJECT[ctx.kind], _EVENTS: events}
                 await self.kv.replay_complete(replay_key, stored)
         finally:
             self.gate.release(ticket)
@@ -295,8 +299,8 @@ class VLLMLayer:
     def _remember_tool_turn(self, ctx: TurnContext, message: dict[str, Any]) -> None:
         """A tool-calling answer's calls and the raw text behind them (``tool_turns``)."""
         calls = tool_calls_of(message)
-        if calls is not None and ctx.extra.get("raw_text"):
-            self.tool_turns.remember(calls, "".join(ctx.extra["raw_text"]))
+        if calls is not None and ctx.raw_text:
+            self.tool_turns.remember(calls, "".join(ctx.raw_text))
 
 
 def _replayed(stored: dict[str, Any], stream: bool) -> Any:

@@ -158,18 +158,20 @@ def pair_router(
     ``Router``'s arguments (its ``metrics``, ``leases``)."""
     import time
 
-    from orchestrator.router import Router
+    from orchestrator.router import Router, RouterSettings
     from orchestrator.router.integrity import IntegritySettings
 
     return Router(
         prefill=prefill,
         decode=decode,
         kv=service,
-        pull_timeout_s=60,
-        block_size_tokens=block_size_tokens,
-        kv_bytes_per_token=KV_BYTES_PER_TOKEN,
-        request_timeout_s=300,
+        settings=RouterSettings(
+            pull_timeout_s=60,
+            block_size_tokens=block_size_tokens,
+            kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+            request_timeout_s=300,
+            integrity=IntegritySettings(sample_fraction=1.0, logprob_tolerance=INTEGRITY_TOLERANCE),
+        ),
         clock=time.monotonic,
-        integrity=IntegritySettings(sample_fraction=1.0, logprob_tolerance=INTEGRITY_TOLERANCE),
         **extra,
     )

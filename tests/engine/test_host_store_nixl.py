@@ -232,8 +232,8 @@ async def _through_kvtide(prefill: Any, decode: Any, rng: Any, t: dict[str, Any]
     from orchestrator.kv.decider import kv_lifecycle_config
     from orchestrator.kv.host_tier import HostStoreActor, HostTierClient
     from orchestrator.kv.ownership import ANONYMOUS
-    from orchestrator.kv.service import KVService
-    from orchestrator.router import Router, Turn
+    from orchestrator.kv.service import KVService, ServiceSettings
+    from orchestrator.router import Router, RouterSettings, Turn
 
     block, per_token = 32, DEFAULT_SHAPE.kv_bytes_per_token_fp32
     store = HostStoreActor("kvtide-host-test", 16 * 2**20, ttl_s=300)
@@ -250,7 +250,7 @@ async def _through_kvtide(prefill: Any, decode: Any, rng: Any, t: dict[str, Any]
                 idle_budget_bytes_per_engine=12 * block * per_token,  # one session's history
             ),
             prefill=OneEnginePool(prefill),
-            drain_timeout_s=30,
+            settings=ServiceSettings(drain_timeout_s=30),
             host=HostTierClient.in_process(store, timeout_s=30),
         )
 
@@ -261,10 +261,12 @@ async def _through_kvtide(prefill: Any, decode: Any, rng: Any, t: dict[str, Any]
             prefill=OneEnginePool(prefill),
             decode=OneEnginePool(decode),
             kv=service,
-            pull_timeout_s=60,
-            block_size_tokens=block,
-            kv_bytes_per_token=per_token,
-            request_timeout_s=300,
+            settings=RouterSettings(
+                pull_timeout_s=60,
+                block_size_tokens=block,
+                kv_bytes_per_token=per_token,
+                request_timeout_s=300,
+            ),
             clock=time.monotonic,
         )
 

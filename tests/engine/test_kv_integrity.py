@@ -108,7 +108,7 @@ async def _story(root: Path) -> dict[str, Any]:
 
     from engines.base import Sampling
     from orchestrator.kv.ownership import ANONYMOUS
-    from orchestrator.kv.service import KVService
+    from orchestrator.kv.service import KVService, ServiceSettings
     from orchestrator.observability.metrics import Metrics
     from orchestrator.router import Turn
 
@@ -120,7 +120,7 @@ async def _story(root: Path) -> dict[str, Any]:
     service = KVService(
         pair_lifecycle(block, recompute_threshold_tokens=64),
         prefill=None,
-        drain_timeout_s=30,
+        settings=ServiceSettings(drain_timeout_s=30),
     )
     metrics = Metrics()
     router = pair_router(

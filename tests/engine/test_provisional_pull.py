@@ -99,7 +99,7 @@ async def _story(root: Path) -> dict[str, Any]:
     from engines.base import GenerateChunk, GenerateRequest, Sampling
     from orchestrator.kv.messages import Handover, TurnDone
     from orchestrator.kv.ownership import Principal
-    from orchestrator.kv.service import KVService
+    from orchestrator.kv.service import KVService, ServiceSettings
     from orchestrator.kv.session_tokens import prefix_digest
     from orchestrator.observability.metrics import Metrics
     from orchestrator.router import LeaseUse, Turn
@@ -160,8 +160,7 @@ async def _story(root: Path) -> dict[str, Any]:
     svc = HeldBooking(
         pair_lifecycle(block, recompute_threshold_tokens=0),
         prefill=prefill,
-        drain_timeout_s=60,
-        turn_lease_s=30.0,
+        settings=ServiceSettings(drain_timeout_s=60, turn_lease_s=30.0),
     )
     metrics = Metrics()
     leases = HeldLeases(

@@ -29,7 +29,7 @@ from orchestrator.cli.inspect import format_stats
 from orchestrator.config import KVTideConfig, decode_paths, parse_config
 from orchestrator.errors import ConfigError
 from orchestrator.kv.decider import kv_lifecycle_config
-from orchestrator.kv.service import KVService
+from orchestrator.kv.service import KVService, ServiceSettings
 from orchestrator.observability.metrics import Metrics
 from orchestrator.serve.responses import pool_stats
 from placement.model_catalog import BUILTIN_MODELS
@@ -301,7 +301,11 @@ def test_engines_are_counted_by_decode_path_per_pool_in_the_metric() -> None:
         kv_bytes_per_token=100,
         block_size_tokens=16,
     )
-    service = KVService(config, prefill=None, drain_timeout_s=1.0)
+    service = KVService(
+        config,
+        prefill=None,
+        settings=ServiceSettings(drain_timeout_s=1.0),
+    )
     kimi = choose_decode_path(KIMI_K3_B200_TP8, B200_EVIDENCE, OPTED_IN)
 
     async def beat(engine_id: str, path: DecodePath) -> None:

@@ -20,9 +20,9 @@ from orchestrator.errors import InvalidRequest, ServiceUnavailable
 from orchestrator.kv.durable import MemoryStore
 from orchestrator.kv.messages import IntegrityMismatch, KVDecision
 from orchestrator.kv.ownership import ANONYMOUS
-from orchestrator.kv.service import KVService
+from orchestrator.kv.service import KVService, ServiceSettings
 from orchestrator.observability.metrics import Metrics
-from orchestrator.router import Router, Turn, TurnReport
+from orchestrator.router import Router, RouterSettings, Turn, TurnReport
 from orchestrator.router.integrity import IntegritySettings
 from orchestrator.serve.requests import parse_reuse_on
 from policies.kv_records import RecomputeReason
@@ -118,7 +118,7 @@ def make_router(
     service = KVService(
         lifecycle_config(),
         prefill=prefill if drains else None,
-        drain_timeout_s=5.0,
+        settings=ServiceSettings(drain_timeout_s=5.0),
         clock=clock,
         store=store,
     )
@@ -126,10 +126,12 @@ def make_router(
         prefill=prefill,
         decode=decode,
         kv=service,
-        pull_timeout_s=5.0,
+        settings=RouterSettings(
+            pull_timeout_s=5.0,
+            integrity=IntegritySettings(sample_fraction=fraction, logprob_tolerance=0.01),
+        ),
         clock=clock,
         metrics=Metrics(),
-        integrity=IntegritySettings(sample_fraction=fraction, logprob_tolerance=0.01),
     )
     router.integrity.rng = random.Random(0)
     return router
@@ -358,7 +360,12 @@ def test_unsampled_turns_ask_nothing_more() -> None:
 def test_a_router_given_no_settings_checks_nothing() -> None:
     prefill, decode = Prefill(), Decode()
     service = service_of(make_router(prefill, decode))
-    router = Router(prefill=prefill, decode=decode, kv=service, pull_timeout_s=5.0)
+    router = Router(
+        prefill=prefill,
+        decode=decode,
+        kv=service,
+        settings=RouterSettings(pull_timeout_s=5.0),
+    )
     conversation(router, 3)
     assert [r.logprobs for r in decode.requests] == [None] * 3
     assert checks(router) == {}

@@ -8,6 +8,7 @@ A "restart" is a new ``KVService`` with empty books on the same engines.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,11 +21,12 @@ from engines.kv_params import KVTransferParams
 from orchestrator.kv.actor import EpochWatcher
 from orchestrator.kv.decider import kv_lifecycle_config
 from orchestrator.kv.messages import LedgerReport, TurnDone
-from orchestrator.kv.service import KVService
-from orchestrator.router import Router, Turn, TurnReport
+from orchestrator.kv.service import KVService, ServiceSettings
+from orchestrator.router import Router, RouterSettings, Turn, TurnReport
 from orchestrator.serve.ledger import EngineLedger
 
 TTL_S = 480.0
+SETTINGS_FIELDS = {f.name for f in dataclasses.fields(ServiceSettings)}
 
 
 class HostedPool:
@@ -69,7 +71,9 @@ class Cluster:
         room_kv_cache_usage: float | None = None,
         **kwargs: Any,
     ) -> KVService:
-        """A service (``cls``, with ``kwargs`` for its constructor) on these engines."""
+        """A service (``cls``, with ``kwargs`` for its constructor or its settings) on
+        these engines."""
+        settings = {k: kwargs.pop(k) for k in list(kwargs) if k in SETTINGS_FIELDS}
         self.service = cls(
             kv_lifecycle_config(
                 ttl_s=TTL_S,
@@ -81,9 +85,9 @@ class Cluster:
                 room_kv_cache_usage=room_kv_cache_usage,
             ),
             prefill=self.prefill,
-            drain_timeout_s=5.0,
-            num_prefill_engines=1,
-            restore_wait_s=10.0,
+            settings=ServiceSettings(
+                drain_timeout_s=5.0, num_prefill_engines=1, restore_wait_s=10.0, **settings
+            ),
             clock=self.clock,
             **kwargs,
         )
@@ -91,7 +95,10 @@ class Cluster:
 
     async def turn(self, prompt: list[int], session: str | None) -> TurnReport:
         router = Router(
-            prefill=self.prefill, decode=self.decode, kv=self.service, pull_timeout_s=5.0
+            prefill=self.prefill,
+            decode=self.decode,
+            kv=self.service,
+            settings=RouterSettings(pull_timeout_s=5.0),
         )
         self.num_requests += 1
         reports = [

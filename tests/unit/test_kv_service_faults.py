@@ -14,7 +14,7 @@ from test_kv_service import S1_T1, S1_T2, Cluster
 from orchestrator.kv.durable import MemoryStore
 from orchestrator.kv.messages import TurnDone
 from orchestrator.kv.ownership import Principal
-from orchestrator.kv.service import KVService, merge_counters
+from orchestrator.kv.service import KVService, ServiceSettings, merge_counters
 
 ALICE = Principal(name="alice")
 MALLORY = Principal(name="mallory")
@@ -24,9 +24,8 @@ def restarted(c: Cluster, store: MemoryStore) -> KVService:
     c.service = KVService(
         c.service.decider.lifecycle.config,
         prefill=c.prefill,
-        drain_timeout_s=5.0,
+        settings=ServiceSettings(drain_timeout_s=5.0, running_grace_s=60.0),
         store=store,
-        running_grace_s=60.0,
         clock=c.clock,
         wall_clock=c.clock,
     )

@@ -22,8 +22,8 @@ from engines.base import GenerateChunk, GenerateRequest, KVTransferSpec
 from engines.simulated import SimulatedEngine, VirtualClock
 from engines.simulated_kv import SimulatedFabric
 from orchestrator.kv.decider import kv_lifecycle_config
-from orchestrator.kv.service import KVService
-from orchestrator.router import Router, Turn, TurnReport
+from orchestrator.kv.service import KVService, ServiceSettings
+from orchestrator.router import Router, RouterSettings, Turn, TurnReport
 
 NUM_PREFILL, NUM_DECODE, NUM_SESSIONS = 8, 64, 400
 KV_BYTES_PER_TOKEN = 131_072  # Llama-3-8B, bf16, TP1
@@ -91,16 +91,16 @@ def test_400_sessions_over_72_simulated_engines() -> None:
                 block_size_tokens=BLOCK,
             ),
             prefill=prefill_pool,
-            drain_timeout_s=30.0,
+            settings=ServiceSettings(drain_timeout_s=30.0),
             clock=Clock(),
         )
         router = Router(
             prefill=prefill_pool,
             decode=RoundRobinPool(decodes),
             kv=service,
-            pull_timeout_s=30.0,
-            block_size_tokens=BLOCK,
-            kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+            settings=RouterSettings(
+                pull_timeout_s=30.0, block_size_tokens=BLOCK, kv_bytes_per_token=KV_BYTES_PER_TOKEN
+            ),
         )
         reports = await asyncio.gather(*(session(router, s) for s in range(NUM_SESSIONS)))
         held = {

@@ -147,7 +147,7 @@ def test_pools_print_the_config_the_router_routes_by(capsys: pytest.CaptureFixtu
     import yaml
 
     from orchestrator.config import parse_config
-    from orchestrator.router import Router
+    from orchestrator.router import Router, RouterSettings
 
     args = ["--model", "deepseek-v3", "--device", "h200", "--context", "64k"]
     args += ["--pools", "2k:0.4,8k:0.3,32k:0.2,128k:0.1", "--sessions-per-s", "5"]
@@ -167,9 +167,8 @@ def test_pools_print_the_config_the_router_routes_by(capsys: pytest.CaptureFixtu
         prefill=pool,  # type: ignore[arg-type]
         decode=pool,  # type: ignore[arg-type]
         kv=None,  # type: ignore[arg-type]
-        pull_timeout_s=1.0,
+        settings=RouterSettings(pull_timeout_s=1.0, long_context_threshold_tokens=threshold),
         decode_long=object(),  # type: ignore[arg-type]
-        long_context_threshold_tokens=threshold,
     )
     assert router.decode_pool_for(threshold)[0] == "decode"
     assert router.decode_pool_for(threshold + 1)[0] == "decode_long"

@@ -18,7 +18,7 @@ from orchestrator.kv.messages import Handover, TurnDone
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.service import KVService
 from orchestrator.kv.session_tokens import prefix_digest
-from orchestrator.router import LeaseUse, Router, Turn, TurnReport
+from orchestrator.router import LeaseUse, Router, RouterSettings, Turn, TurnReport
 from orchestrator.router.held_leases import HeldLeases
 
 ALICE = Principal(name="alice")
@@ -53,7 +53,7 @@ def cluster(idle_budget_bytes: int | None = None) -> tuple[Cluster, HeldBooking,
         prefill=c.prefill,
         decode=c.decode,
         kv=svc,
-        pull_timeout_s=5.0,
+        settings=RouterSettings(pull_timeout_s=5.0),
         clock=c.clock,
         leases=leases,
     )

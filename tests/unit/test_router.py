@@ -16,9 +16,9 @@ from orchestrator.errors import DeadlineExceeded, EngineUnavailable
 from orchestrator.kv.decider import kv_lifecycle_config
 from orchestrator.kv.messages import Handover, TurnDone
 from orchestrator.kv.ownership import ANONYMOUS
-from orchestrator.kv.service import KVService
+from orchestrator.kv.service import KVService, ServiceSettings
 from orchestrator.kv.session_tokens import SessionTokens
-from orchestrator.router import Router, Turn, TurnReport
+from orchestrator.router import Router, RouterSettings, Turn, TurnReport
 from policies.kv_records import KVLifecycleConfig
 from policies.prefix_routing import RouteChoice
 
@@ -144,19 +144,21 @@ def make_router(prefill: FakePool, decode: FakePool, **kw: Any) -> Router:
     service = CountingService(
         lifecycle_config(),
         prefill=prefill,
-        drain_timeout_s=5.0,
+        settings=ServiceSettings(drain_timeout_s=5.0),
         clock=clock,
     )
     return Router(
         prefill=prefill,
         decode=decode,
         kv=service,
-        pull_timeout_s=kw.get("pull_timeout_s", 5.0),
+        settings=RouterSettings(
+            pull_timeout_s=kw.get("pull_timeout_s", 5.0),
+            block_size_tokens=kw.get("block_size_tokens", 16),
+            kv_bytes_per_token=kw.get("kv_bytes_per_token", 0),
+        ),
         clock=clock,
         prefill_routes=kw.get("prefill_routes"),
         session_tokens=SessionTokens(ttl_s=480),
-        block_size_tokens=kw.get("block_size_tokens", 16),
-        kv_bytes_per_token=kw.get("kv_bytes_per_token", 0),
     )
 
 
@@ -363,9 +365,8 @@ def test_prompts_above_the_threshold_decode_on_the_long_context_pool() -> None:
         prefill=prefill,
         decode=short,
         kv=base.kv,
-        pull_timeout_s=5.0,
+        settings=RouterSettings(pull_timeout_s=5.0, long_context_threshold_tokens=100),
         decode_long=long,
-        long_context_threshold_tokens=100,
     )
     reports = [asyncio.run(turn(router, list(range(n)), None)) for n in (100, 101, 250)]
     assert [r.decode_pool for r in reports] == ["decode", "decode_long", "decode_long"]
@@ -381,7 +382,7 @@ def test_a_long_context_pool_needs_its_threshold() -> None:
             prefill=pool,
             decode=pool,
             kv=make_router(pool, pool).kv,
-            pull_timeout_s=1.0,
+            settings=RouterSettings(pull_timeout_s=1.0),
             decode_long=pool,
         )
 

@@ -59,13 +59,17 @@ def _service_fields() -> set[str]:
     import asyncio
 
     from orchestrator.kv.decider import kv_lifecycle_config
-    from orchestrator.kv.service import KVService
+    from orchestrator.kv.service import KVService, ServiceSettings
 
     config = kv_lifecycle_config(
         ttl_s=480, safety_margin_s=15, recompute_threshold_tokens=64,
         kv_bytes_per_token=1, block_size_tokens=16,
     )  # fmt: skip
-    service = KVService(config, prefill=None, drain_timeout_s=1.0)
+    service = KVService(
+        config,
+        prefill=None,
+        settings=ServiceSettings(drain_timeout_s=1.0),
+    )
     return set(asyncio.run(service.stats())["service"])
 
 

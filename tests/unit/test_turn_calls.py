@@ -25,7 +25,7 @@ from orchestrator.kv.messages import Handover, TurnDone
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.service import API_METHODS, KVService
 from orchestrator.kv.session_tokens import NO_PREFIX, prefix_digest
-from orchestrator.router import Router, Turn
+from orchestrator.router import Router, RouterSettings, Turn
 
 CHAT = "/v1/chat/completions"
 
@@ -232,7 +232,12 @@ def test_a_turns_last_token_does_not_wait_for_its_hand_over_to_the_service() -> 
     c = held_cluster()
     service = c.service
     assert isinstance(service, HeldHandOver)
-    router = Router(prefill=c.prefill, decode=c.decode, kv=service, pull_timeout_s=5.0)
+    router = Router(
+        prefill=c.prefill,
+        decode=c.decode,
+        kv=service,
+        settings=RouterSettings(pull_timeout_s=5.0),
+    )
 
     async def story() -> None:
         chunks = [
@@ -270,7 +275,12 @@ def test_the_next_turn_waits_for_the_last_turns_hand_over_then_claims() -> None:
         c = held_cluster(handover_wait_s)
         service = c.service
         assert isinstance(service, HeldHandOver)
-        router = Router(prefill=c.prefill, decode=c.decode, kv=service, pull_timeout_s=5.0)
+        router = Router(
+            prefill=c.prefill,
+            decode=c.decode,
+            kv=service,
+            settings=RouterSettings(pull_timeout_s=5.0),
+        )
         assert (await service.begin_turn("s1", alice, S1_T1, None)).outcome == "claimed"
         async for _ in router.run_turn(
             Turn(prompt_token_ids=S1_T1, max_tokens=3, session_id="s1", request_id="r-1")
@@ -300,7 +310,12 @@ def test_a_failed_hand_over_is_counted_and_ends_the_sessions_claim() -> None:
             raise DeadlineExceeded("the KV service did not answer turn_done in time")
 
     service = c.new_service(Unreachable, handover_wait_s=0.0)
-    router = Router(prefill=c.prefill, decode=c.decode, kv=service, pull_timeout_s=5.0)
+    router = Router(
+        prefill=c.prefill,
+        decode=c.decode,
+        kv=service,
+        settings=RouterSettings(pull_timeout_s=5.0),
+    )
 
     async def story() -> str:
         assert (await service.begin_turn("s1", alice, S1_T1, None)).outcome == "claimed"
