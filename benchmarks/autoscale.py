@@ -30,7 +30,7 @@ and keeps a session's KV blocks after its turn until the session's next turn or 
 lease; a new engine serves ``--start-s`` after it is asked for. It prints, per policy:
 TTFT and ITL p90 against the targets and the share of turns within both (SLO
 attainment), replica-seconds per pool, turns failed, sessions whose KV a scale-in lost,
-and scaling events.
+and scaling events; then, per policy, which targets it met and by how much it missed.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orchestrator.cli.table import format_table
+from orchestrator.config import AutoscalingConfig
 from policies.autoscale import (
     POOLS,
     AutoscaleTargets,
@@ -77,6 +78,7 @@ TARGETS = AutoscaleTargets(
     decode=PoolBounds(min_replicas=1, max_replicas=8),
     engine_start_s=90.0,
     scale_down_window_s=60.0,
+    headroom=AutoscalingConfig().headroom,  # the config's default
 )
 
 
@@ -398,14 +400,20 @@ class Replay:
     """One policy over the trace: arrivals, pauses between a session's turns, and a
     decision every ``DECIDE_EVERY_S``."""
 
-    def __init__(self, name: str, start_s: float, static: dict[Pool, int] | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        start_s: float,
+        static: dict[Pool, int] | None,
+        headroom: float = TARGETS.headroom,
+    ) -> None:
         self.name = name
         self.static = static
         sizes = (static["prefill"], static["decode"]) if static else (1, 1)
         self.pools = Pools(start_s, *sizes)
         self.serve_default = ServeDefault() if name == "serve-default" else None
         self.states: dict[Pool, PoolState] = {}
-        self.targets = replace(TARGETS, engine_start_s=start_s)
+        self.targets = replace(TARGETS, engine_start_s=start_s, headroom=headroom)
         self.peak: dict[Pool, int] = {"prefill": sizes[0], "decode": sizes[1]}
         self.paused: list[tuple[float, Session]] = []
         self.pause_of: dict[int, int] = {}
@@ -483,13 +491,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--start-s", type=float, default=None, help="engine start time (90 s; --quick: 30 s)"
     )
+    parser.add_argument(
+        "--headroom",
+        type=float,
+        default=TARGETS.headroom,
+        help=f"kvtide's autoscaling.headroom ({TARGETS.headroom:g}, the config's default)",
+    )
     args = parser.parse_args(argv)
     start_s = args.start_s if args.start_s is not None else (30.0 if args.quick else 90.0)
     horizon = max(at for at, _, _ in trace(args.quick, args.seed)) + 300.0
     replays = []
     peak: dict[Pool, int] | None = None
     for name in ("kvtide", "serve-default", "static-peak"):
-        replay = Replay(name, start_s, peak if name == "static-peak" else None)
+        replay = Replay(name, start_s, peak if name == "static-peak" else None, args.headroom)
         replay.run(trace(args.quick, args.seed), horizon)
         if name == "kvtide":
             peak = replay.peak
@@ -497,10 +511,27 @@ def main(argv: list[str] | None = None) -> int:
     rows = [_summary(r.name, r.pools) for r in replays]
     print(
         f"targets: TTFT p90 {TARGETS.ttft_p90_s} s, ITL p90 {TARGETS.itl_p90_s} s; "
-        f"engine start {start_s:g} s; static peak: {peak}"
+        f"engine start {start_s:g} s; kvtide's headroom {args.headroom:g}; "
+        f"static peak: {peak}"
     )
     print(format_table(list(rows[0]), [[str(r[k]) for k in rows[0]] for r in rows]))
+    for row in rows:
+        print(_verdict(row))
     return 0
+
+
+def _verdict(row: dict[str, Any]) -> str:
+    """Which targets the policy met: each p90 against its target, by how much."""
+    parts = []
+    for key, target in (("ttft_p90_s", TARGETS.ttft_p90_s), ("itl_p90_s", TARGETS.itl_p90_s)):
+        if row[key] == "-":
+            parts.append(f"{key} not measured")
+            continue
+        value = float(row[key])
+        met = "met" if value <= target else f"missed by {value - target:.3f} s"
+        parts.append(f"{key} {value:.3f} s vs {target:g} s: {met}")
+    losses = f"{row['failed']} failed turns, {row['lost_sessions']} lost sessions"
+    return f"{row['policy']}: {'; '.join(parts)}; {losses}"
 
 
 if __name__ == "__main__":

@@ -25,6 +25,11 @@ What each pool needs:
   - ITL: when the engines' measured ITL is above target, the replicas that bring it to
     target with ITL proportional to the sequences per engine.
 
+With ``headroom`` the prompt tokens and the sequences are sized for ``(1 + headroom)`` x
+the load: a burst that arrives faster than an engine starts (the look-ahead sees it
+only once it is there) is served by the engines kept spare. Held KV gets none: it is
+not a load that bursts.
+
 Hysteresis, so that a steady load never flaps:
 
 * up at once, to what the load needs at the scale-up utilization;
@@ -93,6 +98,9 @@ class AutoscaleTargets:
     scale_down_window_s: float = 60.0
     scale_up_utilization: float = 0.8  # of an engine's seats, blocks, prefill rate
     scale_down_utilization: float = 0.6
+    # Spare capacity kept for a burst an engine asked for then cannot meet in time: the
+    # load signals (prompt tokens, sequences) size for (1 + headroom) x the load.
+    headroom: float = 0.0
 
     def bounds(self, pool: Pool) -> PoolBounds:
         return self.prefill if pool == "prefill" else self.decode
@@ -201,7 +209,7 @@ def decide(
 def _prefill_needs(
     sig: PoolSignals, targets: AutoscaleTargets, state: PoolState, now_s: float, util: float
 ) -> tuple[dict[Signal, int], float]:
-    capacity = sig.prefill_tokens_per_s_per_engine * util
+    capacity = sig.prefill_tokens_per_s_per_engine * util / (1 + targets.headroom)
     backlog = float(sig.queued_prompt_tokens)
     if capacity <= 0:
         return {}, backlog
@@ -220,7 +228,7 @@ def _decode_needs(
     sig: PoolSignals, targets: AutoscaleTargets, incoming: int, util: float
 ) -> dict[Signal, int]:
     needs: dict[Signal, int] = {}
-    seats = sig.max_num_seqs_per_engine * util
+    seats = sig.max_num_seqs_per_engine * util / (1 + targets.headroom)
     if seats > 0:
         seqs = sig.num_running_seqs + sig.num_waiting_seqs + incoming
         needs["running_seqs"] = _ceil(seqs / seats)

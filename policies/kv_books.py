@@ -5,7 +5,8 @@ methods, which are the only code that changes the books, so the invariants hold 
 each of them:
 
 - ``held_bytes[e]`` = sum of ``bytes_held`` over the records on engine ``e`` (current
-  records and records handed to a pull that has not resolved);
+  records and records handed to a pull that has not resolved), and ``held_blocks[e]``
+  the same over their block ids;
 - ``idle_bytes[e]`` = the same over current records of sessions with no turn running (a
   turn held for an ingress has not started: its record counts here, so the idle budget
   covers it), and ``idle_by_engine[e]`` holds exactly those sessions that are not held
@@ -57,6 +58,7 @@ class KVBooks:
         self._lease_ttl_s = lease_ttl_s
         self.sessions: dict[str, SessionState] = {}
         self.held_bytes: dict[str, int] = {}
+        self.held_blocks: dict[str, int] = {}
         self.idle_bytes: dict[str, int] = {}
         self.idle_by_engine: dict[str, DeadlineHeap] = {}
         self.sessions_by_engine: dict[str, set[str]] = {}
@@ -96,7 +98,7 @@ class KVBooks:
         session.record = record
         session.lost_reason = None
         session.evicted = None
-        _add(self.held_bytes, record.engine_id, record.bytes_held)
+        self._hold(record, 1)
         self.sessions_by_engine.setdefault(record.engine_id, set()).add(session_id)
         self.offer_deadlines.set(session_id, record.offer_deadline_s(self._safety_margin_s))
         if session.held:
@@ -108,7 +110,7 @@ class KVBooks:
         record = session.record
         assert record is not None
         session.record = None
-        _add(self.held_bytes, record.engine_id, -record.bytes_held)
+        self._hold(record, -1)
         engine_sessions = self.sessions_by_engine[record.engine_id]
         engine_sessions.discard(session_id)
         if not engine_sessions:
@@ -124,7 +126,7 @@ class KVBooks:
         """Hand the current record to a prefill: no longer offered, still booked."""
         record = self.detach(session_id, session)
         session.pulling = record
-        _add(self.held_bytes, record.engine_id, record.bytes_held)
+        self._hold(record, 1)
         self.pull_deadlines.set(session_id, record.expiry_s)
         return record
 
@@ -136,9 +138,13 @@ class KVBooks:
         record = session.pulling
         assert record is not None
         session.pulling = None
-        _add(self.held_bytes, record.engine_id, -record.bytes_held)
+        self._hold(record, -1)
         self.pull_deadlines.discard(session_id)
         return record
+
+    def _hold(self, record: KVRecord, sign: int) -> None:
+        _add(self.held_bytes, record.engine_id, sign * record.bytes_held)
+        _add(self.held_blocks, record.engine_id, sign * len(record.block_ids))
 
     def prune(self, now_s: float) -> None:
         """Drop idle-index entries that time has passed (see `DeadlineHeap`).

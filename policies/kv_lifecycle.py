@@ -21,7 +21,8 @@ so), ``on_engine_lost``. Every started turn must end with ``on_turn_finished`` o
 
 Books kept (invariants checked by the tests after every call):
 - ``bytes_held(e)`` = sum of ``bytes_held`` over records booked on engine ``e``,
-  including records handed to a pull that has not resolved yet;
+  including records handed to a pull that has not resolved yet (``blocks_held(e)``: the
+  same over their block ids);
 - ``idle_bytes(e)`` = the same over sessions with no turn running (a turn ``hold`` keeps
   for an ingress has not started), and never above ``idle_budget_bytes_per_engine``
   after a call returns: a held record is never evicted, so a newer idle record goes
@@ -555,6 +556,11 @@ class KVLifecycle:
     def bytes_held(self, engine_id: str) -> int:
         """Bytes booked on the engine, including records with a pull in flight."""
         return self._books.held_bytes.get(engine_id, 0)
+
+    def blocks_held(self, engine_id: str) -> int:
+        """The engine's blocks those records name: what it keeps for sessions between
+        turns (the autoscaler's paused-session demand)."""
+        return self._books.held_blocks.get(engine_id, 0)
 
     def idle_bytes(self, engine_id: str) -> int:
         """Bytes booked on the engine by sessions with no turn in flight."""

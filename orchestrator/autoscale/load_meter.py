@@ -8,7 +8,8 @@ counters into what the policy sizes by: rates between two readings (prompt token
 computed per second, and the engine's prefill rate while it was busy throughout; tokens
 generated per second, and from them the mean inter-token latency), the prompt tokens
 this host has taken and not finished (the prefill backlog), the KV blocks in use and
-those kept for paused sessions (the ledger's), and how long the engine took to start.
+those kept for paused sessions (what the KV service books on the engine,
+``EngineLedger.num_kept_blocks``), and how long the engine took to start.
 Single-threaded (the host's event loop); the clock is the host's, passed in.
 """
 

@@ -70,6 +70,14 @@ class AutoscalingConfig(StrictSection):
         description="The pool scales in only when the load fits the smaller pool at this "
         "share (below scale_up_utilization: the band between holds).",
     )
+    headroom: float = Field(
+        0.5,
+        ge=0,
+        le=10,
+        description="Spare capacity kept for bursts, as a share of the load: the prefill "
+        "rate and the sequences are sized for (1 + headroom) x the load (0: none). A "
+        "burst arriving faster than a new engine starts is served by the headroom alone.",
+    )
     prefill_tokens_per_s: float = Field(
         2000.0,
         gt=0,
@@ -112,4 +120,5 @@ class AutoscalingConfig(StrictSection):
             scale_down_window_s=self.scale_down_window_s,
             scale_up_utilization=self.scale_up_utilization,
             scale_down_utilization=self.scale_down_utilization,
+            headroom=self.headroom,
         )

@@ -35,7 +35,7 @@ from orchestrator.kv.envelope import decode_result, dispatch, encode_call
 from orchestrator.kv.host_nodes import NodeStores, app_store_names
 from orchestrator.kv.host_tier import HostTierSpec, lookup_host_store
 from orchestrator.kv.kept_check import KeptLedger, check_kept
-from orchestrator.kv.messages import LedgerReport
+from orchestrator.kv.messages import Beat, LedgerReport
 from orchestrator.kv.service import (
     API_METHODS,
     KVService,
@@ -358,6 +358,8 @@ class EpochWatcher:
     to their holders (``peer_reads``): for engines that cannot see their peers' reads.
     With ``kept`` (a decode host's ledger), each beat then asks about the entries past
     their grace and sends those no hand-over booked to be drained (``check_kept``).
+    ``booked`` is told, with each beat of an epoch this host has reported to, the blocks
+    the service books on its engine (``Beat.kept_blocks``).
     """
 
     def __init__(
@@ -374,8 +376,10 @@ class EpochWatcher:
         reads: Callable[[], list[tuple[str, str]]] | None = None,
         peers_read: Callable[[list[str]], Awaitable[None]] | None = None,
         kept: KeptLedger | None = None,
+        booked: Callable[[int], None] | None = None,
     ) -> None:
         self.kept = kept
+        self.booked = booked
         self.reads = reads
         self.peers_read = peers_read
         self._unsent_reads: list[tuple[str, str]] = []
@@ -397,11 +401,15 @@ class EpochWatcher:
         if handle is None:
             return False
         if self.engine_id is None:
-            call = handle.epoch.remote()
+            epoch = await asyncio.wait_for(handle.epoch.remote(), self.timeout_s)
         else:
             stats = None if self.stats is None else self.stats()
             call = handle.heartbeat.remote(self.engine_id, self.node_ids, stats)
-        epoch = await asyncio.wait_for(call, self.timeout_s)
+            beat: Beat = await asyncio.wait_for(call, self.timeout_s)
+            epoch = beat.epoch
+            if self.booked is not None and epoch == self.reported_epoch:
+                # (A new epoch books this engine's KV from the ledger reported below.)
+                self.booked(beat.kept_blocks)
         if self.engine_id is not None and self.reads is not None and self.peers_read:
             self._unsent_reads += self.reads()
             freed = await asyncio.wait_for(

@@ -15,6 +15,7 @@ from engines.kv_params import KVTransferParams
 from policies.kv_records import RecomputeReason
 
 __all__ = [
+    "Beat",
     "Claim",
     "Handover",
     "IntegrityMismatch",
@@ -184,6 +185,16 @@ class LeaseWatch(msgspec.Struct, frozen=True, kw_only=True):
     # The engines no turn pulls from (an integrity check turned their reuse off): the
     # lessee's provisional leases plan recompute for their records.
     reuse_off: list[str] = []
+
+
+class Beat(msgspec.Struct, frozen=True, kw_only=True):
+    """The service's answer to an engine host's heartbeat: its epoch (a new one: report
+    the ledger), and the blocks of the engine's that its books hold for sessions between
+    turns (records not yet pulled, expired or evicted): exact where the host's ledger
+    counts each kept entry until its TTL."""
+
+    epoch: str
+    kept_blocks: int = 0
 
 
 class KeptBlocks(msgspec.Struct, frozen=True, kw_only=True):

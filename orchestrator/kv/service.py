@@ -47,6 +47,7 @@ from orchestrator.kv.integrity import ReuseOff
 from orchestrator.kv.kept_check import KeptCheck, KeptRef, KeptVerdict
 from orchestrator.kv.lease_desk import LeaseDesk
 from orchestrator.kv.messages import (
+    Beat,
     Claim,
     Handover,
     IntegrityMismatch,
@@ -158,7 +159,7 @@ class KVServiceAPI(Protocol):
 
     async def heartbeat(
         self, engine_id: str, node_ids: Sequence[str] = (), stats: dict[str, Any] | None = None
-    ) -> str: ...
+    ) -> Beat: ...
 
     async def kept_check(self, refs: list[KeptRef]) -> KeptVerdict: ...
 
@@ -544,11 +545,12 @@ class KVService:
 
     async def heartbeat(
         self, engine_id: str, node_ids: Sequence[str] = (), stats: dict[str, Any] | None = None
-    ) -> str:
+    ) -> Beat:
         """An engine host is alive (it calls this every second) with its shards on
-        ``node_ids`` and its engine's counters ``stats``; returns the epoch."""
+        ``node_ids`` and its engine's counters ``stats``; returns the epoch and the
+        blocks booked on the engine for sessions between turns."""
         self.engines.heartbeat(engine_id, node_ids, stats, self.clock())
-        return self.epoch
+        return Beat(epoch=self.epoch, kept_blocks=self.decider.lifecycle.blocks_held(engine_id))
 
     async def kept_check(self, refs: list[KeptRef]) -> KeptVerdict:
         """A decode host's kept entries, past their grace: which no hand-over booked

@@ -260,6 +260,7 @@ class EngineHost:
             reads=self.ledger.take_reads if config.backend == "simulated" else None,
             peers_read=self.engine.peers_read,
             kept=self.ledger if role == "decode" else None,
+            booked=self.ledger.booked if role == "decode" else None,
         )
         self._watcher = asyncio.get_running_loop().create_task(watcher.run_forever())
 

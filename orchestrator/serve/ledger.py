@@ -32,10 +32,14 @@ from orchestrator.bounded import BoundedMap
 from orchestrator.kv.kept_check import KeptRef
 from orchestrator.kv.messages import KeptBlocks, LedgerReport
 
-__all__ = ["MAX_UNSENT_READS", "EngineLedger"]
+__all__ = ["BOOKED_FOR_S", "MAX_UNSENT_READS", "EngineLedger"]
 
 MAX_UNSENT_READS = 100_000
 """Reads kept for a KV service that does not answer (their blocks then expire at the TTL)."""
+
+BOOKED_FOR_S = 10.0
+"""How long the service's figure of the blocks it books on the engine stands (it answers
+every heartbeat, each second); a service silent longer: the ledger's own count."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,7 @@ class EngineLedger:
         # Kept entries not checked yet (finish order), and those to ask about again.
         self._unchecked: deque[tuple[str, str]] = deque()
         self._again: set[tuple[str, str]] = set()
+        self._booked: tuple[float, int] | None = None  # when, and the service's figure
 
     def __len__(self) -> int:
         return len(self._kept) + len(self._consumed)
@@ -150,11 +155,21 @@ class EngineLedger:
         reads, self._reads = list(self._reads), deque(maxlen=MAX_UNSENT_READS)
         return reads
 
+    def booked(self, num_blocks: int) -> None:
+        """The blocks the KV service books on this engine now (a heartbeat's answer)."""
+        self._booked = (self.clock(), num_blocks)
+
     def num_kept_blocks(self) -> int:
-        """Blocks this decode engine keeps for sessions between turns (until their TTL;
-        a read by a peer that this host does not see counts until then)."""
-        self._prune(self.clock())
-        return sum(len(k.block_ids) for _, k in self._kept.items())
+        """Blocks this decode engine keeps for sessions between turns: what the KV
+        service booked on it at its last answer, within ``BOOKED_FOR_S``. Without one,
+        each entry until its TTL: an upper bound, as a read by a peer that this host
+        does not see (a prefill's pull on vLLM) counts until then."""
+        now = self.clock()
+        self._prune(now)
+        kept = sum(len(k.block_ids) for _, k in self._kept.items())
+        if self._booked is not None and now - self._booked[0] <= BOOKED_FOR_S:
+            return min(kept, self._booked[1])
+        return kept
 
     def due_checks(self) -> list[KeptRef]:
         """The kept entries ``check_grace_s`` old or more not checked yet, and those the

@@ -26,6 +26,7 @@ def test_the_section_becomes_the_policys_targets() -> None:
                 "decode": {"min_replicas": 1, "max_replicas": 3},
                 "engine_start_s": 90,
                 "scale_down_window_s": 120,
+                "headroom": 0.25,
             },
         }
     )
@@ -34,6 +35,8 @@ def test_the_section_becomes_the_policys_targets() -> None:
     assert targets.prefill == PoolBounds(min_replicas=1, max_replicas=8)
     assert targets.decode == PoolBounds(min_replicas=1, max_replicas=3)
     assert targets.engine_start_s == 90 and targets.scale_down_window_s == 120
+    assert targets.headroom == 0.25
+    assert parse_config({}).autoscaling.targets().headroom == 0.5  # the default
     # The start time measured at the last start replaces the configured one.
     assert cfg.autoscaling.targets(engine_start_s=42.0).engine_start_s == 42.0
 
@@ -43,6 +46,7 @@ def test_the_section_becomes_the_policys_targets() -> None:
     [
         ({"autoscaling": {"ttft_p90_s": 0}}, "autoscaling.ttft_p90_s", "greater than 0"),
         ({"autoscaling": {"bogus": 1}}, "autoscaling.bogus", "remove it"),
+        ({"autoscaling": {"headroom": -0.5}}, "autoscaling.headroom", "greater than or equal"),
         (
             {"autoscaling": {"decode": {"min_replicas": 3, "max_replicas": 2}}},
             "autoscaling.decode",

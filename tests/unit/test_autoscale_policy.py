@@ -115,6 +115,29 @@ def test_a_steady_load_never_flaps() -> None:
         assert last["prefill"].action == "hold" and last["decode"].action == "hold"
 
 
+def test_headroom_keeps_engines_spare_for_a_burst_and_a_steady_load_still_never_flaps() -> None:
+    spare = replace(TARGETS, headroom=0.5)
+    # 600 prompt tokens/s with 120 queued (drained in 1 s) and 10 sequences (+ 2 in
+    # prefill) fit one engine of each at 80 %; with half the load again kept spare:
+    # 1,080 / 800 → 2 and 18 / 12.8 → 2. KV held for paused sessions is not a load that
+    # bursts: no headroom for it.
+    load = steady(600.0, 10)
+    load["decode"] = replace(load["decode"], kv_blocks_held=400)
+    bare = decide(load, TARGETS, {}, now_s=0.0)
+    kept = decide(load, spare, {}, now_s=0.0)
+    assert (bare["prefill"].desired_replicas, bare["decode"].desired_replicas) == (1, 1)
+    assert (kept["prefill"].desired_replicas, kept["decode"].desired_replicas) == (2, 2)
+    assert kept["decode"].signal == "running_seqs"
+    held_only = {"prefill": prefill(1), "decode": decode(1, held_blocks=700)}
+    assert decide(held_only, spare, {}, now_s=0.0)["decode"].desired_replicas == 1
+    # The band holds with headroom as without: ten minutes of one load settle once.
+    for rate, seqs in ((2000.0, 30), (1600.0, 25), (700.0, 10), (2390.0, 36)):
+        cluster = Cluster(spare)
+        list(cluster.run(steady(rate, seqs), 600))
+        assert cluster.changes("prefill") <= 1 and cluster.changes("decode") <= 1
+        assert cluster.log[-1]["prefill"].action == cluster.log[-1]["decode"].action == "hold"
+
+
 def test_a_load_wobbling_inside_the_band_holds() -> None:
     # Settled at 3 decode engines for 34 sequences, the load wobbles between 24 and 34
     # sequences tick by tick: 24 still needs 3 at the scale-down utilization (60 %).

@@ -25,6 +25,7 @@ ON = {
         "decode": {"min_replicas": 1, "max_replicas": 4},
         "interval_s": 2,
         "scale_down_window_s": 10,
+        "headroom": 0,  # the figures below size the load alone
     },
     "prefill": {"max_num_seqs": 8},
     "decode": {"max_num_seqs": 10},

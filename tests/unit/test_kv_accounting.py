@@ -183,6 +183,8 @@ class Model:
                 if r.engine_id == engine_id and self.in_flight[r.session_id] == 0
             )
             assert kv.bytes_held(engine_id) == held
+            blocks = sum(len(r.block_ids) for r in records + pulls if r.engine_id == engine_id)
+            assert kv.blocks_held(engine_id) == blocks
             assert kv.idle_bytes(engine_id) == idle
             assert idle <= (CONFIG.idle_budget_bytes_per_engine or 0)
         stats = kv.stats()

@@ -20,7 +20,7 @@ from engines.base import GenerateChunk, GenerateRequest
 from engines.kv_params import KVTransferParams
 from orchestrator.kv.actor import EpochWatcher
 from orchestrator.kv.decider import kv_lifecycle_config
-from orchestrator.kv.messages import LedgerReport, TurnDone
+from orchestrator.kv.messages import Beat, LedgerReport, TurnDone
 from orchestrator.kv.service import KVService, ServiceSettings
 from orchestrator.router import Router, RouterSettings, Turn, TurnReport
 from orchestrator.serve.ledger import EngineLedger
@@ -344,7 +344,8 @@ def test_sessions_on_a_lost_engine_recompute_at_once_instead_of_pulling() -> Non
 
     async def run() -> None:
         assert (await c.turn(S1_T1, "s1")).kv_plan == "recompute"
-        assert await c.service.heartbeat("D", node_ids=["node-6", "node-7"]) == c.service.epoch
+        beat = await c.service.heartbeat("D", node_ids=["node-6", "node-7"])
+        assert beat.epoch == c.service.epoch
         assert c.service.decider.lifecycle.record("s1") is not None
         # Ray reports node-7 dead: a rank of the decode engine was there, so the engine
         # and the KV it kept are gone.
@@ -388,9 +389,9 @@ def test_an_engine_host_heartbeat_carries_its_engine_and_node() -> None:
     handle = FakeServiceHandle()
     beats: list[tuple[str, list[str]]] = []
 
-    def beat(engine_id: str, node_ids: list[str], stats: Any = None) -> str:
+    def beat(engine_id: str, node_ids: list[str], stats: Any = None) -> Beat:
         beats.append((engine_id, node_ids))
-        return handle.current_epoch
+        return Beat(epoch=handle.current_epoch)
 
     handle.heartbeat = _Method(beat)  # type: ignore[attr-defined]
     report = LedgerReport(engine_id="decode-0", role="decode")
