@@ -344,6 +344,8 @@ class StepChannels:
         loop.call_soon_threadsafe(on_loop)
 
     def _end_gone(self) -> None:
+        if not self._gone:
+            return  # every request's detach comes here: nothing to build in service
         for replica in self._gone & set(self._streams):
             if not self._members.get(replica):
                 log.info("ending the step stream to %s: Serve is stopping it", replica)

@@ -124,13 +124,13 @@ class KeptCheck:
         key = _key(params)
         if key is not None:
             now = self.clock()
-            self._expire(now)
+            self._seen.expire(now)
             self._remember(key, BOOKED, now)
 
     def check(self, refs: Sequence[KeptRef]) -> KeptVerdict:
         """Which of a decode host's entries nobody booked (see the module)."""
         now = self.clock()
-        self._expire(now)
+        self._seen.expire(now)
         orphans: list[tuple[str, str]] = []
         later: list[tuple[str, str]] = []
         for ref in refs:
@@ -175,9 +175,6 @@ class KeptCheck:
     def _remember(self, key: tuple[str, str], state: str, now: float) -> None:
         if self._seen.put(key, state, expires_s=now + self.retention_s):
             self._forgot_before_s = now  # dropped by count: anything older is unknown
-
-    def _expire(self, now: float) -> None:
-        self._seen.expire(now)
 
 
 async def check_kept(handle: Any, ledger: KeptLedger, timeout_s: float) -> int:

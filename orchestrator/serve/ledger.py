@@ -193,13 +193,12 @@ class EngineLedger:
     def check_again(self, keys: Sequence[tuple[str, str]]) -> None:
         """Ask about these entries (engine and request ids) at the next check: their
         turn may still hand over."""
-        self._again.update((e, r) for e, r in keys)
+        self._again.update((e, r) for e, r in keys)  # tuples: a Ray call may send lists
 
     def kept(self, keys: Sequence[tuple[str, str]]) -> list[KeptBlocks]:
         """These entries whole, those the ledger still has."""
         now = self.clock()
-        pairs = [(e, r) for e, r in keys]
-        return [self._whole(key, k, now) for key in pairs if (k := self._kept.get(key))]
+        return [self._whole((e, r), k, now) for e, r in keys if (k := self._kept.get((e, r)))]
 
     def _ref(self, key: tuple[str, str], now: float) -> KeptRef:
         kept = self._kept.get(key)
