@@ -92,6 +92,7 @@ class _ServiceActor:
         turn_lease_s: float = 0.0,
         session_state_max_bytes: int | None = None,
         host_tier: HostTierSpec | None = None,
+        call_timeout_s: float = 30.0,
     ) -> None:
         self.metrics = make_metrics(observability)
         self.host_tier = host_tier
@@ -123,6 +124,8 @@ class _ServiceActor:
                 running_grace_s=running_grace_s,
                 turn_lease_s=turn_lease_s,
                 session_state_max_bytes=session_state_max_bytes,
+                # A host's kept-blocks check arrives within its call deadline.
+                kept_check_margin_s=call_timeout_s,
             ),
             store=BoundedStore(RayKVStore(f"{SERVICE_NAMESPACE}-{service_name(app_name)}")),
             host=self.stores,
@@ -254,6 +257,7 @@ def get_or_create_service(
     turn_lease_s: float = 0.0,
     session_state_max_bytes: int | None = None,
     host_tier: HostTierSpec | None = None,
+    call_timeout_s: float = 30.0,
 ) -> ActorHandle:
     """The application's service actor; the first caller creates it, and waits for it
     to answer at most ``timeout_s`` (a new actor starts a Ray worker process: on a host
@@ -275,6 +279,7 @@ def get_or_create_service(
         turn_lease_s,
         session_state_max_bytes,
         host_tier,
+        call_timeout_s,
     )
     options = {
         "name": service_name(app_name),

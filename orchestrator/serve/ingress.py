@@ -252,6 +252,7 @@ class Ingress:
                 timeout_s=kv.service_start_timeout_s,
                 turn_lease_s=kv.turn_lease_s,
                 host_tier=host_tier_spec(config),
+                call_timeout_s=kv.service_timeout_s,
             ),
             timeout_s=kv.service_timeout_s,
         )
