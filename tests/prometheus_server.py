@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -26,6 +27,7 @@ needs_prometheus = pytest.mark.skipif(
     "docs/observability.md#dashboards)",
 )
 
+READY_TIMEOUT_S = 60.0
 _LABEL_VALUES = re.compile(r"label_values\((\w+), *(\w+)\)")
 
 
@@ -54,12 +56,30 @@ def running_prometheus(target: str, tmp_path: Path) -> Iterator[int]:
             stderr=subprocess.STDOUT,
         )
         try:
+            _wait_ready(proc, port, log_path)
             yield port
         finally:
             proc.terminate()
             proc.wait(timeout=30)
         if proc.returncode not in (0, -15):
             pytest.fail(f"prometheus exited {proc.returncode}: {log_path.read_text()}")
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], port: int, log_path: Path) -> None:
+    """Until Prometheus says it is ready: before that its query API answers 503 (the
+    TSDB is still opening), which a query would take as a refusal."""
+    url = f"http://127.0.0.1:{port}/-/ready"
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"prometheus exited {proc.returncode}: {log_path.read_text()}")
+        with contextlib.suppress(OSError):  # HTTPError (503 while starting) is an OSError
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        if time.monotonic() > deadline:
+            pytest.fail(f"prometheus not ready after {READY_TIMEOUT_S}s: {log_path.read_text()}")
+        time.sleep(0.2)
 
 
 def as_promql(expr: str, window: str) -> str:
@@ -71,16 +91,14 @@ def as_promql(expr: str, window: str) -> str:
     return expr.replace("$__rate_interval", window).replace("$pool", ".*")
 
 
-def query(port: int, expr: str) -> list[dict[str, Any]] | None:
-    """The instant vector ``expr`` gives now; None while Prometheus is not listening.
-    A query Prometheus refuses fails the test, with Prometheus's reason."""
+def query(port: int, expr: str) -> list[dict[str, Any]]:
+    """The instant vector ``expr`` gives now (Prometheus is ready: running_prometheus waits
+    for it). A query Prometheus refuses fails the test, with Prometheus's reason."""
     url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
             answer = json.load(response)
     except urllib.error.HTTPError as exc:
         pytest.fail(f"{expr}: {exc.code} {exc.read().decode()}")
-    except OSError:
-        return None
     result: list[dict[str, Any]] = answer["data"]["result"]
     return result

@@ -45,8 +45,8 @@ FED = {
 }
 
 
-def _values(result: list[dict[str, Any]] | None) -> list[float]:
-    return [float(series["value"][1]) for series in result or []]
+def _values(result: list[dict[str, Any]]) -> list[float]:
+    return [float(series["value"][1]) for series in result]
 
 
 def _shown(values: list[float]) -> bool:
@@ -111,8 +111,8 @@ def test_the_dashboards_show_a_running_kvtides_turns(
             wait_for(every_fed_panel_shows_the_turns, 60, "the turns on every panel they feed")
         missing = {t: vs for t, vs in shown.items() if not any(_shown(v) for v in vs)}
         assert not missing, f"panels without the turns: {missing}"
-        # Every other query is valid PromQL over kvtide's series (query fails the test on
-        # a query Prometheus refuses).
+        # Every other query is valid PromQL over kvtide's series: query fails the test on
+        # a query Prometheus refuses, with Prometheus's reason.
         for dashboard in DASHBOARDS:
             for expr in queries_of(dashboard):
-                assert query(port, as_promql(expr, WINDOW)) is not None, expr
+                query(port, as_promql(expr, WINDOW))

@@ -211,7 +211,7 @@ def test_prometheus_answers_every_panel_from_kvtides_exposition(
     exprs = {
         expr: as_promql(expr, "10s") for dashboard in DASHBOARDS for expr in queries_of(dashboard)
     }
-    answers: dict[str, list[dict[str, Any]] | None] = {}
+    answers: dict[str, list[dict[str, Any]]] = {}
 
     def every_query_answers() -> bool:
         answers.update({expr: query(port, promql) for expr, promql in exprs.items()})
@@ -224,7 +224,7 @@ def test_prometheus_answers_every_panel_from_kvtides_exposition(
     empty = [expr for expr in exprs if not answers.get(expr)]
     assert not empty, f"no data for: {empty}"
     for expr, result in answers.items():
-        for series in result or []:
+        for series in result:
             assert math.isfinite(float(series["value"][1])), (expr, series)
 
 
