@@ -77,7 +77,20 @@ class KVTideError(Exception):
     │                               RuntimeError)
     └── LeaseRefused                the service refused a turn's lease use; the turn runs
                                     again through begin_turn (router.turn_report)
+
+    Every one survives a pickle round trip (Ray and Serve pickle what an actor or a
+    replica raises): it is rebuilt from its args and attributes, not by calling its
+    ``__init__`` again, whose keyword-only fields the args do not carry.
     """
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuilt, (type(self), self.args), self.__dict__ or None)
+
+
+def _rebuilt(cls: type[BaseException], args: tuple[object, ...]) -> BaseException:
+    error = cls.__new__(cls)
+    error.args = args  # pickle sets the attributes after
+    return error
 
 
 class ConfigError(KVTideError, ValueError):

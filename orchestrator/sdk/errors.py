@@ -54,7 +54,18 @@ RETRYABLE_CODES = {409: "turn_in_progress", 429: "concurrency_limit_exceeded"}
 
 
 class KVTideSDKError(Exception):
-    """The root of every error the SDK raises: ``except KVTideSDKError`` catches them all."""
+    """The root of every error the SDK raises: ``except KVTideSDKError`` catches them all.
+    Each survives a pickle round trip (a worker process or a Ray task that raises one),
+    rebuilt from its args and attributes rather than by its ``__init__``."""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuilt, (type(self), self.args), self.__dict__ or None)
+
+
+def _rebuilt(cls: type[BaseException], args: tuple[object, ...]) -> BaseException:
+    error = cls.__new__(cls)
+    error.args = args  # pickle sets the attributes after
+    return error
 
 
 class InvalidArgumentError(KVTideSDKError, ValueError, TypeError):
