@@ -12,6 +12,7 @@ their ledgers when it changes (``EpochWatcher``), and the service rebuilds from 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import inspect
 import logging
@@ -51,6 +52,7 @@ __all__ = [
     "EpochWatcher",
     "KVServiceActor",
     "ServiceClient",
+    "ServiceSetup",
     "get_or_create_service",
     "service_client",
     "service_name",
@@ -74,6 +76,24 @@ def host_store_prefix(app_name: str) -> str:
     return f"kvtide-host-{app_name or 'default'}"
 
 
+@dataclasses.dataclass(frozen=True)
+class ServiceSetup:
+    """What a service actor was started with, but the prefill pool's handles and the
+    app's name: an actor found running with another setup (a redeploy that changed any
+    of these) is replaced."""
+
+    config: KVLifecycleConfig
+    drain_timeout_s: float
+    num_prefill_engines: int
+    observability: ObservabilityConfig | None
+    replay_max_bytes: int
+    running_grace_s: float
+    turn_lease_s: float
+    session_state_max_bytes: int | None
+    host_tier: HostTierSpec | None
+    call_timeout_s: float
+
+
 class _ServiceActor:
     """The Ray actor around ``KVService``. Its API methods are not written here: they are
     added from ``API_METHODS`` below, each forwarding to the service (and starting the
@@ -94,6 +114,18 @@ class _ServiceActor:
         host_tier: HostTierSpec | None = None,
         call_timeout_s: float = 30.0,
     ) -> None:
+        self.setup = ServiceSetup(
+            config=config,
+            drain_timeout_s=drain_timeout_s,
+            num_prefill_engines=num_prefill_engines,
+            observability=observability,
+            replay_max_bytes=replay_max_bytes,
+            running_grace_s=running_grace_s,
+            turn_lease_s=turn_lease_s,
+            session_state_max_bytes=session_state_max_bytes,
+            host_tier=host_tier,
+            call_timeout_s=call_timeout_s,
+        )
         self.metrics = make_metrics(observability)
         self.host_tier = host_tier
         if host_tier is None:
@@ -200,19 +232,9 @@ class _ServiceActor:
         this actor's own entry point for it (which starts the tick)."""
         return await dispatch(self, message)
 
-    async def config(
-        self,
-    ) -> tuple[KVLifecycleConfig, int, float, int | None, HostTierSpec | None]:
-        """The lifecycle config this instance runs with, its replay budget, how long its
-        turn leases last, its sessions' state budget and its host tier."""
-        service = self.service
-        return (
-            service.decider.lifecycle.config,
-            service.replays.max_bytes,
-            service.leases.lasts_s,
-            service.tokens.max_bytes,
-            self.host_tier,
-        )
+    async def config(self) -> ServiceSetup:
+        """What this instance was started with."""
+        return self.setup
 
     async def wait_drains(self) -> None:
         await self.service.wait_drains()
@@ -263,24 +285,26 @@ def get_or_create_service(
     to answer at most ``timeout_s`` (a new actor starts a Ray worker process: on a host
     busy loading engines that can take tens of seconds).
 
-    An actor left by an earlier deployment of the app that runs another config (a
-    redeploy with a changed ``kv`` section) is replaced: it is killed, and the new one
+    An actor left by an earlier deployment of the app that runs another setup (a
+    redeploy with a changed ``kv`` section, request deadline, prefill pool size or
+    observability: every ``ServiceSetup`` field) is replaced: it is killed, and the new one
     rebuilds its books as after any restart (the engines' ledgers, the owners and replays
     in Ray's GCS), so nothing it booked is lost."""
-    args = (
-        config,
-        prefill,
-        drain_timeout_s,
-        num_prefill_engines,
-        observability,
-        app_name,
-        replay_max_bytes,
-        running_grace_s,
-        turn_lease_s,
-        session_state_max_bytes,
-        host_tier,
-        call_timeout_s,
+    setup = ServiceSetup(
+        config=config,
+        drain_timeout_s=drain_timeout_s,
+        num_prefill_engines=num_prefill_engines,
+        observability=observability,
+        replay_max_bytes=replay_max_bytes,
+        running_grace_s=running_grace_s,
+        turn_lease_s=turn_lease_s,
+        session_state_max_bytes=session_state_max_bytes,
+        host_tier=host_tier,
+        call_timeout_s=call_timeout_s,
     )
+    # The actor's parameters by name: the setup's fields, the handles and the app.
+    kwargs = {f.name: getattr(setup, f.name) for f in dataclasses.fields(setup)}
+    kwargs.update(prefill=prefill, app_name=app_name)
     options = {
         "name": service_name(app_name),
         "namespace": SERVICE_NAMESPACE,
@@ -290,10 +314,8 @@ def get_or_create_service(
         # every session's next turn) through a restart.
         "resources": {HEAD_NODE_RESOURCE_NAME: 0.001},
     }
-    handle = KVServiceActor.options(**options).remote(*args)  # type: ignore[attr-defined]
-    running = ray.get(handle.config.remote(), timeout=timeout_s)
-    wanted = (config, replay_max_bytes, turn_lease_s, session_state_max_bytes, host_tier)
-    if tuple(running) != wanted:
+    handle = KVServiceActor.options(**options).remote(**kwargs)  # type: ignore[attr-defined]
+    if ray.get(handle.config.remote(), timeout=timeout_s) != setup:
         log.warning("KV service %s runs another config: replacing it", service_name(app_name))
         ray.kill(handle, no_restart=True)
         deadline = time.monotonic() + timeout_s
@@ -301,7 +323,7 @@ def get_or_create_service(
             if time.monotonic() > deadline:
                 raise ServiceUnavailable("the previous KV service did not stop in time")
             time.sleep(0.1)
-        handle = KVServiceActor.options(**options).remote(*args)  # type: ignore[attr-defined]
+        handle = KVServiceActor.options(**options).remote(**kwargs)  # type: ignore[attr-defined]
     return handle  # type: ignore[no-any-return]
 
 

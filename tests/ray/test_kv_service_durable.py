@@ -130,9 +130,20 @@ def test_a_changed_config_replaces_the_service_and_keeps_its_owners(fake: FakeCl
         "redeploy-test", changed, None, drain_timeout_s=5.0, num_prefill_engines=1
     )
     assert ray.get(new.epoch.remote()) != epoch
-    assert ray.get(new.config.remote())[0] == changed
+    assert ray.get(new.config.remote()).config == changed
     kv = service_client(new, timeout_s=30.0)
     assert asyncio.run(kv.claim_session("s1", MALLORY)).outcome == "not_found"
+    # A redeploy that changes only the request deadline (how long a running turn's
+    # claim holds) or the hosts' call deadline (the kept-blocks check's margin): the
+    # running actor would keep the old ones, so it is replaced too.
+    for change in ({"running_grace_s": 30.0}, {"call_timeout_s": 5.0}):
+        epoch = ray.get(new.epoch.remote())
+        new = get_or_create_service(
+            "redeploy-test", changed, None, drain_timeout_s=5.0, num_prefill_engines=1, **change
+        )
+        assert ray.get(new.epoch.remote()) != epoch, change
+        setup = ray.get(new.config.remote())
+        assert all(getattr(setup, k) == v for k, v in change.items()), (change, setup)
     ray.kill(new, no_restart=True)
 
 
