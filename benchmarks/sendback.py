@@ -310,11 +310,11 @@ def service_speed(
     if with_actor:
         import ray
 
-        from orchestrator.kv.actor import KVServiceActor, ServiceClient
+        from orchestrator.kv.actor import KVServiceActor, ServiceClient, ServiceSetup
 
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
-            actor = KVServiceActor.remote(_service_config(), None, 5.0, 1)  # type: ignore[attr-defined]
+            actor = KVServiceActor.remote(ServiceSetup(_service_config(), 5.0, 1), None)  # type: ignore[attr-defined]
             client = ServiceClient(actor)
             asyncio.run(populate(client))
             for concurrency in (1, 16):

@@ -70,13 +70,13 @@ async def _timed(step: Callable[[], Awaitable[Any]]) -> float:
 
 
 async def run(num_sessions: int, num_turns: int, prompt_tokens: int) -> list[str]:
-    from orchestrator.kv.actor import KVServiceActor, ServiceClient
+    from orchestrator.kv.actor import KVServiceActor, ServiceClient, ServiceSetup
     from orchestrator.kv.ownership import Principal
     from orchestrator.kv.session_tokens import prefix_digest
     from policies.kv_lifecycle import KVLifecycleConfig
 
     config = KVLifecycleConfig(kv_bytes_per_token=4096, block_size_tokens=128)
-    actor = KVServiceActor.remote(config, None, 5.0, 1)  # type: ignore[attr-defined]
+    actor = KVServiceActor.remote(ServiceSetup(config, 5.0, 1), None)  # type: ignore[attr-defined]
     kv = ServiceClient(actor, timeout_s=60)
     who = Principal(name="bench")
     history = {f"s{i}": [i, *range(100, 100 + prompt_tokens - 1)] for i in range(num_sessions)}

@@ -85,13 +85,13 @@ class ServiceSetup:
     config: KVLifecycleConfig
     drain_timeout_s: float
     num_prefill_engines: int
-    observability: ObservabilityConfig | None
-    replay_max_bytes: int
-    running_grace_s: float
-    turn_lease_s: float
-    session_state_max_bytes: int | None
-    host_tier: HostTierSpec | None
-    call_timeout_s: float
+    observability: ObservabilityConfig | None = None
+    replay_max_bytes: int = 64 * 2**20
+    running_grace_s: float = 600.0
+    turn_lease_s: float = 0.0
+    session_state_max_bytes: int | None = None
+    host_tier: HostTierSpec | None = None
+    call_timeout_s: float = 30.0
 
 
 class _ServiceActor:
@@ -101,32 +101,13 @@ class _ServiceActor:
 
     def __init__(
         self,
-        config: KVLifecycleConfig,
+        setup: ServiceSetup,
         prefill: DeploymentHandle | Sequence[DeploymentHandle] | None,
-        drain_timeout_s: float,
-        num_prefill_engines: int,
-        observability: ObservabilityConfig | None = None,
         app_name: str = "",
-        replay_max_bytes: int = 64 * 2**20,
-        running_grace_s: float = 600.0,
-        turn_lease_s: float = 0.0,
-        session_state_max_bytes: int | None = None,
-        host_tier: HostTierSpec | None = None,
-        call_timeout_s: float = 30.0,
     ) -> None:
-        self.setup = ServiceSetup(
-            config=config,
-            drain_timeout_s=drain_timeout_s,
-            num_prefill_engines=num_prefill_engines,
-            observability=observability,
-            replay_max_bytes=replay_max_bytes,
-            running_grace_s=running_grace_s,
-            turn_lease_s=turn_lease_s,
-            session_state_max_bytes=session_state_max_bytes,
-            host_tier=host_tier,
-            call_timeout_s=call_timeout_s,
-        )
-        self.metrics = make_metrics(observability)
+        self.setup = setup
+        host_tier = setup.host_tier
+        self.metrics = make_metrics(setup.observability)
         self.host_tier = host_tier
         if host_tier is None:
             # Stores a deployment with a tier left (detached) hold copies nobody books.
@@ -147,17 +128,17 @@ class _ServiceActor:
             )
         )
         self.service = KVService(
-            config,
+            setup.config,
             prefill=None if prefill is None else HandlePool(prefill),  # None: no drains
             settings=ServiceSettings(
-                drain_timeout_s=drain_timeout_s,
-                num_prefill_engines=num_prefill_engines,
-                replay_max_bytes=replay_max_bytes,
-                running_grace_s=running_grace_s,
-                turn_lease_s=turn_lease_s,
-                session_state_max_bytes=session_state_max_bytes,
+                drain_timeout_s=setup.drain_timeout_s,
+                num_prefill_engines=setup.num_prefill_engines,
+                replay_max_bytes=setup.replay_max_bytes,
+                running_grace_s=setup.running_grace_s,
+                turn_lease_s=setup.turn_lease_s,
+                session_state_max_bytes=setup.session_state_max_bytes,
                 # A host's kept-blocks check arrives within its call deadline.
-                kept_check_margin_s=call_timeout_s,
+                kept_check_margin_s=setup.call_timeout_s,
             ),
             store=BoundedStore(RayKVStore(f"{SERVICE_NAMESPACE}-{service_name(app_name)}")),
             host=self.stores,
@@ -302,9 +283,6 @@ def get_or_create_service(
         host_tier=host_tier,
         call_timeout_s=call_timeout_s,
     )
-    # The actor's parameters by name: the setup's fields, the handles and the app.
-    kwargs = {f.name: getattr(setup, f.name) for f in dataclasses.fields(setup)}
-    kwargs.update(prefill=prefill, app_name=app_name)
     options = {
         "name": service_name(app_name),
         "namespace": SERVICE_NAMESPACE,
@@ -314,7 +292,7 @@ def get_or_create_service(
         # every session's next turn) through a restart.
         "resources": {HEAD_NODE_RESOURCE_NAME: 0.001},
     }
-    handle = KVServiceActor.options(**options).remote(**kwargs)  # type: ignore[attr-defined]
+    handle = KVServiceActor.options(**options).remote(setup, prefill, app_name)  # type: ignore[attr-defined]
     if ray.get(handle.config.remote(), timeout=timeout_s) != setup:
         log.warning("KV service %s runs another config: replacing it", service_name(app_name))
         ray.kill(handle, no_restart=True)
@@ -323,7 +301,7 @@ def get_or_create_service(
             if time.monotonic() > deadline:
                 raise ServiceUnavailable("the previous KV service did not stop in time")
             time.sleep(0.1)
-        handle = KVServiceActor.options(**options).remote(**kwargs)  # type: ignore[attr-defined]
+        handle = KVServiceActor.options(**options).remote(setup, prefill, app_name)  # type: ignore[attr-defined]
     return handle  # type: ignore[no-any-return]
 
 
