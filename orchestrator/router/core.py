@@ -325,6 +325,7 @@ class Router:
             if decision.kind == "extend":
                 pre = in_place(state, decision)
                 report.router_s = t_engine - t0
+                self.metrics.inc("kvtide_kv_extends_total")
             else:
                 pre = await self.prefill_side.prefill_turn(
                     route, state, decision, params, t0, t_engine

@@ -110,6 +110,9 @@ def test_a_short_increment_runs_on_the_decode_engine_that_kept_the_history() -> 
     r3 = asyncio.run(turn(router, [*SHORT, 11, 12, 13, 60]))
     assert r3.kv_plan == "extend"
     assert decode.requests[-1].engine_id == "D"
+    metrics = router.metrics.snapshot()
+    assert metrics["kvtide_kv_extends_total"] == 2
+    assert metrics["kvtide_kv_send_backs_total"] == 0
 
 
 def test_a_long_increment_is_pulled_to_prefill() -> None:
