@@ -176,6 +176,7 @@ class PlanReason(enum.StrEnum):
     PREFILL_QUEUED = "prefill_queued"  # extend: a long increment, but prefill is queued
     EXTEND_OFF = "extend_off"  # pull: extending is off (config, or the turn's)
     HOST_TIER = "host_tier"  # pull: the history is in a host tier, on no decode engine
+    OTHER_DECODE_POOL = "other_decode_pool"  # pull: the prompt goes to another decode pool
     NO_LOAD_REPORT = "no_load_report"  # pull: the decode engine's load is unknown or old
     DECODE_SATURATED = "decode_saturated"  # pull: the engine queues or runs its maximum
     DECODE_KV_FULL = "decode_kv_full"  # pull: the engine's KV cache has no headroom
@@ -211,10 +212,12 @@ class PlanInputs:
     as it last reported it at ``decode_reported_s`` (None: no report): its running and
     waiting requests, its KV cache use (0-1) and ``decode_max_running`` (its
     ``max_num_seqs``); ``prefill_waiting``: requests waiting on the prefill pool's
-    engines."""
+    engines; ``in_turn_pool``: the engine holding the history is in the decode pool the
+    prompt goes to (a prompt past the long-context threshold goes to the other)."""
 
     num_new_tokens: int
     history_pool: str
+    in_turn_pool: bool = True
     decode_reported_s: float | None = None
     decode_running: int = 0
     decode_waiting: int = 0
@@ -238,7 +241,7 @@ def choose_plan(inputs: PlanInputs, settings: ExtendSettings, now_s: float) -> P
     in order, the first that refuses decides:
 
     1. extending is on;
-    2. the history is on a decode engine (not a host tier);
+    2. the history is on a decode engine (not a host tier) of the prompt's decode pool;
     3. that engine reported its load within ``max_load_age_s``;
     4. it is not saturated: nothing waiting, fewer running than its maximum;
     5. its KV cache is under ``max_kv_cache_usage``;
@@ -256,6 +259,8 @@ def choose_plan(inputs: PlanInputs, settings: ExtendSettings, now_s: float) -> P
         return pull(PlanReason.EXTEND_OFF)
     if inputs.history_pool == HOST_POOL:
         return pull(PlanReason.HOST_TIER)
+    if not inputs.in_turn_pool:
+        return pull(PlanReason.OTHER_DECODE_POOL)
     reported = inputs.decode_reported_s
     if reported is None or now_s - reported > settings.max_load_age_s:
         return pull(PlanReason.NO_LOAD_REPORT)

@@ -306,8 +306,9 @@ class Router:
                 # has heard of it.
                 decision = self.integrity.vetted(decision)
                 if turn.may_extend:
+                    num_prompt = len(turn.prompt_token_ids)
                     decision, choice = self.extend.plan(
-                        decision, len(turn.prompt_token_ids), self.clock()
+                        decision, num_prompt, self.decode_pool_for(num_prompt).name, self.clock()
                     )
                     if choice is not None:
                         report.extend_reason = choice.reason.value

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
+from orchestrator.kv.engines import engine_pool
 from orchestrator.kv.messages import KVDecision
 from policies.admission import EngineLoad
 from policies.kv_cost import ExtendSettings, PlanChoice, PlanInputs, choose_plan
@@ -49,10 +50,11 @@ class ExtendPlan:
         self.prefill_pool = prefill_pool
 
     def plan(
-        self, decision: KVDecision, num_prompt_tokens: int, now_s: float
+        self, decision: KVDecision, num_prompt_tokens: int, decode_pool: str, now_s: float
     ) -> tuple[KVDecision, PlanChoice | None]:
         """``decision``, made an ``extend`` where chosen, and the choice (None: not a
-        pull of kept blocks, so there was nothing to choose)."""
+        pull of kept blocks, so there was nothing to choose). ``decode_pool``: the pool
+        the prompt decodes on (``DecodePools.for_prompt``)."""
         params = decision.kv_transfer_params
         if decision.kind != "pull" or params is None or not params.remote_engine_id:
             return decision, None
@@ -62,6 +64,7 @@ class ExtendPlan:
             PlanInputs(
                 num_new_tokens=num_prompt_tokens - decision.num_reusable_tokens,
                 history_pool=decision.source_pool,
+                in_turn_pool=engine_pool(params.remote_engine_id) == decode_pool,
                 decode_reported_s=None if engine is None else engine.reported_s,
                 decode_running=0 if engine is None else engine.num_running,
                 decode_waiting=0 if engine is None else engine.num_waiting,

@@ -20,18 +20,24 @@ from policies.kv_cost import ExtendSettings
 HISTORY_CACHED = 96  # the whole blocks of turn 1's prompt and answer in decode's cache
 
 
+ENGINE = "decode-r1"  # the decode engine (of pool "decode", as engine hosts name theirs)
+
+
 def caching_decode(req: GenerateRequest) -> list[GenerateChunk]:
-    """A decode engine with a prefix cache: a request it prefills itself (no remote
-    prefill to read) finds the kept history there and reads nothing over NIXL."""
-    chunks = decode_script(req)
-    params = req.kv_transfer_params or KVTransferParams()
-    if params.do_remote_prefill:
-        return chunks
-    first, *rest = chunks
-    last = rest[-1]
+    """Decode engine ``ENGINE`` with a prefix cache: a request it prefills itself (no
+    remote prefill to read) finds the kept history there and reads nothing over NIXL."""
+    *chunks, last = decode_script(req)
+    params = last.kv_transfer_params
+    assert params is not None
+    last = msgspec.structs.replace(
+        last, kv_transfer_params=msgspec.structs.replace(params, remote_engine_id=ENGINE)
+    )
+    if (req.kv_transfer_params or KVTransferParams()).do_remote_prefill:
+        return [*chunks, last]
+    first, *middle = chunks
     return [
         msgspec.structs.replace(first, kv_read_bytes=0),
-        *rest[:-1],
+        *middle,
         msgspec.structs.replace(last, num_cached_tokens=HISTORY_CACHED),
     ]
 
@@ -39,13 +45,13 @@ def caching_decode(req: GenerateRequest) -> list[GenerateChunk]:
 def extend_router(
     prefill: FakePool, decode: FakePool, *, waiting: int = 0, running: int = 0
 ) -> Router:
-    """A router whose engines report: decode engine "D" idle (or with ``waiting`` and
+    """A router whose engines report: decode engine ``ENGINE`` idle (or with ``waiting`` and
     ``running`` requests), its KV cache 10 % used; extends up to 8 new tokens."""
 
     def loads(clock: FakeClock) -> list[EngineLoad]:
         return [
             EngineLoad(
-                engine_id="D",
+                engine_id=ENGINE,
                 pool="decode",
                 num_running=running,
                 num_waiting=waiting,
@@ -96,7 +102,7 @@ def test_a_short_increment_runs_on_the_decode_engine_that_kept_the_history() -> 
     # remote prefill to read and its blocks kept for the next turn.
     assert len(prefills(prefill)) == 1
     ext = decode.requests[-1]
-    assert ext.engine_id == "D" and ext.prompt_token_ids == SHORT
+    assert ext.engine_id == ENGINE and ext.prompt_token_ids == SHORT
     assert ext.kv_transfer_params == KVTransferParams(kvtide_keep=True)
     assert (r2.kv_plan, r2.kv_plan_reason, r2.extend_reason) == (
         "extend",
@@ -109,7 +115,7 @@ def test_a_short_increment_runs_on_the_decode_engine_that_kept_the_history() -> 
     # The service booked what decode kept for the extended turn: turn 3 extends it.
     r3 = asyncio.run(turn(router, [*SHORT, 11, 12, 13, 60]))
     assert r3.kv_plan == "extend"
-    assert decode.requests[-1].engine_id == "D"
+    assert decode.requests[-1].engine_id == ENGINE
     metrics = router.metrics.snapshot()
     assert metrics["kvtide_kv_extends_total"] == 2
     assert metrics["kvtide_kv_send_backs_total"] == 0
@@ -122,7 +128,7 @@ def test_a_long_increment_is_pulled_to_prefill() -> None:
     r2 = asyncio.run(turn(router, LONG))
     assert (r2.kv_plan, r2.kv_source, r2.extend_reason) == ("pull", "sent_back", "long_increment")
     pull = prefills(prefill)[-1].kv_transfer_params
-    assert pull is not None and pull.remote_engine_id == "D"
+    assert pull is not None and pull.remote_engine_id == ENGINE
     assert decode.requests[-1].engine_id is None
 
 

@@ -83,9 +83,12 @@ def test_the_itl_budget_bounds_an_in_place_prefill_beside_running_streams() -> N
     assert choose_plan(inputs(51), SETTINGS, NOW).extend
 
 
-def test_history_in_a_host_tier_or_an_unknown_load_is_pulled() -> None:
+def test_history_in_a_host_tier_another_pool_or_with_an_unknown_load_is_pulled() -> None:
     assert choose_plan(inputs(8, history_pool=HOST_POOL), SETTINGS, NOW).reason is (
         PlanReason.HOST_TIER
+    )
+    assert choose_plan(inputs(8, in_turn_pool=False), SETTINGS, NOW).reason is (
+        PlanReason.OTHER_DECODE_POOL
     )
     assert choose_plan(inputs(8, decode_reported_s=None), SETTINGS, NOW).reason is (
         PlanReason.NO_LOAD_REPORT
