@@ -307,6 +307,7 @@ class StepChannels:
         self._streams: dict[str, asyncio.Task[None]] = {}
         self._members: dict[str, set[str]] = {}  # replica -> its requests being read
         self._gone: set[str] = set()  # replicas Serve stopped routing to (draining)
+        self.engines: set[str] = set()  # engines whose chunks came on these step streams
         self._loop: asyncio.AbstractEventLoop | None = None
         with _CHANNELS_LOCK:
             _CHANNELS.add(self)
@@ -366,6 +367,7 @@ class StepChannels:
                     continue
                 for chunk in decode_batch(item):
                     if chunk.engine_id is not None:
+                        self.engines.add(chunk.engine_id)
                         _learn(chunk.engine_id, replica)
                     reader = self._readers.get(chunk.request_id)
                     if reader is not None:

@@ -255,6 +255,37 @@ def test_a_request_asking_for_an_engine_goes_to_the_replica_whose_chunks_named_i
     asyncio.run(story())
 
 
+def test_a_pool_sends_a_request_asking_for_an_engine_to_that_engines_deployment() -> None:
+    async def story() -> tuple[int, int]:
+        a, b = Host("ra"), Host("rb")
+        pool = HandlePool([a, b], steps=True)  # type: ignore[list-item]
+        # The first request goes to deployment a (first on ties); its chunk names engine
+        # decode-Ea.
+        first = pool.generate(req("x"))
+        nxt = asyncio.ensure_future(anext(first))
+        await settle()
+        a.engine.queues["x"].put_nowait(
+            GenerateChunk(request_id="x", token_ids=[1], engine_id="decode-Ea")
+        )
+        await nxt
+        # With x in flight on a, balancing alone would send the next request to b; one
+        # asking for decode-Ea goes to a.
+        asked = pool.generate(
+            GenerateRequest(
+                request_id="z", prompt_token_ids=[1], max_tokens=2, engine_id="decode-Ea"
+            )
+        )
+        waiting = asyncio.ensure_future(anext(asked))
+        await settle()
+        counts = len(a.generate_stepped.calls), len(b.generate_stepped.calls)
+        waiting.cancel()
+        for stream in (first, asked):
+            await stream.aclose()  # type: ignore[attr-defined]
+        return counts
+
+    assert asyncio.run(story()) == (2, 0)
+
+
 def test_a_pool_with_step_streams_reads_its_requests_from_them() -> None:
     async def story() -> tuple[int, list[int]]:
         host = Host()
