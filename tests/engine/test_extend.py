@@ -14,48 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import ray
-from app_calls import BLOCK_TOKENS, pulled
-from polling import wait_for
+from app_calls import BLOCK_TOKENS, engine_read_bytes, pulled, settled_read_bytes
 from ray import serve
 
-from engines.base import EngineStats, GenerateChunk, GenerateRequest, Sampling
+from engines.base import GenerateChunk, GenerateRequest, Sampling
 
 pytestmark = pytest.mark.engine
 
 SESSION = "it-extend"
 ANSWER_TOKENS = 16
 MAX_NEW_TOKENS = 32  # the test router's kv.extend_max_new_tokens
-
-
-def _engine_bytes() -> dict[str, int]:
-    """Each pool's NIXL bytes read so far, as its engine counts them."""
-    counts = {}
-    for pool in ("prefill", "decode"):
-        handle = serve.get_deployment_handle(f"{pool}-pool", app_name="kvtide")
-        stats: EngineStats = handle.stats.remote().result()
-        counts[pool] = stats.kv_transfer_bytes
-    return counts
-
-
-def _quiet() -> dict[str, int]:
-    """The engines' counts once no engine reads (earlier tests' drains may still run)."""
-    last = [_engine_bytes()]
-
-    def settled() -> bool:
-        time.sleep(1.0)
-        now = _engine_bytes()
-        same = now == last[0]
-        last[0] = now
-        return same
-
-    wait_for(settled, timeout_s=120, what="the engines' NIXL reads to settle")
-    return last[0]
 
 
 class Recorded:
@@ -139,9 +112,9 @@ async def _story(app: Any) -> dict[str, Any]:
     # A short increment: extended on the decode engine that kept turn 1.
     second = [*first, *out1, *(rng.randrange(10, 1000) for _ in range(8))]
     num_prefills = len(prefill.requests)
-    bytes_before = await asyncio.to_thread(_quiet)
+    bytes_before = await asyncio.to_thread(settled_read_bytes)
     out2, r2 = await turn(second, 2)
-    bytes_after = await asyncio.to_thread(_engine_bytes)
+    bytes_after = await asyncio.to_thread(engine_read_bytes)
     prefilled_for_2 = len(prefill.requests) - num_prefills
     scratch2 = await from_scratch(second)
     # A long increment: pulled to prefill.
