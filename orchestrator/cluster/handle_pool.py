@@ -3,8 +3,10 @@
 A pool placed by NVLink domain is one deployment per domain (``orchestrator.cluster.pool_layout``),
 so a pool can have several handles. Serve balances replicas inside a deployment; across
 deployments the pool sends each request to the one with the fewest requests in flight
-from here per replica, the first on ties. With ``steps``, a request's tokens come back on
-this process's step stream to its replica (``orchestrator.cluster.step_streams``).
+from here per replica, the first on ties; a request that asks for an engine
+(``GenerateRequest.engine_id``) to the deployment whose step streams brought that
+engine's chunks, when one did. With ``steps``, a request's tokens come back on this
+process's step stream to its replica (``orchestrator.cluster.step_streams``).
 """
 
 from __future__ import annotations
@@ -56,8 +58,17 @@ class HandlePool:
             return 0
         return min(range(len(self.handles)), key=lambda i: self._in_flight[i] / self._weights[i])
 
+    def runs(self, engine_id: str) -> int | None:
+        """Index of the deployment whose step streams brought ``engine_id``'s chunks."""
+        for index, channels in enumerate(self._steps or ()):
+            if engine_id in channels.engines:
+                return index
+        return None
+
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        index = self.pick()
+        index = None if request.engine_id is None else self.runs(request.engine_id)
+        if index is None:
+            index = self.pick()
         stream: AsyncIterator[GenerateChunk]
         if self._steps is not None:
             stream = self._steps[index].generate(request)

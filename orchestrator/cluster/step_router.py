@@ -1,7 +1,10 @@
 """The decode deployments' Serve request router: Serve's power-of-two choice, except
 that a step stream (``orchestrator.cluster.step_streams.StepsOpen``) goes to the replica
 it names. Serve offers no call pinned to a replica otherwise; a step stream must reach
-the replica whose engine runs the requests it carries.
+the replica whose engine runs the requests it carries. A request that asks for an engine
+(``GenerateRequest.engine_id``: a turn extended where its history is kept) goes to that
+engine's replica once this process's step streams have named it
+(``step_streams.engine_replica``), by Serve's choice before.
 
 A step stream whose replica is gone (not among Serve's candidates) is routed like any
 call; the host answers with its own id and the ingress, seeing another, fails it. A
@@ -16,6 +19,7 @@ from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RunningReplica
 
+from engines.base import GenerateRequest
 from orchestrator.cluster import step_streams
 from orchestrator.cluster.step_streams import StepsOpen
 
@@ -28,10 +32,13 @@ def step_router_config() -> RequestRouterConfig:
 
 
 def pinned_replica(pending: PendingRequest | None) -> str | None:
-    """The replica a step stream names; None for any other call."""
+    """The replica a step stream names, or that runs the engine a request asks for;
+    None for any other call."""
     if pending is None or not pending.args:
         return None
     first = pending.args[0]
+    if isinstance(first, GenerateRequest) and first.engine_id is not None:
+        return step_streams.engine_replica(first.engine_id)
     return first.replica if isinstance(first, StepsOpen) else None
 
 

@@ -80,6 +80,7 @@ __all__ = [
     "StepsOpen",
     "decode_batch",
     "encode_batch",
+    "engine_replica",
     "replicas_gone",
 ]
 
@@ -306,6 +307,7 @@ class StepChannels:
         self._streams: dict[str, asyncio.Task[None]] = {}
         self._members: dict[str, set[str]] = {}  # replica -> its requests being read
         self._gone: set[str] = set()  # replicas Serve stopped routing to (draining)
+        self.engines: set[str] = set()  # engines whose chunks came on these step streams
         self._loop: asyncio.AbstractEventLoop | None = None
         with _CHANNELS_LOCK:
             _CHANNELS.add(self)
@@ -364,6 +366,9 @@ class StepChannels:
                         raise RuntimeError(f"step stream for {replica} reached {item}")
                     continue
                 for chunk in decode_batch(item):
+                    if chunk.engine_id is not None:
+                        self.engines.add(chunk.engine_id)
+                        _learn(chunk.engine_id, replica)
                     reader = self._readers.get(chunk.request_id)
                     if reader is not None:
                         reader.put_nowait(chunk)
@@ -400,6 +405,23 @@ _CHANNELS: weakref.WeakSet[StepChannels] = weakref.WeakSet()
 _CHANNELS_LOCK = threading.Lock()
 
 
+# Each engine's replica, as its step stream's chunks named it (an engine id names one
+# replica's engine for that replica's life): where a request asking for an engine goes.
+_ENGINE_REPLICAS: dict[str, str] = {}
+
+
+def _learn(engine_id: str, replica: str) -> None:
+    if _ENGINE_REPLICAS.get(engine_id) != replica:
+        with _CHANNELS_LOCK:
+            _ENGINE_REPLICAS[engine_id] = replica
+
+
+def engine_replica(engine_id: str) -> str | None:
+    """The replica whose engine is ``engine_id``, once one of its step streams said so
+    in this process; None before."""
+    return _ENGINE_REPLICAS.get(engine_id)
+
+
 def replicas_gone(replicas: Collection[str]) -> None:
     """Serve stopped routing to ``replicas`` (they are being stopped): every caller in
     this process ends its step stream to each once its own requests there have ended,
@@ -408,5 +430,8 @@ def replicas_gone(replicas: Collection[str]) -> None:
         return
     with _CHANNELS_LOCK:
         channels = list(_CHANNELS)
+        for engine_id, replica in list(_ENGINE_REPLICAS.items()):
+            if replica in replicas:
+                del _ENGINE_REPLICAS[engine_id]
     for channel in channels:
         channel.replicas_gone(replicas)

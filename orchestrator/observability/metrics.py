@@ -117,6 +117,12 @@ METRICS: tuple[MetricSpec, ...] = (
         description="Turns whose prompt KV was recomputed instead of pulled back.",
     ),
     MetricSpec(
+        name="kvtide_kv_extends_total",
+        kind="counter",
+        description="Turns that ran on the decode engine holding their session's KV, which "
+        "computed only the new tokens (plan extend): nothing moved.",
+    ),
+    MetricSpec(
         name="kvtide_kv_send_backs_total",
         kind="counter",
         description="Turns that pulled the previous turn's KV back from decode (reused).",

@@ -4,6 +4,9 @@
 
 1. ask the KV lifecycle service what to do with this session's prompt (pull the
    previous turn's KV back from the decode engine that holds it, or plain prefill);
+   a pull may become an ``extend`` (``orchestrator.router.extend_plan``): the turn then
+   skips 2 and 3's transfer and runs on the decode engine that kept the history, which
+   prefills only the new tokens;
 2. prefill with ``max_tokens=1`` and ``do_remote_decode`` (plus the pull params when
    reusing), bounded by ``pull_timeout_s``: a hung or failed pull becomes a plain prefill,
    never a lost turn;
@@ -37,7 +40,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 
 from opentelemetry.trace import Span
 
@@ -49,7 +52,8 @@ from orchestrator.kv.service import KVServiceAPI
 from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import Metrics
-from orchestrator.router.decode_side import DecodePool, DecodePools, DecodeSide
+from orchestrator.router.decode_side import DecodePool, DecodePools, DecodeSide, in_place
+from orchestrator.router.extend_plan import ExtendPlan
 from orchestrator.router.handover import HandOver
 from orchestrator.router.held_leases import HeldLeases
 from orchestrator.router.integrity import IntegrityCheck
@@ -63,6 +67,7 @@ from orchestrator.router.turn_report import (
     PoolClient,
     TurnReport,
 )
+from policies.admission import EngineLoad
 from policies.kv_records import RecomputeReason
 from policies.prefix_routing import RouteChoice
 
@@ -89,6 +94,7 @@ class Router:
         prefill_routes: Callable[[str], RouteChoice | None] | None = None,
         session_tokens: SessionTokens | None = None,
         leases: HeldLeases | None = None,
+        engine_loads: Callable[[], Iterable[EngineLoad]] | None = None,
     ) -> None:
         s = settings
         if leases is not None and leases.clock is not clock:
@@ -123,6 +129,11 @@ class Router:
             metrics=self.metrics,
             clock=clock,
             settings=s.integrity,
+        )
+        # A pull run instead where its history is: on the decode engine that kept it
+        # (``engine_loads``: the engines' latest reports; None: no turn extends).
+        self.extend = ExtendPlan(
+            settings=s.extend, loads=engine_loads, decode_max_running=s.decode_max_running
         )
         self.prefill_side = PrefillSide(
             pool=prefill,
@@ -294,6 +305,13 @@ class Router:
                 # A mismatch found here refuses its source's reuse before the service
                 # has heard of it.
                 decision = self.integrity.vetted(decision)
+                if turn.may_extend:
+                    num_prompt = len(turn.prompt_token_ids)
+                    decision, choice = self.extend.plan(
+                        decision, num_prompt, self.decode_pool_for(num_prompt).name, self.clock()
+                    )
+                    if choice is not None:
+                        report.extend_reason = choice.reason.value
                 tr.set_attrs(
                     decision_span,
                     {tr.KV_PLAN: decision.kind, tr.KV_PLAN_REASON: decision.reason_text},
@@ -305,7 +323,14 @@ class Router:
             if decision.kind == "pull" and decision.kv_transfer_params is not None:
                 params = decision.kv_transfer_params.pull_back(keep=True)
             t_engine = self.clock()
-            pre = await self.prefill_side.prefill_turn(route, state, decision, params, t0, t_engine)
+            if decision.kind == "extend":
+                pre = in_place(state, decision)
+                report.router_s = t_engine - t0
+                self.metrics.inc("kvtide_kv_extends_total")
+            else:
+                pre = await self.prefill_side.prefill_turn(
+                    route, state, decision, params, t0, t_engine
+                )
             async for item in self.decode_side.stream(route, state, pre, t0):
                 if state.lease_pending is not None:
                     await self._lease_confirmed(state)

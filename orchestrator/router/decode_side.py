@@ -4,6 +4,12 @@ turn continued on another (its prompt and the tokens streamed so far prefilled a
 by the prefill side), ``max_migrations`` times at most; the finished turn handed to the
 KV service (``HandOver``) and, when sampled, checked (``IntegrityCheck``). The decode
 pool of a prompt is ``DecodePools``' choice.
+
+A turn planned ``extend`` (``orchestrator.router.extend_plan``) has no prefill: its
+decode request carries no remote prefill (``in_place``), asks for the engine that kept
+the session's history (``GenerateRequest.engine_id``) and computes the prompt itself,
+its history found in that engine's prefix cache; its report's ``kv_source`` is
+``extended`` where the engine says so (cached tokens above 0).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from opentelemetry.trace import Span, SpanKind
 from engines.base import GenerateChunk, GenerateRequest
 from engines.kv_params import KVTransferParams
 from orchestrator.errors import EngineUnavailable
+from orchestrator.kv.messages import KVDecision
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import Metrics
 from orchestrator.router.handover import HandOver
@@ -30,7 +37,20 @@ from orchestrator.router.turn_report import PoolClient, Streamed, TurnReport
 
 log = logging.getLogger("kvtide.router")
 
-__all__ = ["DecodePool", "DecodePools", "DecodeSide"]
+__all__ = ["DecodePool", "DecodePools", "DecodeSide", "in_place"]
+
+
+def in_place(state: TurnState, decision: KVDecision) -> GenerateChunk:
+    """An ``extend`` turn's stand-in for a prefill's last chunk: no remote prefill for
+    its decode to read (its engine computes the prompt), and the engine that kept the
+    session's history, which its decode asks for."""
+    params = decision.kv_transfer_params
+    assert decision.kind == "extend" and params is not None
+    return GenerateChunk(
+        request_id=f"{state.turn.request_id}-x",
+        kv_transfer_params=KVTransferParams(),
+        engine_id=params.remote_engine_id,
+    )
 
 
 class DecodePool(NamedTuple):
@@ -105,6 +125,8 @@ class DecodeSide:
         # A turn sampled for the integrity check: its decode gives each token's log
         # probability (``orchestrator.router.integrity``).
         checked = state.integrity is not None
+        # An extended turn's decode runs where the session's history is kept.
+        engine_id = pre.engine_id if report.kv_plan == "extend" else None
         while True:
             assert pre.kv_transfer_params is not None  # the turn's prefill checked
             decode_req = turn.decode_request(
@@ -113,6 +135,7 @@ class DecodeSide:
                 max_tokens - len(out.ids),
                 pre.kv_transfer_params.for_decode(keep=keep),
                 logprobs=0 if checked else None,
+                engine_id=None if report.migrations else engine_id,
             )
             try:
                 with tr.span(
@@ -194,6 +217,12 @@ class DecodeSide:
                 output_text.append(chunk.text)
                 report.num_completion_tokens = len(output_ids)
                 if chunk.finished:
+                    if report.kv_plan == "extend" and not report.migrations:
+                        # The decode engine computed the prompt: its cache hit is the
+                        # history it kept.
+                        report.num_cached_tokens = chunk.num_cached_tokens
+                        if chunk.num_cached_tokens > 0:
+                            report.kv_source = "extended"
                     report.finish_reason = chunk.finish_reason
                     report.total_s = now - t0
                     report.decode_step_s = chunk.engine_step_s

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from orchestrator.router.integrity import IntegritySettings
+from policies.kv_cost import ExtendSettings
 
 __all__ = ["RouterSettings"]
 
@@ -25,7 +26,10 @@ class RouterSettings:
     the long-context decode pool (given with that pool, None without);
     ``block_size_tokens`` and ``kv_bytes_per_token``: the engines' KV shape, for the
     bytes a transfer offers; ``integrity``: the sample of pulled turns computed again
-    (the default samples none)."""
+    (the default samples none); ``extend``: when a turn offered a pull runs on the
+    decode engine that kept its history instead (``orchestrator.router.extend_plan``;
+    it needs the engines' loads, which ``Router`` is given as ``engine_loads``);
+    ``decode_max_running``: a decode engine's ``max_num_seqs``."""
 
     pull_timeout_s: float
     request_timeout_s: float = 600.0
@@ -37,3 +41,5 @@ class RouterSettings:
     integrity: IntegritySettings = field(
         default_factory=lambda: IntegritySettings(sample_fraction=0)
     )
+    extend: ExtendSettings = field(default_factory=ExtendSettings)
+    decode_max_running: int | None = None

@@ -61,7 +61,9 @@ class Turn:
     prefill, which computes the prompt (the report's ``prompt_logprobs``). ``decision``:
     the KV plan the service gave when the turn began (``begin_turn``), or the caller made
     under a turn lease (``lease``); without it a session's turn asks the service
-    (``decide_turn``). ``trace_parent``: the ingress span the turn's spans hang under
+    (``decide_turn``); a pull becomes an ``extend`` where ``orchestrator.router.
+    extend_plan`` chooses it, unless ``may_extend`` is False (the turn then pulls as
+    planned). ``trace_parent``: the ingress span the turn's spans hang under
     (``orchestrator.observability.tracing``).
     """
 
@@ -76,6 +78,7 @@ class Turn:
     prompt_logprobs: int | None = None
     decision: KVDecision | None = None
     lease: LeaseUse | None = None
+    may_extend: bool = True
     trace_parent: tr.Parent = None
 
     def prefill_request(
@@ -101,9 +104,11 @@ class Turn:
         max_tokens: int,
         params: KVTransferParams,
         logprobs: int | None,
+        engine_id: str | None = None,
     ) -> GenerateRequest:
         """A decode of the turn (or of what is left of it after a migration), sampled by
-        the engine's own parameters where the caller gave them."""
+        the engine's own parameters where the caller gave them; ``engine_id``: the engine
+        asked to run it (an extended turn's: where its history is kept)."""
         return GenerateRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -113,6 +118,7 @@ class Turn:
             session_id=self.session_id,
             sampling_params=self.engine_sampling,
             logprobs=logprobs,
+            engine_id=engine_id,
         )
 
 

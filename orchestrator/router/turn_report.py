@@ -20,6 +20,8 @@ KV_SOURCES = {
     "sent_back": "pulled back from the decode engine (previous turn)",
     "prefix_cache": "prefix cache on the prefill engine",
     "recomputed": "computed on the prefill engine",
+    "extended": "kept on the decode engine that ran the turn (previous turn); only the new "
+    "tokens computed there",
 }
 
 
@@ -44,6 +46,9 @@ class TurnReport:
     kv_source: str = "recomputed"
     kv_plan: str = "recompute"
     kv_plan_reason: str = ""
+    # Why a turn offered a pull extended its history in place or pulled it
+    # (``policies.kv_cost.PlanReason``); None: it had no kept history to choose for.
+    extend_reason: str | None = None
     pull_fallback: bool = False
     decode_pool: str = "decode"
     prefill_s: float = 0.0
@@ -103,6 +108,7 @@ class TurnReport:
             "kv_source": self.kv_source,
             "kv_plan": self.kv_plan,
             "kv_plan_reason": self.kv_plan_reason,
+            "extend_reason": self.extend_reason,
             "pull_fallback": self.pull_fallback,
             "decode_pool": self.decode_pool,
             "num_cached_tokens": self.num_cached_tokens,

@@ -61,6 +61,7 @@ from orchestrator.serve.responses_routes import ResponsesRoutes
 from orchestrator.serve.tool_turns import ToolTurns
 from orchestrator.serve.turn_opening import TurnOpener
 from orchestrator.serve.vllm_routes import VLLMLayer, VLLMTurns
+from policies.kv_cost import ExtendSettings
 
 __all__ = ["Ingress", "RouteGroups", "route_groups", "serving_app"]
 
@@ -281,12 +282,23 @@ class Ingress:
                     timeout_s=config.server.request_timeout_s,
                     report_timeout_s=kv.service_timeout_s,
                 ),
+                extend=ExtendSettings(
+                    enabled=kv.extend,
+                    max_new_tokens=kv.extend_max_new_tokens,
+                    itl_budget_s=kv.extend_itl_budget_ms / 1000,
+                    decode_prefill_s_per_token=kv.extend_prefill_ms_per_token / 1000,
+                    max_kv_cache_usage=kv.extend_max_kv_cache_usage,
+                    prefill_queue_waiting=kv.extend_prefill_queue_waiting,
+                ),
+                decode_max_running=config.decode.max_num_seqs,
             ),
             decode_long=self.pools.get("decode_long"),
             metrics=self.metrics,
             prefill_routes=route_notes.take if config.routing.prefix_aware else None,
             session_tokens=self.session_tokens,
             clock=time.monotonic,
+            # The engines' latest reports, as the admission gate read them this second.
+            engine_loads=lambda: [view.load for view in self.admission.book.views()],
             leases=(
                 HeldLeases(
                     self.replica_id, time.monotonic, lifecycle=lifecycle, lasts_s=kv.turn_lease_s

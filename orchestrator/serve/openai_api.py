@@ -31,6 +31,7 @@ __all__ = [
     "ApiRequest",
     "chat_response",
     "completion_response",
+    "may_extend",
     "parse_body",
     "parse_chat",
     "parse_completion",
@@ -123,6 +124,20 @@ def _too_large(max_bytes: int) -> PayloadTooLarge:
     return PayloadTooLarge(
         f"the request body is over {max_bytes} bytes, this server's limit "
         "(server.max_request_bytes); shorten the prompt or the history",
+    )
+
+
+def may_extend(value: str | None) -> bool:
+    """The ``x-kvtide-kv-plan`` header: ``auto`` (or none) lets a session's turn extend
+    its kept history on the decode engine where the cost function chooses it; ``pull``
+    asks that it be pulled to prefill as planned (docs/api.md)."""
+    if value is None or value == "auto":
+        return True
+    if value == "pull":
+        return False
+    raise InvalidRequest(
+        f"x-kvtide-kv-plan must be auto or pull; got {value[:40]!r}",
+        param="x-kvtide-kv-plan",
     )
 
 

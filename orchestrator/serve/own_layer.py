@@ -208,6 +208,7 @@ class OwnLayer:
                 OpenTurn(
                     principal=principal,
                     session_header=api.session_header(http.headers.get("x-session-id")),
+                    may_extend=api.may_extend(http.headers.get("x-kvtide-kv-plan")),
                     has_history=any(role == "assistant" for role, _ in req.messages),
                     text=text,
                     ids=ids,

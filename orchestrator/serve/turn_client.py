@@ -50,6 +50,7 @@ class TurnContext:
     Set by the ingress before it calls vLLM's serving class; ``generate`` reads it.
     ``sessionless``: the turn runs in no session, even one its text would continue;
     ``num_choices``: the request's ``n`` (each choice a sequence on the pools);
+    ``may_extend``: the request's ``x-kvtide-kv-plan`` (``Turn.may_extend``);
     ``on_done``: called once the response is complete. The rest is written by the turn:
     ``max_tokens`` (the cap its limits set, which the further choices take too),
     ``prompt_token_ids`` (as the turn tokenized them) and the response's ``headers``
@@ -62,6 +63,7 @@ class TurnContext:
     session_header: str | None
     has_history: bool
     sessionless: bool = False
+    may_extend: bool = True
     requested_max_tokens: int | None
     prompt_param: str
     num_choices: int = 1

@@ -333,6 +333,7 @@ class TurnOpener:
                     engine_sampling=asked.engine_sampling,
                     prompt_logprobs=asked.prompt_logprobs,
                     decision=decision,
+                    may_extend=turn.may_extend,
                     lease=(
                         None
                         if lease_id is None or lease_used is None

@@ -28,7 +28,8 @@ class OpenTurn:
     and returns the turn's max_tokens. ``run_args``: how the turn samples (its
     ``Turn``'s sampling fields). ``num_sequences``: the sequences the request runs on the pools (its
     ``n`` choices: this turn and ``n - 1`` sessionless requests of its prompt), which
-    admission counts."""
+    admission counts. ``may_extend``: the turn's ``Turn.may_extend`` (the request's
+    ``x-kvtide-kv-plan``)."""
 
     principal: Principal
     session_header: str | None
@@ -43,6 +44,7 @@ class OpenTurn:
     retokenize: bool = False
     run_args: TurnSampling = field(default_factory=TurnSampling)
     num_sequences: int = 1
+    may_extend: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -123,6 +123,7 @@ class VLLMTurns:
                     engine_sampling=params, prompt_logprobs=params.prompt_logprobs
                 ),
                 num_sequences=ctx.num_choices,
+                may_extend=ctx.may_extend,
             )
         )
         ctx.prompt_token_ids = opened.ids
@@ -186,6 +187,7 @@ class VLLMLayer:
             kind=kind,
             principal=principal,
             session_header=header or session_id,
+            may_extend=api.may_extend(http.headers.get("x-kvtide-kv-plan")),
             sessionless=sessionless and header is None,
             has_history=body.get("previous_response_id") is not None
             or any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages or ()),

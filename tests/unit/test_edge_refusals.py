@@ -30,6 +30,17 @@ def test_a_non_ascii_session_id_is_refused_naming_it_as_sent(tiny_tokenizer: Any
     assert "ASCII" in body["error"]["message"]
 
 
+def test_an_unknown_kv_plan_header_is_refused_naming_it(tiny_tokenizer: Any) -> None:
+    ingress = bare_ingress(tiny_tokenizer)
+    status, body = asyncio.run(handle(ingress, CHAT, _chat(), x_kvtide_kv_plan="extend"))
+    assert status == 400 and body["error"]["param"] == "x-kvtide-kv-plan"
+    assert "must be auto or pull; got 'extend'" in body["error"]["message"]
+    # The values it takes run the turn.
+    for value in ("auto", "pull"):
+        status, body = asyncio.run(handle(ingress, CHAT, _chat(), x_kvtide_kv_plan=value))
+        assert status == 200, body
+
+
 ROUTES = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
     "/v1/completions": {"prompt": "hi"},

@@ -225,6 +225,67 @@ def test_a_step_stream_names_the_replica_serve_must_send_it_to() -> None:
     assert pinned_replica(None) is None
 
 
+def test_a_request_asking_for_an_engine_goes_to_the_replica_whose_chunks_named_it() -> None:
+    class Pending:
+        def __init__(self, *args: Any) -> None:
+            self.args = args
+
+    extended = GenerateRequest(
+        request_id="x", prompt_token_ids=[1, 2, 3], max_tokens=8, engine_id="decode-E9"
+    )
+
+    async def story() -> None:
+        host = Host("r9")
+        channels = StepChannels(host, caller="ingress-1")
+        a = channels.generate(req("a"))
+        # Before any chunk of engine decode-E9 came: Serve's own choice.
+        assert pinned_replica(Pending(extended, "ingress-1")) is None  # type: ignore[arg-type]
+        first = asyncio.ensure_future(anext(a))
+        await settle()
+        host.engine.queues["a"].put_nowait(
+            GenerateChunk(request_id="a", token_ids=[4], engine_id="decode-E9")
+        )
+        await first
+        assert pinned_replica(Pending(extended, "ingress-1")) == "r9"  # type: ignore[arg-type]
+        await a.aclose()
+        # A replica Serve stops no longer runs the engine.
+        replicas_gone(["r9"])
+        assert pinned_replica(Pending(extended, "ingress-1")) is None  # type: ignore[arg-type]
+
+    asyncio.run(story())
+
+
+def test_a_pool_sends_a_request_asking_for_an_engine_to_that_engines_deployment() -> None:
+    async def story() -> tuple[int, int]:
+        a, b = Host("ra"), Host("rb")
+        pool = HandlePool([a, b], steps=True)  # type: ignore[list-item]
+        # The first request goes to deployment a (first on ties); its chunk names engine
+        # decode-Ea.
+        first = pool.generate(req("x"))
+        nxt = asyncio.ensure_future(anext(first))
+        await settle()
+        a.engine.queues["x"].put_nowait(
+            GenerateChunk(request_id="x", token_ids=[1], engine_id="decode-Ea")
+        )
+        await nxt
+        # With x in flight on a, balancing alone would send the next request to b; one
+        # asking for decode-Ea goes to a.
+        asked = pool.generate(
+            GenerateRequest(
+                request_id="z", prompt_token_ids=[1], max_tokens=2, engine_id="decode-Ea"
+            )
+        )
+        waiting = asyncio.ensure_future(anext(asked))
+        await settle()
+        counts = len(a.generate_stepped.calls), len(b.generate_stepped.calls)
+        waiting.cancel()
+        for stream in (first, asked):
+            await stream.aclose()  # type: ignore[attr-defined]
+        return counts
+
+    assert asyncio.run(story()) == (2, 0)
+
+
 def test_a_pool_with_step_streams_reads_its_requests_from_them() -> None:
     async def story() -> tuple[int, list[int]]:
         host = Host()

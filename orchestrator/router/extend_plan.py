@@ -1,0 +1,80 @@
+"""A session's turn run where its KV already is: the router's side of the ``extend`` plan.
+
+The KV service plans a turn whose history a decode engine kept as a ``pull`` (the
+prefill reads the history back, computes the new tokens, and sends the whole prompt's
+KV to a decode engine). ``ExtendPlan`` asks ``policies.kv_cost.choose_plan`` whether
+the turn should instead run on the decode engine that kept the history, which finds it
+in its own prefix cache and prefills only the new tokens: nothing moves. It weighs the
+new tokens' count, where the history is, that engine's last load report and the prefill
+pool's queue (the engines' reports as the ingress reads them each second,
+``orchestrator.serve.admission``), against the ``kv.extend_*`` settings.
+
+To the KV service an extended turn is the pull it planned (its record handed to the
+turn, booked again from the decode engine's final params at the hand-over); the
+previous turn's blocks are not read, so that engine keeps them until its TTL (they
+share every whole block with the new turn's; the last, partial one is the cost).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import msgspec
+
+from orchestrator.kv.engines import engine_pool
+from orchestrator.kv.messages import KVDecision
+from policies.admission import EngineLoad
+from policies.kv_cost import ExtendSettings, PlanChoice, PlanInputs, choose_plan
+
+__all__ = ["ExtendPlan"]
+
+
+class ExtendPlan:
+    """Turns a pull into an extend where the cost function says so (see the module).
+
+    ``loads``: the engines' latest reports (None: none known here, so no turn extends);
+    ``decode_max_running``: a decode engine's ``max_num_seqs``; ``prefill_pool``: the
+    pool name of the prefill engines in the reports."""
+
+    def __init__(
+        self,
+        *,
+        settings: ExtendSettings,
+        loads: Callable[[], Iterable[EngineLoad]] | None = None,
+        decode_max_running: int | None = None,
+        prefill_pool: str = "prefill",
+    ) -> None:
+        self.settings = settings
+        self.loads = loads
+        self.decode_max_running = decode_max_running
+        self.prefill_pool = prefill_pool
+
+    def plan(
+        self, decision: KVDecision, num_prompt_tokens: int, decode_pool: str, now_s: float
+    ) -> tuple[KVDecision, PlanChoice | None]:
+        """``decision``, made an ``extend`` where chosen, and the choice (None: not a
+        pull of kept blocks, so there was nothing to choose). ``decode_pool``: the pool
+        the prompt decodes on (``DecodePools.for_prompt``)."""
+        params = decision.kv_transfer_params
+        if decision.kind != "pull" or params is None or not params.remote_engine_id:
+            return decision, None
+        loads = list(self.loads()) if self.loads is not None else []
+        engine = next((x for x in loads if x.engine_id == params.remote_engine_id), None)
+        choice = choose_plan(
+            PlanInputs(
+                num_new_tokens=num_prompt_tokens - decision.num_reusable_tokens,
+                history_pool=decision.source_pool,
+                in_turn_pool=engine_pool(params.remote_engine_id) == decode_pool,
+                decode_reported_s=None if engine is None else engine.reported_s,
+                decode_running=0 if engine is None else engine.num_running,
+                decode_waiting=0 if engine is None else engine.num_waiting,
+                decode_kv_cache_usage=0.0 if engine is None else engine.kv_cache_usage,
+                decode_max_running=self.decode_max_running,
+                prefill_waiting=sum(x.num_waiting for x in loads if x.pool == self.prefill_pool),
+            ),
+            self.settings,
+            now_s,
+        )
+        if choice.extend:
+            decision = msgspec.structs.replace(decision, kind="extend")
+        return decision, choice

