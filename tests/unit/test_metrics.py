@@ -75,6 +75,7 @@ def test_a_few_turns_are_counted_exactly() -> None:
         "kvtide_kv_expiries_total": 0.0,
         "kvtide_kv_recomputes_total": 1.0,
         "kvtide_kv_send_backs_total": 2.0,
+        "kvtide_kv_extends_total": 0.0,
         "kvtide_kv_transfer_failures_total": 0.0,
         "kvtide_turn_handover_failures_total": 0.0,
         'kvtide_kv_transfer_bytes_total{direction="decode_to_prefill"}': 524_288.0,
