@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 from ingress_harness import MODEL, bare_ingress, handle, http_request
+from service_fakes import ServiceFake
 from test_kv_service import S1_T1, S1_T2, Cluster
 
 from engines.kv_params import KVTransferParams
@@ -208,29 +209,31 @@ def test_begin_turn_rebuilds_the_prompt_from_the_last_turn_and_the_ids_it_adds()
     asyncio.run(story())
 
 
-class HeldHandOver(KVService):
-    """The real service whose ``turn_done`` waits for the test to let it through."""
+class HeldHandOver(ServiceFake):
+    """The real service as the router reaches it, its ``turn_done`` waiting for the test
+    to let it through."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, service: KVService) -> None:
+        super().__init__(service)
         self.release = asyncio.Event()
         self.handed: list[TurnDone] = []
 
     async def turn_done(self, done: TurnDone) -> Handover:
         await self.release.wait()
         self.handed.append(done)
-        return await super().turn_done(done)
+        return await self.service.turn_done(done)
 
 
 def held_cluster(handover_wait_s: float = 5.0) -> Cluster:
     c = Cluster()
-    c.new_service(HeldHandOver, handover_wait_s=handover_wait_s)
+    c.new_service(handover_wait_s=handover_wait_s)
+    c.fake(HeldHandOver)
     return c
 
 
 def test_a_turns_last_token_does_not_wait_for_its_hand_over_to_the_service() -> None:
     c = held_cluster()
-    service = c.service
+    service = c.kv
     assert isinstance(service, HeldHandOver)
     router = Router(
         prefill=c.prefill,
@@ -273,7 +276,7 @@ def test_the_next_turn_waits_for_the_last_turns_hand_over_then_claims() -> None:
 
     async def story(handover_wait_s: float) -> tuple[str, str]:
         c = held_cluster(handover_wait_s)
-        service = c.service
+        service = c.kv
         assert isinstance(service, HeldHandOver)
         router = Router(
             prefill=c.prefill,
@@ -305,11 +308,12 @@ def test_a_failed_hand_over_is_counted_and_ends_the_sessions_claim() -> None:
     c = Cluster()
     alice = Principal(name="alice")
 
-    class Unreachable(KVService):
+    class Unreachable(ServiceFake):
         async def turn_done(self, done: TurnDone) -> Handover:
             raise DeadlineExceeded("the KV service did not answer turn_done in time")
 
-    service = c.new_service(Unreachable, handover_wait_s=0.0)
+    c.new_service(handover_wait_s=0.0)
+    service = c.fake(Unreachable)
     router = Router(
         prefill=c.prefill,
         decode=c.decode,
