@@ -8,8 +8,10 @@ through the fake: a test that reads them asks the real one (``fake.service``).""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+from orchestrator.kv.messages import Handover, TurnDone
 from orchestrator.kv.service import API_METHODS, KVService
 
 
@@ -26,3 +28,21 @@ class ServiceFake:
                 "read the real service's internals as .service"
             )
         return getattr(self.service, name)
+
+
+class HeldHandOver(ServiceFake):
+    """The real service, each ``turn_done`` held until the test sets ``release``: seen on
+    arrival (``arrived``), booked by the real service once let through (``booked``)."""
+
+    def __init__(self, service: KVService) -> None:
+        super().__init__(service)
+        self.release = asyncio.Event()
+        self.arrived: list[TurnDone] = []
+        self.booked: list[TurnDone] = []
+
+    async def turn_done(self, done: TurnDone) -> Handover:
+        self.arrived.append(done)
+        await self.release.wait()
+        answer = await self.service.turn_done(done)
+        self.booked.append(done)
+        return answer

@@ -96,10 +96,10 @@ async def _story(root: Path) -> dict[str, Any]:
     import random
     import time
 
-    from service_fakes import ServiceFake
+    from service_fakes import HeldHandOver
 
     from engines.base import GenerateChunk, GenerateRequest, Sampling
-    from orchestrator.kv.messages import Handover, TurnDone
+    from orchestrator.kv.messages import TurnDone
     from orchestrator.kv.ownership import Principal
     from orchestrator.kv.service import KVService, ServiceSettings
     from orchestrator.kv.session_tokens import prefix_digest
@@ -109,20 +109,6 @@ async def _story(root: Path) -> dict[str, Any]:
 
     alice = Principal(name="alice")
     num_tokens = 24
-
-    class HeldBooking(ServiceFake):
-        """The real service as the router reaches it, its hand-over bookings held until
-        ``release`` is set."""
-
-        def __init__(self, service: KVService) -> None:
-            super().__init__(service)
-            self.release = asyncio.Event()
-            self.arrived: list[TurnDone] = []
-
-        async def turn_done(self, done: TurnDone) -> Handover:
-            self.arrived.append(done)
-            await self.release.wait()
-            return await self.service.turn_done(done)
 
     class Prefill(OneEnginePool):
         """The prefill engine as a pool, with every request it got, the ids of those it
@@ -160,7 +146,7 @@ async def _story(root: Path) -> dict[str, Any]:
     decode, prefill_engine = await start_pair(root, "pv")
     prefill = Prefill(prefill_engine)
     block = prefill_engine.info().block_size
-    svc = HeldBooking(
+    svc = HeldHandOver(
         KVService(
             pair_lifecycle(block, recompute_threshold_tokens=0),
             prefill=prefill,

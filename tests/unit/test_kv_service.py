@@ -101,13 +101,19 @@ class Cluster:
         self.kv = fake
         return fake
 
-    async def turn(self, prompt: list[int], session: str | None) -> TurnReport:
-        router = Router(
+    def router(self, **kwargs: Any) -> Router:
+        """A router on these engines that reaches the service as ``self.kv``
+        (``kwargs``: the router's other collaborators)."""
+        return Router(
             prefill=self.prefill,
             decode=self.decode,
             kv=self.kv,
             settings=RouterSettings(pull_timeout_s=5.0),
+            **kwargs,
         )
+
+    async def turn(self, prompt: list[int], session: str | None) -> TurnReport:
+        router = self.router()
         self.num_requests += 1
         reports = [
             r

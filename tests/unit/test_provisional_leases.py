@@ -11,58 +11,36 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from service_fakes import ServiceFake
+from service_fakes import HeldHandOver
 from test_kv_service import S1_T1, S1_T2, Cluster
 
 from engines.base import GenerateChunk
-from orchestrator.kv.messages import Handover, TurnDone
+from orchestrator.kv.messages import TurnDone
 from orchestrator.kv.ownership import Principal
-from orchestrator.kv.service import KVService, KVServiceAPI
+from orchestrator.kv.service import KVServiceAPI
 from orchestrator.kv.session_tokens import prefix_digest
-from orchestrator.router import LeaseUse, Router, RouterSettings, Turn, TurnReport
+from orchestrator.router import LeaseUse, Router, Turn, TurnReport
 from orchestrator.router.held_leases import HeldLeases
 
 ALICE = Principal(name="alice")
 BOUND_S = 30.0  # a story that waits for what never comes fails here
 
 
-class HeldBooking(ServiceFake):
-    """The real service as the router reaches it, its ``turn_done`` seen on arrival and
-    booked only when the test lets it through."""
-
-    def __init__(self, service: KVService) -> None:
-        super().__init__(service)
-        self.release = asyncio.Event()
-        self.arrived: list[TurnDone] = []
-
-    async def turn_done(self, done: TurnDone) -> Handover:
-        self.arrived.append(done)
-        await self.release.wait()
-        return await self.service.turn_done(done)
-
-
-def cluster(idle_budget_bytes: int | None = None) -> tuple[Cluster, HeldBooking, Router]:
+def cluster(idle_budget_bytes: int | None = None) -> tuple[Cluster, HeldHandOver, Router]:
     """A service granting 30 s leases and a router whose replica proposes them."""
     c = Cluster()
     c.new_service(idle_budget_bytes=idle_budget_bytes)
-    svc = c.fake(HeldBooking)
+    svc = c.fake(HeldHandOver)
     svc.service.leases.lasts_s = 30.0
     leases = HeldLeases(
         "replica-a", clock=c.clock, lifecycle=svc.service.decider.lifecycle.config, lasts_s=30.0
     )
-    router = Router(
-        prefill=c.prefill,
-        decode=c.decode,
-        kv=svc,
-        settings=RouterSettings(pull_timeout_s=5.0),
-        clock=c.clock,
-        leases=leases,
-    )
+    router = c.router(clock=c.clock, leases=leases)
     router.session_tokens = None
     return c, svc, router
 
 
-async def first_turn(svc: HeldBooking, router: Router) -> TurnDone:
+async def first_turn(svc: HeldHandOver, router: Router) -> TurnDone:
     """Alice's first turn of s1, run to its last token; its hand-over arrived at the
     service, which has not booked it."""
     assert router.leases is not None
