@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import tempfile
@@ -17,6 +18,16 @@ import httpx
 
 from engines.base import GenerateRequest, Sampling
 from engines.kv_params import KVTransferParams
+
+
+def add_serve_proxy_flag(parser: argparse.ArgumentParser) -> None:
+    """``--serve-proxy``: what ``embedded_app(serve_proxy=True)`` runs, for comparison."""
+    parser.add_argument(
+        "--serve-proxy",
+        action="store_true",
+        help="Serve's Python HTTP proxy and replicas that run user code in a thread of their "
+        "own (ray.direct_ingress and ray.serve_in_loop false), for comparison",
+    )
 
 
 @contextmanager

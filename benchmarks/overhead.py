@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx
 
 from benchmarks.common import (
+    add_serve_proxy_flag,
     direct_turn,
     embedded_app,
     pool_counters,
@@ -491,12 +492,7 @@ def main() -> None:
         action="store_true",
         help="run the engines with vLLM's own NixlConnector (kv.per_request_keep: false)",
     )
-    parser.add_argument(
-        "--serve-proxy",
-        action="store_true",
-        help="Serve's Python HTTP proxy and replicas that run user code in a thread of their "
-        "own (ray.direct_ingress and ray.serve_in_loop false), for comparison",
-    )
+    add_serve_proxy_flag(parser)
     args = parser.parse_args()
 
     levels = [int(x) for x in args.levels.split(",")]

@@ -35,7 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
 
-from benchmarks.common import direct_turn, embedded_app, stream_completion
+from benchmarks.common import (
+    add_serve_proxy_flag,
+    direct_turn,
+    embedded_app,
+    stream_completion,
+)
 from benchmarks.stream_targets import sendback_targets
 from engines.kv_params import KVTransferParams
 from orchestrator.cli.table import format_table
@@ -350,12 +355,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-engines", action="store_true")
     parser.add_argument("--skip-actor", action="store_true")
-    parser.add_argument(
-        "--serve-proxy",
-        action="store_true",
-        help="Serve's Python HTTP proxy and replicas that run user code in a thread of their "
-        "own (ray.direct_ingress and ray.serve_in_loop false), for comparison",
-    )
+    add_serve_proxy_flag(parser)
     args = parser.parse_args()
     lines: list[str] = []
     if not args.skip_engines:

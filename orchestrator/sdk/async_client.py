@@ -8,7 +8,6 @@ import random
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from types import TracebackType
 from typing import Any
 
 import httpx
@@ -147,10 +146,5 @@ class AsyncClient(_BaseClient):
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *_: object) -> None:
         await self.aclose()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -66,9 +65,8 @@ class AsyncSession(SessionView):
             traceparent=traceparent,
             idempotency_key=idempotency_key,
         )
-        turn = await self._start(user_text, options, stream=False)
+        turn, response, attempts = await self._open(user_text, options, stream=False)
         try:
-            response, attempts = await self._client._send(turn.request)
             result = turn.completed(response, attempts, self._client._clock())
         except BaseException as exc:
             self._state.abort_turn(turn, exc)
@@ -108,12 +106,7 @@ class AsyncSession(SessionView):
             traceparent=traceparent,
             idempotency_key=idempotency_key,
         )
-        turn = await self._start(user_text, options, stream=True)
-        try:
-            response, attempts = await self._client._send(turn.request)
-        except BaseException as exc:
-            self._state.abort_turn(turn, exc)
-            raise
+        turn, response, attempts = await self._open(user_text, options, stream=True)
         core = StreamTurn(
             self._state,
             turn,
@@ -124,12 +117,23 @@ class AsyncSession(SessionView):
         )
         return AsyncTurnStream(self, core, response)
 
-    async def _start(self, user_text: str | None, options: TurnOptions, *, stream: bool) -> Turn:
+    async def _open(
+        self, user_text: str | None, options: TurnOptions, *, stream: bool
+    ) -> tuple[Turn, httpx.Response, int]:
+        """Start the turn and send its request (with retries): the turn, its response
+        and the attempts it took. A turn that could not be sent is aborted."""
         now_s = self._client._clock()
         if self._state.model is None:
             self._state.model = await self._client.default_model()
-        model = self._state.model
-        return self._state.start_turn(model, user_text, options, stream=stream, now_s=now_s)
+        turn = self._state.start_turn(
+            self._state.model, user_text, options, stream=stream, now_s=now_s
+        )
+        try:
+            response, attempts = await self._client._send(turn.request)
+        except BaseException as exc:
+            self._state.abort_turn(turn, exc)
+            raise
+        return turn, response, attempts
 
     # ---- lease --------------------------------------------------------------------
 
@@ -186,12 +190,7 @@ class AsyncSession(SessionView):
     async def __aenter__(self) -> AsyncSession:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is None:
             await self.close()
             return
@@ -277,10 +276,5 @@ class AsyncTurnStream:
     async def __aenter__(self) -> AsyncTurnStream:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *_: object) -> None:
         await self.aclose()

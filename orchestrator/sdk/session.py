@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -85,9 +84,8 @@ class Session(SessionView):
             traceparent=traceparent,
             idempotency_key=idempotency_key,
         )
-        turn = self._start(user_text, options, stream=False)
+        turn, response, attempts = self._open(user_text, options, stream=False)
         try:
-            response, attempts = self._client._send(turn.request)
             result = turn.completed(response, attempts, self._client._clock())
         except BaseException as exc:
             self._state.abort_turn(turn, exc)
@@ -131,12 +129,7 @@ class Session(SessionView):
             traceparent=traceparent,
             idempotency_key=idempotency_key,
         )
-        turn = self._start(user_text, options, stream=True)
-        try:
-            response, attempts = self._client._send(turn.request)
-        except BaseException as exc:
-            self._state.abort_turn(turn, exc)
-            raise
+        turn, response, attempts = self._open(user_text, options, stream=True)
         core = StreamTurn(
             self._state,
             turn,
@@ -147,12 +140,23 @@ class Session(SessionView):
         )
         return TurnStream(self, core, response)
 
-    def _start(self, user_text: str | None, options: TurnOptions, *, stream: bool) -> Turn:
+    def _open(
+        self, user_text: str | None, options: TurnOptions, *, stream: bool
+    ) -> tuple[Turn, httpx.Response, int]:
+        """Start the turn and send its request (with retries): the turn, its response
+        and the attempts it took. A turn that could not be sent is aborted."""
         now_s = self._client._clock()
         if self._state.model is None:
             self._state.model = self._client.default_model()
-        model = self._state.model
-        return self._state.start_turn(model, user_text, options, stream=stream, now_s=now_s)
+        turn = self._state.start_turn(
+            self._state.model, user_text, options, stream=stream, now_s=now_s
+        )
+        try:
+            response, attempts = self._client._send(turn.request)
+        except BaseException as exc:
+            self._state.abort_turn(turn, exc)
+            raise
+        return turn, response, attempts
 
     # ---- lease --------------------------------------------------------------------
 
@@ -210,12 +214,7 @@ class Session(SessionView):
     def __enter__(self) -> Session:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is None:
             self.close()
             return
@@ -310,10 +309,5 @@ class TurnStream:
     def __enter__(self) -> TurnStream:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *_: object) -> None:
         self.close()

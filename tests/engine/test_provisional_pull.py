@@ -96,8 +96,10 @@ async def _story(root: Path) -> dict[str, Any]:
     import random
     import time
 
+    from service_fakes import HeldHandOver
+
     from engines.base import GenerateChunk, GenerateRequest, Sampling
-    from orchestrator.kv.messages import Handover, TurnDone
+    from orchestrator.kv.messages import TurnDone
     from orchestrator.kv.ownership import Principal
     from orchestrator.kv.service import KVService, ServiceSettings
     from orchestrator.kv.session_tokens import prefix_digest
@@ -107,19 +109,6 @@ async def _story(root: Path) -> dict[str, Any]:
 
     alice = Principal(name="alice")
     num_tokens = 24
-
-    class HeldBooking(KVService):
-        """The real service, its hand-over bookings held until ``release`` is set."""
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.release = asyncio.Event()
-            self.arrived: list[TurnDone] = []
-
-        async def turn_done(self, done: TurnDone) -> Handover:
-            self.arrived.append(done)
-            await self.release.wait()
-            return await super().turn_done(done)
 
     class Prefill(OneEnginePool):
         """The prefill engine as a pool, with every request it got, the ids of those it
@@ -157,14 +146,19 @@ async def _story(root: Path) -> dict[str, Any]:
     decode, prefill_engine = await start_pair(root, "pv")
     prefill = Prefill(prefill_engine)
     block = prefill_engine.info().block_size
-    svc = HeldBooking(
-        pair_lifecycle(block, recompute_threshold_tokens=0),
-        prefill=prefill,
-        settings=ServiceSettings(drain_timeout_s=60, turn_lease_s=30.0),
+    svc = HeldHandOver(
+        KVService(
+            pair_lifecycle(block, recompute_threshold_tokens=0),
+            prefill=prefill,
+            settings=ServiceSettings(drain_timeout_s=60, turn_lease_s=30.0),
+        )
     )
     metrics = Metrics()
     leases = HeldLeases(
-        "replica-a", clock=time.monotonic, lifecycle=svc.decider.lifecycle.config, lasts_s=30.0
+        "replica-a",
+        clock=time.monotonic,
+        lifecycle=svc.service.decider.lifecycle.config,
+        lasts_s=30.0,
     )
     router = pair_router(prefill, OneEnginePool(decode), svc, block, metrics=metrics, leases=leases)
     router.session_tokens = None
@@ -245,7 +239,7 @@ async def _story(root: Path) -> dict[str, Any]:
         reader = prefill.readers(kept)[0].request_id
         await until(lambda: reader in prefill.finished)
         s1: dict[str, Any] = {
-            "prefilled_before_booking": svc.decider.lifecycle.record("s1") is None
+            "prefilled_before_booking": svc.service.decider.lifecycle.record("s1") is None
         }
         s1["answered_before_booking"] = turn.done()
         svc.release.set()
@@ -266,7 +260,7 @@ async def _story(root: Path) -> dict[str, Any]:
         svc.release.set()
         s2: dict[str, Any] = {"lease_confirmed": await asyncio.wait_for(used, BOUND_S)}
         await svc.close("s2")
-        await svc.wait_drains()
+        await svc.service.wait_drains()
         s2["readers_during_close"] = len(prefill.readers(kept))
         prefill.gate.set()
         items = await asyncio.wait_for(turn, BOUND_S)
@@ -276,15 +270,15 @@ async def _story(root: Path) -> dict[str, Any]:
 
         # Both sessions closed and drained: nothing kept anywhere.
         await svc.close("s1")
-        await svc.wait_drains()
+        await svc.service.wait_drains()
         story["s2"]["readers_of_turn_1_blocks"] = len(prefill.readers(kept))
         # s2's turn 2 handed over after its close: its record is held for the lease
         # that hand-over proposed, closed again once that lease is back (this story
         # runs no lease watch, so it lapses: the hand-over wait, 5 s).
-        await until(lambda: svc.decider.lifecycle.stats().num_records == 0)
-        await svc.wait_drains()
+        await until(lambda: svc.service.decider.lifecycle.stats().num_records == 0)
+        await svc.service.wait_drains()
         story["after"] = {
-            "num_records": svc.decider.lifecycle.stats().num_records,
+            "num_records": svc.service.decider.lifecycle.stats().num_records,
             "decode_freed_after_s": await reset_when_free(decode, timeout_s=BOUND_S),
         }
     finally:
@@ -297,6 +291,7 @@ if __name__ == "__main__":
     import asyncio
     import logging
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: service_fakes
     logging.basicConfig(level=logging.INFO)
     logging.getLogger("kvtide.router").setLevel(logging.DEBUG)
     print(_RESULT + json.dumps(asyncio.run(_story(Path(sys.argv[1])))), flush=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from service_fakes import ServiceFake
 from test_kv_service import S1_T1, S1_T2, Cluster, _Method, decode_with_fresh_blocks
 
 from engines.kv_params import KVTransferParams
@@ -27,15 +28,16 @@ from orchestrator.kv.service import KVService
 GRACE_S = 60.0
 
 
-class LostHandover(KVService):
-    """A service whose ``turn_done`` calls never land (the ingress's deadline passes)."""
+class LostHandover(ServiceFake):
+    """The service as the router reaches it, with ``turn_done`` calls that never land
+    (the ingress's deadline passes)."""
 
     lose = True
 
     async def turn_done(self, done: TurnDone) -> Handover:
         if self.lose:
             raise ServiceUnavailable("the hand-over's deadline passed")
-        return await super().turn_done(done)
+        return await self.service.turn_done(done)
 
 
 class Handle:
@@ -46,10 +48,11 @@ class Handle:
         self.kept_orphans = _Method(service.unbooked.drain_orphans)
 
 
-def checking_cluster(cls: type[KVService] = LostHandover) -> Cluster:
+def checking_cluster(lose_handovers: bool = True) -> Cluster:
     cluster = Cluster()
     cluster.decode.ledger.check_grace_s = GRACE_S
-    cluster.new_service(cls)
+    if lose_handovers:
+        cluster.fake(LostHandover)
     return cluster
 
 
@@ -96,7 +99,7 @@ def test_a_turn_whose_hand_over_never_lands_has_its_kept_blocks_drained_after_th
 
 
 def test_a_booked_turn_is_never_drained_by_the_check_even_after_its_record_was_pulled() -> None:
-    cluster = checking_cluster(KVService)
+    cluster = checking_cluster(lose_handovers=False)
 
     async def run() -> None:
         await cluster.turn(S1_T1, "s1")
@@ -113,7 +116,6 @@ def test_a_booked_turn_is_never_drained_by_the_check_even_after_its_record_was_p
 def test_a_session_with_a_turn_running_is_asked_about_again_not_drained() -> None:
     cluster = checking_cluster()
     service = cluster.service
-    assert isinstance(service, LostHandover)
 
     async def run() -> None:
         await cluster.turn(S1_T1, "s1")
@@ -131,8 +133,8 @@ def test_a_session_with_a_turn_running_is_asked_about_again_not_drained() -> Non
 
 def test_a_hand_over_after_the_check_books_no_kv_and_the_next_turn_recomputes() -> None:
     cluster = checking_cluster()
-    service = cluster.service
-    assert isinstance(service, LostHandover)
+    lost = cluster.kv
+    assert isinstance(lost, LostHandover)
 
     async def run() -> None:
         await cluster.turn(S1_T1, "s1")
@@ -140,8 +142,8 @@ def test_a_hand_over_after_the_check_books_no_kv_and_the_next_turn_recomputes() 
         cluster.clock.now_s += GRACE_S
         assert await check(cluster) == 1
         # The lost hand-over arrives after all: its blocks are being drained.
-        service.lose = False
-        answer = await service.turn_done(
+        lost.lose = False
+        answer = await lost.turn_done(
             TurnDone(
                 session_id="s1",
                 token_ids=kept_ids,
@@ -150,7 +152,7 @@ def test_a_hand_over_after_the_check_books_no_kv_and_the_next_turn_recomputes() 
             )
         )
         assert answer.accepted
-        assert service.decider.lifecycle.record("s1") is None
+        assert cluster.service.decider.lifecycle.record("s1") is None
         report = await cluster.turn(S1_T2, "s1")
         assert report.kv_source == "recomputed"
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import msgspec
 import pytest
@@ -21,12 +21,13 @@ from engines.kv_params import KVTransferParams
 from orchestrator.kv.actor import EpochWatcher
 from orchestrator.kv.decider import kv_lifecycle_config
 from orchestrator.kv.messages import Beat, LedgerReport, TurnDone
-from orchestrator.kv.service import KVService, ServiceSettings
+from orchestrator.kv.service import KVService, KVServiceAPI, ServiceSettings
 from orchestrator.router import Router, RouterSettings, Turn, TurnReport
 from orchestrator.serve.ledger import EngineLedger
 
 TTL_S = 480.0
 SETTINGS_FIELDS = {f.name for f in dataclasses.fields(ServiceSettings)}
+F = TypeVar("F")
 
 
 class HostedPool:
@@ -66,15 +67,14 @@ class Cluster:
 
     def new_service(
         self,
-        cls: type[KVService] = KVService,
         idle_budget_bytes: int | None = None,
         room_kv_cache_usage: float | None = None,
         **kwargs: Any,
     ) -> KVService:
-        """A service (``cls``, with ``kwargs`` for its constructor or its settings) on
-        these engines."""
+        """A service (``kwargs`` for its constructor or its settings) on these engines;
+        the router reaches it directly."""
         settings = {k: kwargs.pop(k) for k in list(kwargs) if k in SETTINGS_FIELDS}
-        self.service = cls(
+        self.service = KVService(
             kv_lifecycle_config(
                 ttl_s=TTL_S,
                 safety_margin_s=15,
@@ -91,15 +91,29 @@ class Cluster:
             clock=self.clock,
             **kwargs,
         )
+        self.kv: KVServiceAPI = self.service
         return self.service
 
-    async def turn(self, prompt: list[int], session: str | None) -> TurnReport:
-        router = Router(
+    def fake(self, make: Callable[[KVService], F]) -> F:
+        """The router reaches the service through ``make``'s fake from now on (the
+        service's own books stay ``self.service``)."""
+        fake = make(self.service)
+        self.kv = fake
+        return fake
+
+    def router(self, **kwargs: Any) -> Router:
+        """A router on these engines that reaches the service as ``self.kv``
+        (``kwargs``: the router's other collaborators)."""
+        return Router(
             prefill=self.prefill,
             decode=self.decode,
-            kv=self.service,
+            kv=self.kv,
             settings=RouterSettings(pull_timeout_s=5.0),
+            **kwargs,
         )
+
+    async def turn(self, prompt: list[int], session: str | None) -> TurnReport:
+        router = self.router()
         self.num_requests += 1
         reports = [
             r

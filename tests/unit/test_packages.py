@@ -122,6 +122,34 @@ def test_the_modules_that_import_vllm_are_the_ones_the_architecture_lists() -> N
     assert _modules_importing("vllm") == listed
 
 
+def _modules_converting_kv_params() -> set[str]:
+    """The project's modules that call ``from_vllm`` or ``to_vllm`` (KVTransferParams to
+    and from vLLM's dict), bar the one that defines them."""
+    found = set()
+    for root in ("orchestrator", "engines", "kernels", "placement", "policies"):
+        for path in (REPO / root).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("from_vllm", "to_vllm")
+                ):
+                    found.add(str(path.relative_to(REPO)))
+    found.discard("engines/kv_params.py")
+    return found
+
+
+def test_the_modules_that_convert_kv_transfer_params_are_the_ones_the_architecture_lists() -> None:
+    import re
+
+    text = (REPO / "docs" / "architecture.md").read_text()
+    heading = "### Where vLLM's kv_transfer_params dict is converted"
+    assert heading in text
+    section = text.split(heading, 1)[1].split("\n#", 1)[0]
+    listed = set(re.findall(r"^- `([^`]+\.py)`", section, re.M))
+    assert _modules_converting_kv_params() == listed
+
+
 def _turn_path_classes() -> list[tuple[str, ast.ClassDef]]:
     """Every class under orchestrator/serve/ and orchestrator/router/, with its file."""
     return [

@@ -11,57 +11,36 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from service_fakes import HeldHandOver
 from test_kv_service import S1_T1, S1_T2, Cluster
 
 from engines.base import GenerateChunk
-from orchestrator.kv.messages import Handover, TurnDone
+from orchestrator.kv.messages import TurnDone
 from orchestrator.kv.ownership import Principal
-from orchestrator.kv.service import KVService
+from orchestrator.kv.service import KVServiceAPI
 from orchestrator.kv.session_tokens import prefix_digest
-from orchestrator.router import LeaseUse, Router, RouterSettings, Turn, TurnReport
+from orchestrator.router import LeaseUse, Router, Turn, TurnReport
 from orchestrator.router.held_leases import HeldLeases
 
 ALICE = Principal(name="alice")
 BOUND_S = 30.0  # a story that waits for what never comes fails here
 
 
-class HeldBooking(KVService):
-    """The real service whose ``turn_done`` is seen on arrival and booked only when the
-    test lets it through."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.release = asyncio.Event()
-        self.arrived: list[TurnDone] = []
-
-    async def turn_done(self, done: TurnDone) -> Handover:
-        self.arrived.append(done)
-        await self.release.wait()
-        return await super().turn_done(done)
-
-
-def cluster(idle_budget_bytes: int | None = None) -> tuple[Cluster, HeldBooking, Router]:
+def cluster(idle_budget_bytes: int | None = None) -> tuple[Cluster, HeldHandOver, Router]:
     """A service granting 30 s leases and a router whose replica proposes them."""
     c = Cluster()
-    svc = c.new_service(HeldBooking, idle_budget_bytes=idle_budget_bytes)
-    assert isinstance(svc, HeldBooking)
-    svc.leases.lasts_s = 30.0
+    c.new_service(idle_budget_bytes=idle_budget_bytes)
+    svc = c.fake(HeldHandOver)
+    svc.service.leases.lasts_s = 30.0
     leases = HeldLeases(
-        "replica-a", clock=c.clock, lifecycle=svc.decider.lifecycle.config, lasts_s=30.0
+        "replica-a", clock=c.clock, lifecycle=svc.service.decider.lifecycle.config, lasts_s=30.0
     )
-    router = Router(
-        prefill=c.prefill,
-        decode=c.decode,
-        kv=svc,
-        settings=RouterSettings(pull_timeout_s=5.0),
-        clock=c.clock,
-        leases=leases,
-    )
+    router = c.router(clock=c.clock, leases=leases)
     router.session_tokens = None
     return c, svc, router
 
 
-async def first_turn(svc: HeldBooking, router: Router) -> TurnDone:
+async def first_turn(svc: HeldHandOver, router: Router) -> TurnDone:
     """Alice's first turn of s1, run to its last token; its hand-over arrived at the
     service, which has not booked it."""
     assert router.leases is not None
@@ -85,7 +64,7 @@ async def first_turn(svc: HeldBooking, router: Router) -> TurnDone:
 
 
 def second_turn(
-    svc: KVService, router: Router, done: TurnDone
+    svc: KVServiceAPI, router: Router, done: TurnDone
 ) -> tuple[asyncio.Task[list[tuple[GenerateChunk, TurnReport]]], asyncio.Future[bool]]:
     """Alice's next turn under the replica's provisional lease: its stream (a task) and
     its use reported to the service."""
@@ -130,7 +109,7 @@ def test_the_next_turn_pulls_before_the_hand_over_is_booked_and_is_confirmed_aft
         done = await first_turn(svc, router)
         kept = done.kv_transfer_params
         assert kept is not None and kept.kept_blocks() is not None
-        pulls = svc.decider.lifecycle.stats().num_pulls
+        pulls = svc.service.decider.lifecycle.stats().num_pulls
         turn, used = second_turn(svc, router, done)
         await settle()
         # The prefill already pulls the kept blocks back, the hand-over not booked...
@@ -142,7 +121,7 @@ def test_the_next_turn_pulls_before_the_hand_over_is_booked_and_is_confirmed_aft
         items = await turn
         assert await used is True
         assert items[-1][1].kv_source == "sent_back"
-        assert svc.decider.lifecycle.stats().num_pulls == pulls + 1
+        assert svc.service.decider.lifecycle.stats().num_pulls == pulls + 1
         await router.settled()
 
     asyncio.run(asyncio.wait_for(story(), BOUND_S))
@@ -163,7 +142,7 @@ def test_the_booked_record_is_held_from_its_booking_while_a_provisional_pull_rea
         # ...and the session is closed during the pull: nothing else reads the blocks
         # (no drain frees them under the pull; the pull's read resolves the record).
         await svc.close("s1")
-        await svc.wait_drains()
+        await svc.service.wait_drains()
         readers = [
             r
             for r in c.prefill.pool.requests
@@ -192,7 +171,7 @@ def test_no_lease_is_proposed_under_an_idle_budget() -> None:
 
 def test_a_provisional_use_with_no_hand_over_is_refused_and_its_id_never_granted() -> None:
     _, svc, router = cluster()
-    svc.leases.grace_s = 0.05  # how long a use waits for the hand-over proposing it
+    svc.service.leases.grace_s = 0.05  # how long a use waits for the hand-over proposing it
 
     async def story() -> tuple[bool, int | None]:
         assert router.leases is not None
@@ -262,11 +241,11 @@ def test_a_session_closed_before_its_last_turns_hand_over_keeps_nothing() -> Non
         await svc.close("s1")
         svc.release.set()
         await router.settled()
-        await svc.wait_drains()
-        assert svc.decider.lifecycle.record("s1") is None
+        await svc.service.wait_drains()
+        assert svc.service.decider.lifecycle.record("s1") is None
         assert (await svc.session("s1")).known is False
         assert len(_readers_of(c, done.kv_transfer_params)) == 1  # drained, once
-        assert svc.decider.lifecycle.stats().num_records == 0
+        assert svc.service.decider.lifecycle.stats().num_records == 0
 
     asyncio.run(asyncio.wait_for(story(), BOUND_S))
 
@@ -285,15 +264,15 @@ def test_a_session_closed_before_a_hand_over_proposing_a_lease_is_closed_once_it
         await router.settled()
         await settle()
         # Held for the proposed lease: no drain reads the blocks while it may be used.
-        assert svc.decider.lifecycle.held("s1")
+        assert svc.service.decider.lifecycle.held("s1")
         assert _readers_of(c, done.kv_transfer_params) == []
         # The lessee gives the revoked lease back unused (its next watch call).
         assert router.leases is not None
         await svc.lease_watch("replica-a", [done.next_lease_id], 0.0)
         for _ in range(20):
             await settle()
-            await svc.wait_drains()
-        assert svc.decider.lifecycle.record("s1") is None
+            await svc.service.wait_drains()
+        assert svc.service.decider.lifecycle.record("s1") is None
         assert (await svc.session("s1")).known is False
         assert len(_readers_of(c, done.kv_transfer_params)) == 1
 

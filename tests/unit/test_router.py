@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from service_fakes import ServiceFake
 
 from engines.base import GenerateChunk, GenerateRequest
 from engines.kv_params import KVTransferParams
@@ -116,14 +117,14 @@ def keeping_decode_script(req: GenerateRequest) -> list[GenerateChunk]:
     return chunks
 
 
-class CountingService(KVService):
-    """The real service, counting the turns the router hands it."""
+class CountingService(ServiceFake):
+    """The real service as the router reaches it, counting the turns it hands over."""
 
     num_turns_done = 0
 
     async def turn_done(self, done: TurnDone) -> Handover:
         self.num_turns_done += 1
-        return await super().turn_done(done)
+        return await self.service.turn_done(done)
 
 
 def lifecycle_config() -> KVLifecycleConfig:
@@ -141,7 +142,7 @@ def make_router(prefill: FakePool, decode: FakePool, **kw: Any) -> Router:
     """A router and, as ``router.kv``, a KV service in the same process (the service
     drains through the same fake prefill pool)."""
     clock = FakeClock()
-    service = CountingService(
+    service = KVService(
         lifecycle_config(),
         prefill=prefill,
         settings=ServiceSettings(drain_timeout_s=5.0),
@@ -165,8 +166,8 @@ def make_router(prefill: FakePool, decode: FakePool, **kw: Any) -> Router:
     )
 
 
-def service_of(router: Router) -> CountingService:
-    assert isinstance(router.kv, CountingService)
+def service_of(router: Router) -> KVService:
+    assert isinstance(router.kv, KVService)
     return router.kv
 
 
@@ -290,6 +291,7 @@ def test_a_sessionless_request_keeps_nothing_on_decode_and_costs_no_drain() -> N
     prefill, decode = FakePool(prefill_script()), FakePool(keeping_decode_script)
     router = make_router(prefill, decode)
     service = service_of(router)
+    router.kv = counting = CountingService(service)
 
     async def run() -> TurnReport:
         report = await turn(router, list(range(100)), None)
@@ -303,7 +305,7 @@ def test_a_sessionless_request_keeps_nothing_on_decode_and_costs_no_drain() -> N
     assert dec.kv_transfer_params is not None and dec.kv_transfer_params.kvtide_keep is False
     # Two engine requests in all (prefill, decode): no read-back, nothing booked.
     assert [r.request_id.startswith("drain-") for r in prefill.requests] == [False]
-    assert service.num_turns_done == 0 and service.counters["drains"] == 0
+    assert counting.num_turns_done == 0 and service.counters["drains"] == 0
 
 
 def test_a_session_turn_asks_decode_to_keep_its_blocks_for_the_next_turn() -> None:

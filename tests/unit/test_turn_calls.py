@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 from ingress_harness import MODEL, bare_ingress, handle, http_request
+from service_fakes import HeldHandOver, ServiceFake
 from test_kv_service import S1_T1, S1_T2, Cluster
 
 from engines.kv_params import KVTransferParams
@@ -25,7 +26,7 @@ from orchestrator.kv.messages import Handover, TurnDone
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.service import API_METHODS, KVService
 from orchestrator.kv.session_tokens import NO_PREFIX, prefix_digest
-from orchestrator.router import Router, RouterSettings, Turn
+from orchestrator.router import Turn
 
 CHAT = "/v1/chat/completions"
 
@@ -208,36 +209,18 @@ def test_begin_turn_rebuilds_the_prompt_from_the_last_turn_and_the_ids_it_adds()
     asyncio.run(story())
 
 
-class HeldHandOver(KVService):
-    """The real service whose ``turn_done`` waits for the test to let it through."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.release = asyncio.Event()
-        self.handed: list[TurnDone] = []
-
-    async def turn_done(self, done: TurnDone) -> Handover:
-        await self.release.wait()
-        self.handed.append(done)
-        return await super().turn_done(done)
-
-
 def held_cluster(handover_wait_s: float = 5.0) -> Cluster:
     c = Cluster()
-    c.new_service(HeldHandOver, handover_wait_s=handover_wait_s)
+    c.new_service(handover_wait_s=handover_wait_s)
+    c.fake(HeldHandOver)
     return c
 
 
 def test_a_turns_last_token_does_not_wait_for_its_hand_over_to_the_service() -> None:
     c = held_cluster()
-    service = c.service
+    service = c.kv
     assert isinstance(service, HeldHandOver)
-    router = Router(
-        prefill=c.prefill,
-        decode=c.decode,
-        kv=service,
-        settings=RouterSettings(pull_timeout_s=5.0),
-    )
+    router = c.router()
 
     async def story() -> None:
         chunks = [
@@ -248,14 +231,14 @@ def test_a_turns_last_token_does_not_wait_for_its_hand_over_to_the_service() -> 
         ]
         # The client has every token, the finished one included, while the service
         # has not yet been handed the turn...
-        assert chunks[-1].finished and service.handed == []
+        assert chunks[-1].finished and service.booked == []
         settled = asyncio.ensure_future(router.settled())
         await asyncio.sleep(0)
         assert not settled.done()
         # ...which it books once it gets it: the next turn pulls what decode kept.
         service.release.set()
         await settled
-        assert [d.session_id for d in service.handed] == ["s1"]
+        assert [d.session_id for d in service.booked] == ["s1"]
         second = [
             r
             async for _, r in router.run_turn(
@@ -273,14 +256,9 @@ def test_the_next_turn_waits_for_the_last_turns_hand_over_then_claims() -> None:
 
     async def story(handover_wait_s: float) -> tuple[str, str]:
         c = held_cluster(handover_wait_s)
-        service = c.service
+        service = c.kv
         assert isinstance(service, HeldHandOver)
-        router = Router(
-            prefill=c.prefill,
-            decode=c.decode,
-            kv=service,
-            settings=RouterSettings(pull_timeout_s=5.0),
-        )
+        router = c.router()
         assert (await service.begin_turn("s1", alice, S1_T1, None)).outcome == "claimed"
         async for _ in router.run_turn(
             Turn(prompt_token_ids=S1_T1, max_tokens=3, session_id="s1", request_id="r-1")
@@ -305,17 +283,13 @@ def test_a_failed_hand_over_is_counted_and_ends_the_sessions_claim() -> None:
     c = Cluster()
     alice = Principal(name="alice")
 
-    class Unreachable(KVService):
+    class Unreachable(ServiceFake):
         async def turn_done(self, done: TurnDone) -> Handover:
             raise DeadlineExceeded("the KV service did not answer turn_done in time")
 
-    service = c.new_service(Unreachable, handover_wait_s=0.0)
-    router = Router(
-        prefill=c.prefill,
-        decode=c.decode,
-        kv=service,
-        settings=RouterSettings(pull_timeout_s=5.0),
-    )
+    c.new_service(handover_wait_s=0.0)
+    service = c.fake(Unreachable)
+    router = c.router()
 
     async def story() -> str:
         assert (await service.begin_turn("s1", alice, S1_T1, None)).outcome == "claimed"

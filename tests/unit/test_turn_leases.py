@@ -20,7 +20,7 @@ from test_turn_calls import CallLog, two_ingresses
 from orchestrator.kv.durable import MemoryStore
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.session_tokens import prefix_digest
-from orchestrator.router import LeaseUse, Router, RouterSettings, Turn
+from orchestrator.router import LeaseUse, Router, Turn
 from orchestrator.router.held_leases import HeldLeases
 
 CHAT = "/v1/chat/completions"
@@ -248,14 +248,7 @@ async def first_turn_leased(svc: Any, router: Router, session: str, owner: Princ
 
 def leasing_router(c: Cluster) -> tuple[Router, HeldLeases]:
     leases = HeldLeases("replica-a", clock=c.clock)
-    router = Router(
-        prefill=c.prefill,
-        decode=c.decode,
-        kv=c.service,
-        settings=RouterSettings(pull_timeout_s=5.0),
-        clock=c.clock,
-        leases=leases,
-    )
+    router = c.router(clock=c.clock, leases=leases)
     router.session_tokens = None
     return router, leases
 
