@@ -205,6 +205,7 @@ def format_turns(rows: list[TurnRow]) -> str:
     head = ("turn", "prompt tok", "cached tok", "TTFT s", "tok/s", "prompt KV came from")
     labels = {
         "sent_back": "sent back from decode (previous turn's KV)",
+        "extended": "kept on decode, only the new tokens prefilled there",
         "prefix_cache": "prefix cache on prefill",
         "recomputed": "recomputed on prefill",
     }
@@ -227,12 +228,12 @@ def format_turns(rows: list[TurnRow]) -> str:
                 f"turn {r.turn} called {r.tool_call}; turn {after.turn} sent the call and its "
                 f"result back: prompt KV {labels.get(after.kv_source, after.kv_source)}"
             )
-    # A turn that pulled the previous turn's KV: sent back, or already in the prefill
-    # engine's prefix cache (the pull then read nothing).
+    # A turn that reused the previous turn's KV: extended where decode kept it, or
+    # pulled (sent back, or already in the prefill engine's prefix cache: read nothing).
     reused = [
         r
         for r in rows
-        if r.kv_source in ("sent_back", "prefix_cache") and r.turn not in ("1", "fresh")
+        if r.kv_source in ("extended", "sent_back", "prefix_cache") and r.turn not in ("1", "fresh")
     ]
     fresh = [r for r in rows if r.turn == "fresh"]
     if reused and fresh:

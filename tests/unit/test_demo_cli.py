@@ -74,3 +74,16 @@ def test_a_later_turn_whose_pull_found_the_prefix_cache_still_shows_its_reuse() 
         _row("fresh", "recomputed", 0.4),
     ]
     assert "turn 3 reused 256 prompt tokens: TTFT 4.0x lower" in format_turns(rows)
+
+
+def test_a_later_turn_extended_on_decode_shows_its_reuse_and_where_its_kv_stayed() -> None:
+    # kv.extend on (the default): turn 3's short increment ran where decode kept turn 2.
+    rows = [
+        _row("1", "recomputed", 0.5),
+        _row("2", "sent_back", 0.2),
+        _row("3", "extended", 0.05),
+        _row("fresh", "recomputed", 0.4),
+    ]
+    table = format_turns(rows)
+    assert "turn 3 reused 256 prompt tokens: TTFT 8.0x lower" in table
+    assert "kept on decode, only the new tokens prefilled there" in table
