@@ -204,6 +204,13 @@ class DecodeSide:
                     )
                     tr.record_span(tr.SPAN_KV_TRANSFER, t_start, tr.now_ns(), attrs, parent=span)
                     self.transfers.count(report, "prefill_to_decode", attrs)
+                if first and report.kv_plan == "extend" and not report.migrations:
+                    # The decode engine computed the prompt: its cache hit (on every
+                    # output, the first that the serving layer's usage reads included)
+                    # is the history it kept.
+                    report.num_cached_tokens = chunk.num_cached_tokens
+                    if chunk.num_cached_tokens > 0:
+                        report.kv_source = "extended"
                 if first and (chunk.token_ids or chunk.finished):
                     report.ttft_s = now - t0
                     first = False
@@ -217,12 +224,6 @@ class DecodeSide:
                 output_text.append(chunk.text)
                 report.num_completion_tokens = len(output_ids)
                 if chunk.finished:
-                    if report.kv_plan == "extend" and not report.migrations:
-                        # The decode engine computed the prompt: its cache hit is the
-                        # history it kept.
-                        report.num_cached_tokens = chunk.num_cached_tokens
-                        if chunk.num_cached_tokens > 0:
-                            report.kv_source = "extended"
                     report.finish_reason = chunk.finish_reason
                     report.total_s = now - t0
                     report.decode_step_s = chunk.engine_step_s

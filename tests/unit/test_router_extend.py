@@ -34,12 +34,11 @@ def caching_decode(req: GenerateRequest) -> list[GenerateChunk]:
     )
     if (req.kv_transfer_params or KVTransferParams()).do_remote_prefill:
         return [*chunks, last]
-    first, *middle = chunks
-    return [
-        msgspec.structs.replace(first, kv_read_bytes=0),
-        *middle,
-        msgspec.structs.replace(last, num_cached_tokens=HISTORY_CACHED),
-    ]
+    # vLLM gives the request's cache hit on every output, the first included.
+    first, *middle = (
+        msgspec.structs.replace(c, num_cached_tokens=HISTORY_CACHED) for c in [*chunks, last]
+    )
+    return [msgspec.structs.replace(first, kv_read_bytes=0), *middle]
 
 
 def extend_router(
@@ -119,6 +118,25 @@ def test_a_short_increment_runs_on_the_decode_engine_that_kept_the_history() -> 
     metrics = router.metrics.snapshot()
     assert metrics["kvtide_kv_extends_total"] == 2
     assert metrics["kvtide_kv_send_backs_total"] == 0
+
+
+def test_an_extended_turns_first_output_already_says_what_it_reused() -> None:
+    # vLLM's serving layer takes a response's usage.prompt_tokens_details.cached_tokens
+    # from the first output of the turn's stream: it must carry the decode's cache hit.
+    prefill, decode = FakePool(prefill_script(cached=101)), FakePool(caching_decode)
+    router = extend_router(prefill, decode)
+    asyncio.run(turn(router, FIRST))
+
+    async def first_output() -> tuple[int, str | None]:
+        stream = router.run_turn(Turn(prompt_token_ids=SHORT, max_tokens=3, session_id="s"))
+        _, report = await anext(stream)
+        seen = (report.num_cached_tokens, report.kv_source)
+        async for _ in stream:
+            pass
+        await router.settled()
+        return seen
+
+    assert asyncio.run(first_output()) == (HISTORY_CACHED, "extended")
 
 
 def test_a_long_increment_is_pulled_to_prefill() -> None:
