@@ -194,6 +194,9 @@ def serve_logger() -> Iterator[None]:
     yield
     for handler in logger.handlers:
         handler.close()
+        target = getattr(handler, "target", None)  # Serve's buffer and its file
+        if target is not None:
+            target.close()
     logger.setLevel(saved[0])
     logger.propagate = saved[1]
     logger.handlers[:] = saved[2]
