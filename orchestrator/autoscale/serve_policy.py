@@ -15,8 +15,8 @@ Application-level policies (Ray 2.60's ``autoscaling_policy`` of an application)
 registered only by a Serve config file, not by ``serve.run`` from Python, which is how
 ``kvtide up`` deploys; per-deployment policies with a shared board work for both.
 
-Each decision is logged with its inputs (logger ``kvtide.autoscale``, in the Serve
-controller's log) and exported as metrics (``kvtide_autoscale_*``): kept in a book of
+Each decision is logged with its inputs (logger ``ray.serve.kvtide.autoscale``, in the
+Serve controller's log) and exported as metrics (``kvtide_autoscale_*``): kept in a book of
 the policy's own, sent to the KV service with the ingress replicas' books (``GET
 /metrics`` sums them), and with ``observability.ray_metrics`` to Ray's metrics too.
 """
@@ -36,7 +36,9 @@ from policies.autoscale import POOLS, Pool, PoolDecision, PoolSignals, PoolState
 
 __all__ = ["SIGNALS", "PoolPolicy", "pool_signals"]
 
-log = logging.getLogger("kvtide.autoscale")
+# Under Serve's logger: the controller gives ``ray.serve`` its log file (at INFO) and no
+# other; a logger of kvtide's own gets no handler there, and its INFO lines were dropped.
+log = logging.getLogger("ray.serve.kvtide.autoscale")
 
 SIGNALS: tuple[Signal, ...] = (
     "prefill_load",

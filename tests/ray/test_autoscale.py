@@ -7,7 +7,7 @@ window. Six sessions in a loop of turns need 6 / (2 x 0.8) = 4 engines: Serve's
 autoscaler, asking kvtide's policy, starts the second; the load over, it stops it once
 the reports and the window have passed, its sessions' KV moved off first. Every
 session's next turn is then served, none recomputing for KV lost with the engine, and
-``GET /metrics`` shows the policy's decisions.
+``GET /metrics`` and Serve's controller log show the policy's decisions.
 """
 
 from __future__ import annotations
@@ -113,6 +113,12 @@ def surviving_decode_engine() -> str:
     return str(handle.info.remote().result(timeout_s=30).engine_id)
 
 
+def controller_log(config: Any) -> str:
+    """What Serve's controller logged (its log files under the run's Ray temp dir)."""
+    paths = Path(config.ray.temp_dir).glob("session_2*/logs/serve/controller_*.log")
+    return "".join(path.read_text() for path in sorted(paths))
+
+
 def decode_replicas(state: str | None = "RUNNING") -> int:
     """The decode pool's replicas in ``state`` (None: in any state, stopping too)."""
     from ray import serve
@@ -210,3 +216,7 @@ def test_decode_scales_out_under_load_and_back_in_after_with_every_session_serve
             assert report["kv_source"] == "host_tier" or report["kv_plan_reason"] == "scaled_in"
     metrics = httpx.get(f"{base_url}/metrics", timeout=30).text
     assert 'kvtide_autoscale_decisions_total{pool="decode",action="down"}' in metrics
+    # Serve's controller logged both decisions with their inputs.
+    logged = controller_log(config)
+    assert "autoscale decode: 1 -> 2 (up; " in logged, logged[-2000:]
+    assert "autoscale decode: 2 -> 1 (down; " in logged and "PoolSignals(" in logged

@@ -5,7 +5,9 @@ controller builds (a hand-written fake of ``AutoscalingContext``'s fields)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -166,7 +168,7 @@ def test_the_policy_scales_decode_for_what_prefill_sends_it(
     assert prefill(p_ctx)[0] == 2
     # Decode: 1 engine running 4 sequences; with prefill's 24: 28 / (10 x 0.8) = 3.5 → 4.
     d_ctx = Context(app, 1, 1, reports(1, num_running=4), current_time=1000.0)
-    with caplog.at_level(logging.INFO, logger="kvtide.autoscale"):
+    with caplog.at_level(logging.INFO, logger="ray.serve.kvtide.autoscale"):
         count, state = decode(d_ctx)
     assert count == 4
     assert "autoscale decode: 1 -> 4 (up; running_seqs needs 4" in caplog.text
@@ -182,6 +184,44 @@ def test_the_policy_scales_decode_for_what_prefill_sends_it(
     # Within interval_s (2 s) the last count stands, whatever the load.
     quiet = Context(app, 4, 4, reports(4), current_time=1001.0, policy_state=state)
     assert decode(quiet)[0] == 4
+
+
+@pytest.fixture
+def serve_logger() -> Iterator[None]:
+    """Serve's ``ray.serve`` logger as it was, after a test configured it as Serve does."""
+    logger = logging.getLogger("ray.serve")
+    saved = (logger.level, logger.propagate, list(logger.handlers))
+    yield
+    for handler in logger.handlers:
+        handler.close()
+        target = getattr(handler, "target", None)  # Serve's buffer and its file
+        if target is not None:
+            target.close()
+    logger.setLevel(saved[0])
+    logger.propagate = saved[1]
+    logger.handlers[:] = saved[2]
+
+
+def test_a_decision_is_in_the_serve_controllers_log_file(
+    tmp_path: Path, serve_logger: None
+) -> None:
+    # The controller's logging, set up by Serve's own function as its controller calls
+    # it (docs/autoscaling.md: each decision is logged with its inputs there).
+    from ray.serve._private.logging_utils import configure_component_logger
+    from ray.serve.schema import LoggingConfig
+
+    configure_component_logger(
+        component_name="controller",
+        component_id="1",
+        logging_config=LoggingConfig(logs_dir=str(tmp_path)),
+        max_bytes=2**20,
+        backup_count=1,
+    )
+    decode = policy("decode", SentBooks())
+    ctx = Context("test-logged", 1, 1, reports(1, num_running=20), current_time=3000.0)
+    assert decode(ctx)[0] > 1
+    logged = (tmp_path / "controller_1.log").read_text()
+    assert "autoscale decode: 1 -> " in logged and "num_running_seqs=20" in logged
 
 
 def test_the_policy_scales_in_only_after_the_window() -> None:
