@@ -44,6 +44,7 @@ from orchestrator.kv.service import (
     ServiceSettings,
     merge_counters,
 )
+from orchestrator.observability.logs import route_kvtide_logs
 from orchestrator.observability.metrics import make_metrics
 from policies.kv_lifecycle import KVLifecycleConfig
 
@@ -105,6 +106,7 @@ class _ServiceActor:
         prefill: DeploymentHandle | Sequence[DeploymentHandle] | None,
         app_name: str = "",
     ) -> None:
+        route_kvtide_logs()
         self.setup = setup
         host_tier = setup.host_tier
         self.metrics = make_metrics(setup.observability)

@@ -46,6 +46,7 @@ from orchestrator.cluster.step_streams import StepOutboxes, StepsOpen
 from orchestrator.config import KVTideConfig
 from orchestrator.config.server import internal_address
 from orchestrator.kv.actor import EpochWatcher, lookup_service, service_client
+from orchestrator.observability.logs import route_kvtide_logs
 from orchestrator.serve.coalesce import coalesce
 from orchestrator.serve.ledger import EngineLedger
 from orchestrator.serve.warm_up import WarmUp, warm_up_prompt_tokens, warm_up_transfers
@@ -187,6 +188,7 @@ class EngineHost:
         domain_id: str | None = None,
         warm_with: Sequence[DeploymentHandle] = (),
     ) -> None:
+        route_kvtide_logs()
         started_s = time.monotonic()
         pool = config.pool(pool_name)
         role = pool.role

@@ -42,6 +42,7 @@ from orchestrator.kv.host_tier import host_tier_spec
 from orchestrator.kv.service import KVServiceAPI
 from orchestrator.kv.session_tokens import SessionTokens
 from orchestrator.observability import tracing as tr
+from orchestrator.observability.logs import route_kvtide_logs
 from orchestrator.observability.metrics import Metrics, make_metrics
 from orchestrator.router import Router, RouterSettings
 from orchestrator.router.held_leases import WATCH_WAIT_S, HeldLeases
@@ -194,6 +195,7 @@ class Ingress:
         (``weights``: each pool's replicas per deployment, for balancing across them)."""
         from transformers import AutoTokenizer  # heavy; only in the ingress replica
 
+        route_kvtide_logs()
         self.config = config
         self.model_path = config.model.resolved_path()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)

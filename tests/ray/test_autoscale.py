@@ -220,3 +220,10 @@ def test_decode_scales_out_under_load_and_back_in_after_with_every_session_serve
     logged = controller_log(config)
     assert "autoscale decode: 1 -> 2 (up; " in logged, logged[-2000:]
     assert "autoscale decode: 2 -> 1 (down; " in logged and "PoolSignals(" in logged
+    # The stopped replica logged its sessions' move in its own Serve log file.
+    replicas_logged = "".join(
+        path.read_text()
+        for path in Path(config.ray.temp_dir).glob("session_2*/logs/serve/replica_*.log")
+    )
+    for engine in set(before.values()) - {survivor}:
+        assert f"engine {engine} scaled in: " in replicas_logged, replicas_logged[-2000:]
