@@ -38,8 +38,9 @@ ends; a read there was as fast (``benchmarks/nixl_progress.py``).
 engine's environment sets ``KVTIDE_FAULT_CORRUPT_PULLED_KV`` to a request id prefix, the
 worker scrambles the first block of every finished NIXL read whose request id starts
 with it (``corrupt_blocks``): a pulled block whose KV is wrong, as a faulty transfer would
-leave it. The engine tier's integrity test (``tests/engine/test_kv_integrity.py``) sets
-it on its prefill engine only; nothing else in kvtide sets it.
+leave it. The engine tier sets it on the prefill engine of the pair its own-engines
+child shares (``tests/engine/own_engines.py``), for the integrity test
+(``tests/engine/test_kv_integrity.py``); nothing else in kvtide sets it.
 
 vLLM loads it from ``kv_transfer_config``: ``kv_connector: NixlConnector`` and
 ``kv_connector_module_path: engines.kv_connector`` (``engines.vllm_engine.engine_args_for``

@@ -13,3 +13,14 @@ def wait_for(condition: Callable[[], object], timeout_s: float, what: str) -> No
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(0.25)
+
+
+async def until(condition: Callable[[], object], timeout_s: float, what: str) -> None:
+    """``wait_for`` in a coroutine: the event loop runs on while it polls."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.01)

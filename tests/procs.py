@@ -48,12 +48,12 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def child_result(
-    script: str, args: list[str], env: dict[str, str], marker: str, timeout_s: float, what: str
-) -> dict[str, Any]:
-    """Run ``script`` (a test file run as a child) in its own session from the repository
-    root and return the JSON on its one stdout line starting with ``marker``; on a
-    timeout kill the whole group and fail, saying ``what`` ran past it."""
+def run_bounded(
+    script: str, args: list[str], env: dict[str, str], timeout_s: float
+) -> tuple[int | None, str, str]:
+    """Run ``script`` (a test file's child) in its own session from the repository root:
+    its exit status (None when it ran past ``timeout_s``, its whole group then killed),
+    stdout and stderr."""
     proc = subprocess.Popen(
         [sys.executable, script, *args],
         stdout=subprocess.PIPE,
@@ -68,9 +68,20 @@ def child_result(
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
+        return None, stdout, stderr
+    return proc.returncode, stdout, stderr
+
+
+def child_result(
+    script: str, args: list[str], env: dict[str, str], marker: str, timeout_s: float, what: str
+) -> dict[str, Any]:
+    """Run ``script`` with ``run_bounded`` and return the JSON on its one stdout line
+    starting with ``marker``; fail, saying ``what`` ran, on a timeout or another exit."""
+    returncode, stdout, stderr = run_bounded(script, args, env, timeout_s)
+    if returncode is None:
         pytest.fail(f"the {what} child ran past {timeout_s} s:\n{stderr[-6000:]}")
     lines = [line for line in stdout.splitlines() if line.startswith(marker)]
-    if proc.returncode != 0 or len(lines) != 1:
-        pytest.fail(f"the {what} child failed (exit {proc.returncode}):\n{stderr[-6000:]}")
+    if returncode != 0 or len(lines) != 1:
+        pytest.fail(f"the {what} child failed (exit {returncode}):\n{stderr[-6000:]}")
     parsed: dict[str, Any] = json.loads(lines[0][len(marker) :])
     return parsed

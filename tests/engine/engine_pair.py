@@ -3,16 +3,14 @@ tests that drive engines (and kvtide's router and KV service) without Serve: the
 app's fixture owns the pytest process's Ray driver, and ``VLLMEngine.start`` writes the
 process environment.
 
-The test file runs itself as the child (``story``): its ``_story(root)`` prints one
-JSON line after ``marker``, which the module-scoped fixture returns.
+One pair serves every such test module's story in turn, in the engine tier's
+own-engines child (``own_engines.py``): a module's ``_story(decode, prefill, root)``
+returns what its tests check.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,29 +26,11 @@ __all__ = [
     "pair_lifecycle",
     "pair_router",
     "reset_when_free",
-    "run_child",
     "start_pair",
 ]
 
 INTEGRITY_TOLERANCE = 1e-3  # fp32 engines: a recompute agrees to ~1e-5
 KV_BYTES_PER_TOKEN = 2 * 4 * 2 * 64 * 4  # the tiny model: (K,V) x 4 layers x 2 heads x 64 x fp32
-
-
-def run_child(script: str, root: Path, marker: str) -> dict[str, Any]:
-    """Run ``script`` (a test file) as the child on ``root``; the JSON it printed."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_CPU_", "KVTIDE_FAULT"))}
-    proc = subprocess.run(
-        [sys.executable, script, str(root)],
-        capture_output=True,
-        text=True,
-        timeout=900,  # two engine starts (20-90 s each, more on a loaded box) and the turns
-        env=env,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(marker)]
-    assert proc.returncode == 0 and len(lines) == 1, proc.stderr[-6000:]
-    result: dict[str, Any] = json.loads(lines[0][len(marker) :])
-    return result
 
 
 def engine_spec(

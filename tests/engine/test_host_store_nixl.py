@@ -24,30 +24,30 @@ model, fp32, 32-token blocks, NIXL over loopback) and a store of 128 blocks:
    the copy the store still holds; the session's next turn pulls it from the tier (``kv_source:
    host_tier``, every byte of it over NIXL) and answers as a recompute does.
 
-The engines run in one child process (this file, run as a script), as in
-``test_kv_integrity.py``: ``VLLMEngine.start`` writes the process environment.
+The engines are the pair of the engine tier's own-engines child
+(``tests/engine/own_engines.py``), shared with other stories, as in
+``test_kv_integrity.py``: ``VLLMEngine.start`` writes the process environment. The story
+starts on a decode that holds no block, and closes its sessions at its end.
 """
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_pair import OneEnginePool, reset_when_free, run_child, start_pair
+from engine_pair import OneEnginePool, reset_when_free
+from own_engines import Results
 
 pytestmark = pytest.mark.engine
 
-_RESULT = "KVTIDE_HOST_STORE "
 TIER_BOUND_S = 300.0  # part 5 takes ~30 s on the 2-core box
 TURN_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
-def story(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_child(__file__, tmp_path_factory.mktemp("host-store"), _RESULT)
+def story(own_engines: Results) -> dict[str, Any]:
+    return own_engines.of(__file__)
 
 
 def test_the_store_takes_in_the_decodes_kept_blocks_and_the_decode_frees_them(
@@ -55,6 +55,7 @@ def test_the_store_takes_in_the_decodes_kept_blocks_and_the_decode_frees_them(
 ) -> None:
     kept = story["turn1_kept_blocks"]
     assert len(kept) == 11  # 300 prompt tokens + 47 decoded ones with KV, 32 per block
+    assert story["prefill_freed_after_turn1_s"] is not None  # the decode read its blocks
     assert story["decode_held_blocks_before"] is True
     taken = story["store_after_take_in"]
     assert (taken["num_take_ins"], taken["num_entries"]) == (1, 1)
@@ -134,19 +135,20 @@ async def _run(engine: Any, rid: str, prompt: list[int], max_tokens: int, params
     return out
 
 
-async def _story(root: Path) -> dict[str, Any]:
+async def _story(decode: Any, prefill: Any, root: Path) -> dict[str, Any]:
+    """In the own-engines child, on its pair (a decode that holds no block yet)."""
     import asyncio
     import dataclasses
     import random
     import time
+
+    from polling import until
 
     from engines.host_store import HostStore, TakeInFailed
     from engines.kv_params import KVTransferParams
     from engines.tiny_model import DEFAULT_SHAPE
     from orchestrator.cluster.ports import free_port
 
-    decode, prefill = await start_pair(root, "hs")
-    engines = [decode, prefill]
     store = HostStore(store_id="hs-store", capacity_bytes=16 * 2**20, side_channel_port=free_port())
     store.start()
     rng = random.Random(7)
@@ -172,7 +174,9 @@ async def _story(root: Path) -> dict[str, Any]:
         kept = d1["params"]
         r["turn1_kept_blocks"] = list(kept.block_ids)
         r["turn1_num_tokens"] = kept.remote_num_tokens
-        await asyncio.sleep(0.5)  # turn 1's prefill blocks reach their reader's release
+        # Turn 1's prefill blocks released once their reader (the decode) read them:
+        # what the decode holds now is its own kept blocks.
+        r["prefill_freed_after_turn1_s"] = await reset_when_free(prefill)
         r["decode_held_blocks_before"] = not await decode._llm.reset_prefix_cache()
 
         # 2. the store takes the kept blocks in; the decode frees them.
@@ -195,7 +199,11 @@ async def _story(root: Path) -> dict[str, Any]:
         prompt2 = [*prompt1, *d1["tokens"], *(rng.randrange(10, 1000) for _ in range(40))]
         from_store = KVTransferParams.from_vllm(stored).pull_back(keep=True)
         await turn2("from_store", prompt2, from_store)
-        await asyncio.sleep(0.3)  # the prefill's notification reaches the store's poller
+        await until(
+            lambda: (store.entry_notifs(stored["remote_request_id"]) or 0) > 0,
+            30.0,
+            "the prefill's notification to reach the store's poller",
+        )
         r["store_entry_notifs"] = store.entry_notifs(stored["remote_request_id"])
         await turn2("recompute", prompt2, KVTransferParams.keep_for_decode())
         first = stored["remote_block_ids"][0][0]
@@ -217,8 +225,6 @@ async def _story(root: Path) -> dict[str, Any]:
             r["tier"]["hung"] = True
     finally:
         store.close()
-        for engine in engines:
-            await engine.shutdown()
     return r
 
 
@@ -305,7 +311,7 @@ async def _through_kvtide(prefill: Any, decode: Any, rng: Any, t: dict[str, Any]
         t["prefill_cache_reset"] = await reset_when_free(prefill) is not None
         # The service restarts (its books empty); the store outlives it, and the new
         # one books the copy again: h's next turn runs on it.
-        service = new_service()
+        old_service, service = service, new_service()
         t["step"] = "the restarted service's adoption"
         t["adopted_host_copies"] = await service.adopt_host_copies()
         prompt2 = [*first["ids"], *(rng.randrange(10, 1000) for _ in range(40))]
@@ -320,13 +326,11 @@ async def _through_kvtide(prefill: Any, decode: Any, rng: Any, t: dict[str, Any]
         d = await _run(decode, "tier-ref-d", prompt2, TURN_TOKENS, recompute)
         t["recompute_tokens"] = d["tokens"]
         t["store"] = store.stats()
+        # The pair's next story starts on engines holding no block: both sessions
+        # end, their kept blocks drained (``other`` by the service that kept it).
+        t["step"] = "closing the sessions"
+        for keeper, session in ((old_service, "other"), (service, "h")):
+            await keeper.close(session)
+            await keeper.wait_drains()
     finally:
         store.store.close()
-
-
-if __name__ == "__main__":
-    import asyncio
-    import logging
-
-    logging.basicConfig(level=logging.INFO)
-    print(_RESULT + json.dumps(asyncio.run(_story(Path(sys.argv[1])))), flush=True)

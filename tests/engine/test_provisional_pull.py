@@ -20,14 +20,13 @@ prefix cache (``integrity_sample_fraction`` 1):
    the decode engine holds no block (its prefix cache can be reset: no KV left
    pinned that nobody owns).
 
-The engines run in a child process (this file, run as a script), as in
-``test_kv_integrity.py``.
+The engines are the pair of the engine tier's own-engines child
+(``tests/engine/own_engines.py``), shared with other stories, as in
+``test_kv_integrity.py``. This story runs first on it: it ends with every block freed.
 """
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,19 +37,17 @@ from engine_pair import (
     pair_lifecycle,
     pair_router,
     reset_when_free,
-    run_child,
-    start_pair,
 )
+from own_engines import Results
 
 pytestmark = pytest.mark.engine
 
-_RESULT = "KVTIDE_PROVISIONAL_PULL "
 BOUND_S = 120.0  # a wait for what never comes fails the story here
 
 
 @pytest.fixture(scope="module")
-def story(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_child(__file__, tmp_path_factory.mktemp("provisional-pull"), _RESULT)
+def story(own_engines: Results) -> dict[str, Any]:
+    return own_engines.of(__file__)
 
 
 def test_the_next_turn_pulls_and_prefills_before_the_hand_over_is_booked(
@@ -91,7 +88,8 @@ def test_a_close_during_the_provisional_pull_keeps_the_kv_right_and_frees_it_aft
 # ---- the child process ----------------------------------------------------------------
 
 
-async def _story(root: Path) -> dict[str, Any]:
+async def _story(decode: Any, prefill_engine: Any, root: Path) -> dict[str, Any]:
+    """In the own-engines child, on its pair."""
     import asyncio
     import random
     import time
@@ -143,7 +141,6 @@ async def _story(root: Path) -> dict[str, Any]:
             while not what():
                 await asyncio.sleep(0.005)
 
-    decode, prefill_engine = await start_pair(root, "pv")
     prefill = Prefill(prefill_engine)
     block = prefill_engine.info().block_size
     svc = HeldHandOver(
@@ -228,70 +225,56 @@ async def _story(root: Path) -> dict[str, Any]:
         }
 
     story: dict[str, Any] = {"num_tokens": num_tokens}
-    try:
-        # 1. s1: the next turn's pull and prefill run before the hand-over is booked.
-        ids, done = await first_turn("s1")
-        assert done.kv_transfer_params is not None, done
-        kept = done.kv_transfer_params.remote_block_ids
-        assert kept, done
-        turn, used, _ = next_turn("s1", ids, done)
-        await until(lambda: bool(prefill.readers(kept)))
-        reader = prefill.readers(kept)[0].request_id
-        await until(lambda: reader in prefill.finished)
-        s1: dict[str, Any] = {
-            "prefilled_before_booking": svc.service.decider.lifecycle.record("s1") is None
-        }
-        s1["answered_before_booking"] = turn.done()
-        svc.release.set()
-        items = await asyncio.wait_for(turn, BOUND_S)
-        s1["lease_confirmed"] = await used
-        await router.settled()
-        await router.integrity.settled()
-        story["s1"] = {**s1, **summary(items), "checks": integrity_checks(metrics)}
+    # 1. s1: the next turn's pull and prefill run before the hand-over is booked.
+    ids, done = await first_turn("s1")
+    assert done.kv_transfer_params is not None, done
+    kept = done.kv_transfer_params.remote_block_ids
+    assert kept, done
+    turn, used, _ = next_turn("s1", ids, done)
+    await until(lambda: bool(prefill.readers(kept)))
+    reader = prefill.readers(kept)[0].request_id
+    await until(lambda: reader in prefill.finished)
+    s1: dict[str, Any] = {
+        "prefilled_before_booking": svc.service.decider.lifecycle.record("s1") is None
+    }
+    s1["answered_before_booking"] = turn.done()
+    svc.release.set()
+    items = await asyncio.wait_for(turn, BOUND_S)
+    s1["lease_confirmed"] = await used
+    await router.settled()
+    await router.integrity.settled()
+    story["s1"] = {**s1, **summary(items), "checks": integrity_checks(metrics)}
 
-        # 2. s2: a close while the provisional pull waits at the prefill engine.
-        svc.release.clear()
-        ids, done = await first_turn("s2")
-        assert done.kv_transfer_params is not None, done
-        kept = done.kv_transfer_params.remote_block_ids
-        prefill.gate.clear()
-        turn, used, _ = next_turn("s2", ids, done)
-        await until(lambda: len(prefill.readers(kept)) == 1)
-        svc.release.set()
-        s2: dict[str, Any] = {"lease_confirmed": await asyncio.wait_for(used, BOUND_S)}
-        await svc.close("s2")
-        await svc.service.wait_drains()
-        s2["readers_during_close"] = len(prefill.readers(kept))
-        prefill.gate.set()
-        items = await asyncio.wait_for(turn, BOUND_S)
-        await router.settled()
-        await router.integrity.settled()
-        story["s2"] = {**s2, **summary(items), "checks": integrity_checks(metrics)}
+    # 2. s2: a close while the provisional pull waits at the prefill engine.
+    svc.release.clear()
+    ids, done = await first_turn("s2")
+    assert done.kv_transfer_params is not None, done
+    kept = done.kv_transfer_params.remote_block_ids
+    prefill.gate.clear()
+    turn, used, _ = next_turn("s2", ids, done)
+    await until(lambda: len(prefill.readers(kept)) == 1)
+    svc.release.set()
+    s2: dict[str, Any] = {"lease_confirmed": await asyncio.wait_for(used, BOUND_S)}
+    await svc.close("s2")
+    await svc.service.wait_drains()
+    s2["readers_during_close"] = len(prefill.readers(kept))
+    prefill.gate.set()
+    items = await asyncio.wait_for(turn, BOUND_S)
+    await router.settled()
+    await router.integrity.settled()
+    story["s2"] = {**s2, **summary(items), "checks": integrity_checks(metrics)}
 
-        # Both sessions closed and drained: nothing kept anywhere.
-        await svc.close("s1")
-        await svc.service.wait_drains()
-        story["s2"]["readers_of_turn_1_blocks"] = len(prefill.readers(kept))
-        # s2's turn 2 handed over after its close: its record is held for the lease
-        # that hand-over proposed, closed again once that lease is back (this story
-        # runs no lease watch, so it lapses: the hand-over wait, 5 s).
-        await until(lambda: svc.service.decider.lifecycle.stats().num_records == 0)
-        await svc.service.wait_drains()
-        story["after"] = {
-            "num_records": svc.service.decider.lifecycle.stats().num_records,
-            "decode_freed_after_s": await reset_when_free(decode, timeout_s=BOUND_S),
-        }
-    finally:
-        for engine in (decode, prefill_engine):
-            await engine.shutdown()
+    # Both sessions closed and drained: nothing kept anywhere.
+    await svc.close("s1")
+    await svc.service.wait_drains()
+    story["s2"]["readers_of_turn_1_blocks"] = len(prefill.readers(kept))
+    # s2's turn 2 handed over after its close: its record is held for the lease
+    # that hand-over proposed, closed again once that lease is back (this story
+    # runs no lease watch, so it lapses: the hand-over wait, 5 s).
+    await until(lambda: svc.service.decider.lifecycle.stats().num_records == 0)
+    await svc.service.wait_drains()
+    story["after"] = {
+        "num_records": svc.service.decider.lifecycle.stats().num_records,
+        "decode_freed_after_s": await reset_when_free(decode, timeout_s=BOUND_S),
+    }
     return story
-
-
-if __name__ == "__main__":
-    import asyncio
-    import logging
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: service_fakes
-    logging.basicConfig(level=logging.INFO)
-    logging.getLogger("kvtide.router").setLevel(logging.DEBUG)
-    print(_RESULT + json.dumps(asyncio.run(_story(Path(sys.argv[1])))), flush=True)
