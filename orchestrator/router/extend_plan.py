@@ -11,8 +11,10 @@ pool's queue (the engines' reports as the ingress reads them each second,
 
 To the KV service an extended turn is the pull it planned (its record handed to the
 turn, booked again from the decode engine's final params at the hand-over); the
-previous turn's blocks are not read, so that engine keeps them until its TTL (they
-share every whole block with the new turn's; the last, partial one is the cost).
+previous turn's blocks are not read (they share every whole block with the new turn's),
+and once the turn is booked its engine frees them unread
+(``orchestrator.router.kept_release``). An extended turn that fails leaves the record
+whole: the service offers it again (``turn_abandoned(unread=True)``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """A session's turn run where its KV already is (plan ``extend``), against fake pools,
 the real KV service and the real cost function: a short increment goes straight to the
 decode engine that kept the history, asking for that engine, with nothing to read; a long
-one, a turn that asks for the plain pull, and a saturated decode engine pull as before."""
+one, a turn that asks for the plain pull, and a saturated decode engine pull as before.
+Once an extended turn is booked, its engine frees the previous turn's kept blocks
+unread; an extended turn that fails leaves them booked for the next turn."""
 
 from __future__ import annotations
 
@@ -9,7 +11,14 @@ import asyncio
 from typing import Any
 
 import msgspec
-from test_router import FakeClock, FakePool, decode_script, make_router, prefill_script
+from test_router import (
+    FakeClock,
+    FakePool,
+    decode_script,
+    make_router,
+    prefill_script,
+    service_of,
+)
 
 from engines.base import GenerateChunk, GenerateRequest
 from engines.kv_params import KVTransferParams
@@ -92,6 +101,16 @@ def prefills(pool: FakePool) -> list[GenerateRequest]:
     return [r for r in pool.requests if not r.request_id.startswith("drain-")]
 
 
+def releases(pool: FakePool) -> list[GenerateRequest]:
+    """The decode pool's requests that free kept blocks unread."""
+    return [r for r in pool.requests if (r.kv_transfer_params or KVTransferParams()).kvtide_release]
+
+
+def decodes(pool: FakePool) -> list[GenerateRequest]:
+    """The decode pool's turns (not its releases)."""
+    return [r for r in pool.requests if r not in releases(pool)]
+
+
 def test_a_short_increment_runs_on_the_decode_engine_that_kept_the_history() -> None:
     prefill, decode = FakePool(prefill_script(cached=101)), FakePool(caching_decode)
     router = extend_router(prefill, decode)
@@ -101,7 +120,7 @@ def test_a_short_increment_runs_on_the_decode_engine_that_kept_the_history() -> 
     # No prefill for turn 2; its decode computes the whole prompt on engine D, with no
     # remote prefill to read and its blocks kept for the next turn.
     assert len(prefills(prefill)) == 1
-    ext = decode.requests[-1]
+    ext = decodes(decode)[-1]
     assert ext.engine_id == ENGINE and ext.prompt_token_ids == SHORT
     assert ext.kv_transfer_params == KVTransferParams(kvtide_keep=True)
     assert (r2.kv_plan, r2.kv_plan_reason, r2.extend_reason) == (
@@ -115,7 +134,7 @@ def test_a_short_increment_runs_on_the_decode_engine_that_kept_the_history() -> 
     # The service booked what decode kept for the extended turn: turn 3 extends it.
     r3 = asyncio.run(turn(router, [*SHORT, 11, 12, 13, 60]))
     assert r3.kv_plan == "extend"
-    assert decode.requests[-1].engine_id == ENGINE
+    assert decodes(decode)[-1].engine_id == ENGINE
     metrics = router.metrics.snapshot()
     assert metrics["kvtide_kv_extends_total"] == 2
     assert metrics["kvtide_kv_send_backs_total"] == 0
@@ -130,6 +149,7 @@ def test_a_long_increment_is_pulled_to_prefill() -> None:
     pull = prefills(prefill)[-1].kv_transfer_params
     assert pull is not None and pull.remote_engine_id == ENGINE
     assert decode.requests[-1].engine_id is None
+    assert releases(decode) == []  # the pull read the blocks: vLLM freed them
 
 
 def test_a_saturated_decode_engine_sends_a_short_increment_to_prefill() -> None:
@@ -147,3 +167,59 @@ def test_a_turn_that_may_not_extend_pulls() -> None:
     asyncio.run(turn(router, FIRST))
     r2 = asyncio.run(turn(router, SHORT, may_extend=False))
     assert (r2.kv_plan, r2.kv_source, r2.extend_reason) == ("pull", "sent_back", None)
+
+
+def test_an_extended_turn_once_booked_frees_the_previous_turns_blocks_unread() -> None:
+    prefill = FakePool(prefill_script(cached=101))
+    booked_at_release: list[str | None] = []
+
+    def decode_engine(req: GenerateRequest) -> list[GenerateChunk]:
+        if (req.kv_transfer_params or KVTransferParams()).kvtide_release:
+            record = service_of(router).decider.lifecycle.record("s")
+            kept = None if record is None else record.transfer_params
+            assert kept is None or isinstance(kept, KVTransferParams)
+            booked_at_release.append(None if kept is None else kept.remote_request_id)
+        return caching_decode(req)
+
+    decode = FakePool(decode_engine)
+    router = extend_router(prefill, decode)
+    asyncio.run(turn(router, FIRST))
+    first_kept = decodes(decode)[0].request_id  # the fake keeps under the request's id
+    asyncio.run(turn(router, SHORT))
+    # One release, on the engine that kept turn 1, naming turn 1's kept request; one
+    # token computed there and nothing read (no prefill, no pull params).
+    (release,) = releases(decode)
+    assert release.engine_id == ENGINE
+    assert release.kv_transfer_params == KVTransferParams(
+        kvtide_keep=False, kvtide_release=first_kept
+    )
+    assert release.max_tokens == 1 and release.prompt_token_ids == SHORT[:1]
+    assert len(prefills(prefill)) == 1
+    # Sent once the service had booked the extended turn's record (turn 2's decode).
+    assert booked_at_release == [decodes(decode)[1].request_id]
+
+
+def test_an_extended_turn_that_fails_leaves_the_previous_record_for_the_next_turn() -> None:
+    prefill, decode = FakePool(prefill_script(cached=101)), FakePool(caching_decode)
+    router = extend_router(prefill, decode)
+    asyncio.run(turn(router, FIRST))
+    first_kept = decodes(decode)[0].request_id
+
+    async def client_leaves_after_one_token() -> None:
+        stream = router.run_turn(
+            Turn(prompt_token_ids=SHORT, max_tokens=3, session_id="s", request_id="gone")
+        )
+        async for _ in stream:
+            break
+        await stream.aclose()
+        await router.settled()
+
+    asyncio.run(client_leaves_after_one_token())
+    assert decodes(decode)[-1].request_id.startswith("gone")
+    assert releases(decode) == []  # not booked: nothing freed
+    # The extended turn read nothing: turn 1's record is offered again, and the next
+    # turn extends it (and frees it once booked).
+    r3 = asyncio.run(turn(router, SHORT))
+    assert (r3.kv_plan, r3.extend_reason) == ("extend", "short_increment"), r3
+    (release,) = releases(decode)
+    assert release.kv_transfer_params == KVTransferParams.release(first_kept)
