@@ -156,6 +156,14 @@ class PoolSection(StrictSection):
     num_engines: int = Field(1, ge=1, le=1024, description="Engines (replicas) in the pool.")
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="TP size of each engine.")
     max_num_seqs: int = Field(64, ge=1, le=65536, description="Concurrent sequences per engine.")
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=2**24,
+        description="Tokens one engine step schedules (vLLM's max_num_batched_tokens; at "
+        "least max_num_seqs). Empty: vLLM's default, except on decode pools with kv.extend "
+        "on, where an in-place prefill is bounded by the ITL budget (docs/config.md).",
+    )
     cpu_threads_bind: str | None = Field(
         None,
         description="vllm-cpu: cores for this pool's engines (VLLM_CPU_OMP_THREADS_BIND, "
