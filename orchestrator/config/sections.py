@@ -280,10 +280,11 @@ class KVConfig(StrictSection):
         0.01,
         ge=0,
         le=1,
-        description="Fraction of the turns that pull KV back which are checked: after the "
-        "turn, off the client's path, its prompt and first integrity_num_tokens output tokens "
-        "are computed again without reuse on the prefill pool and the log probabilities "
-        "compared; a mismatch turns reuse off for the pull's engine pair until an operator "
+        description="Fraction of the turns that reuse kept KV (pull it back, or extend it "
+        "on the decode engine that kept it) which are checked: after the turn, off the "
+        "client's path, its prompt and first integrity_num_tokens output tokens are "
+        "computed again without reuse on the prefill pool and the log probabilities "
+        "compared; a mismatch turns reuse off for the engine pair until an operator "
         "turns it back on (docs/kv_lifecycle.md#integrity-check). 0: no check.",
     )
     integrity_logprob_tolerance: float = Field(
