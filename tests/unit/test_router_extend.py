@@ -15,6 +15,7 @@ from test_router import (
     FakeClock,
     FakePool,
     decode_script,
+    lifecycle_config,
     make_router,
     prefill_script,
     service_of,
@@ -22,8 +23,10 @@ from test_router import (
 
 from engines.base import GenerateChunk, GenerateRequest
 from engines.kv_params import KVTransferParams
+from orchestrator.kv.service import KVService, ServiceSettings
 from orchestrator.router import Router, Turn, TurnReport
-from policies.admission import EngineLoad
+from orchestrator.serve.admission import AdmissionGate
+from policies.admission import AdmissionSettings, EngineLoad
 from policies.kv_cost import ExtendSettings
 
 HISTORY_CACHED = 96  # the whole blocks of turn 1's prompt and answer in decode's cache
@@ -52,10 +55,16 @@ def caching_decode(req: GenerateRequest) -> list[GenerateChunk]:
 
 
 def extend_router(
-    prefill: FakePool, decode: FakePool, *, waiting: int = 0, running: int = 0
+    prefill: FakePool,
+    decode: FakePool,
+    *,
+    waiting: int = 0,
+    running: int = 0,
+    prefill_s_per_token: float | None = None,
 ) -> Router:
     """A router whose engines report: decode engine ``ENGINE`` idle (or with ``waiting`` and
-    ``running`` requests), its KV cache 10 % used; extends up to 8 new tokens."""
+    ``running`` requests), its KV cache 10 % used (and the prefill time per token it
+    measured, if given); extends up to 8 new tokens."""
 
     def loads(clock: FakeClock) -> list[EngineLoad]:
         return [
@@ -67,6 +76,7 @@ def extend_router(
                 kv_cache_usage=0.1,
                 num_finished=0,
                 reported_s=clock.now_s,
+                prefill_s_per_token=prefill_s_per_token,
             )
         ]
 
@@ -223,3 +233,33 @@ def test_an_extended_turn_that_fails_leaves_the_previous_record_for_the_next_tur
     assert (r3.kv_plan, r3.extend_reason) == ("extend", "short_increment"), r3
     (release,) = releases(decode)
     assert release.kv_transfer_params == KVTransferParams.release(first_kept)
+
+
+def test_the_decode_engines_reported_prefill_cost_prices_the_itl_budget() -> None:
+    """The engine's heartbeat carries the prefill time per token its host measured; the
+    service passes it with the engine's load, the ingress reads it, and the cost function
+    prices the in-place prefill with it: 5 new tokens beside a running stream at 20 ms a
+    token is 100 ms, over the 50 ms budget, where the settings' 1.4 ms would extend."""
+    service = KVService(
+        lifecycle_config(), prefill=None, settings=ServiceSettings(drain_timeout_s=5.0)
+    )
+    stats = {"num_running": 1, "num_waiting": 0, "kv_cache_usage": 0.1, "num_requests": 3}
+    measured = {**stats, "prefill_s_per_token": 0.02}
+    asyncio.run(service.heartbeat(ENGINE, stats=measured))
+    asyncio.run(service.heartbeat("decode-r2", stats=stats))
+    gate = AdmissionGate(AdmissionSettings(), pools=["prefill", "decode"])
+    asyncio.run(gate.refresh(service))
+    loads = {view.load.engine_id: view.load for view in gate.book.views()}
+    assert loads[ENGINE].prefill_s_per_token == 0.02
+    assert loads["decode-r2"].prefill_s_per_token is None  # none reported: the settings'
+
+    prefill, decode = FakePool(prefill_script(cached=101)), FakePool(caching_decode)
+    router = extend_router(prefill, decode, running=1, prefill_s_per_token=0.02)
+    asyncio.run(turn(router, FIRST))
+    r2 = asyncio.run(turn(router, SHORT))
+    assert (r2.kv_plan, r2.extend_reason) == ("pull", "itl_budget")
+    router = extend_router(
+        FakePool(prefill_script(cached=101)), FakePool(caching_decode), running=1
+    )
+    asyncio.run(turn(router, FIRST))
+    assert asyncio.run(turn(router, SHORT)).extend_reason == "short_increment"
