@@ -10,7 +10,8 @@ for the answer. Otherwise it waits for the hand-over here (``handed_over``) or i
 service's ``begin_turn``; ``settled`` waits for every hand-over under way (a read of the
 books after a turn, shutdown). A turn extended on the decode engine that kept its
 history has that engine free the previous turn's kept blocks, unread, once the service
-booked it (``orchestrator.router.kept_release``), in the same task.
+booked it (``orchestrator.router.kept_release``), in a task of its own: the session's
+next turn does not wait for it.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class HandOver:
         self.leases = leases
         # Finished turns on their way to the service (``give``), by session too.
         self._handovers: set[asyncio.Task[None]] = set()
+        self._releases: set[asyncio.Task[bool]] = set()  # booked extended turns' releases
         self._handing: dict[str, asyncio.Task[None]] = {}
 
     def message(self, state: TurnState, chunk: GenerateChunk, out: Streamed) -> HandOverMessage:
@@ -202,7 +204,9 @@ class HandOver:
                         self.leases.unconfirmed(sid, done.next_lease_id)
                 if answer.accepted and release is not None and self.release is not None:
                     # Booked: the previous turn's blocks are the new record's prefix.
-                    await self.release.release(*release)
+                    task = asyncio.get_running_loop().create_task(self.release.release(*release))
+                    self._releases.add(task)
+                    task.add_done_callback(self._releases.discard)
             except RequestError as exc:
                 if sid is not None and done.next_lease_id is not None and self.leases:
                     self.leases.unconfirmed(sid, done.next_lease_id)
@@ -241,10 +245,13 @@ class HandOver:
 
     async def settled(self) -> None:
         """Wait until every turn that finished here before this call has been handed to
-        the service (a read of the books after a turn sees it; shutdown). Each hand-over
-        is bounded by the service client's deadline."""
+        the service (a read of the books after a turn sees it; shutdown), and the releases
+        those hand-overs started. Each hand-over is bounded by the service client's
+        deadline, each release by its own."""
         if self._handovers:
             await asyncio.gather(*list(self._handovers), return_exceptions=True)
+        if self._releases:
+            await asyncio.gather(*list(self._releases), return_exceptions=True)
 
     def _continuation(
         self,
