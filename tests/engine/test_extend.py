@@ -61,6 +61,19 @@ def blocks_of(num_tokens: int) -> int:
     return -(-(num_tokens - 1) // BLOCK_TOKENS)
 
 
+async def decode_idle(kv: Any) -> None:
+    """Until the service's last reports of the decode engines show nothing running or
+    waiting (within 30 s)."""
+    deadline = time.monotonic() + 30.0
+    while True:
+        loads = await kv.engine_loads()
+        decode = [x for e, x in loads.items() if e.startswith("decode")]
+        if decode and all(x["num_running"] == 0 and x["num_waiting"] == 0 for x in decode):
+            return
+        assert time.monotonic() < deadline, f"the decode engines never reported idle: {loads}"
+        await asyncio.sleep(0.5)
+
+
 class Recorded:
     """A pool that records the requests it is sent."""
 
@@ -154,7 +167,10 @@ async def _story(app: Any) -> dict[str, Any]:
     one_turn = held_after_1 - turn_1 + turn_2
     held_after_2 = await asyncio.to_thread(blocks_held_once, one_turn, 30.0)
     scratch2 = await from_scratch(second)
-    # A long increment: pulled to prefill.
+    # A long increment: pulled to prefill. Its plan reads the decode engine's last load
+    # report, which may still show the release of turn 1's blocks running: wait for one
+    # that shows it idle, so that the increment's length decides.
+    await decode_idle(kv)
     third = [*second, *out2, *(rng.randrange(10, 1000) for _ in range(MAX_NEW_TOKENS + 40))]
     _, r3 = await turn(third, 3)
     await kv.close(SESSION)
