@@ -56,7 +56,7 @@ from orchestrator.serve.warm_up import (
     warm_up_transfers,
 )
 
-__all__ = ["EngineHost", "deployment_name", "engine_deployment_options"]
+__all__ = ["EngineHost", "deployment_name", "engine_deployment_options", "heartbeat_stats"]
 
 log = logging.getLogger("kvtide.engine")
 
@@ -175,6 +175,15 @@ def host_engine_spec(
     return spec
 
 
+def heartbeat_stats(stats: EngineStats, prefill_s_per_token: float | None) -> dict[str, Any]:
+    """What a host's heartbeat tells the KV service: the engine's counters, and the
+    prefill time per token it measured at start, if any (``measure_prefill``)."""
+    beat: dict[str, Any] = msgspec.to_builtins(stats)
+    if prefill_s_per_token is not None:
+        beat["prefill_s_per_token"] = prefill_s_per_token
+    return beat
+
+
 def deployment_name(pool_name: str) -> str:
     """``prefill-pool``, ``decode-pool``, ``decode-long-pool``."""
     return pool_deployment_name(pool_name)
@@ -285,11 +294,7 @@ class EngineHost:
         self._watcher = asyncio.get_running_loop().create_task(watcher.run_forever())
 
     def _heartbeat_stats(self) -> dict[str, Any]:
-        """The engine's counters, and its measured prefill time per token if any."""
-        stats: dict[str, Any] = msgspec.to_builtins(self.engine.stats())
-        if self._prefill_s_per_token is not None:
-            stats["prefill_s_per_token"] = self._prefill_s_per_token
-        return stats
+        return heartbeat_stats(self.engine.stats(), self._prefill_s_per_token)
 
     async def _warm_up(
         self,

@@ -21,11 +21,12 @@ from test_router import (
     service_of,
 )
 
-from engines.base import GenerateChunk, GenerateRequest
+from engines.base import EngineStats, GenerateChunk, GenerateRequest
 from engines.kv_params import KVTransferParams
 from orchestrator.kv.service import KVService, ServiceSettings
 from orchestrator.router import Router, Turn, TurnReport
 from orchestrator.serve.admission import AdmissionGate
+from orchestrator.serve.engine_host import heartbeat_stats
 from policies.admission import AdmissionSettings, EngineLoad
 from policies.kv_cost import ExtendSettings
 
@@ -236,17 +237,19 @@ def test_an_extended_turn_that_fails_leaves_the_previous_record_for_the_next_tur
 
 
 def test_the_decode_engines_reported_prefill_cost_prices_the_itl_budget() -> None:
-    """The engine's heartbeat carries the prefill time per token its host measured; the
-    service passes it with the engine's load, the ingress reads it, and the cost function
-    prices the in-place prefill with it: 5 new tokens beside a running stream at 20 ms a
-    token is 100 ms, over the 50 ms budget, where the settings' 1.4 ms would extend."""
+    """The engine's heartbeat carries the prefill time per token its host measured
+    (``heartbeat_stats``); the service passes it with the engine's load, the ingress
+    reads it, and the cost function prices the in-place prefill with it: 5 new tokens
+    beside a running stream at 20 ms a token is 100 ms, over the 50 ms budget, where the
+    settings' 1.4 ms would extend."""
     service = KVService(
         lifecycle_config(), prefill=None, settings=ServiceSettings(drain_timeout_s=5.0)
     )
-    stats = {"num_running": 1, "num_waiting": 0, "kv_cache_usage": 0.1, "num_requests": 3}
-    measured = {**stats, "prefill_s_per_token": 0.02}
+    load = {"num_running": 1, "kv_cache_usage": 0.1, "num_requests": 3}
+    measured = heartbeat_stats(EngineStats(engine_id=ENGINE, **load), 0.02)  # type: ignore[arg-type]
+    unmeasured = heartbeat_stats(EngineStats(engine_id="decode-r2", **load), None)  # type: ignore[arg-type]
     asyncio.run(service.heartbeat(ENGINE, stats=measured))
-    asyncio.run(service.heartbeat("decode-r2", stats=stats))
+    asyncio.run(service.heartbeat("decode-r2", stats=unmeasured))
     gate = AdmissionGate(AdmissionSettings(), pools=["prefill", "decode"])
     asyncio.run(gate.refresh(service))
     loads = {view.load.engine_id: view.load for view in gate.book.views()}
