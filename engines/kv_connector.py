@@ -16,6 +16,14 @@ request without a peer, when its ``kv_transfer_params`` say ``kvtide_keep: false
 (``KVTransferParams.frees_at_once``). Everything else, the pulls included, is vLLM's.
 The router asks for keeping on a session's turns only; drains never keep.
 
+It frees kept blocks nobody will read without reading them: a request that finished
+(stopped or at its length, not aborted) whose params name a kept request of the same
+engine (``kvtide_release``, ``KVTransferParams.releases``) has the scheduler pass that
+id to the worker with the next step's metadata (``RELEASE_META``), and the worker
+reports it done sending, as a reader's notification would make it, so the scheduler
+frees its blocks. An id the worker no longer holds for a peer (read, or expired) is
+ignored.
+
 It also says which request each NIXL read belonged to. vLLM's connector worker records
 every finished read's bytes (NIXL's transfer telemetry, ``NixlKVConnectorStats``) but not
 whose they were; kvtide's worker side runs vLLM's ``_pop_done_transfers`` one request at a time,
@@ -72,6 +80,7 @@ __all__ = [
     "PROGRESS_WAIT_KEY",
     "READ_BYTES_KEY",
     "READ_REQUESTS_KEY",
+    "RELEASE_META",
     "NixlConnector",
     "NixlStats",
     "corrupt_blocks",
@@ -91,6 +100,8 @@ PROGRESS_WAIT_KEY = "kvtide_progress_wait_ms"
 """The connector's extra-config key for NIXL's progress-thread wait, in ms."""
 CPU_PROGRESS_WAIT_MS = 10.0
 """The wait vLLM engines get on CPU (measured there: ``benchmarks/nixl_progress.py``)."""
+RELEASE_META = "kvtide_release"
+"""The connector metadata's attribute: the kept requests the worker frees unread."""
 READ_REQUESTS_KEY = "kvtide_read_request_ids"
 """The stats' list of the (engine-internal) request id of each finished NIXL read."""
 READ_BYTES_KEY = "kvtide_read_bytes"
@@ -248,27 +259,60 @@ def _stats_and_worker() -> tuple[type, type]:
         def __init__(self, *args: Any) -> None:
             super().__init__(*args)
             self.xfer_stats = KVTideNixlStats()
+            self._kvtide_release: set[str] = set()  # kept requests to free unread
 
         def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> DoneTransfers:
             return pop_done_per_request(super()._pop_done_transfers, transfers, self.xfer_stats)
 
+        def start_load_kv(self, metadata: Any) -> None:
+            super().start_load_kv(metadata)
+            self._kvtide_release.update(getattr(metadata, RELEASE_META, ()))
+
         def get_transfer_results(self) -> Any:
-            return _results_with_fault(self, super().get_transfer_results)
+            results = _results_with_fault(self, super().get_transfer_results)
+            for req_id in self._kvtide_release:
+                # Kept for a peer still: done, as a reader's notification would make it.
+                if self._reqs_to_send.pop(req_id, None) is not None:
+                    self._reqs_to_process.discard(req_id)
+                    self.consumer_notification_counts_by_req.pop(req_id, None)
+                    self.expected_consumer_notifications_by_req.pop(req_id, None)
+                    results.finished_sending.add(req_id)
+            self._kvtide_release = set()
+            return results
 
     return KVTideNixlStats, KVTideNixlWorker
 
 
 def _scheduler() -> type:
-    """vLLM's pull scheduler, whose ``request_finished`` honours ``kvtide_keep``."""
+    """vLLM's pull scheduler, whose ``request_finished`` honours ``kvtide_keep`` and
+    ``kvtide_release``."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
         NixlPullConnectorScheduler,
     )
+    from vllm.v1.request import RequestStatus
+
+    finished = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
     class KVTideNixlScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
-        """The scheduler side: ``request_finished`` honours ``kvtide_keep``."""
+        """The scheduler side: ``request_finished`` honours ``kvtide_keep``, and passes
+        a ``kvtide_release`` to the worker (``build_connector_meta``)."""
+
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self._kvtide_release: set[str] = set()  # for the next step's metadata
+
+        def build_connector_meta(self, scheduler_output: Any) -> Any:
+            meta = super().build_connector_meta(scheduler_output)
+            setattr(meta, RELEASE_META, self._kvtide_release)
+            self._kvtide_release = set()
+            return meta
 
         def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Any]:
             params = request.kv_transfer_params
+            released = KVTransferParams.releases(params)
+            if released is not None and request.status in finished:
+                # Finished, not aborted: as the engine host's ledger sees it.
+                self._kvtide_release.add(released)
             # A decode whose pull never started (still do_remote_prefill) is vLLM's to
             # clean up: it tells the prefill to free its blocks.
             if not KVTransferParams.frees_at_once(params) or params.get("do_remote_prefill"):

@@ -29,6 +29,13 @@ request's blocks for a peer whenever bidirectional transfer is on. kvtide's subc
 (``engines/kv_connector.py``) reads ``kvtide_keep`` and, when it is ``False``, frees the
 blocks at once, as for a plain request; ``True`` or absent leaves vLLM's behaviour.
 ``frees_at_once`` is how the connector reads it from vLLM's dict.
+
+**Releasing kept blocks without a read** (``kvtide_release``): a request whose params
+name another request of the same engine frees that request's kept blocks when it
+finishes, as a completed read would, with nothing read (``releases``; the connector's
+scheduler and worker, ``engines/kv_connector.py``). kvtide sends it once a turn extended
+on that engine is booked: the previous turn's blocks are then the new turn's prefix
+(vLLM's prefix cache shares them), so freeing the old hold loses nothing.
 """
 
 from __future__ import annotations
@@ -80,6 +87,9 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     # kvtide's own key, read by engines.kv_connector: False frees the request's blocks
     # when it finishes instead of keeping them for a peer; None: the engine's default.
     kvtide_keep: bool | None = None
+    # kvtide's own key, read by engines.kv_connector: the request id (this engine's) of
+    # kept blocks to free, unread, when this request finishes.
+    kvtide_release: str | None = None
     # Every key vLLM sent that kvtide does not know, unchanged.
     extra: dict[str, Any] = {}
 
@@ -155,6 +165,19 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
         not kept for a peer (``kvtide_keep`` is False). Read by ``engines.kv_connector``
         inside vLLM's scheduler."""
         return params is not None and params.get("kvtide_keep") is False
+
+    @classmethod
+    def release(cls, request_id: str) -> KVTransferParams:
+        """A request's params that free the blocks this engine kept for ``request_id``
+        when it finishes, nothing read; its own blocks are freed at once."""
+        return cls(kvtide_keep=False, kvtide_release=request_id)
+
+    @staticmethod
+    def releases(params: Mapping[str, Any] | None) -> str | None:
+        """The request whose kept blocks vLLM's dict of a finishing request frees
+        (``kvtide_release``), or None. Read by ``engines.kv_connector``."""
+        released = None if params is None else params.get("kvtide_release")
+        return released if isinstance(released, str) and released else None
 
     # ---- queries ----------------------------------------------------------------------
     @property

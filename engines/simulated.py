@@ -27,7 +27,9 @@ in ``EngineSpec.model_path``) on a catalog device (``engines/simulated_config.py
   when its host is told (``peers_read``, through the KV service). With
   ``per_request_keep`` (kvtide's connector, ``engines/kv_connector.py``) a request
   whose params say ``kvtide_keep: False`` keeps nothing: its blocks are freed when it
-  finishes and it returns no params. Engines find
+  finishes and it returns no params; one whose params name a kept request
+  (``kvtide_release``) frees that request's blocks when it finishes, nothing read.
+  Engines find
   each other by engine id on a ``SimulatedFabric`` (one process); engines that
   exchange KV should share one clock;
 * **prefix cache** (``spec.enable_prefix_caching``): the engine remembers the chained
@@ -461,6 +463,9 @@ class SimulatedEngine(EngineAdapter):
         self._count("requests")
         params, keep_until_s = self._kept_params(req) if reason == "length" else (None, None)
         self.kv.finish(request_id, keep_until_s=keep_until_s, num_tokens=req.num_computed)
+        released = req.params.kvtide_release if req.params is not None else None
+        if released is not None and self.spec.kv_transfer is not None:
+            self.kv.release_kept(released)  # engines.kv_connector: freed, nothing read
         self._wake.set()  # freed blocks may admit a waiting request
         if error is not None:
             req.out.put_nowait(error)

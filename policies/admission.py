@@ -73,6 +73,9 @@ class EngineLoad:
     kv_cache_usage: float
     num_finished: int  # requests finished since the engine started (never decreases)
     reported_s: float
+    # A decode engine's prefill time per token, as its host measured it at start
+    # (``orchestrator.serve.warm_up.measure_prefill``); None: not reported.
+    prefill_s_per_token: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

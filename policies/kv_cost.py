@@ -22,8 +22,9 @@ the prefill pool's queue and an ITL budget (``PlanInputs``, ``ExtendSettings``):
 
 is what an in-place prefill of the increment adds to the decode engine's steps, which
 its other running sequences wait through; over ``itl_budget_s`` (with others running)
-the turn pulls. The per-token cost is a calibration (``kv.extend_prefill_ms_per_token``),
-not a step-time model updated from the engine's reports.
+the turn pulls. The per-token cost is the decode engine's own, as it measured it at
+start and reports it with its load (``PlanInputs.decode_prefill_s_per_token``), or,
+where it reported none, the calibration ``kv.extend_prefill_ms_per_token``.
 """
 
 from __future__ import annotations
@@ -213,7 +214,9 @@ class PlanInputs:
     waiting requests, its KV cache use (0-1) and ``decode_max_running`` (its
     ``max_num_seqs``); ``prefill_waiting``: requests waiting on the prefill pool's
     engines; ``in_turn_pool``: the engine holding the history is in the decode pool the
-    prompt goes to (a prompt past the long-context threshold goes to the other)."""
+    prompt goes to (a prompt past the long-context threshold goes to the other);
+    ``decode_prefill_s_per_token``: the decode engine's own prefill time per token, as it
+    measured and reported it (None: none reported; the settings' calibration then)."""
 
     num_new_tokens: int
     history_pool: str
@@ -224,6 +227,7 @@ class PlanInputs:
     decode_kv_cache_usage: float = 0.0
     decode_max_running: int | None = None
     prefill_waiting: int = 0
+    decode_prefill_s_per_token: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -246,11 +250,15 @@ def choose_plan(inputs: PlanInputs, settings: ExtendSettings, now_s: float) -> P
     4. it is not saturated: nothing waiting, fewer running than its maximum;
     5. its KV cache is under ``max_kv_cache_usage``;
     6. the ITL budget: with other sequences running, the increment's in-place prefill
-       adds at most ``itl_budget_s`` to their step;
+       adds at most ``itl_budget_s`` to their step (at the engine's reported prefill
+       time per token, else the settings');
     7. the increment is at most ``max_new_tokens``, or the prefill pool has
        ``prefill_queue_waiting`` requests waiting (a queue the pull would join).
     """
-    extra_s = max(0, inputs.num_new_tokens) * settings.decode_prefill_s_per_token
+    per_token = inputs.decode_prefill_s_per_token
+    if per_token is None or per_token <= 0:
+        per_token = settings.decode_prefill_s_per_token
+    extra_s = max(0, inputs.num_new_tokens) * per_token
 
     def pull(reason: PlanReason) -> PlanChoice:
         return PlanChoice(extend=False, reason=reason, extra_step_s=extra_s)

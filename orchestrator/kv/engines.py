@@ -100,7 +100,8 @@ class EngineRegistry:
 
     def loads(self, now: float) -> dict[str, dict[str, float]]:
         """Each live engine's load as its last heartbeat reported it (requests running
-        and waiting, KV cache use, requests finished) and ``age_s``, how long ago."""
+        and waiting, KV cache use, requests finished, and a decode engine's prefill time
+        per token where its host measured one) and ``age_s``, how long ago."""
         loads: dict[str, dict[str, float]] = {}
         for engine_id, stats in self._stats.items():
             seen = self._seen.get(engine_id)
@@ -113,6 +114,9 @@ class EngineRegistry:
                 "num_requests": stats.get("num_requests", 0),
                 "age_s": max(0.0, now - seen[1]),
             }
+            measured = stats.get("prefill_s_per_token")
+            if measured is not None:  # a decode engine's, measured by its host at start
+                loads[engine_id]["prefill_s_per_token"] = measured
         return loads
 
     def by_decode_path(self) -> dict[str, dict[str, int]]:

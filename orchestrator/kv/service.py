@@ -135,7 +135,7 @@ class KVServiceAPI(Protocol):
         answers: dict[str, bool] | None = None,
     ) -> LeaseWatch: ...
 
-    async def turn_abandoned(self, session_id: str | None) -> None: ...
+    async def turn_abandoned(self, session_id: str | None, *, unread: bool = False) -> None: ...
 
     async def integrity_mismatch(self, mismatch: IntegrityMismatch) -> bool: ...
 
@@ -422,9 +422,13 @@ class KVService:
             self.unbooked.booked(params)
         return handover
 
-    async def turn_abandoned(self, session_id: str | None) -> None:
+    async def turn_abandoned(self, session_id: str | None, *, unread: bool = False) -> None:
+        """The session's turn ended without a record to book. ``unread``: it ran on the
+        engine that kept the record it was handed and read none of it (an extended
+        turn), so that record is offered again; otherwise a handed record counts as a
+        failed pull."""
         if session_id is not None:
-            self.turns.abandoned(session_id)
+            self.turns.abandoned(session_id, unread=unread)
 
     # ---- integrity checks (orchestrator.kv.integrity) --------------------------------
 

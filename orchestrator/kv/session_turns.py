@@ -253,9 +253,9 @@ class SessionTurns:
             task.add_done_callback(self._closing.discard)
         return Handover(accepted=True, lease=lease)
 
-    def abandoned(self, session_id: str) -> None:
+    def abandoned(self, session_id: str, *, unread: bool = False) -> None:
         self.effects.apply(self.state.abandoned(session_id))
-        self.drains.apply(self.decider.abandon(session_id, self.clock()))
+        self.drains.apply(self.decider.abandon(session_id, self.clock(), unread=unread))
 
     def info(self, session_id: str) -> SessionInfo:
         now = self.clock()

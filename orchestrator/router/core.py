@@ -57,6 +57,7 @@ from orchestrator.router.extend_plan import ExtendPlan
 from orchestrator.router.handover import HandOver
 from orchestrator.router.held_leases import HeldLeases
 from orchestrator.router.integrity import IntegrityCheck
+from orchestrator.router.kept_release import KeptRelease
 from orchestrator.router.prefill_side import PrefillSide
 from orchestrator.router.settings import RouterSettings
 from orchestrator.router.transfers import Transfers
@@ -120,6 +121,11 @@ class Router:
             eos_token_id=s.eos_token_id,
             session_tokens=session_tokens,
             leases=leases,
+            release=KeptRelease(
+                pool=lambda n: self.decode_side.pools.for_prompt(n).pool,
+                timeout_s=s.pull_timeout_s,
+                clock=clock,
+            ),
         )
         # A sample of the turns that pull KV back, computed again without reuse off the
         # turn's path (``orchestrator.router.integrity``); none without ``integrity``.
@@ -325,6 +331,7 @@ class Router:
             t_engine = self.clock()
             if decision.kind == "extend":
                 pre = in_place(state, decision)
+                state.extended = decision.kv_transfer_params
                 report.router_s = t_engine - t0
                 self.metrics.inc("kvtide_kv_extends_total")
             else:
@@ -358,7 +365,10 @@ class Router:
                     await asyncio.shield(self._lease_confirmed(state))
         if session_id is not None and not state.lease_refused:
             try:
-                await asyncio.shield(self.kv.turn_abandoned(session_id))
+                # An extended turn read nothing of its record, and its engine frees
+                # it only once a turn is booked: the record stays whole.
+                unread = state.extended is not None
+                await asyncio.shield(self.kv.turn_abandoned(session_id, unread=unread))
             except RequestError:  # the service is unreachable: its tick ends the turn
                 log.warning("could not report turn %s of %s abandoned", turn.request_id, session_id)
 

@@ -5,14 +5,17 @@ prefill reads the history back, computes the new tokens, and sends the whole pro
 KV to a decode engine). ``ExtendPlan`` asks ``policies.kv_cost.choose_plan`` whether
 the turn should instead run on the decode engine that kept the history, which finds it
 in its own prefix cache and prefills only the new tokens: nothing moves. It weighs the
-new tokens' count, where the history is, that engine's last load report and the prefill
-pool's queue (the engines' reports as the ingress reads them each second,
-``orchestrator.serve.admission``), against the ``kv.extend_*`` settings.
+new tokens' count, where the history is, that engine's last load report (with the
+prefill time per token it measured at start) and the prefill pool's queue (the engines'
+reports as the ingress reads them each second, ``orchestrator.serve.admission``),
+against the ``kv.extend_*`` settings.
 
 To the KV service an extended turn is the pull it planned (its record handed to the
 turn, booked again from the decode engine's final params at the hand-over); the
-previous turn's blocks are not read, so that engine keeps them until its TTL (they
-share every whole block with the new turn's; the last, partial one is the cost).
+previous turn's blocks are not read (they share every whole block with the new turn's),
+and once the turn is booked its engine frees them unread
+(``orchestrator.router.kept_release``). An extended turn that fails leaves the record
+whole: the service offers it again (``turn_abandoned(unread=True)``).
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class ExtendPlan:
                 decode_kv_cache_usage=0.0 if engine is None else engine.kv_cache_usage,
                 decode_max_running=self.decode_max_running,
                 prefill_waiting=sum(x.num_waiting for x in loads if x.pool == self.prefill_pool),
+                decode_prefill_s_per_token=None if engine is None else engine.prefill_s_per_token,
             ),
             self.settings,
             now_s,

@@ -8,7 +8,10 @@ proposes the next turn's lease, and its task holds that lease here before it sen
 (``HeldLeases.propose``): the session's next turn here runs under it without waiting
 for the answer. Otherwise it waits for the hand-over here (``handed_over``) or in the
 service's ``begin_turn``; ``settled`` waits for every hand-over under way (a read of the
-books after a turn, shutdown).
+books after a turn, shutdown). A turn extended on the decode engine that kept its
+history has that engine free the previous turn's kept blocks, unread, once the service
+booked it (``orchestrator.router.kept_release``), in a task of its own: the session's
+next turn does not wait for it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 import msgspec
 from opentelemetry.trace import Span
 
-from engines.base import GenerateChunk
+from engines.base import GenerateChunk, GenerateRequest
 from orchestrator.errors import RequestError
 from orchestrator.kv.messages import TurnDone
 from orchestrator.kv.service import KVServiceAPI
@@ -29,6 +32,7 @@ from orchestrator.kv.session_tokens import SessionTokens, prefix_digest
 from orchestrator.observability import tracing as tr
 from orchestrator.observability.metrics import Metrics
 from orchestrator.router.held_leases import HeldLeases
+from orchestrator.router.kept_release import KeptRelease, release_request
 from orchestrator.router.turn import TurnState
 from orchestrator.router.turn_report import Streamed, TurnReport
 
@@ -41,10 +45,13 @@ log = logging.getLogger("kvtide.router")
 class HandOverMessage:
     """A finished turn for the service: ``sent``, only what the turn added (the prompt's
     start is the session's last turn, which the service holds), and ``whole``, sent in
-    its place when the service holds another last turn."""
+    its place when the service holds another last turn; ``release``: an extended turn's
+    release of the previous turn's kept blocks, sent once it is booked, and its prompt's
+    length (its decode pool's)."""
 
     sent: TurnDone
     whole: TurnDone
+    release: tuple[GenerateRequest, int] | None = None
 
 
 class HandOver:
@@ -59,8 +66,10 @@ class HandOver:
         eos_token_id: int | None,
         session_tokens: SessionTokens | None,
         leases: HeldLeases | None,
+        release: KeptRelease | None = None,
     ) -> None:
         self.kv = kv
+        self.release = release
         self.metrics = metrics
         self.clock = clock
         self.eos_token_id = eos_token_id
@@ -68,6 +77,7 @@ class HandOver:
         self.leases = leases
         # Finished turns on their way to the service (``give``), by session too.
         self._handovers: set[asyncio.Task[None]] = set()
+        self._releases: set[asyncio.Task[bool]] = set()  # booked extended turns' releases
         self._handing: dict[str, asyncio.Task[None]] = {}
 
     def message(self, state: TurnState, chunk: GenerateChunk, out: Streamed) -> HandOverMessage:
@@ -124,14 +134,18 @@ class HandOver:
             prefix_digest=digest if prefix_len else None,
             next_len=next_len,
         )
-        return HandOverMessage(sent, whole)
+        release = None
+        if sid is not None and state.extended is not None:
+            req = release_request(turn.request_id, list(prompt_token_ids), state.extended)
+            release = None if req is None else (req, len(prompt_token_ids))
+        return HandOverMessage(sent, whole, release)
 
     def give(self, route: Span, report: TurnReport, done: HandOverMessage) -> None:
         """Give the finished turn to the service off the turn's path: the client gets its
         last tokens without waiting for the booking. The session's next turn waits for it
         in ``begin_turn`` (the service holds a turn's claim until its ``turn_done``)."""
         task = asyncio.get_running_loop().create_task(
-            self._turn_done(route, report, done.sent, done.whole)
+            self._turn_done(route, report, done.sent, done.whole, done.release)
         )
         self._handovers.add(task)
         task.add_done_callback(self._handovers.discard)
@@ -153,7 +167,12 @@ class HandOver:
         return self.clock() - t0
 
     async def _turn_done(
-        self, route: Span, report: TurnReport, done: TurnDone, whole: TurnDone
+        self,
+        route: Span,
+        report: TurnReport,
+        done: TurnDone,
+        whole: TurnDone,
+        release: tuple[GenerateRequest, int] | None,
     ) -> None:
         kept = done.kv_transfer_params
         with tr.span(
@@ -183,6 +202,11 @@ class HandOver:
                         self.leases.add(answer.lease, asked_s)
                     elif sid is not None and done.next_lease_id is not None:
                         self.leases.unconfirmed(sid, done.next_lease_id)
+                if answer.accepted and release is not None and self.release is not None:
+                    # Booked: the previous turn's blocks are the new record's prefix.
+                    task = asyncio.get_running_loop().create_task(self.release.release(*release))
+                    self._releases.add(task)
+                    task.add_done_callback(self._releases.discard)
             except RequestError as exc:
                 if sid is not None and done.next_lease_id is not None and self.leases:
                     self.leases.unconfirmed(sid, done.next_lease_id)
@@ -196,7 +220,10 @@ class HandOver:
                 )
                 if done.session_id is not None:
                     try:
-                        await self.kv.turn_abandoned(done.session_id)
+                        # Not booked, so not released: an extended turn's record
+                        # is whole.
+                        unread = release is not None
+                        await self.kv.turn_abandoned(done.session_id, unread=unread)
                     except RequestError:
                         pass
 
@@ -218,10 +245,13 @@ class HandOver:
 
     async def settled(self) -> None:
         """Wait until every turn that finished here before this call has been handed to
-        the service (a read of the books after a turn sees it; shutdown). Each hand-over
-        is bounded by the service client's deadline."""
+        the service (a read of the books after a turn sees it; shutdown), and the releases
+        those hand-overs started. Each hand-over is bounded by the service client's
+        deadline, each release by its own."""
         if self._handovers:
             await asyncio.gather(*list(self._handovers), return_exceptions=True)
+        if self._releases:
+            await asyncio.gather(*list(self._releases), return_exceptions=True)
 
     def _continuation(
         self,

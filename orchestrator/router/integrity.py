@@ -1,9 +1,11 @@
 """A sampled, fail-closed KV integrity check: a reused turn's first tokens computed again
 without reuse, off the client's path.
 
-A turn whose KV plan pulls the previous turn's KV back is sampled with probability
-``kv.integrity_sample_fraction``. Its decode is asked for the log probability of each
-token it samples (a client that did not ask for them never sees them). After the turn's
+A turn whose KV plan pulls the previous turn's KV back, or extends it on the decode
+engine that kept it (``orchestrator.router.extend_plan``: that engine's prefix cache
+gives the history), is sampled with probability ``kv.integrity_sample_fraction``. Its
+decode is asked for the log probability of each token it samples (a client that did not
+ask for them never sees them). After the turn's
 last token, in a task of its own, the check sends the prefill pool one sessionless
 request with no KV transfer parameters: the prompt and the turn's first ``num_tokens``
 output tokens, ``max_tokens=1``, with ``prompt_logprobs``, which also makes vLLM skip its
@@ -15,20 +17,22 @@ check holds for any sampling.
 
 Outcomes (``kvtide_kv_integrity_checks_total{outcome}``): ``match``, all within
 ``kv.integrity_logprob_tolerance``; ``mismatch``, one beyond it (or not a number on
-either side): logged with both plans and the engines, reuse from the pull's source
-engine turned off in this replica's router at once (``vetted``: its turns recompute
-whatever plan they were given), and reported to the KV service (``IntegrityMismatch``),
-which turns reuse off for the pull's engine pair until an operator turns it back on
+either side): logged with both plans and the engines, reuse from the source engine
+(the one that kept the KV) turned off in this replica's router at once (``vetted``: its
+turns recompute whatever plan they were given), and reported to the KV service
+(``IntegrityMismatch``), which turns reuse off for the engine pair (the engine that
+computed from the reused KV: the prefill engine that pulled it, or for an extended turn
+the decode engine itself; and the source) until an operator turns it back on
 (``orchestrator.kv.integrity``). The report is sent again, each try bounded by
 ``report_timeout_s`` and backing off (``report_backoff_s`` doubling up to
 ``report_backoff_max_s``), until the service has it; only then does this replica leave
-the decision to the service's books. ``skipped``, a sampled turn
-that could not be checked: it did not end up pulling (its pull failed, or it
-migrated), its decode sampled under a structured output's grammar (vLLM masks the
-logits before its sampler, so its log probabilities are the grammar's: a tool call with
-``tool_choice: required``, a JSON schema), its decode gave no log probabilities (the
-simulated engine), too many checks were running, or the check's request failed or ran
-past its deadline.
+the decision to the service's books. ``skipped``, a sampled turn that could not be
+checked: it did not end up reusing the KV (its pull failed, its extended decode found
+nothing in its cache, or it migrated), its decode sampled under a structured output's
+grammar (vLLM masks the logits before its sampler, so its log probabilities are the
+grammar's: a tool call with ``tool_choice: required``, a JSON schema), its decode gave
+no log probabilities (the simulated engine), too many checks were running, or the
+check's request failed or ran past its deadline.
 """
 
 from __future__ import annotations
@@ -159,10 +163,12 @@ class IntegrityCheck:
         return frozenset(self._off_here)
 
     def sample(self, decision: KVDecision) -> IntegritySample | None:
-        """Whether this turn is checked: a pull, chosen with the configured probability."""
+        """Whether this turn is checked: a pull or an extend, chosen with the configured
+        probability."""
         params = decision.kv_transfer_params
         fraction = self.settings.sample_fraction
-        if decision.kind != "pull" or params is None or not params.remote_engine_id:
+        reuses = decision.kind in ("pull", "extend")
+        if not reuses or params is None or not params.remote_engine_id:
             return None
         if fraction <= 0 or self.rng.random() >= fraction:
             return None
@@ -179,12 +185,8 @@ class IntegrityCheck:
             return
         num = min(self.settings.num_tokens, len(output_ids), len(logprobs))
         why = None
-        if (
-            report.kv_source not in ("sent_back", "host_tier")
-            or report.migrations
-            or report.prefill_replica is None
-        ):
-            why = "the turn did not decode from the pulled KV"
+        if report.migrations or _computed_on(state) is None:
+            why = "the turn did not decode from the reused KV"
         elif _constrained(state):
             why = (
                 "its decode sampled under a grammar (structured output): vLLM's log "
@@ -273,7 +275,7 @@ class IntegrityCheck:
             return
         self.metrics.inc(METRIC, outcome="mismatch")
         mismatch = IntegrityMismatch(
-            prefill_engine_id=report.prefill_replica or "",
+            prefill_engine_id=_computed_on(state) or "",
             source_engine_id=sample.source_engine_id,
             decode_engine_id=state.decode_engine_id,
             session_id=report.session_id,
@@ -284,8 +286,8 @@ class IntegrityCheck:
             tolerance=tolerance,
         )
         log.error(
-            "KV integrity mismatch on turn %s of session %s: its plan pulled the kept KV "
-            "from engine %s into prefill engine %s (%s), decoded on %s; the check's plan "
+            "KV integrity mismatch on turn %s of session %s: its plan reused the KV kept "
+            "on engine %s, computing on engine %s (%s), decoded on %s; the check's plan "
             "recomputed it without reuse on prefill engine %s: the first %d tokens' log "
             "probabilities differ by up to %.4g (tolerance %.4g): reused %s, recomputed %s. "
             "Reuse from %s into %s is turned off until an operator turns it back on.",
@@ -349,6 +351,18 @@ class IntegrityCheck:
                 self._off_here[source] = left
             else:
                 self._off_here.pop(source, None)
+
+
+def _computed_on(state: TurnState) -> str | None:
+    """The engine that computed the turn from the reused KV: the prefill engine that
+    pulled it, or the decode engine an extended turn ran on (its prefix cache hit); None
+    when the turn reused none."""
+    report = state.report
+    if report.kv_source in ("sent_back", "host_tier"):
+        return report.prefill_replica
+    if report.kv_source == "extended":
+        return state.decode_engine_id
+    return None
 
 
 def _abs_diff(a: float | None, b: float | None) -> float:

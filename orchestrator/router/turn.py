@@ -140,3 +140,6 @@ class TurnState:
     integrity_logprobs: list[float | None] = field(default_factory=list)
     # The decode engine that finished the turn.
     decode_engine_id: str | None = None
+    # An extended turn's: the previous turn's kept blocks it ran on, freed unread once
+    # the turn is booked (``orchestrator.router.kept_release``).
+    extended: KVTransferParams | None = None

@@ -61,6 +61,7 @@ class AdmissionGate:
                 kv_cache_usage=float(report.get("kv_cache_usage", 0.0)),
                 num_finished=int(report.get("num_requests", 0)),
                 reported_s=now - float(report.get("age_s", 0.0)),
+                prefill_s_per_token=_positive(report.get("prefill_s_per_token")),
             )
             for engine_id, report in reports.items()
         )
@@ -91,3 +92,10 @@ class AdmissionGate:
 
     def health(self) -> Health:
         return pool_health(self.book.views(), self.pools, self.settings, self.clock())
+
+
+def _positive(value: object) -> float | None:
+    """A reported figure that is a positive number, else None (not reported)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    return None

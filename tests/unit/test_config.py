@@ -324,3 +324,35 @@ def test_the_simulated_backend_starts_with_the_default_model() -> None:
         "disable_any_whitespace": True,
         "backend": "xgrammar",
     }
+
+
+def test_decode_engines_bound_an_in_place_prefill_per_step_by_the_itl_budget() -> None:
+    """With kv.extend on, a decode step takes at most the ITL budget's worth of an in-place
+    prefill beside other requests (50 ms / 1.4 ms per token: 35 tokens), and every running
+    sequence's decode still fits (max_num_seqs + 35 tokens a step)."""
+    cfg = default_config()
+
+    def args(c: object, pool: str) -> dict[str, object]:
+        assert hasattr(c, "engine_spec") and hasattr(c, pool)
+        return engine_args_for(c.engine_spec(getattr(c, pool), "e", 1))
+
+    decode = args(cfg, "decode")
+    assert decode["max_num_batched_tokens"] == cfg.decode.max_num_seqs + 35
+    assert decode["long_prefill_token_threshold"] == 35
+    prefill = args(cfg, "prefill")  # the prefill pool's steps are vLLM's
+    assert "max_num_batched_tokens" not in prefill
+    assert "long_prefill_token_threshold" not in prefill
+    tighter = parse_config({"kv": {"extend_itl_budget_ms": 20, "extend_prefill_ms_per_token": 2}})
+    assert args(tighter, "decode")["long_prefill_token_threshold"] == 10
+    off = args(parse_config({"kv": {"extend": False}}), "decode")
+    assert "max_num_batched_tokens" not in off and "long_prefill_token_threshold" not in off
+    given = args(parse_config({"decode": {"max_num_batched_tokens": 2048}}), "decode")
+    assert given["max_num_batched_tokens"] == 2048
+    assert "long_prefill_token_threshold" not in given
+
+
+def test_a_step_smaller_than_the_batch_is_refused_naming_the_field() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config({"decode": {"max_num_seqs": 64, "max_num_batched_tokens": 32}})
+    assert err.value.field == "decode.max_num_batched_tokens"
+    assert "max_num_seqs" in str(err.value)

@@ -25,12 +25,15 @@ from orchestrator.observability.metrics import Metrics
 from orchestrator.router import Router, RouterSettings, Turn, TurnReport
 from orchestrator.router.integrity import IntegritySettings
 from orchestrator.serve.requests import parse_reuse_on
+from policies.admission import EngineLoad
+from policies.kv_cost import ExtendSettings
 from policies.kv_records import RecomputeReason
 
 # The decode's tokens and the log probability it gives each; the recompute gives the
 # same, unless a test shifts them.
 TOKENS = [11, 12, 13, 14]
 DECODED = [-1.5, -0.25, -3.0, -2.0]
+DECODE = "decode-r1"  # an extending decode engine, of pool "decode" as hosts name theirs
 
 
 class Prefill:
@@ -113,8 +116,26 @@ def make_router(
     fraction: float = 1.0,
     store: MemoryStore | None = None,
     drains: bool = False,
+    extend: bool = False,
 ) -> Router:
+    """A router over ``prefill`` and ``decode`` and a KV service; with ``extend``, turns
+    of up to 8 new tokens are extended on decode engine ``DECODE`` (which reports itself
+    idle)."""
     clock = FakeClock()
+
+    def loads() -> list[EngineLoad]:
+        return [
+            EngineLoad(
+                engine_id=DECODE,
+                pool="decode",
+                num_running=0,
+                num_waiting=0,
+                kv_cache_usage=0.1,
+                num_finished=0,
+                reported_s=clock.now_s,
+            )
+        ]
+
     service = KVService(
         lifecycle_config(),
         prefill=prefill if drains else None,
@@ -129,9 +150,12 @@ def make_router(
         settings=RouterSettings(
             pull_timeout_s=5.0,
             integrity=IntegritySettings(sample_fraction=fraction, logprob_tolerance=0.01),
+            extend=ExtendSettings(enabled=extend, max_new_tokens=8),
+            decode_max_running=4,
         ),
         clock=clock,
         metrics=Metrics(),
+        engine_loads=loads if extend else None,
     )
     router.integrity.rng = random.Random(0)
     return router
@@ -222,16 +246,22 @@ def test_a_client_that_did_not_ask_never_sees_the_checks_logprobs() -> None:
     assert checks(router) == {"match": 2.0}
 
 
+def mismatched(router: Router, prefill: Prefill, plan: str) -> list[TurnReport]:
+    """Three turns whose recompute disagrees with the reused turn's decode: the second
+    reuses the first's KV by ``plan``, the third recomputes (one check, one mismatch)."""
+    prefill.shift = 0.5
+    reports = conversation(router, 3)
+    assert [r.kv_plan for r in reports] == ["recompute", plan, "recompute"]
+    assert reports[2].kv_plan_reason == "integrity_check_failed"
+    assert reports[2].kv_source == "recomputed"
+    assert checks(router) == {"mismatch": 1.0}
+    return reports
+
+
 def test_a_mismatch_turns_reuse_off_for_the_pair() -> None:
     prefill, decode = Prefill(), Decode()
     router = make_router(prefill, decode)
-    prefill.shift = 0.5  # the recompute disagrees with the reused turn's decode
-    reports = conversation(router, 3)
-    assert [r.kv_plan for r in reports] == ["recompute", "pull", "recompute"]
-    assert reports[2].kv_plan_reason == "integrity_check_failed"
-    assert reports[2].kv_source == "recomputed"
-    # Only the second turn pulled: one check, one mismatch (the third was not a pull).
-    assert checks(router) == {"mismatch": 1.0}
+    reports = mismatched(router, prefill, "pull")
     service = service_of(router)
     [pair] = service.reuse_off.stats()
     assert (pair["prefill_engine_id"], pair["source_engine_id"]) == ("P", "D")
@@ -599,3 +629,54 @@ def test_a_replica_shutting_down_first_delivers_its_mismatches(tiny_tokenizer: A
 
     asyncio.run(run())
     assert down.num_tries == 4
+
+
+class CachingDecode(Decode):
+    """``Decode``'s engine, named ``DECODE``, with a prefix cache: a turn it computes
+    itself (no remote prefill: an extended turn) finds the kept history there."""
+
+    async def _stream(self, req: GenerateRequest) -> Any:
+        in_place = not (req.kv_transfer_params or KVTransferParams()).do_remote_prefill
+        async for chunk in super()._stream(req):
+            if chunk.finished:
+                assert chunk.kv_transfer_params is not None
+                kept = msgspec.structs.replace(chunk.kv_transfer_params, remote_engine_id=DECODE)
+                cached = 96 if in_place else chunk.num_cached_tokens
+                chunk = msgspec.structs.replace(
+                    chunk, kv_transfer_params=kept, engine_id=DECODE, num_cached_tokens=cached
+                )
+            yield chunk
+
+
+def turns_of(decode: Decode) -> list[GenerateRequest]:
+    """The decode pool's turns, not its releases of kept blocks."""
+    return [
+        r
+        for r in decode.requests
+        if not (r.kv_transfer_params or KVTransferParams()).kvtide_release
+    ]
+
+
+def test_a_sampled_extended_turn_is_recomputed_off_the_path_and_matches() -> None:
+    prefill, decode = Prefill(), CachingDecode()
+    router = make_router(prefill, decode, extend=True)
+    _, second = conversation(router, 2)
+    assert (second.kv_plan, second.kv_source) == ("extend", "extended")
+    # The extended turn's decode gave each token's log probability; the check recomputed
+    # its prompt and tokens on the prefill pool without reuse.
+    assert [r.logprobs for r in turns_of(decode)] == [None, 0]
+    check = prefill.requests[-1]
+    assert check.request_id == f"{second.request_id}-i"
+    assert check.prompt_token_ids == [*turns_of(decode)[1].prompt_token_ids, *TOKENS]
+    assert check.prompt_logprobs == 0 and check.kv_transfer_params is None
+    assert checks(router) == {"match": 1.0}
+
+
+def test_a_mismatch_on_an_extended_turn_turns_reuse_from_its_engine_off() -> None:
+    prefill, decode = Prefill(), CachingDecode()
+    router = make_router(prefill, decode, extend=True)
+    reports = mismatched(router, prefill, "extend")
+    # The pair: the decode engine computed from the KV it kept itself.
+    [pair] = service_of(router).reuse_off.stats()
+    assert (pair["prefill_engine_id"], pair["source_engine_id"]) == (DECODE, DECODE)
+    assert pair["request_id"] == reports[1].request_id

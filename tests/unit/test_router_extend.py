@@ -1,7 +1,9 @@
 """A session's turn run where its KV already is (plan ``extend``), against fake pools,
 the real KV service and the real cost function: a short increment goes straight to the
 decode engine that kept the history, asking for that engine, with nothing to read; a long
-one, a turn that asks for the plain pull, and a saturated decode engine pull as before."""
+one, a turn that asks for the plain pull, and a saturated decode engine pull as before.
+Once an extended turn is booked, its engine frees the previous turn's kept blocks
+unread; an extended turn that fails leaves them booked for the next turn."""
 
 from __future__ import annotations
 
@@ -9,12 +11,23 @@ import asyncio
 from typing import Any
 
 import msgspec
-from test_router import FakeClock, FakePool, decode_script, make_router, prefill_script
+from test_router import (
+    FakeClock,
+    FakePool,
+    decode_script,
+    lifecycle_config,
+    make_router,
+    prefill_script,
+    service_of,
+)
 
-from engines.base import GenerateChunk, GenerateRequest
+from engines.base import EngineStats, GenerateChunk, GenerateRequest
 from engines.kv_params import KVTransferParams
+from orchestrator.kv.service import KVService, ServiceSettings
 from orchestrator.router import Router, Turn, TurnReport
-from policies.admission import EngineLoad
+from orchestrator.serve.admission import AdmissionGate
+from orchestrator.serve.engine_host import heartbeat_stats
+from policies.admission import AdmissionSettings, EngineLoad
 from policies.kv_cost import ExtendSettings
 
 HISTORY_CACHED = 96  # the whole blocks of turn 1's prompt and answer in decode's cache
@@ -42,10 +55,16 @@ def caching_decode(req: GenerateRequest) -> list[GenerateChunk]:
 
 
 def extend_router(
-    prefill: FakePool, decode: FakePool, *, waiting: int = 0, running: int = 0
+    prefill: FakePool,
+    decode: FakePool,
+    *,
+    waiting: int = 0,
+    running: int = 0,
+    prefill_s_per_token: float | None = None,
 ) -> Router:
     """A router whose engines report: decode engine ``ENGINE`` idle (or with ``waiting`` and
-    ``running`` requests), its KV cache 10 % used; extends up to 8 new tokens."""
+    ``running`` requests), its KV cache 10 % used (and the prefill time per token it
+    measured, if given); extends up to 8 new tokens."""
 
     def loads(clock: FakeClock) -> list[EngineLoad]:
         return [
@@ -57,6 +76,7 @@ def extend_router(
                 kv_cache_usage=0.1,
                 num_finished=0,
                 reported_s=clock.now_s,
+                prefill_s_per_token=prefill_s_per_token,
             )
         ]
 
@@ -91,6 +111,16 @@ def prefills(pool: FakePool) -> list[GenerateRequest]:
     return [r for r in pool.requests if not r.request_id.startswith("drain-")]
 
 
+def releases(pool: FakePool) -> list[GenerateRequest]:
+    """The decode pool's requests that free kept blocks unread."""
+    return [r for r in pool.requests if (r.kv_transfer_params or KVTransferParams()).kvtide_release]
+
+
+def decodes(pool: FakePool) -> list[GenerateRequest]:
+    """The decode pool's turns (not its releases)."""
+    return [r for r in pool.requests if r not in releases(pool)]
+
+
 def test_a_short_increment_runs_on_the_decode_engine_that_kept_the_history() -> None:
     prefill, decode = FakePool(prefill_script(cached=101)), FakePool(caching_decode)
     router = extend_router(prefill, decode)
@@ -100,7 +130,7 @@ def test_a_short_increment_runs_on_the_decode_engine_that_kept_the_history() -> 
     # No prefill for turn 2; its decode computes the whole prompt on engine D, with no
     # remote prefill to read and its blocks kept for the next turn.
     assert len(prefills(prefill)) == 1
-    ext = decode.requests[-1]
+    ext = decodes(decode)[-1]
     assert ext.engine_id == ENGINE and ext.prompt_token_ids == SHORT
     assert ext.kv_transfer_params == KVTransferParams(kvtide_keep=True)
     assert (r2.kv_plan, r2.kv_plan_reason, r2.extend_reason) == (
@@ -114,7 +144,7 @@ def test_a_short_increment_runs_on_the_decode_engine_that_kept_the_history() -> 
     # The service booked what decode kept for the extended turn: turn 3 extends it.
     r3 = asyncio.run(turn(router, [*SHORT, 11, 12, 13, 60]))
     assert r3.kv_plan == "extend"
-    assert decode.requests[-1].engine_id == ENGINE
+    assert decodes(decode)[-1].engine_id == ENGINE
     metrics = router.metrics.snapshot()
     assert metrics["kvtide_kv_extends_total"] == 2
     assert metrics["kvtide_kv_send_backs_total"] == 0
@@ -148,6 +178,7 @@ def test_a_long_increment_is_pulled_to_prefill() -> None:
     pull = prefills(prefill)[-1].kv_transfer_params
     assert pull is not None and pull.remote_engine_id == ENGINE
     assert decode.requests[-1].engine_id is None
+    assert releases(decode) == []  # the pull read the blocks: vLLM freed them
 
 
 def test_a_saturated_decode_engine_sends_a_short_increment_to_prefill() -> None:
@@ -165,3 +196,91 @@ def test_a_turn_that_may_not_extend_pulls() -> None:
     asyncio.run(turn(router, FIRST))
     r2 = asyncio.run(turn(router, SHORT, may_extend=False))
     assert (r2.kv_plan, r2.kv_source, r2.extend_reason) == ("pull", "sent_back", None)
+
+
+def test_an_extended_turn_once_booked_frees_the_previous_turns_blocks_unread() -> None:
+    prefill = FakePool(prefill_script(cached=101))
+    booked_at_release: list[str | None] = []
+
+    def decode_engine(req: GenerateRequest) -> list[GenerateChunk]:
+        if (req.kv_transfer_params or KVTransferParams()).kvtide_release:
+            record = service_of(router).decider.lifecycle.record("s")
+            kept = None if record is None else record.transfer_params
+            assert kept is None or isinstance(kept, KVTransferParams)
+            booked_at_release.append(None if kept is None else kept.remote_request_id)
+        return caching_decode(req)
+
+    decode = FakePool(decode_engine)
+    router = extend_router(prefill, decode)
+    asyncio.run(turn(router, FIRST))
+    first_kept = decodes(decode)[0].request_id  # the fake keeps under the request's id
+    asyncio.run(turn(router, SHORT))
+    # One release, on the engine that kept turn 1, naming turn 1's kept request; one
+    # token computed there and nothing read (no prefill, no pull params).
+    (release,) = releases(decode)
+    assert release.engine_id == ENGINE
+    assert release.kv_transfer_params == KVTransferParams(
+        kvtide_keep=False, kvtide_release=first_kept
+    )
+    assert release.max_tokens == 1 and release.prompt_token_ids == SHORT[:1]
+    assert len(prefills(prefill)) == 1
+    # Sent once the service had booked the extended turn's record (turn 2's decode).
+    assert booked_at_release == [decodes(decode)[1].request_id]
+
+
+def test_an_extended_turn_that_fails_leaves_the_previous_record_for_the_next_turn() -> None:
+    prefill, decode = FakePool(prefill_script(cached=101)), FakePool(caching_decode)
+    router = extend_router(prefill, decode)
+    asyncio.run(turn(router, FIRST))
+    first_kept = decodes(decode)[0].request_id
+
+    async def client_leaves_after_one_token() -> None:
+        stream = router.run_turn(
+            Turn(prompt_token_ids=SHORT, max_tokens=3, session_id="s", request_id="gone")
+        )
+        async for _ in stream:
+            break
+        await stream.aclose()
+        await router.settled()
+
+    asyncio.run(client_leaves_after_one_token())
+    assert decodes(decode)[-1].request_id.startswith("gone")
+    assert releases(decode) == []  # not booked: nothing freed
+    # The extended turn read nothing: turn 1's record is offered again, and the next
+    # turn extends it (and frees it once booked).
+    r3 = asyncio.run(turn(router, SHORT))
+    assert (r3.kv_plan, r3.extend_reason) == ("extend", "short_increment"), r3
+    (release,) = releases(decode)
+    assert release.kv_transfer_params == KVTransferParams.release(first_kept)
+
+
+def test_the_decode_engines_reported_prefill_cost_prices_the_itl_budget() -> None:
+    """The engine's heartbeat carries the prefill time per token its host measured
+    (``heartbeat_stats``); the service passes it with the engine's load, the ingress
+    reads it, and the cost function prices the in-place prefill with it: 5 new tokens
+    beside a running stream at 20 ms a token is 100 ms, over the 50 ms budget, where the
+    settings' 1.4 ms would extend."""
+    service = KVService(
+        lifecycle_config(), prefill=None, settings=ServiceSettings(drain_timeout_s=5.0)
+    )
+    load = {"num_running": 1, "kv_cache_usage": 0.1, "num_requests": 3}
+    measured = heartbeat_stats(EngineStats(engine_id=ENGINE, **load), 0.02)  # type: ignore[arg-type]
+    unmeasured = heartbeat_stats(EngineStats(engine_id="decode-r2", **load), None)  # type: ignore[arg-type]
+    asyncio.run(service.heartbeat(ENGINE, stats=measured))
+    asyncio.run(service.heartbeat("decode-r2", stats=unmeasured))
+    gate = AdmissionGate(AdmissionSettings(), pools=["prefill", "decode"])
+    asyncio.run(gate.refresh(service))
+    loads = {view.load.engine_id: view.load for view in gate.book.views()}
+    assert loads[ENGINE].prefill_s_per_token == 0.02
+    assert loads["decode-r2"].prefill_s_per_token is None  # none reported: the settings'
+
+    prefill, decode = FakePool(prefill_script(cached=101)), FakePool(caching_decode)
+    router = extend_router(prefill, decode, running=1, prefill_s_per_token=0.02)
+    asyncio.run(turn(router, FIRST))
+    r2 = asyncio.run(turn(router, SHORT))
+    assert (r2.kv_plan, r2.extend_reason) == ("pull", "itl_budget")
+    router = extend_router(
+        FakePool(prefill_script(cached=101)), FakePool(caching_decode), running=1
+    )
+    asyncio.run(turn(router, FIRST))
+    assert asyncio.run(turn(router, SHORT)).extend_reason == "short_increment"

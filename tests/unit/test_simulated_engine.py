@@ -517,3 +517,20 @@ def test_a_request_waiting_for_kept_blocks_starts_when_a_peer_read_frees_them() 
         await d.shutdown()
 
     run(story())
+
+
+def test_a_release_frees_a_kept_requests_blocks_with_nothing_read() -> None:
+    async def story() -> None:
+        async with Pair() as pair:
+            p, d = pair.prefill, pair.decode
+            pre = (await collect(p, req("b-p", PROMPT, 1, KEEP))).pop().kv_transfer_params
+            assert pre is not None
+            await collect(d, req("b-d", PROMPT, 8, pre.for_decode(keep=True)))
+            assert d.stats().kv_cache_usage == 13 / 64
+            # A one-token request naming the kept request frees its blocks when it
+            # finishes; it keeps nothing itself, and no engine read a byte.
+            await collect(d, req("b-release", PROMPT[:1], 1, KVTransferParams.release("b-d")))
+            assert d.stats().kv_cache_usage == 0
+            assert d.stats().num_kv_transfers == 1  # the turn's own pull only
+
+    run(story())

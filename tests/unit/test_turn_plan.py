@@ -103,3 +103,18 @@ def test_history_in_a_host_tier_another_pool_or_with_an_unknown_load_is_pulled()
 def test_extending_off_always_pulls() -> None:
     off = ExtendSettings(enabled=False)
     assert choose_plan(inputs(1), off, NOW).reason is PlanReason.EXTEND_OFF
+
+
+def test_the_itl_budget_prices_the_prefill_at_the_decode_engines_measured_cost() -> None:
+    # 40 new tokens beside a running stream: 40 ms at the settings' 1 ms a token, within
+    # the 50 ms budget; at the 2 ms a token the engine measured and reported, 80 ms: over.
+    assert choose_plan(inputs(40, decode_running=1), SETTINGS, NOW).extend
+    measured = choose_plan(
+        inputs(40, decode_running=1, decode_prefill_s_per_token=0.002), SETTINGS, NOW
+    )
+    assert (measured.extend, measured.reason) == (False, PlanReason.ITL_BUDGET)
+    assert measured.extra_step_s == pytest.approx(0.08)
+    # A faster engine than the settings say: 100 tokens at 0.4 ms, 40 ms, extend.
+    fast = inputs(100, decode_running=1, decode_prefill_s_per_token=0.0004)
+    assert choose_plan(fast, SETTINGS, NOW).extend
+    assert not choose_plan(inputs(100, decode_running=1), SETTINGS, NOW).extend

@@ -11,9 +11,15 @@ import pytest
 from simulated_specs import llama_spec
 
 from engines.base import GenerateChunk, GenerateRequest, KVTransferSpec
+from engines.kv_params import KVTransferParams
 from engines.simulated import RequestRejected, SimulatedEngine, VirtualClock
 from engines.simulated_kv import SimulatedFabric
-from orchestrator.serve.warm_up import WarmUp, warm_up_prompt_tokens, warm_up_transfers
+from orchestrator.serve.warm_up import (
+    WarmUp,
+    measure_prefill,
+    warm_up_prompt_tokens,
+    warm_up_transfers,
+)
 from placement.model_catalog import load_model_spec
 
 # The embedded tiny model's vocabulary size: a warm-up prompt must stay inside it (vLLM,
@@ -127,3 +133,55 @@ def test_an_engine_rejects_a_prompt_outside_its_vocabulary() -> None:
                 pass
 
     asyncio.run(story())
+
+
+class TimedDecode:
+    """A decode engine whose request takes 30 ms, plus ``per_token_s`` per prompt token,
+    on ``clock``; a request of ``fail_at`` tokens fails."""
+
+    def __init__(self, per_token_s: float, fail_at: int | None = None) -> None:
+        self.now_s = 0.0
+        self.per_token_s = per_token_s
+        self.fail_at = fail_at
+        self.requests: list[GenerateRequest] = []
+
+    def clock(self) -> float:
+        return self.now_s
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        self.requests.append(req)
+        n = len(req.prompt_token_ids)
+        if n == self.fail_at:
+            raise RuntimeError("engine gone")
+        self.now_s += 0.03 + n * self.per_token_s
+        yield GenerateChunk(request_id=req.request_id, token_ids=[1], finished=True)
+
+
+def measured(decode: TimedDecode) -> float | None:
+    return asyncio.run(
+        measure_prefill(
+            decode.generate,
+            name="decode-r1",
+            num_prompt_tokens=512,
+            vocab_size=1000,
+            timeout_s=5.0,
+            clock=decode.clock,
+        )
+    )
+
+
+def test_a_decode_engine_measures_its_prefill_time_per_token() -> None:
+    decode = TimedDecode(per_token_s=0.0014)
+    # The per-request cost cancels: the difference of a 512- and a 128-token prefill.
+    assert measured(decode) == pytest.approx(0.0014)
+    short, long = decode.requests
+    assert (len(short.prompt_token_ids), len(long.prompt_token_ids)) == (128, 512)
+    # Computed from scratch and kept nowhere: distinct prompts, nothing kept.
+    assert short.prompt_token_ids != long.prompt_token_ids[:128]
+    assert all(500 <= t < 1000 for t in long.prompt_token_ids)
+    assert all(r.kv_transfer_params == KVTransferParams(kvtide_keep=False) for r in decode.requests)
+
+
+def test_a_measurement_that_fails_reports_nothing() -> None:
+    assert measured(TimedDecode(per_token_s=0.0014, fail_at=512)) is None
+    assert measured(TimedDecode(per_token_s=0.0)) is None  # the longer was not slower
