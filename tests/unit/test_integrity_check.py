@@ -633,18 +633,18 @@ def test_a_replica_shutting_down_first_delivers_its_mismatches(tiny_tokenizer: A
 
 class CachingDecode(Decode):
     """``Decode``'s engine, named ``DECODE``, with a prefix cache: a turn it computes
-    itself (no remote prefill: an extended turn) finds the kept history there."""
+    itself (no remote prefill: an extended turn) finds the kept history there, and says
+    so on every output, as vLLM does."""
 
     async def _stream(self, req: GenerateRequest) -> Any:
         in_place = not (req.kv_transfer_params or KVTransferParams()).do_remote_prefill
         async for chunk in super()._stream(req):
+            if in_place:
+                chunk = msgspec.structs.replace(chunk, num_cached_tokens=96)
             if chunk.finished:
                 assert chunk.kv_transfer_params is not None
                 kept = msgspec.structs.replace(chunk.kv_transfer_params, remote_engine_id=DECODE)
-                cached = 96 if in_place else chunk.num_cached_tokens
-                chunk = msgspec.structs.replace(
-                    chunk, kv_transfer_params=kept, engine_id=DECODE, num_cached_tokens=cached
-                )
+                chunk = msgspec.structs.replace(chunk, kv_transfer_params=kept, engine_id=DECODE)
             yield chunk
 
 
