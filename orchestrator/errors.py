@@ -34,6 +34,7 @@ __all__ = [
     "Unavailable",
     "UnsupportedMediaType",
     "UnsupportedParameter",
+    "reduced",
 ]
 
 
@@ -84,7 +85,13 @@ class KVTideError(Exception):
     """
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuilt, (type(self), self.args), self.__dict__ or None)
+        return reduced(self)
+
+
+def reduced(error: BaseException) -> tuple[object, ...]:
+    """``error`` as pickle rebuilds it: from its class, its args and its attributes, not
+    through its ``__init__`` (the SDK's errors use it too)."""
+    return (_rebuilt, (type(error), error.args), error.__dict__ or None)
 
 
 def _rebuilt(cls: type[BaseException], args: tuple[object, ...]) -> BaseException:

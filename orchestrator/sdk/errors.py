@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from orchestrator.errors import reduced
+
 __all__ = [
     "APIConnectionError",
     "APITimeoutError",
@@ -59,13 +61,7 @@ class KVTideSDKError(Exception):
     rebuilt from its args and attributes rather than by its ``__init__``."""
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuilt, (type(self), self.args), self.__dict__ or None)
-
-
-def _rebuilt(cls: type[BaseException], args: tuple[object, ...]) -> BaseException:
-    error = cls.__new__(cls)
-    error.args = args  # pickle sets the attributes after
-    return error
+        return reduced(self)
 
 
 class InvalidArgumentError(KVTideSDKError, ValueError, TypeError):
