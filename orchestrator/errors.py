@@ -34,7 +34,6 @@ __all__ = [
     "Unavailable",
     "UnsupportedMediaType",
     "UnsupportedParameter",
-    "reduced",
 ]
 
 
