@@ -59,10 +59,13 @@ def _method(name: str) -> _Method:
 
 
 def encode_call(name: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> bytes:
-    """One message naming the method and holding every argument (defaults filled in)."""
-    bound = _method(name).signature.bind(*args, **(kwargs or {}))
+    """One message naming the method and holding every argument, in the signature's
+    order, keyword-only ones included (defaults filled in)."""
+    signature = _method(name).signature
+    bound = signature.bind(*args, **(kwargs or {}))
     bound.apply_defaults()
-    return name.encode() + _SEP + _ENCODER.encode(bound.args)
+    values = tuple(bound.arguments[p] for p in signature.parameters)
+    return name.encode() + _SEP + _ENCODER.encode(values)
 
 
 async def dispatch(target: Any, message: bytes) -> bytes:
@@ -70,8 +73,15 @@ async def dispatch(target: Any, message: bytes) -> bytes:
     encode its answer."""
     head, _, payload = message.partition(_SEP)
     name = head.decode()
-    args = _method(name).args.decode(payload)
-    result = getattr(target, name)(*args)
+    method = _method(name)
+    args = method.args.decode(payload)
+    params = method.signature.parameters.values()
+    keywords = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    named = dict(zip((p.name for p in params), args, strict=True))
+    result = getattr(target, name)(
+        *(v for k, v in named.items() if k not in keywords),
+        **{k: v for k, v in named.items() if k in keywords},
+    )
     if inspect.isawaitable(result):
         result = await result
     return _ENCODER.encode(result)

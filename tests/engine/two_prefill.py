@@ -87,6 +87,9 @@ def main(tmp: Path) -> dict[str, Any]:
             "model": {"path": str(tmp / "tiny")},
             "prefill": {"num_engines": 2, "cpu_threads_bind": "0"},
             "routing": {"prefix_aware": True},
+            # Which prefill engine a conversation's turns go to: they must go to prefill
+            # (kv.extend would run its short later turns on the decode engine).
+            "kv": {"extend": False},
         }
     )
     generate_tiny_model(config.model.resolved_path())

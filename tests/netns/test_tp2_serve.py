@@ -79,6 +79,9 @@ def app(hosts: NetnsCluster, serve_on_head: int) -> Iterator[Deployed]:
                 "safety_margin_s": 10,
                 "pull_timeout_s": 180,
                 "prefill_lease_s": 120,
+                # Later turns are pulled over NIXL between the fake hosts, not extended
+                # on the decode engine: what this tier checks is the TP=2 pull.
+                "extend": False,
             },
             # The fake hosts have their own addresses: side channels on each node's.
             "server": {"port": serve_on_head, "internal_host": "node"},

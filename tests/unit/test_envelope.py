@@ -95,3 +95,18 @@ def test_a_call_of_the_wrong_shape_is_refused_at_either_end() -> None:
     wrong = b"session\0" + msgspec.msgpack.encode([5])  # an int for a session id
     with pytest.raises(msgspec.ValidationError):
         asyncio.run(dispatch(object(), wrong))
+
+
+def test_a_keyword_only_argument_reaches_the_service() -> None:
+    # turn_abandoned(session_id, *, unread): an extended turn that failed offers its
+    # record again only if ``unread`` arrives; a message that dropped it was refused.
+    seen: list[tuple[Any, ...]] = []
+
+    class Target:
+        async def turn_abandoned(self, session_id: str | None, *, unread: bool = False) -> None:
+            seen.append((session_id, unread))
+
+    for kwargs, unread in (({"unread": True}, True), ({}, False)):
+        answer = asyncio.run(dispatch(Target(), encode_call("turn_abandoned", ("s1",), kwargs)))
+        assert decode_result("turn_abandoned", answer) is None
+        assert seen[-1] == ("s1", unread)
