@@ -99,7 +99,10 @@ def local_ray_env(config: KVTideConfig) -> dict[str, str]:
         from orchestrator.cluster.haproxy_front import haproxy_binary, write_wrapper
         from orchestrator.cluster.ports import free_port
 
-        admin_ports = (free_port("0.0.0.0"), free_port("0.0.0.0"))
+        # Never the server's own port: chosen, but bound only once Serve starts, by the
+        # same HAProxy (a stats listener on it failed that HAProxy's start).
+        stats_port = free_port("0.0.0.0", avoid={config.server.port})
+        admin_ports = (stats_port, free_port("0.0.0.0", avoid={config.server.port, stats_port}))
         env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(admin_ports[0])
         env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(admin_ports[1])
         # Those two on loopback, and a deadline for a request to arrive (Ray has no

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import socket
+from collections.abc import Collection
 
 __all__ = ["LISTEN_RANGE_START", "LISTEN_RANGE_STOP", "free_port"]
 
@@ -44,17 +45,22 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
     """A TCP port free now on ``host`` for a listener that binds it moments later, chosen
     at random below the ephemeral range (see the module doc); the kernel's choice when
-    that range is full or the machine has moved its ephemeral range down."""
+    that range is full or the machine has moved its ephemeral range down. Never one of
+    ``avoid``: ports already promised to listeners that have not bound them yet (free
+    now, so the bind test alone would hand them out again)."""
     stop = min(LISTEN_RANGE_STOP, _ephemeral_start())
     if stop - LISTEN_RANGE_START >= 1000:
         rng = random.SystemRandom()
         for _ in range(64):
             port = rng.randrange(LISTEN_RANGE_START, stop)
-            if _bindable(host, port):
+            if port not in avoid and _bindable(host, port):
                 return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in avoid:
+            return port

@@ -59,3 +59,40 @@ def test_a_taken_port_is_never_returned(monkeypatch) -> None:
         assert abs(got - port) == 1
     finally:
         taken.close()
+
+
+def test_a_port_promised_to_another_listener_is_never_returned(monkeypatch) -> None:
+    # The server's port is chosen before Ray starts and bound only when Serve starts its
+    # HAProxy: free now, so only ``avoid`` keeps HAProxy's stats port off it.
+    promised = free_port()
+    other = promised + 1 if promised + 1 < LISTEN_RANGE_STOP else promised - 1
+    tries = iter([promised, promised, other])
+
+    class Pick:
+        def randrange(self, start: int, stop: int) -> int:
+            return next(tries)
+
+    monkeypatch.setattr(ports.random, "SystemRandom", lambda: Pick())
+    assert free_port("0.0.0.0", avoid={promised}) == other
+
+
+def test_haproxys_admin_ports_are_not_the_servers_port(monkeypatch) -> None:
+    from orchestrator.config import parse_config
+    from orchestrator.runtime import local_ray_env
+
+    config = parse_config({"ray": {"direct_ingress": True}})
+    server = config.server.port
+    picks = iter([server, server + 1, server + 1, server + 2])
+
+    class Pick:
+        def randrange(self, start: int, stop: int) -> int:
+            return next(picks)
+
+    monkeypatch.setattr(ports, "_bindable", lambda host, port: True)
+    monkeypatch.setattr(ports.random, "SystemRandom", lambda: Pick())
+    env = local_ray_env(config)
+    stats, metrics = (
+        int(env["RAY_SERVE_HAPROXY_STATS_PORT"]),
+        int(env["RAY_SERVE_HAPROXY_METRICS_PORT"]),
+    )
+    assert (stats, metrics) == (server + 1, server + 2)
