@@ -38,6 +38,7 @@ _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 @dataclass(frozen=True, slots=True)
 class _Method:
     signature: inspect.Signature  # without ``self``
+    keyword_only: tuple[str, ...]  # the last parameters, passed by name
     args: msgspec.msgpack.Decoder[Any]
     result: msgspec.msgpack.Decoder[Any]
 
@@ -53,6 +54,7 @@ def _method(name: str) -> _Method:
     arg_types = tuple(hints[p.name] for p in params)
     return _Method(
         signature=signature.replace(parameters=params),
+        keyword_only=tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY),
         args=msgspec.msgpack.Decoder(tuple[arg_types] if arg_types else tuple[()]),  # type: ignore[valid-type]
         result=msgspec.msgpack.Decoder(hints["return"]),
     )
@@ -75,13 +77,9 @@ async def dispatch(target: Any, message: bytes) -> bytes:
     name = head.decode()
     method = _method(name)
     args = method.args.decode(payload)
-    params = method.signature.parameters.values()
-    keywords = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    named = dict(zip((p.name for p in params), args, strict=True))
-    result = getattr(target, name)(
-        *(v for k, v in named.items() if k not in keywords),
-        **{k: v for k, v in named.items() if k in keywords},
-    )
+    n = len(args) - len(method.keyword_only)
+    keywords = dict(zip(method.keyword_only, args[n:], strict=True))
+    result = getattr(target, name)(*args[:n], **keywords)
     if inspect.isawaitable(result):
         result = await result
     return _ENCODER.encode(result)
