@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from netns_child import CHILD_KEY, NETNS_CHILD_ENV, NetnsChild, child_for
 from tiers import Phase, summary_lines, tier_of
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,8 +33,9 @@ def _has_gpu() -> bool:
 
 
 NETNS_DIR = REPO / "tests" / "netns"
-# Set in the child pytest that ``tests/test_netns_tier.py`` starts.
-NETNS_CHILD_ENV = "KVTIDE_NETNS_CHILD"
+NETNS_TIER_TEST = REPO / "tests" / "test_netns_tier.py"
+# The test at whose setup the fake-host tier's child pytest starts (the unit tier's first).
+_NETNS_EARLY = pytest.StashKey[str]()
 
 
 def _only_netns(config: pytest.Config) -> bool:
@@ -52,22 +54,30 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected what they deselect
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Ray-tier modules start their own multi-node clusters and need this process free of
     # any Ray; the engine tier's app holds one until the session ends. Run them first,
-    # then everything that does not need the app (engine tests that start their own
-    # engines in a child process run faster before the app's engines occupy the cores),
-    # then the tests of the shared app.
-    # Tests on the fake-host cluster (tests/netns) run together, after the other ray
-    # tier modules: they share one cluster, stopped after the last of them.
+    # then the unit tests, then everything else that does not need the app (engine tests
+    # that start their own engines in a child process run faster before the app's engines
+    # occupy the cores), then the tests of the shared app.
+    # The fake-host tier (tests/test_netns_tier.py, a child pytest; or tests/netns, run
+    # directly) comes after the unit tier: its child starts as the unit tier begins and
+    # runs beside it (tests/netns_child.py).
     def order(item: pytest.Item) -> int:
         if "netns" in item.keywords:
-            return 1
+            return 2
         if "ray" in item.keywords:
             return 0
-        return 3 if "kvtide_app" in getattr(item, "fixturenames", ()) else 2
+        if "engine" not in item.keywords:
+            return 1
+        return 4 if "kvtide_app" in getattr(item, "fixturenames", ()) else 3
 
     items.sort(key=order)
+    if any(item.path == NETNS_TIER_TEST for item in items):
+        unit = next((item for item in items if order(item) == 1), None)
+        if unit is not None:
+            config.stash[_NETNS_EARLY] = unit.nodeid
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
@@ -100,7 +110,15 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[var] = os.path.join(root, name)
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.nodeid == item.config.stash.get(_NETNS_EARLY, None):
+        child_for(item.config)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
+    child: NetnsChild | None = config.stash.get(CHILD_KEY, None)
+    if child is not None:
+        child.stop()
     root = config.stash.get(_OWN_CACHE_ROOT, None)
     if root is not None:
         shutil.rmtree(root, ignore_errors=True)
@@ -126,6 +144,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_sep("=", "time per tier")
         for line in summary_lines(_PHASES):
             terminalreporter.write_line(line)
+    child = terminalreporter.config.stash.get(CHILD_KEY, None)
+    if child is not None and child.ran_s is not None:
+        # The netns tier's line above is its test's wait, after what ran beside the child.
+        early = terminalreporter.config.stash.get(_NETNS_EARLY, None)
+        beside = f", started at {early}" if early else ""
+        terminalreporter.write_line(
+            f"the fake-host tier's child pytest ran {child.ran_s:.1f}s{beside}"
+        )
 
 
 @pytest.fixture(scope="session")

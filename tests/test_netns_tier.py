@@ -6,40 +6,31 @@ drive Serve on the fake hosts afterwards: its deployment handles time out, altho
 same tests pass in a fresh process. So the full suite runs that tier as a child pytest
 and reports its outcome here: a failure with the child's own report, or a skip with the
 reason when fake hosts cannot run on this machine. ``python -m pytest tests/netns`` runs
-it directly.
+it directly. In the full suite the child starts as the unit tier begins and runs beside
+it (``tests/netns_child.py``); this test, ordered after the unit tier, waits for it.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
+from netns_child import child_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.netns]
 
-REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 2400  # the tier takes 8-15 min on a 2-core machine
 
 
-def test_the_fake_host_tier_passes_in_a_process_of_its_own(tmp_path: Path) -> None:
-    report = tmp_path / "netns.xml"
-    env = {**os.environ, "KVTIDE_NETNS_CHILD": "1"}
-    args = ["tests/netns", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={report}"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", *args, "--durations=5"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
+def test_the_fake_host_tier_passes_in_a_process_of_its_own(request: pytest.FixtureRequest) -> None:
+    try:
+        proc = child_for(request.config).wait(TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the fake-host tier's child pytest ran past {TIMEOUT_S} s")
     print(proc.stdout[-6000:])  # shown with -s or when the test fails
     assert proc.returncode in (0, 1, 5), proc.stdout[-8000:] + proc.stderr[-4000:]
-    suite = ET.parse(report).getroot()
+    suite = ET.parse(proc.report).getroot()
     suite = suite if suite.tag == "testsuite" else suite[0]
     cases = suite.findall("testcase")
     assert cases, "the fake-host tier collected no tests"
