@@ -128,7 +128,7 @@ class DecodeSide:
         # An extended turn's decode runs where the session's history is kept.
         engine_id = pre.engine_id if report.kv_plan == "extend" else None
         while True:
-            assert pre.kv_transfer_params is not None  # the turn's prefill checked
+            assert pre.kv_transfer_params is not None  # every prefill is checked (carrying_params)
             decode_req = turn.decode_request(
                 f"{rid}-d" if not report.migrations else f"{rid}-d{report.migrations}",
                 [*prompt_token_ids, *out.ids],

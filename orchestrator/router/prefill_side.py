@@ -44,6 +44,17 @@ async def _last(stream: AsyncIterator[GenerateChunk]) -> GenerateChunk:
         raise EngineUnavailable(f"the prefill engine {exc}") from None
 
 
+def carrying_params(pre: GenerateChunk) -> GenerateChunk:
+    """``pre``, a prefill's last chunk, once it is known to carry the params its decode
+    pulls the prompt's KV with; an engine without a KV connector gives none (503)."""
+    if pre.kv_transfer_params is None:
+        raise EngineUnavailable(
+            "the prefill engine returned no kv_transfer_params; is it configured with "
+            "a KV connector (kv_transfer_config)?"
+        )
+    return pre
+
+
 class PrefillSide:
     """A turn's prompt on the prefill pool (see the module)."""
 
@@ -105,12 +116,7 @@ class PrefillSide:
                 if decision.source_pool == HOST_POOL
                 else "sent_back"
             )
-        if pre.kv_transfer_params is None:
-            raise EngineUnavailable(
-                "the prefill engine returned no kv_transfer_params; is it configured with "
-                "a KV connector (kv_transfer_config)?"
-            )
-        return pre
+        return carrying_params(pre)
 
     async def _prefill(
         self, req: GenerateRequest, deadline_s: float, pull_timeout_s: float | None = None
@@ -130,13 +136,14 @@ class PrefillSide:
     async def recompute(
         self, req: GenerateRequest, report: TurnReport, deadline_s: float
     ) -> GenerateChunk:
-        """A plain prefill (nothing pulled back); when its engine fails, the prompt is
-        prefilled again on another, ``max_migrations`` times at most (the pool's
-        balancing sends the retry elsewhere; a dead replica leaves Serve's routing)."""
+        """A plain prefill (nothing pulled back) whose last chunk carries the params
+        decode pulls with; when its engine fails, the prompt is prefilled again on
+        another, ``max_migrations`` times at most (the pool's balancing sends the retry
+        elsewhere; a dead replica leaves Serve's routing)."""
         attempt = req
         while True:
             try:
-                return await self._prefill(attempt, deadline_s)
+                return carrying_params(await self._prefill(attempt, deadline_s))
             except EngineUnavailable:
                 if report.prefill_retries >= self.max_migrations:
                     raise

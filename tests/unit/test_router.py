@@ -499,6 +499,36 @@ def test_a_turn_whose_decode_engine_dies_continues_on_another_without_repeating(
     assert record is not None and record.engine_id == "D2"
 
 
+def test_a_migrated_turn_whose_new_prefill_returns_no_params_is_a_503_not_a_crash() -> None:
+    # The first prefill carries params; the one run again after the decode engine died
+    # comes from an engine without a KV connector. The turn fails as the first prefill
+    # would have: engine unavailable (503), not an assertion (500).
+    def params_only_first(req: GenerateRequest) -> list[GenerateChunk]:
+        [chunk] = prefill_script()(req)
+        if req.request_id.endswith("-p"):
+            return [chunk]
+        return [msgspec.structs.replace(chunk, kv_transfer_params=None)]
+
+    prefill, decode = FakePool(params_only_first), DiesAfterTwoTokens(decode_script)
+    router = make_router(prefill, decode)
+
+    async def run() -> None:
+        async for _ in router.run_turn(
+            Turn(prompt_token_ids=list(range(100)), max_tokens=5, session_id="s")
+        ):
+            pass
+
+    with pytest.raises(EngineUnavailable, match="no kv_transfer_params") as caught:
+        asyncio.run(run())
+    assert caught.value.status_code == 503
+    # The new prefill is run again elsewhere, as for an engine that died, and no more.
+    assert [r.request_id.rsplit("-", 1)[1] for r in prefill.requests] == [
+        "p",
+        *(f"m1{n}" if n else "m1" for n in range(1 + router.max_migrations)),
+    ]
+    assert len(decode.requests) == 1
+
+
 class PrefillDies(FakePool):
     """A prefill pool whose first ``failures`` requests land on an engine that dies."""
 
