@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import inspect
 import json
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ import pytest
 from orchestrator.sdk import (
     APIConnectionError,
     AsyncClient,
+    AsyncSession,
     AuthenticationError,
     BadRequestError,
     Client,
@@ -30,6 +32,7 @@ from orchestrator.sdk import (
     KVTideAPIError,
     NotFoundError,
     RateLimitError,
+    Session,
     TurnResult,
     format_turns,
 )
@@ -863,6 +866,45 @@ def test_agent_example_runs_five_turns_and_closes(
     sizes = [len(body_of(r)["messages"]) for r in server.chats()]
     assert sizes == [2, 4, 6, 8, 10]
     assert len(server.calls("DELETE")) == 1
+
+
+TURN_PARAMETERS = [
+    "self",
+    "user_text",
+    "max_tokens",
+    "temperature",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "logprobs",
+    "top_logprobs",
+    "extra_body",
+    "traceparent",
+    "idempotency_key",
+    "sampling",
+]
+
+
+def test_both_shells_show_callers_the_same_named_arguments() -> None:
+    # What help(), an IDE and inspect show: the arguments by name, not a wrapper's.
+    for method in (Session.send, Session.stream, AsyncSession.send, AsyncSession.stream):
+        params = inspect.signature(method).parameters
+        assert list(params) == TURN_PARAMETERS, method.__qualname__
+        assert params["user_text"].default is None
+        assert params["max_tokens"].kind is inspect.Parameter.KEYWORD_ONLY
+        assert params["sampling"].kind is inspect.Parameter.VAR_KEYWORD
+    for method in (Client.session, AsyncClient.session):
+        params = inspect.signature(method).parameters
+        assert list(params) == [
+            "self",
+            "session_id",
+            "model",
+            "system",
+            "messages",
+            "renew_every_s",
+        ]
+        assert params["renew_every_s"].default == 120.0
+    assert Session.send.__doc__ and "idempotency_key" in Session.send.__doc__
 
 
 def test_public_names_are_pinned() -> None:
