@@ -1,9 +1,9 @@
 """The synchronous client: one HTTP connection pool, retries, and the session endpoints.
 
-A shell over the protocol core (``orchestrator.sdk._turn``): it sends what the core builds
-and sleeps what the core decides. Turns are run by ``Session``
-(``orchestrator.sdk.session``); the client owns what every call shares: the base URL, the
-API key, the retry policy and the clock.
+A shell over the protocol core (``orchestrator.sdk._turn``, ``orchestrator.sdk._base``):
+it drives the core's calls, sending what they yield, and sleeps what the core decides.
+Turns are run by ``Session`` (``orchestrator.sdk.session``); the client owns what every
+call shares: the base URL, the API key, the retry policy and the clock.
 """
 
 from __future__ import annotations

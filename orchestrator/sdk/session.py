@@ -6,8 +6,8 @@ of that turn repeats. While the session is open and idle a daemon thread renews 
 lease every ``renew_every_s``, so KV survives a user who pauses longer than the TTL.
 
 A shell: what a turn sends, when it is retried or continued, and what its answer means
-are decided in the protocol core (``_state``, ``_turn``, ``_stream_turn``), which
-``AsyncSession`` shares; this module sends, reads and waits.
+are decided in the protocol core (``_state``, ``_turn``, ``_stream_turn``, and the calls
+in ``_base``), which ``AsyncSession`` shares; this module sends, reads and waits.
 """
 
 from __future__ import annotations
