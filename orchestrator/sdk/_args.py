@@ -2,16 +2,17 @@
 
 ``Client.session`` and ``AsyncClient.session`` take ``session_arguments``'s parameters;
 ``send`` and ``stream`` of ``Session`` and ``AsyncSession`` take ``turn_arguments``'s.
-``takes_arguments_of(parse)`` gives a method those parameters (for callers, type checkers
-and ``inspect.signature`` alike) and hands it what ``parse`` made of them, so that the
-four methods of a turn cannot drift apart in what they accept.
+``takes_arguments_of(parse)`` (``awaits_arguments_of`` for a coroutine method) gives a
+method those parameters (for callers, type checkers and ``inspect.signature`` alike) and
+hands it what ``parse`` made of them, so that the four methods of a turn cannot drift
+apart in what they accept.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -24,6 +25,7 @@ P = ParamSpec("P")
 A = TypeVar("A")
 S = TypeVar("S")
 R = TypeVar("R")
+F = TypeVar("F", bound=Callable[..., object])
 
 
 def takes_arguments_of(
@@ -37,15 +39,40 @@ def takes_arguments_of(
         def call(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
             return method(self, parse(*args, **kwargs))
 
-        own = inspect.signature(method)
-        first = next(iter(own.parameters.values()))
-        call.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-            [first, *inspect.signature(parse).parameters.values()],
-            return_annotation=own.return_annotation,
-        )
-        return call
+        return _signed(call, method, parse)
 
     return decorate
+
+
+def awaits_arguments_of(
+    parse: Callable[P, A],
+) -> Callable[
+    [Callable[[S, A], Awaitable[R]]], Callable[Concatenate[S, P], Coroutine[Any, Any, R]]
+]:
+    """``takes_arguments_of`` for a coroutine method: the method stays one (``async def``,
+    as ``inspect.iscoroutinefunction`` sees it)."""
+
+    def decorate(
+        method: Callable[[S, A], Awaitable[R]],
+    ) -> Callable[Concatenate[S, P], Coroutine[Any, Any, R]]:
+        @functools.wraps(method)
+        async def call(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
+            return await method(self, parse(*args, **kwargs))
+
+        return _signed(call, method, parse)
+
+    return decorate
+
+
+def _signed(call: F, method: Callable[..., object], parse: Callable[..., object]) -> F:
+    """``call`` as callers see it: ``method``'s ``self`` and return, ``parse``'s parameters."""
+    own = inspect.signature(method)
+    first = next(iter(own.parameters.values()))
+    call.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [first, *inspect.signature(parse).parameters.values()],
+        return_annotation=own.return_annotation,
+    )
+    return call
 
 
 def session_arguments(

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from orchestrator.sdk._args import TurnArgs, takes_arguments_of, turn_arguments
+from orchestrator.sdk._args import TurnArgs, awaits_arguments_of, turn_arguments
 from orchestrator.sdk._base import SessionView, StreamView
 from orchestrator.sdk._state import ConversationState
 from orchestrator.sdk._stream_turn import StreamTurn
@@ -37,12 +37,12 @@ class AsyncSession(SessionView):
 
     # ---- turns --------------------------------------------------------------------
 
-    @takes_arguments_of(turn_arguments)
+    @awaits_arguments_of(turn_arguments)
     async def send(self, args: TurnArgs) -> TurnResult:
         """As ``Session.send``."""
         return await self._client._run(self._send_turn(args))
 
-    @takes_arguments_of(turn_arguments)
+    @awaits_arguments_of(turn_arguments)
     async def stream(self, args: TurnArgs) -> AsyncTurnStream:
         """As ``Session.stream``: ``async for delta in await session.stream(...)``."""
         core, response = await self._client._run(self._stream_turn(args))

@@ -905,6 +905,10 @@ def test_both_shells_show_callers_the_same_named_arguments() -> None:
         ]
         assert params["renew_every_s"].default == 120.0
     assert Session.send.__doc__ and "idempotency_key" in Session.send.__doc__
+    # The async shell's turns stay coroutine functions, as asyncio code checks for.
+    assert inspect.iscoroutinefunction(AsyncSession.send)
+    assert inspect.iscoroutinefunction(AsyncSession.stream)
+    assert not inspect.iscoroutinefunction(Session.send)
 
 
 def test_public_names_are_pinned() -> None:
