@@ -452,6 +452,57 @@ def test_a_stream_broken_by_an_engine_failure_goes_on_where_it_stopped(
     assert session.messages[-1] == {"role": "assistant", "content": "Once upon time there"}
 
 
+def cut_short(answer: Script) -> Script:
+    """``answer``'s stream closed right after its last event that says something: no
+    ``[DONE]``, no usage event, and no blank line after that last event."""
+
+    def cut(request: httpx.Request) -> httpx.Response:
+        response = answer(request)
+        assert isinstance(response.stream, TimedStream)
+        events = [e for e in response.stream.events if '"choices": []' not in e[1]][:-1]
+        delay_s, last = events[-1]
+        response.stream.events = [*events[:-1], (delay_s, last.rstrip("\n"))]
+        return response
+
+    return cut
+
+
+@pytest.mark.parametrize("shell", ["sync", "async"])
+def test_a_last_event_without_its_blank_line_still_counts(
+    server: FakeKVTide, sleeps: list[float], shell: str
+) -> None:
+    # The server closed the body right after the event with the last word and the
+    # finish_reason: that word is shown and the turn is complete.
+    server.script = [cut_short(stream_of(["Once", " upon", " a"], server.clock))]
+    if shell == "sync":
+        stream = make_client(server, sleeps).session(model=MODEL, renew_every_s=None).stream("x")
+        deltas, result = list(stream), stream.result
+    else:
+        deltas, result = stream_async(server, sleeps, "x")
+    assert deltas == ["Once", " upon", " a"]
+    assert result.text == "Once upon a" and result.finish_reason == "length"
+
+
+@pytest.mark.parametrize("shell", ["sync", "async"])
+def test_a_stream_that_ended_on_an_engine_failure_goes_on_in_the_next_body(
+    server: FakeKVTide, sleeps: list[float], shell: str
+) -> None:
+    # The engine-failure event is the body's last, without its blank line; the
+    # continuation's body is read in full after it.
+    server.script = [
+        cut_short(stream_of(["Once", " upon", " a"], server.clock, error_after=2)),
+        stream_of([" time", " there"], server.clock),
+    ]
+    if shell == "sync":
+        stream = make_client(server, sleeps).session(model=MODEL, renew_every_s=None).stream("x")
+        deltas, result = list(stream), stream.result
+    else:
+        deltas, result = stream_async(server, sleeps, "x")
+    assert deltas == ["Once", " upon", " time", " there"]
+    assert result.text == "Once upon time there" and result.num_resumes == 1
+    assert len(server.chats()) == 2
+
+
 def test_a_broken_stream_is_not_continued_past_its_budget_or_without_a_count(
     server: FakeKVTide, sleeps: list[float]
 ) -> None:
