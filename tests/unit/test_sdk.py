@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pydantic
 import pytest
 
 from orchestrator.sdk import (
@@ -33,6 +34,7 @@ from orchestrator.sdk import (
     NotFoundError,
     RateLimitError,
     Session,
+    StructuredOutputError,
     TurnResult,
     format_turns,
 )
@@ -780,6 +782,49 @@ def test_background_thread_stops_on_close(server: FakeKVTide, sleeps: list[float
     assert renewer is not None and renewer.daemon and renewer.is_alive()
     session.close()
     assert not renewer.is_alive()
+
+
+def test_deleting_a_session_the_server_no_longer_knows_is_not_an_error(
+    sleeps: list[float],
+) -> None:
+    # One session expired on the server (session_not_found); any other 404 is an error.
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/expired"):
+            return error_response(404, "session_not_found", "session 'expired' is not known")
+        return error_response(404, "not_found", "this route is off (server.sessions_api)")
+
+    transport = httpx.MockTransport(answer)
+    client = Client("http://kvtide.test", transport=transport, sleep=sleeps.append)
+    client.delete_session("expired")
+    with pytest.raises(NotFoundError, match="route is off"):
+        client.delete_session("other")
+
+    async def main() -> None:
+        async with AsyncClient("http://kvtide.test", transport=transport) as aclient:
+            await aclient.delete_session("expired")
+            with pytest.raises(NotFoundError, match="route is off"):
+                await aclient.delete_session("other")
+
+    asyncio.run(main())
+    assert sleeps == []  # a 404 is not retried
+
+
+def test_a_streamed_reply_that_does_not_validate_is_kept_and_its_kv_renewed(
+    server: FakeKVTide, sleeps: list[float]
+) -> None:
+    class Verdict(pydantic.BaseModel):
+        verdict: str
+
+    session = make_client(server, sleeps).session(model=MODEL, renew_every_s=60.0)
+    stream = session.stream("hello", response_format=Verdict)
+    with pytest.raises(StructuredOutputError):
+        list(stream)
+    # The server ran the turn and keeps its KV: the turn is in the history, and the
+    # session renews its lease while idle, as after any turn.
+    assert len(session.turns) == 1 and len(session.messages) == 2
+    assert session._renewer is not None and session._renewer.is_alive()
+    session.close()
+    assert not session._renewer.is_alive()
 
 
 def test_info_renew_stats_and_validation(server: FakeKVTide, sleeps: list[float]) -> None:
