@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
@@ -48,6 +48,7 @@ from orchestrator.config.sections import (
     default_model_dir,
 )
 from orchestrator.config.server import (
+    FROM_YAML_LIST,
     ApiKeyConfig,
     ServerConfig,
     StrictSection,
@@ -102,15 +103,15 @@ class ConfigFile(StrictSection):
         "engine checks the arch of its GPUs at start. Empty: every engine runs the stock "
         "path.",
     )
-    specialised_paths: tuple[Literal["fused_add_rmsnorm", "kimi_k3_latency_specialized"], ...] = (
-        Field(
-            (),
-            description="Specialised decode paths kvtide may turn on (opt-in): each runs "
-            "only where checked-in GPU evidence covers the engine (arch, TP/DCP, batch "
-            "range, vLLM version; docs/kernels.md), elsewhere the engine runs vLLM's stock "
-            "path and kvtide plan / inspect stats / the metrics say why. Empty: stock "
-            "everywhere.",
-        )
+    specialised_paths: Annotated[
+        tuple[Literal["fused_add_rmsnorm", "kimi_k3_latency_specialized"], ...], FROM_YAML_LIST
+    ] = Field(
+        (),
+        description="Specialised decode paths kvtide may turn on (opt-in): each runs "
+        "only where checked-in GPU evidence covers the engine (arch, TP/DCP, batch "
+        "range, vLLM version; docs/kernels.md), elsewhere the engine runs vLLM's stock "
+        "path and kvtide plan / inspect stats / the metrics say why. Empty: stock "
+        "everywhere.",
     )
 
     @field_validator("prefill", "decode", mode="after")
@@ -123,12 +124,6 @@ class ConfigFile(StrictSection):
         if "cpu_threads_bind" in pool.model_fields_set or info.field_name is None:
             return pool
         return pool.model_copy(update={"cpu_threads_bind": DEFAULT_CORES[info.field_name]})
-
-    @field_validator("specialised_paths", mode="before")
-    @classmethod
-    def _paths_list_to_tuple(cls, paths: Any) -> Any:
-        # YAML gives a list; the frozen config holds a tuple (hashable).
-        return tuple(paths) if isinstance(paths, list) else paths
 
     model: ModelConfig = ModelConfig()
     prefill: PoolSection = PoolSection(cpu_threads_bind=DEFAULT_CORES["prefill"])

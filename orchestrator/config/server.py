@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from orchestrator.errors import ConfigError
 
@@ -37,6 +37,15 @@ class StrictSection(BaseModel):
     ``model_copy(update=...)``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+def _tuple_of_list(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+FROM_YAML_LIST = BeforeValidator(_tuple_of_list)
+"""A tuple field's validator: YAML gives a list; the frozen config holds a tuple
+(hashable)."""
 
 
 _KEY_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -126,7 +135,7 @@ class ServerConfig(StrictSection):
         description="Serve route prefix of the app: '/' or a path such as '/kvtide' "
         "(starting with '/', no trailing '/').",
     )
-    api_keys: tuple[ApiKeyConfig, ...] = Field(
+    api_keys: Annotated[tuple[ApiKeyConfig, ...], FROM_YAML_LIST] = Field(
         (),
         description="API keys the OpenAI API accepts ('Authorization: Bearer <key>'), kept as "
         "SHA-256 hashes (see docs/auth.md). Empty: requests need no key, which is allowed "
@@ -257,12 +266,6 @@ class ServerConfig(StrictSection):
                     f"127.0.0.1 on one node, {NODE_ADDRESS!r} on a cluster of several"
                 ) from None
         return value
-
-    @field_validator("api_keys", mode="before")
-    @classmethod
-    def _list_to_tuple(cls, keys: Any) -> Any:
-        # YAML gives a list; the frozen config holds a tuple (hashable).
-        return tuple(keys) if isinstance(keys, list) else keys
 
     @field_validator("api_keys")
     @classmethod

@@ -1,11 +1,12 @@
 """A streamed turn without its I/O, shared by ``TurnStream`` and ``AsyncTurnStream``.
 
-The shell reads the response's lines and hands each to ``feed`` with the time; ``feed``
-returns the text delta the caller sees. When reading fails, ``recover`` says which request
-continues the turn (after an engine failure: resume it from the text so far; after a
-broken connection: ask again under the same key) or ``None``; the shell sends it and
-reports back with ``continued``, or gives up with ``fail``, which returns the error to
-raise. ``complete`` puts the finished turn into the session's history.
+The shell reads the response's lines and hands each to ``take`` with the time (``None``
+where the body ended) until ``done``; ``take`` returns the text delta the caller sees.
+When reading fails, ``recover`` says which request continues the turn (after an engine
+failure: resume it from the text so far; after a broken connection: ask again under the
+same key) or ``None``; the shell sends it and reports back with ``continued``, or gives up
+with ``fail``, which returns the error to raise. ``complete`` puts the finished turn into
+the session's history.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class StreamTurn:
         self._first_s: float | None = None
         self._finish_s: float | None = None
         self._result: TurnResult | None = None
+        self._body_ended = False  # the body being read has no more lines
         self.ended = False
         self.recorded = False
 
@@ -84,10 +86,17 @@ class StreamTurn:
 
     @property
     def done(self) -> bool:
-        """``data: [DONE]`` arrived: nothing more to read."""
-        return self._collector.done
+        """``data: [DONE]`` arrived, or the body ended: nothing more to read."""
+        return self._collector.done or self._body_ended
 
     # ---- reading ------------------------------------------------------------------
+
+    def take(self, line: str | None, now_s: float) -> str | None:
+        """The body's next line, or ``None`` where it ended: its text delta, if any."""
+        if line is None:
+            self._body_ended = True
+            return self.end(now_s)
+        return self.feed(line, now_s)
 
     def feed(self, line: str, now_s: float) -> str | None:
         """One line of the body: its text delta, if any. Raises an in-stream error."""
@@ -158,6 +167,7 @@ class StreamTurn:
             rid = request_id_of(response_headers)
             self._collector = self._collector.resumed(rid, self._made)
         self._headers = dict(self._continuation.headers)
+        self._body_ended = False
         self._turn.num_attempts += num_attempts
         self._continuation = None
 

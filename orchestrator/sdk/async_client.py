@@ -7,26 +7,21 @@ import asyncio
 import random
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import httpx
 
-from orchestrator.sdk._base import (
-    DEFAULT_BASE_URL,
-    DEFAULT_RENEW_EVERY_S,
-    DEFAULT_TIMEOUT,
-    MODELS_PATH,
-    STATS_PATH,
-)
+from orchestrator.sdk._args import session_arguments, takes_arguments_of
+from orchestrator.sdk._base import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, Exchange, Exchanging, Sent
 from orchestrator.sdk._base import BaseClient as _BaseClient
 from orchestrator.sdk._state import ConversationState
 from orchestrator.sdk._turn import Attempts, WireRequest
-from orchestrator.sdk._wire import json_body
 from orchestrator.sdk.async_session import AsyncSession
-from orchestrator.sdk.errors import NotFoundError
 from orchestrator.sdk.results import SessionStatus
 from orchestrator.sdk.retry import RetryPolicy
+
+T = TypeVar("T")
 
 __all__ = ["AsyncClient"]
 
@@ -62,68 +57,52 @@ class AsyncClient(_BaseClient):
 
     # ---- sessions -----------------------------------------------------------------
 
-    def session(
-        self,
-        session_id: str | None = None,
-        *,
-        model: str | None = None,
-        system: str | None = None,
-        messages: Sequence[Mapping[str, Any]] | None = None,
-        renew_every_s: float | None = DEFAULT_RENEW_EVERY_S,
-    ) -> AsyncSession:
+    @takes_arguments_of(session_arguments)
+    def session(self, state: ConversationState) -> AsyncSession:
         """As ``Client.session``; use ``async with``."""
-        state = ConversationState(
-            session_id=session_id,
-            model=model,
-            system=system,
-            messages=messages,
-            renew_every_s=renew_every_s,
-        )
         session = AsyncSession(self, state)
         self._sessions.add(session)
         return session
 
     async def get_session(self, session_id: str) -> SessionStatus:
-        return SessionStatus.from_json(await self._json(self._session_call("GET", session_id)))
+        return await self._run(self._session_status("GET", session_id))
 
     async def renew_session(self, session_id: str) -> SessionStatus:
-        body = await self._json(self._session_call("POST", session_id, "/renew"))
-        return SessionStatus.from_json(body)
+        return await self._run(self._session_status("POST", session_id, "/renew"))
 
     async def delete_session(self, session_id: str) -> None:
-        try:
-            await self._send(self._session_call("DELETE", session_id))
-        except NotFoundError as exc:
-            if exc.code != "session_not_found":
-                raise
+        await self._run(self._delete_session(session_id))
 
     # ---- server -------------------------------------------------------------------
 
     async def models(self) -> list[str]:
-        return self._model_ids(await self._json(self._get(MODELS_PATH)))
+        return await self._run(self._models())
 
     async def stats(self) -> dict[str, Any]:
-        body: dict[str, Any] = await self._json(self._get(STATS_PATH))
-        return body
+        return await self._run(self._stats())
 
     async def default_model(self) -> str:
-        if self._model is None:
-            self._model = self._first_model(await self._json(self._get(MODELS_PATH)))
-        return self._model
+        return await self._run(self._default_model())
 
     # ---- transport ----------------------------------------------------------------
 
-    async def _json(self, request: WireRequest) -> Any:
-        response, _ = await self._send(request)
-        return json_body(response)
+    async def _run(self, call: Exchange[T]) -> T:
+        """As ``Client._run``, awaiting each send."""
+        driven = Exchanging(call)
+        while (request := driven.request) is not None:
+            try:
+                sent = await self._send(request)
+            except BaseException as exc:
+                driven.failed(exc)
+            else:
+                driven.sent(sent)
+        return driven.value
 
-    async def _send(self, request: WireRequest) -> tuple[httpx.Response, int]:
+    async def _send(self, request: WireRequest) -> Sent:
         """As ``Client._send``: same body and headers on every attempt."""
         attempts = Attempts(request, self.retry, self.base_url)
         while True:
-            http_request = self._http.build_request(
-                request.method, request.path, json=request.json, headers=request.headers
-            )
+            http_request = self._http_request(self._http, request)
             try:
                 response = await self._http.send(http_request, stream=request.stream)
                 if response.is_success:

@@ -5,16 +5,16 @@ renewal) are the protocol core's, shared with ``Session``; this module only awai
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import httpx
 
-from orchestrator.sdk._base import SessionView
+from orchestrator.sdk._args import TurnArgs, awaits_arguments_of, turn_arguments
+from orchestrator.sdk._base import SessionView, StreamView
 from orchestrator.sdk._state import ConversationState
 from orchestrator.sdk._stream_turn import StreamTurn
-from orchestrator.sdk._turn import Turn, WireRequest
-from orchestrator.sdk._wire import TurnOptions
+from orchestrator.sdk._turn import WireRequest
 from orchestrator.sdk.errors import KVTideAPIError
 from orchestrator.sdk.results import SessionStatus, TurnResult
 
@@ -27,6 +27,8 @@ __all__ = ["AsyncSession", "AsyncTurnStream"]
 class AsyncSession(SessionView):
     """Made by ``AsyncClient.session()``; use ``async with`` so it is closed at the end."""
 
+    _client: AsyncClient
+
     def __init__(self, client: AsyncClient, state: ConversationState) -> None:
         self._client = client
         self._state = state
@@ -35,105 +37,16 @@ class AsyncSession(SessionView):
 
     # ---- turns --------------------------------------------------------------------
 
-    async def send(
-        self,
-        user_text: str | None = None,
-        *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        response_format: Mapping[str, Any] | type | None = None,
-        logprobs: bool | None = None,
-        top_logprobs: int | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        traceparent: str | None = None,
-        idempotency_key: str | None = None,
-        **sampling: Any,
-    ) -> TurnResult:
+    @awaits_arguments_of(turn_arguments)
+    async def send(self, args: TurnArgs) -> TurnResult:
         """As ``Session.send``."""
-        options = TurnOptions(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            tools=tools,
-            tool_choice=tool_choice,
-            response_format=response_format,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            extra_body=extra_body,
-            sampling=sampling,
-            traceparent=traceparent,
-            idempotency_key=idempotency_key,
-        )
-        turn, response, attempts = await self._open(user_text, options, stream=False)
-        try:
-            result = turn.completed(response, attempts, self._client._clock())
-        except BaseException as exc:
-            self._state.abort_turn(turn, exc)
-            raise
-        try:
-            return self._state.end_turn(turn, result, self._client._clock())
-        finally:
-            self._start_renewer()
+        return await self._client._run(self._send_turn(args))
 
-    async def stream(
-        self,
-        user_text: str | None = None,
-        *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        response_format: Mapping[str, Any] | type | None = None,
-        logprobs: bool | None = None,
-        top_logprobs: int | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        traceparent: str | None = None,
-        idempotency_key: str | None = None,
-        **sampling: Any,
-    ) -> AsyncTurnStream:
+    @awaits_arguments_of(turn_arguments)
+    async def stream(self, args: TurnArgs) -> AsyncTurnStream:
         """As ``Session.stream``: ``async for delta in await session.stream(...)``."""
-        options = TurnOptions(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            tools=tools,
-            tool_choice=tool_choice,
-            response_format=response_format,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            extra_body=extra_body,
-            sampling=sampling,
-            traceparent=traceparent,
-            idempotency_key=idempotency_key,
-        )
-        turn, response, attempts = await self._open(user_text, options, stream=True)
-        core = StreamTurn(
-            self._state,
-            turn,
-            response.headers,
-            attempts,
-            base_url=self._client.base_url,
-            max_resumes=self._client.retry.max_retries,
-        )
+        core, response = await self._client._run(self._stream_turn(args))
         return AsyncTurnStream(self, core, response)
-
-    async def _open(
-        self, user_text: str | None, options: TurnOptions, *, stream: bool
-    ) -> tuple[Turn, httpx.Response, int]:
-        """Start the turn and send its request (with retries): the turn, its response
-        and the attempts it took. A turn that could not be sent is aborted."""
-        now_s = self._client._clock()
-        if self._state.model is None:
-            self._state.model = await self._client.default_model()
-        turn = self._state.start_turn(
-            self._state.model, user_text, options, stream=stream, now_s=now_s
-        )
-        try:
-            response, attempts = await self._client._send(turn.request)
-        except BaseException as exc:
-            self._state.abort_turn(turn, exc)
-            raise
-        return turn, response, attempts
 
     # ---- lease --------------------------------------------------------------------
 
@@ -200,62 +113,40 @@ class AsyncSession(SessionView):
             self._state.close_failed(close_exc)
 
 
-class AsyncTurnStream:
+class AsyncTurnStream(StreamView):
     """As ``TurnStream``, for ``async for``; ``aclose()`` or ``async with`` to stop early."""
 
+    _session: AsyncSession
+
     def __init__(self, session: AsyncSession, core: StreamTurn, response: httpx.Response) -> None:
-        self._session = session
-        self._core = core
-        self._response = response
+        super().__init__(session, core, response)
         self._lines = response.aiter_lines()
-        self._clock = session._client._clock
-
-    @property
-    def text(self) -> str:
-        return self._core.text
-
-    @property
-    def result(self) -> TurnResult:
-        return self._core.result
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self
 
     async def __anext__(self) -> str:
-        core = self._core
-        while not core.ended:
+        while not self._core.ended:
             try:
                 delta = await self._read()
             except BaseException as exc:
-                request = core.recover(exc)
+                request = self._core.recover(exc)
                 if request is not None and await self._continue(request):
                     continue
                 await self._response.aclose()
-                error = core.fail(exc)
-                if core.recorded:
-                    self._session._start_renewer()
-                if error is exc:
-                    raise
-                raise error from exc
+                self._fail(exc)
             if delta is not None:
                 return delta
         raise StopAsyncIteration
 
     async def _read(self) -> str | None:
-        core, clock = self._core, self._clock
-        async for line in self._lines:
-            delta = core.feed(line, clock())
-            if delta:
-                return delta
-            if core.done:
-                break
-        else:
-            delta = core.end(clock())
+        core = self._core
+        while not core.done:
+            delta = core.take(await anext(self._lines, None), self._clock())
             if delta:
                 return delta
         await self._response.aclose()
-        core.complete(clock())
-        self._session._start_renewer()
+        self._complete()
         return None
 
     async def _continue(self, request: WireRequest) -> bool:

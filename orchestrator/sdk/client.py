@@ -1,9 +1,9 @@
 """The synchronous client: one HTTP connection pool, retries, and the session endpoints.
 
-A shell over the protocol core (``orchestrator.sdk._turn``): it sends what the core builds
-and sleeps what the core decides. Turns are run by ``Session``
-(``orchestrator.sdk.session``); the client owns what every call shares: the base URL, the
-API key, the retry policy and the clock.
+A shell over the protocol core (``orchestrator.sdk._turn``, ``orchestrator.sdk._base``):
+it drives the core's calls, sending what they yield, and sleeps what the core decides.
+Turns are run by ``Session`` (``orchestrator.sdk.session``); the client owns what every
+call shares: the base URL, the API key, the retry policy and the clock.
 """
 
 from __future__ import annotations
@@ -11,26 +11,21 @@ from __future__ import annotations
 import random
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import httpx
 
-from orchestrator.sdk._base import (
-    DEFAULT_BASE_URL,
-    DEFAULT_RENEW_EVERY_S,
-    DEFAULT_TIMEOUT,
-    MODELS_PATH,
-    STATS_PATH,
-)
+from orchestrator.sdk._args import session_arguments, takes_arguments_of
+from orchestrator.sdk._base import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, Exchange, Exchanging, Sent
 from orchestrator.sdk._base import BaseClient as _BaseClient
 from orchestrator.sdk._state import ConversationState
 from orchestrator.sdk._turn import Attempts, WireRequest
-from orchestrator.sdk._wire import json_body
-from orchestrator.sdk.errors import NotFoundError
 from orchestrator.sdk.results import SessionStatus
 from orchestrator.sdk.retry import RetryPolicy
 from orchestrator.sdk.session import Session
+
+T = TypeVar("T")
 
 __all__ = ["Client"]
 
@@ -70,77 +65,62 @@ class Client(_BaseClient):
 
     # ---- sessions -----------------------------------------------------------------
 
-    def session(
-        self,
-        session_id: str | None = None,
-        *,
-        model: str | None = None,
-        system: str | None = None,
-        messages: Sequence[Mapping[str, Any]] | None = None,
-        renew_every_s: float | None = DEFAULT_RENEW_EVERY_S,
-    ) -> Session:
+    @takes_arguments_of(session_arguments)
+    def session(self, state: ConversationState) -> Session:
         """A conversation whose KV kvtide keeps between turns (no request is sent yet).
 
         ``session_id`` defaults to a new random id; pass an old one (with its
         ``messages``) to resume. ``model`` defaults to the first of ``GET /v1/models``.
         ``renew_every_s=None`` turns background lease renewal off.
         """
-        state = ConversationState(
-            session_id=session_id,
-            model=model,
-            system=system,
-            messages=messages,
-            renew_every_s=renew_every_s,
-        )
         session = Session(self, state)
         self._sessions.add(session)
         return session
 
     def get_session(self, session_id: str) -> SessionStatus:
-        return SessionStatus.from_json(self._json(self._session_call("GET", session_id)))
+        return self._run(self._session_status("GET", session_id))
 
     def renew_session(self, session_id: str) -> SessionStatus:
         """Extend the session's KV lease; ``NotFoundError`` if the server does not know it."""
-        return SessionStatus.from_json(self._json(self._session_call("POST", session_id, "/renew")))
+        return self._run(self._session_status("POST", session_id, "/renew"))
 
     def delete_session(self, session_id: str) -> None:
         """Release the session's KV now. Deleting an unknown session is not an error."""
-        try:
-            self._send(self._session_call("DELETE", session_id))
-        except NotFoundError as exc:
-            if exc.code != "session_not_found":
-                raise
+        self._run(self._delete_session(session_id))
 
     # ---- server -------------------------------------------------------------------
 
     def models(self) -> list[str]:
-        return self._model_ids(self._json(self._get(MODELS_PATH)))
+        return self._run(self._models())
 
     def stats(self) -> dict[str, Any]:
         """``GET /kvtide/stats`` as the server sends it (KV lifecycle and engine counters)."""
-        body: dict[str, Any] = self._json(self._get(STATS_PATH))
-        return body
+        return self._run(self._stats())
 
     def default_model(self) -> str:
         """The served model (asked once, then remembered)."""
-        if self._model is None:
-            self._model = self._first_model(self._json(self._get(MODELS_PATH)))
-        return self._model
+        return self._run(self._default_model())
 
     # ---- transport ----------------------------------------------------------------
 
-    def _json(self, request: WireRequest) -> Any:
-        response, _ = self._send(request)
-        return json_body(response)
+    def _run(self, call: Exchange[T]) -> T:
+        """Send each request ``call`` yields; return what it returns."""
+        driven = Exchanging(call)
+        while (request := driven.request) is not None:
+            try:
+                sent = self._send(request)
+            except BaseException as exc:
+                driven.failed(exc)
+            else:
+                driven.sent(sent)
+        return driven.value
 
-    def _send(self, request: WireRequest) -> tuple[httpx.Response, int]:
+    def _send(self, request: WireRequest) -> Sent:
         """Send with the retries ``Attempts`` decides; a 2xx response and the attempts it
         took. With ``request.stream`` the body of the returned response is not read yet."""
         attempts = Attempts(request, self.retry, self.base_url)
         while True:
-            http_request = self._http.build_request(
-                request.method, request.path, json=request.json, headers=request.headers
-            )
+            http_request = self._http_request(self._http, request)
             try:
                 response = self._http.send(http_request, stream=request.stream)
                 if response.is_success:

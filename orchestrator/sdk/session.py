@@ -6,23 +6,23 @@ of that turn repeats. While the session is open and idle a daemon thread renews 
 lease every ``renew_every_s``, so KV survives a user who pauses longer than the TTL.
 
 A shell: what a turn sends, when it is retried or continued, and what its answer means
-are decided in the protocol core (``_state``, ``_turn``, ``_stream_turn``), which
-``AsyncSession`` shares; this module sends, reads and waits.
+are decided in the protocol core (``_state``, ``_turn``, ``_stream_turn``, and the calls
+in ``_base``), which ``AsyncSession`` shares; this module sends, reads and waits.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import httpx
 
-from orchestrator.sdk._base import SessionView
+from orchestrator.sdk._args import TurnArgs, takes_arguments_of, turn_arguments
+from orchestrator.sdk._base import SessionView, StreamView
 from orchestrator.sdk._state import ConversationState
 from orchestrator.sdk._stream_turn import StreamTurn
-from orchestrator.sdk._turn import Turn, WireRequest
-from orchestrator.sdk._wire import TurnOptions
+from orchestrator.sdk._turn import WireRequest
 from orchestrator.sdk.errors import KVTideAPIError
 from orchestrator.sdk.results import SessionStatus, TurnResult
 
@@ -38,6 +38,8 @@ class Session(SessionView):
     """Made by ``Client.session()``; use it as a context manager so it is closed (its KV
     released at once) when the block ends, also on an exception."""
 
+    _client: Client
+
     def __init__(self, client: Client, state: ConversationState) -> None:
         self._client = client
         self._state = state
@@ -46,22 +48,8 @@ class Session(SessionView):
 
     # ---- turns --------------------------------------------------------------------
 
-    def send(
-        self,
-        user_text: str | None = None,
-        *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        response_format: Mapping[str, Any] | type | None = None,
-        logprobs: bool | None = None,
-        top_logprobs: int | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        traceparent: str | None = None,
-        idempotency_key: str | None = None,
-        **sampling: Any,
-    ) -> TurnResult:
+    @takes_arguments_of(turn_arguments)
+    def send(self, args: TurnArgs) -> TurnResult:
         """Run one turn and wait for the whole reply.
 
         ``user_text`` may be left out after ``add_tool_result``: the turn then sends the
@@ -71,92 +59,17 @@ class Session(SessionView):
         keyword arguments (``top_p``, ``seed``, ``stop``, ``n``, ...) go into the body as
         they are. Pass ``idempotency_key`` (from a failed turn's error) to resend that
         turn: the server replays it if it finished."""
-        options = TurnOptions(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            tools=tools,
-            tool_choice=tool_choice,
-            response_format=response_format,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            extra_body=extra_body,
-            sampling=sampling,
-            traceparent=traceparent,
-            idempotency_key=idempotency_key,
-        )
-        turn, response, attempts = self._open(user_text, options, stream=False)
-        try:
-            result = turn.completed(response, attempts, self._client._clock())
-        except BaseException as exc:
-            self._state.abort_turn(turn, exc)
-            raise
-        try:
-            return self._state.end_turn(turn, result, self._client._clock())
-        finally:
-            self._start_renewer()
+        return self._client._run(self._send_turn(args))
 
-    def stream(
-        self,
-        user_text: str | None = None,
-        *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        response_format: Mapping[str, Any] | type | None = None,
-        logprobs: bool | None = None,
-        top_logprobs: int | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        traceparent: str | None = None,
-        idempotency_key: str | None = None,
-        **sampling: Any,
-    ) -> TurnStream:
+    @takes_arguments_of(turn_arguments)
+    def stream(self, args: TurnArgs) -> TurnStream:
         """Start one turn and return its text deltas as they come (see ``TurnStream``);
         arguments as ``send``.
 
         The request is sent (and retried) now, so an error status raises here; once
         deltas flow nothing is retried, since the caller has already seen them."""
-        options = TurnOptions(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            tools=tools,
-            tool_choice=tool_choice,
-            response_format=response_format,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            extra_body=extra_body,
-            sampling=sampling,
-            traceparent=traceparent,
-            idempotency_key=idempotency_key,
-        )
-        turn, response, attempts = self._open(user_text, options, stream=True)
-        core = StreamTurn(
-            self._state,
-            turn,
-            response.headers,
-            attempts,
-            base_url=self._client.base_url,
-            max_resumes=self._client.retry.max_retries,
-        )
+        core, response = self._client._run(self._stream_turn(args))
         return TurnStream(self, core, response)
-
-    def _open(
-        self, user_text: str | None, options: TurnOptions, *, stream: bool
-    ) -> tuple[Turn, httpx.Response, int]:
-        """Start the turn and send its request (with retries): the turn, its response
-        and the attempts it took. A turn that could not be sent is aborted."""
-        now_s = self._client._clock()
-        if self._state.model is None:
-            self._state.model = self._client.default_model()
-        turn = self._state.start_turn(
-            self._state.model, user_text, options, stream=stream, now_s=now_s
-        )
-        try:
-            response, attempts = self._client._send(turn.request)
-        except BaseException as exc:
-            self._state.abort_turn(turn, exc)
-            raise
-        return turn, response, attempts
 
     # ---- lease --------------------------------------------------------------------
 
@@ -224,7 +137,7 @@ class Session(SessionView):
             self._state.close_failed(close_exc)
 
 
-class TurnStream:
+class TurnStream(StreamView):
     """The text deltas of one streamed turn; ``result`` once the stream has ended.
 
     Iterate it to the end (or use ``with`` and break early: the turn is then abandoned,
@@ -232,61 +145,38 @@ class TurnStream:
     connection raises ``APIConnectionError``. Either way the history is unchanged.
     """
 
+    _session: Session
+
     def __init__(self, session: Session, core: StreamTurn, response: httpx.Response) -> None:
-        self._session = session
-        self._core = core
-        self._response = response
+        super().__init__(session, core, response)
         self._lines = response.iter_lines()
-        self._clock = session._client._clock
-
-    @property
-    def text(self) -> str:
-        """The text received so far."""
-        return self._core.text
-
-    @property
-    def result(self) -> TurnResult:
-        return self._core.result
 
     def __iter__(self) -> Iterator[str]:
         return self
 
     def __next__(self) -> str:
-        core = self._core
-        while not core.ended:
+        while not self._core.ended:
             try:
                 delta = self._read()
             except BaseException as exc:
-                request = core.recover(exc)
+                request = self._core.recover(exc)
                 if request is not None and self._continue(request):
                     continue
                 self._response.close()
-                error = core.fail(exc)
-                if core.recorded:
-                    self._session._start_renewer()
-                if error is exc:
-                    raise
-                raise error from exc
+                self._fail(exc)
             if delta is not None:
                 return delta
         raise StopIteration
 
     def _read(self) -> str | None:
         """The next delta; ``None`` once the turn is complete (and in the history)."""
-        core, clock = self._core, self._clock
-        for line in self._lines:
-            delta = core.feed(line, clock())
-            if delta:
-                return delta
-            if core.done:
-                break
-        else:
-            delta = core.end(clock())
+        core = self._core
+        while not core.done:
+            delta = core.take(next(self._lines, None), self._clock())
             if delta:
                 return delta
         self._response.close()
-        core.complete(clock())
-        self._session._start_renewer()
+        self._complete()
         return None
 
     def _continue(self, request: WireRequest) -> bool:

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import inspect
 import json
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pydantic
 import pytest
 
 from orchestrator.sdk import (
     APIConnectionError,
     AsyncClient,
+    AsyncSession,
     AuthenticationError,
     BadRequestError,
     Client,
@@ -30,6 +33,8 @@ from orchestrator.sdk import (
     KVTideAPIError,
     NotFoundError,
     RateLimitError,
+    Session,
+    StructuredOutputError,
     TurnResult,
     format_turns,
 )
@@ -449,6 +454,57 @@ def test_a_stream_broken_by_an_engine_failure_goes_on_where_it_stopped(
     assert session.messages[-1] == {"role": "assistant", "content": "Once upon time there"}
 
 
+def cut_short(answer: Script) -> Script:
+    """``answer``'s stream closed right after its last event that says something: no
+    ``[DONE]``, no usage event, and no blank line after that last event."""
+
+    def cut(request: httpx.Request) -> httpx.Response:
+        response = answer(request)
+        assert isinstance(response.stream, TimedStream)
+        events = [e for e in response.stream.events if '"choices": []' not in e[1]][:-1]
+        delay_s, last = events[-1]
+        response.stream.events = [*events[:-1], (delay_s, last.rstrip("\n"))]
+        return response
+
+    return cut
+
+
+@pytest.mark.parametrize("shell", ["sync", "async"])
+def test_a_last_event_without_its_blank_line_still_counts(
+    server: FakeKVTide, sleeps: list[float], shell: str
+) -> None:
+    # The server closed the body right after the event with the last word and the
+    # finish_reason: that word is shown and the turn is complete.
+    server.script = [cut_short(stream_of(["Once", " upon", " a"], server.clock))]
+    if shell == "sync":
+        stream = make_client(server, sleeps).session(model=MODEL, renew_every_s=None).stream("x")
+        deltas, result = list(stream), stream.result
+    else:
+        deltas, result = stream_async(server, sleeps, "x")
+    assert deltas == ["Once", " upon", " a"]
+    assert result.text == "Once upon a" and result.finish_reason == "length"
+
+
+@pytest.mark.parametrize("shell", ["sync", "async"])
+def test_a_stream_that_ended_on_an_engine_failure_goes_on_in_the_next_body(
+    server: FakeKVTide, sleeps: list[float], shell: str
+) -> None:
+    # The engine-failure event is the body's last, without its blank line; the
+    # continuation's body is read in full after it.
+    server.script = [
+        cut_short(stream_of(["Once", " upon", " a"], server.clock, error_after=2)),
+        stream_of([" time", " there"], server.clock),
+    ]
+    if shell == "sync":
+        stream = make_client(server, sleeps).session(model=MODEL, renew_every_s=None).stream("x")
+        deltas, result = list(stream), stream.result
+    else:
+        deltas, result = stream_async(server, sleeps, "x")
+    assert deltas == ["Once", " upon", " time", " there"]
+    assert result.text == "Once upon time there" and result.num_resumes == 1
+    assert len(server.chats()) == 2
+
+
 def test_a_broken_stream_is_not_continued_past_its_budget_or_without_a_count(
     server: FakeKVTide, sleeps: list[float]
 ) -> None:
@@ -728,6 +784,49 @@ def test_background_thread_stops_on_close(server: FakeKVTide, sleeps: list[float
     assert not renewer.is_alive()
 
 
+def test_deleting_a_session_the_server_no_longer_knows_is_not_an_error(
+    sleeps: list[float],
+) -> None:
+    # One session expired on the server (session_not_found); any other 404 is an error.
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/expired"):
+            return error_response(404, "session_not_found", "session 'expired' is not known")
+        return error_response(404, "not_found", "this route is off (server.sessions_api)")
+
+    transport = httpx.MockTransport(answer)
+    client = Client("http://kvtide.test", transport=transport, sleep=sleeps.append)
+    client.delete_session("expired")
+    with pytest.raises(NotFoundError, match="route is off"):
+        client.delete_session("other")
+
+    async def main() -> None:
+        async with AsyncClient("http://kvtide.test", transport=transport) as aclient:
+            await aclient.delete_session("expired")
+            with pytest.raises(NotFoundError, match="route is off"):
+                await aclient.delete_session("other")
+
+    asyncio.run(main())
+    assert sleeps == []  # a 404 is not retried
+
+
+def test_a_streamed_reply_that_does_not_validate_is_kept_and_its_kv_renewed(
+    server: FakeKVTide, sleeps: list[float]
+) -> None:
+    class Verdict(pydantic.BaseModel):
+        verdict: str
+
+    session = make_client(server, sleeps).session(model=MODEL, renew_every_s=60.0)
+    stream = session.stream("hello", response_format=Verdict)
+    with pytest.raises(StructuredOutputError):
+        list(stream)
+    # The server ran the turn and keeps its KV: the turn is in the history, and the
+    # session renews its lease while idle, as after any turn.
+    assert len(session.turns) == 1 and len(session.messages) == 2
+    assert session._renewer is not None and session._renewer.is_alive()
+    session.close()
+    assert not session._renewer.is_alive()
+
+
 def test_info_renew_stats_and_validation(server: FakeKVTide, sleeps: list[float]) -> None:
     client = make_client(server, sleeps)
     session = client.session(model=MODEL, renew_every_s=None)
@@ -863,6 +962,49 @@ def test_agent_example_runs_five_turns_and_closes(
     sizes = [len(body_of(r)["messages"]) for r in server.chats()]
     assert sizes == [2, 4, 6, 8, 10]
     assert len(server.calls("DELETE")) == 1
+
+
+TURN_PARAMETERS = [
+    "self",
+    "user_text",
+    "max_tokens",
+    "temperature",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "logprobs",
+    "top_logprobs",
+    "extra_body",
+    "traceparent",
+    "idempotency_key",
+    "sampling",
+]
+
+
+def test_both_shells_show_callers_the_same_named_arguments() -> None:
+    # What help(), an IDE and inspect show: the arguments by name, not a wrapper's.
+    for method in (Session.send, Session.stream, AsyncSession.send, AsyncSession.stream):
+        params = inspect.signature(method).parameters
+        assert list(params) == TURN_PARAMETERS, method.__qualname__
+        assert params["user_text"].default is None
+        assert params["max_tokens"].kind is inspect.Parameter.KEYWORD_ONLY
+        assert params["sampling"].kind is inspect.Parameter.VAR_KEYWORD
+    for method in (Client.session, AsyncClient.session):
+        params = inspect.signature(method).parameters
+        assert list(params) == [
+            "self",
+            "session_id",
+            "model",
+            "system",
+            "messages",
+            "renew_every_s",
+        ]
+        assert params["renew_every_s"].default == 120.0
+    assert Session.send.__doc__ and "idempotency_key" in Session.send.__doc__
+    # The async shell's turns stay coroutine functions, as asyncio code checks for.
+    assert inspect.iscoroutinefunction(AsyncSession.send)
+    assert inspect.iscoroutinefunction(AsyncSession.stream)
+    assert not inspect.iscoroutinefunction(Session.send)
 
 
 def test_public_names_are_pinned() -> None:
