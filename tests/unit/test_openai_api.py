@@ -10,10 +10,15 @@ import pytest
 
 from engines.base import Sampling
 from orchestrator.errors import (
+    DeadlineExceeded,
+    EngineUnavailable,
     InvalidRequest,
     ModelNotFound,
+    Overloaded,
     PayloadTooLarge,
     RequestError,
+    ServiceUnavailable,
+    TurnInProgress,
     UnsupportedMediaType,
 )
 from orchestrator.sdk._wire import check_session_id
@@ -125,6 +130,7 @@ def test_session_ids_are_checked() -> None:
     assert api.parse_session_id("agent-7:run.3") == "agent-7:run.3"
     with pytest.raises(InvalidRequest, match="x-session-id"):
         api.parse_session_id("has space")
+    assert api.parse_session_id("x" * 128) == "x" * 128
     with pytest.raises(InvalidRequest):
         api.parse_session_id("x" * 129)
 
@@ -152,6 +158,12 @@ def test_stream_chunks_are_openai_shaped() -> None:
 def test_every_request_error_has_a_4xx_or_503_status() -> None:
     for cls in RequestError.__subclasses__():
         assert 400 <= cls.status_code < 500 or cls.status_code == 503, cls
+
+
+def test_a_busy_session_and_every_503_say_when_to_retry() -> None:
+    assert TurnInProgress("busy").headers() == {"Retry-After": "1"}
+    for cls in (EngineUnavailable, ServiceUnavailable, DeadlineExceeded, Overloaded):
+        assert cls("x").status_code == 503 and cls("x").headers()["Retry-After"] == "1", cls
 
 
 # ---- strict request models (issue 12: bad input never a 500, nothing ignored) ------------
@@ -349,6 +361,7 @@ def test_sampling_vllm_can_honour_is_carried() -> None:
     "raw,needle",
     [
         (b'{"model": "m", "seed": ' + b"9" * 5000 + b"}", "5000 digits"),  # once a 500
+        (b'{"model": "m", "metadata": {"a": ' + b"9" * 4301 + b"}}", "4301 digits"),
         (b"[" * 50_000 + b"]" * 50_000, "nests"),  # once a RecursionError (500)
         (b'{"model": "m", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nests"),
         (b'{"temperature": NaN}', "NaN"),
@@ -361,6 +374,10 @@ def test_malformed_bodies_are_400s(raw: bytes, needle: str) -> None:
     with pytest.raises(InvalidRequest) as err:
         api.parse_body(raw, "application/json")
     assert needle in err.value.message
+
+
+def test_an_integer_of_4300_digits_is_json() -> None:
+    assert api.parse_body(b'{"a": ' + b"9" * 4300 + b"}", "application/json") == {"a": 10**4300 - 1}
 
 
 def test_error_bodies_always_encode_and_name_no_internals() -> None:
