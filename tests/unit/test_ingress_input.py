@@ -250,3 +250,19 @@ def test_the_report_says_how_long_the_template_and_tokenizing_took(tiny_tokenize
     chat, completion = asyncio.run(story())
     assert 0.1 <= chat["tokenize_s"] <= chat["ingress_s"]
     assert completion["tokenize_s"] == 0.0  # token ids: nothing to tokenize
+
+
+def test_max_tokens_omitted_is_up_to_256_within_the_context(tiny_tokenizer: Any) -> None:
+    def asked(max_model_len: int) -> tuple[int, int]:
+        """The turn's max tokens, and its prompt's length."""
+        ingress = bare_ingress(tiny_tokenizer, max_model_len=max_model_len)
+        status, body = asyncio.run(handle(ingress, CHAT, _chat("hi " * 50)))
+        assert status == 200, body
+        prefill, decode = ingress.router.prefill.requests[0], ingress.router.decode.requests[0]
+        return decode.max_tokens, len(prefill.prompt_token_ids)
+
+    # A context with room for more: 256.
+    assert asked(1024)[0] == 256
+    # A 256-token context: what the prompt leaves of it.
+    max_tokens, num_prompt = asked(256)
+    assert num_prompt > 50 and max_tokens == 256 - num_prompt
