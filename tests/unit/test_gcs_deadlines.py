@@ -224,6 +224,7 @@ def test_the_bounds_docs_reliability_states_are_the_ones_the_code_uses() -> None
     from orchestrator.cluster.kv_events import LOOKUP_TIMEOUT_S
     from orchestrator.config import parse_config
     from orchestrator.kv.actor import TICK_S
+    from orchestrator.kv.service_settings import ServiceSettings
     from orchestrator.kv.turn_leases import HANDOVER_WAIT_S
     from orchestrator.serve.warm_up import warm_up_transfers
 
@@ -245,3 +246,5 @@ def test_the_bounds_docs_reliability_states_are_the_ones_the_code_uses() -> None
     assert (kv.pull_timeout_s, kv.service_timeout_s, kv.service_start_timeout_s) == (30, 30, 120)
     assert (kv.kept_check_grace_s, kv.decoder_kv_blocks_ttl_s) == (60.0, 480.0)
     assert kv.replay_max_mib == 64.0
+    # Sessions the service holds in all (docs/reliability.md#sessions-stay-owned).
+    assert default(ServiceSettings, "max_sessions") == 50_000

@@ -9,7 +9,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from ingress_harness import MODEL, bare_ingress, handle
+from ingress_harness import MODEL, bare_ingress, handle, http_request
 from test_router import FakePool
 
 from engines.base import GenerateChunk, GenerateRequest
@@ -104,3 +104,20 @@ def test_a_stream_failing_on_an_unexpected_error_ends_with_stream_failed(
         assert not any(word in events[-2] for word in ("Actor", "4242", "/opt", "RuntimeError"))
 
     asyncio.run(run())
+
+
+def test_a_stream_whose_client_went_away_counts_as_cancelled(tiny_tokenizer: Any) -> None:
+    ingress = bare_ingress(tiny_tokenizer)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+    async def run() -> None:
+        request, _ = http_request(CHAT, json.dumps(body).encode())
+        routes = ingress.routes
+        response = await routes.edge.traced(request, "chat", routes.own.chat)
+        events = response.body_iterator
+        assert (await events.__anext__()).startswith("data: ")
+        await events.aclose()  # the client left after the first event
+        await ingress.router.settled()
+
+    asyncio.run(run())
+    assert statuses(ingress) == {'kvtide_requests_total{status="cancelled"}': 1.0}
