@@ -24,6 +24,7 @@ from test_router import FakePool
 from test_vllm_layer import scripted
 
 from engines.base import GenerateChunk, GenerateRequest
+from orchestrator.config import parse_config
 from orchestrator.errors import RequestError
 
 
@@ -406,3 +407,12 @@ def test_a_stored_response_is_not_replayed_as_a_stream(ingress: Any) -> None:
 def test_a_null_is_the_fields_default(ingress: Any, field: str) -> None:
     status, body = create(ingress, input="hello", **{field: None})
     assert status == 200, body
+
+
+def test_a_background_response_is_refused_naming_the_field(ingress: Any) -> None:
+    status, body = create(ingress, input="hello", background=True)
+    assert status == 400 and body["error"]["param"] == "background", body
+    assert "background: false" in body["error"]["message"]
+    # The store's bounds by default: 64 MiB a key, 256 MiB in all.
+    server = parse_config({}).server
+    assert (server.responses_max_mib_per_key, server.responses_max_mib) == (64, 256)

@@ -246,6 +246,13 @@ def test_a_failure_inside_vllms_layer_is_a_500_that_names_nothing_internal() -> 
     assert not any(word in json.dumps(body) for word in ("Actor", "4242", "/opt", "Runtime"))
 
 
+def test_logprobs_from_engines_that_return_none_are_a_400_naming_them(ingress: Any) -> None:
+    # The simulated engine's decode, as the default fake pool's: tokens, no logprobs.
+    status, body = asyncio.run(handle(ingress, "/v1/chat/completions", chat(logprobs=True)))
+    assert status == 400 and body["error"]["param"] == "logprobs", body
+    assert "leave logprobs out" in body["error"]["message"]
+
+
 def test_a_field_neither_layer_knows_is_refused_by_name(ingress: Any) -> None:
     status, body = asyncio.run(
         handle(ingress, "/v1/chat/completions", chat(tools=TOOLS, colour="blue"))
