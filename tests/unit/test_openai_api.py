@@ -215,6 +215,8 @@ def _refusal(fields: dict[str, object], parse: str = "chat") -> InvalidRequest:
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
         ({"max_tokens": 8, "max_completion_tokens": 9}, "max_completion_tokens"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),  # up to 16 pairs
+        ({"metadata": {"k": 1}}, "metadata.k"),
     ],
 )
 def test_wrong_types_and_ranges_are_400s_naming_the_field(
@@ -374,6 +376,10 @@ def test_malformed_bodies_are_400s(raw: bytes, needle: str) -> None:
     with pytest.raises(InvalidRequest) as err:
         api.parse_body(raw, "application/json")
     assert needle in err.value.message
+
+
+def test_metadata_of_16_string_pairs_is_accepted() -> None:
+    api.parse_chat(_chat(metadata={f"k{i}": "v" for i in range(16)}), MODEL)
 
 
 def test_an_integer_of_4300_digits_is_json() -> None:
