@@ -117,6 +117,24 @@ def test_valid_requests_parse_to_one_frozen_request() -> None:
     assert one.prompt_text == "just one"
 
 
+def test_every_documented_role_and_content_form_is_accepted() -> None:
+    messages = [
+        {"role": "system", "content": "s"},
+        {"role": "developer", "content": "d"},
+        {"role": "user", "content": [{"type": "text", "text": "u"}]},
+        {"role": "assistant", "content": None},
+        {"role": "tool", "content": "t"},
+        {"role": "user", "content": "u2"},
+    ]
+    req = api.parse_chat(_chat(messages=messages), MODEL)
+    assert [role for role, _ in req.messages] == [m["role"] for m in messages]
+    # A one-item list of token ids is the prompt; top_k -1 and 0 both turn it off.
+    one = api.parse_completion({"model": MODEL, "prompt": [[1, 2, 3]]}, MODEL)
+    assert one.prompt_token_ids == (1, 2, 3)
+    for top_k in (-1, 0):
+        api.parse_chat(_chat(top_k=top_k), MODEL)
+
+
 def test_completion_prompt_errors() -> None:
     with pytest.raises(InvalidRequest, match="batched prompts"):
         api.parse_completion({"model": MODEL, "prompt": ["a", "b"]}, MODEL)
