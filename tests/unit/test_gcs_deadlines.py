@@ -12,6 +12,7 @@ import inspect
 import threading
 import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,7 +23,7 @@ from orchestrator.kv.durable import BoundedStore, MemoryStore, WriteBehind
 from orchestrator.kv.host_nodes import NodeStores
 from orchestrator.kv.host_tier import HostTierClient, HostTierSpec
 from orchestrator.kv.integrity import ReuseOff, pair_key
-from orchestrator.kv.messages import IntegrityMismatch, LedgerReport
+from orchestrator.kv.messages import Beat, IntegrityMismatch, LedgerReport
 from policies.kv_lifecycle import KVLifecycle
 
 DEADLINE_S = 0.2
@@ -248,3 +249,46 @@ def test_the_bounds_docs_reliability_states_are_the_ones_the_code_uses() -> None
     assert kv.replay_max_mib == 64.0
     # Sessions the service holds in all (docs/reliability.md#sessions-stay-owned).
     assert default(ServiceSettings, "max_sessions") == 50_000
+
+
+def test_a_heartbeat_the_service_does_not_answer_in_time_is_sent_again_next_period() -> None:
+    beats: list[float] = []
+    answered = asyncio.Event()
+
+    class Method:
+        def __init__(self, answer: Callable[[], Any]) -> None:
+            self.answer = answer
+
+        def remote(self, *args: Any) -> Any:
+            return self.answer()
+
+    async def heartbeat() -> Beat:
+        beats.append(time.monotonic())
+        if len(beats) == 1:
+            await asyncio.Event().wait()  # the service does not answer this one
+        answered.set()
+        return Beat(epoch="e1")
+
+    async def restore() -> None:
+        return None
+
+    service = SimpleNamespace(heartbeat=Method(heartbeat), restore=Method(restore))
+    watcher = EpochWatcher(
+        lambda: service,
+        lambda: LedgerReport(engine_id="e", role="decode"),
+        engine_id="e",
+        timeout_s=DEADLINE_S,
+        period_s=0.05,
+    )
+
+    async def story() -> None:
+        beating = asyncio.ensure_future(watcher.run_forever())
+        try:
+            await asyncio.wait_for(answered.wait(), BACK_WITHIN_S + 1.0)
+        finally:
+            beating.cancel()
+
+    asyncio.run(story())
+    # The first beat was given up at its deadline, the next sent a period later.
+    assert len(beats) == 2 and beats[1] - beats[0] < BACK_WITHIN_S + 0.05
+    assert watcher.reported_epoch == "e1"
