@@ -140,6 +140,24 @@ def test_logprobs_come_back_in_openai_shape(ingress: Any) -> None:
     assert decode_requests(ingress)[0].sampling_params.logprobs == 2
 
 
+def test_a_replay_is_the_first_answer_streamed_only_if_it_was_streamed(ingress: Any) -> None:
+    ingress.router.decode.script = scripted("hi")
+    path, body = "/v1/chat/completions", chat(logprobs=True)
+    first = asyncio.run(handle(ingress, path, body, idempotency_key="v1"))
+    assert first[0] == 200, first
+    ran = len(decode_requests(ingress))
+    assert asyncio.run(handle(ingress, path, body, idempotency_key="v1")) == first
+    # Asked as a stream, the unstreamed turn is not replayed: 422 naming the key.
+    streamed = chat(logprobs=True, stream=True)
+    status, refused = asyncio.run(handle(ingress, path, streamed, idempotency_key="v1"))
+    assert status == 422 and refused["error"]["param"] == "Idempotency-Key", refused
+    # A streamed turn replays as the same stream.
+    events = asyncio.run(handle(ingress, path, streamed, idempotency_key="v2"))
+    assert events[0] == 200 and "data: [DONE]" in events[1]
+    assert asyncio.run(handle(ingress, path, streamed, idempotency_key="v2")) == events
+    assert len(decode_requests(ingress)) == ran + 1  # each key's turn ran once
+
+
 def test_n_choices_share_one_prompt_and_only_the_first_keeps_the_session(ingress: Any) -> None:
     ingress.router.decode.script = scripted("ok")
     status, body = asyncio.run(
