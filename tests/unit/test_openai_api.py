@@ -326,6 +326,7 @@ def test_neutral_values_openai_clients_send_are_accepted() -> None:
             user="end-user-7",
             metadata={"team": "search"},
             prompt_cache_key="k",
+            safety_identifier="end-user-7",
             stream_options={"include_usage": False, "include_obfuscation": True},
             messages=[
                 {"role": "system", "content": "be brief"},
@@ -347,6 +348,14 @@ def test_neutral_values_openai_clients_send_are_accepted() -> None:
     )
     assert [r for r, _ in req.messages] == ["system", "user", "assistant", "user"]
     assert api.parse_chat(_chat(tool_choice="auto", tools=None), MODEL).kind == "chat"
+    for neutral in (
+        {"service_tier": "default"},
+        {"function_call": "none"},
+        {"function_call": "auto"},
+        {"audio": None, "prediction": None, "reasoning_effort": None},
+        {"verbosity": None, "web_search_options": None},
+    ):
+        assert api.parse_chat(_chat(**neutral), MODEL).kind == "chat", neutral
     done = api.parse_completion(
         {"model": MODEL, "prompt": "p", "echo": False, "best_of": 1, "suffix": "", "n": 1},
         MODEL,
