@@ -617,6 +617,20 @@ def test_turn_in_progress_then_replay_runs_the_turn_once(
     assert len(session.turns) == 1
 
 
+def test_a_turn_still_running_past_the_retry_budget_raises_the_409(
+    server: FakeKVTide, sleeps: list[float]
+) -> None:
+    # The turn's ingress died with it: the server answers 409 until its book forgets it.
+    session = make_client(server, sleeps, max_retries=2).session(model=MODEL, renew_every_s=None)
+    in_progress = error_response(409, "turn_in_progress", "turn still running")
+    server.script = [lambda r: in_progress] * 3
+    with pytest.raises(KVTideAPIError) as info:
+        session.send("hello")
+    assert (info.value.status_code, info.value.code) == (409, "turn_in_progress")
+    assert len(server.chats()) == 3 and len(set(server.keys())) == 1  # one key throughout
+    assert session.turns == []
+
+
 @pytest.mark.parametrize(
     ("status", "code", "error_type"),
     [
