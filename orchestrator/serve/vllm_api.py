@@ -22,6 +22,7 @@ hold vLLM's default (400 naming them).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,8 @@ __all__ = [
     "sse_events",
     "with_kvtide",
 ]
+
+log = logging.getLogger("kvtide.ingress")
 
 # Fields only kvtide sets: a client's would steer the engines' KV transfer.
 _KVTIDE_ONLY = frozenset({"kv_transfer_params"})
@@ -289,11 +292,24 @@ def build_serving(model: ModelConfig, run: TurnRunner) -> VLLMServing:
 
 
 def error_of(response: Any) -> RequestError:
-    """vLLM's ``ErrorResponse`` as kvtide's error (its status, type and message)."""
+    """vLLM's ``ErrorResponse`` as kvtide's error. A refusal keeps vLLM's status, message
+    and ``param``, as an ``invalid_request`` (vLLM's type names an exception class); a
+    failure of vLLM's own is a 500 ``internal_error``: its message is the exception's
+    text, which goes to the log only."""
     error = response.error
-    return ServingLayerRefused(
-        str(error.message), error.param, status_code=int(error.code), error_type=str(error.type)
+    status = int(error.code)
+    if status >= 500:
+        log.warning("vLLM's serving layer failed: %s: %s", error.type, error.message)
+        failed = ServingLayerRefused(
+            "internal error; retry the request", status_code=500, error_type="server_error"
+        )
+        failed.code = "internal_error"
+        return failed
+    refused = ServingLayerRefused(
+        str(error.message), error.param, status_code=status, error_type="invalid_request_error"
     )
+    refused.code = "invalid_request"
+    return refused
 
 
 _FINAL_EVENTS = (

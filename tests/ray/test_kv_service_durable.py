@@ -17,6 +17,7 @@ from fake_cluster import FakeCluster, fake_cluster
 from ray._common.test_utils import wait_for_condition
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from orchestrator.config.sections import ObservabilityConfig
 from orchestrator.errors import ServiceUnavailable
 from orchestrator.kv.actor import (
     SERVICE_NAMESPACE,
@@ -134,13 +135,19 @@ def test_a_changed_config_replaces_the_service_and_keeps_its_owners(fake: FakeCl
     kv = service_client(new, timeout_s=30.0)
     assert asyncio.run(kv.claim_session("s1", MALLORY)).outcome == "not_found"
     # A redeploy that changes only the request deadline (how long a running turn's
-    # claim holds) or the hosts' call deadline (the kept-blocks check's margin): the
-    # running actor would keep the old ones, so it is replaced too.
-    for change in ({"running_grace_s": 30.0}, {"call_timeout_s": 5.0}):
+    # claim holds), the hosts' call deadline (the kept-blocks check's margin), the
+    # prefill pool's size or observability: the running actor would keep the old ones,
+    # so it is replaced too.
+    started: dict[str, object] = {"drain_timeout_s": 5.0, "num_prefill_engines": 1}
+    for change in (
+        {"running_grace_s": 30.0},
+        {"call_timeout_s": 5.0},
+        {"num_prefill_engines": 2},
+        {"observability": ObservabilityConfig(metrics=False)},
+    ):
         epoch = ray.get(new.epoch.remote())
-        new = get_or_create_service(
-            "redeploy-test", changed, None, drain_timeout_s=5.0, num_prefill_engines=1, **change
-        )
+        started |= change
+        new = get_or_create_service("redeploy-test", changed, None, **started)  # type: ignore[arg-type]
         assert ray.get(new.epoch.remote()) != epoch, change
         setup = ray.get(new.config.remote())
         assert all(getattr(setup, k) == v for k, v in change.items()), (change, setup)

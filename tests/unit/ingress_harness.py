@@ -40,20 +40,25 @@ def bare_ingress(
     vllm: bool = True,
     max_model_len: int = 256,
     routing: Mapping[str, Any] | None = None,
+    model: Mapping[str, Any] | None = None,
     kv: Callable[[KVServiceAPI], KVServiceAPI] | None = None,
     prompts: type[PromptEncoder] = PromptEncoder,
     **server: Any,
 ) -> Any:
     """An ``Ingress`` with the state its ``__init__`` would give it, its parts composed
     as it composes them (config: the embedded default with a ``max_model_len``-token
-    context, ``routing`` and ``server`` fields; no pools to ask for /health or
+    context, ``model``, ``routing`` and ``server`` fields; no pools to ask for /health or
     /kvtide/stats). ``kv(service)``: the service the router and the parts call (a
     wrapper of the real one); ``prompts``: the prompt encoder's class. ``vllm``: with
     the OpenAI route groups, which need vLLM's OpenAI serving layer on the tiny model
     (generated where the embedded default keeps it; ~10 s to import vLLM the first
     time in a process); without, the operator views only (``routes.operator``)."""
     config: KVTideConfig = parse_config(
-        {"model": {"max_model_len": max_model_len}, "server": server, "routing": routing or {}}
+        {
+            "model": {"max_model_len": max_model_len, **(model or {})},
+            "server": server,
+            "routing": routing or {},
+        }
     )
     ingress = _BareIngress.__new__(_BareIngress)
     router = make_router(FakePool(prefill_script()), FakePool(decode_script))

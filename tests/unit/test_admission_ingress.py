@@ -6,13 +6,15 @@ when the engines report progress. The engines' reports are fed as the service gi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import time
 from typing import Any
 
 import pytest
-from ingress_harness import MODEL, bare_ingress, handle
+from ingress_harness import MODEL, bare_ingress, handle, http_request
 
-from orchestrator.errors import Overloaded
+from orchestrator.errors import EngineUnavailable, Overloaded
 
 CHAT = "/v1/chat/completions"
 
@@ -103,3 +105,52 @@ def test_health_is_degraded_while_a_pool_refuses_turns_and_ok_after(
         assert response.status_code == 200 and json.loads(response.body) == {"status": "ok"}
 
     asyncio.run(run())
+
+
+class _Hung:
+    """A handle method whose replicas never answer."""
+
+    @staticmethod
+    def remote() -> Any:
+        return asyncio.Event().wait()
+
+
+class _HungPool:
+    """A pool deployment's handle (and its ``HandlePool``'s) that never answers."""
+
+    info = stats = _Hung
+
+    @property
+    def handle(self) -> _HungPool:
+        return self
+
+
+def test_health_and_stats_name_a_pool_that_does_not_answer_within_the_service_deadline(
+    tiny_tokenizer: Any,
+) -> None:
+    ingress = bare_ingress(tiny_tokenizer, vllm=False)
+    config = ingress.config.model_copy(
+        update={"kv": ingress.config.kv.model_copy(update={"service_timeout_s": 0.2})}
+    )
+    views = dataclasses.replace(
+        ingress.routes.operator,
+        config=config,
+        pools={"decode": _HungPool()},
+        pool_handles={"decode": _HungPool()},
+    )
+    request, _ = http_request("/kvtide/stats", method="GET")
+
+    async def refusal(call: Any) -> tuple[EngineUnavailable, float]:
+        t0 = time.monotonic()
+        with pytest.raises(EngineUnavailable) as err:
+            await asyncio.wait_for(call, 30.0)  # a hung route fails here
+        return err.value, time.monotonic() - t0
+
+    for call, words in (
+        (views.health(), "decode did not answer within 0.2 s"),
+        (views.stats(request), "the decode pool did not report its counters within 0.2 s"),
+    ):
+        err, took_s = asyncio.run(refusal(call))
+        assert err.status_code == 503 and err.headers()["Retry-After"] == "1"
+        assert words in err.message
+        assert took_s < 0.2 + 1.0  # the deadline, and no wait as long as the hang

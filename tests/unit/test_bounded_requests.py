@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 import pytest
+from fastapi import APIRouter
 from ingress_harness import MODEL, bare_ingress, http_request
 from starlette.requests import Request
 from test_kv_service import Cluster
@@ -87,6 +88,10 @@ def test_stop_strings_are_bounded_in_bytes() -> None:
         parse_chat(_chat(stop=[big, big, big, big]), MODEL)
     assert err.value.param == "stop" and "4096" in err.value.message
     assert parse_chat(_chat(stop=["x" * 1024] * 4), MODEL).sampling.stop[0] == "x" * 1024
+    # Counted in UTF-8 bytes: 2,049 "é" are 4,098 bytes.
+    with pytest.raises(InvalidRequest) as err:
+        parse_chat(_chat(stop=["é" * 2049]), MODEL)
+    assert err.value.param == "stop"
 
 
 def test_continuing_the_final_message_needs_add_generation_prompt_false() -> None:
@@ -139,7 +144,12 @@ async def _asgi(app: Any, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    await app(request.scope, receive, send)
+    try:
+        await app(request.scope, receive, send)
+    except Exception:
+        # Starlette raises an unhandled error again once its handler has answered (for
+        # the server's log); the answer is what was sent.
+        pass
     status = next(m["status"] for m in sent if m["type"] == "http.response.start")
     payload = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     return status, json.loads(payload)
@@ -154,3 +164,16 @@ def test_the_app_serves_the_route_groups_and_no_schema(tiny_tokenizer: Any) -> N
     # A refusal is the app's OpenAI-style body with its status.
     status, body = asyncio.run(_asgi(app, "/v1/chat/completions", b"{"))
     assert status == 400 and body["error"]["type"] == "invalid_request_error", body
+
+
+def test_an_unexpected_failure_is_a_500_that_names_nothing_internal() -> None:
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
+    async def fail() -> None:
+        raise RuntimeError("ActorDiedError: actor 4f2a pid=4242 in /opt/kvtide/x.py")
+
+    status, body = asyncio.run(_asgi(serving_app([router]), "/v1/chat/completions", b"{}"))
+    assert status == 500
+    assert body["error"]["code"] == "internal_error" and body["error"]["type"] == "server_error"
+    assert not any(word in json.dumps(body) for word in ("Actor", "4242", "/opt", "RuntimeError"))

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 from ingress_harness import MODEL, bare_ingress, handle
 
+from orchestrator.serve.openai_api import may_extend
+
 CHAT = "/v1/chat/completions"
 
 
@@ -39,6 +41,8 @@ def test_an_unknown_kv_plan_header_is_refused_naming_it(tiny_tokenizer: Any) -> 
     for value in ("auto", "pull"):
         status, body = asyncio.run(handle(ingress, CHAT, _chat(), x_kvtide_kv_plan=value))
         assert status == 200, body
+    # pull: the turn may not extend (test_router_extend::test_a_turn_that_may_not_extend_pulls).
+    assert [may_extend(v) for v in (None, "auto", "pull")] == [True, True, False]
 
 
 ROUTES = {

@@ -8,9 +8,11 @@ is shared and loaded), far short of the hang."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,7 +23,7 @@ from orchestrator.kv.durable import BoundedStore, MemoryStore, WriteBehind
 from orchestrator.kv.host_nodes import NodeStores
 from orchestrator.kv.host_tier import HostTierClient, HostTierSpec
 from orchestrator.kv.integrity import ReuseOff, pair_key
-from orchestrator.kv.messages import IntegrityMismatch, LedgerReport
+from orchestrator.kv.messages import Beat, IntegrityMismatch, LedgerReport
 from policies.kv_lifecycle import KVLifecycle
 
 DEADLINE_S = 0.2
@@ -214,3 +216,79 @@ def test_an_engine_hosts_heartbeat_returns_when_the_service_lookup_hangs(
     exc, took_s = asyncio.run(story())
     assert isinstance(exc, CallTimedOut) and "the KV service's lookup" in str(exc)
     assert took_s < BACK_WITHIN_S
+
+
+def test_the_bounds_docs_reliability_states_are_the_ones_the_code_uses() -> None:
+    """The stories above run at 0.2 s; these are the bounds they stand for in
+    docs/reliability.md#nothing-waits-forever (and the config's defaults it quotes)."""
+    from orchestrator.cluster.deadlines import GCS_TIMEOUT_S
+    from orchestrator.cluster.kv_events import LOOKUP_TIMEOUT_S
+    from orchestrator.config import parse_config
+    from orchestrator.kv.actor import TICK_S
+    from orchestrator.kv.service_settings import ServiceSettings
+    from orchestrator.kv.turn_leases import HANDOVER_WAIT_S
+    from orchestrator.serve.warm_up import warm_up_transfers
+
+    def default(call: Callable[..., Any], name: str) -> Any:
+        return inspect.signature(call).parameters[name].default
+
+    assert GCS_TIMEOUT_S == 5.0 and default(WriteBehind, "timeout_s") == GCS_TIMEOUT_S
+    assert LOOKUP_TIMEOUT_S == 1.0
+    assert default(NodeStores, "start_timeout_s") == 130.0
+    assert default(warm_up_transfers, "attempts") == 3
+    assert HANDOVER_WAIT_S == 5.0
+    # A heartbeat that fails is sent again next second; its ledger in pages of 4 MiB.
+    assert default(EpochWatcher, "period_s") == TICK_S == 1.0
+    assert default(EpochWatcher, "page_bytes") == 4 * 2**20
+    config = parse_config({})
+    server, kv = config.server, config.kv
+    assert (server.request_body_timeout_s, server.request_timeout_s) == (30.0, 600.0)
+    assert server.max_request_bytes == 4 * 2**20
+    assert (kv.pull_timeout_s, kv.service_timeout_s, kv.service_start_timeout_s) == (30, 30, 120)
+    assert (kv.kept_check_grace_s, kv.decoder_kv_blocks_ttl_s) == (60.0, 480.0)
+    assert kv.replay_max_mib == 64.0
+    # Sessions the service holds in all (docs/reliability.md#sessions-stay-owned).
+    assert default(ServiceSettings, "max_sessions") == 50_000
+
+
+def test_a_heartbeat_the_service_does_not_answer_in_time_is_sent_again_next_period() -> None:
+    beats: list[float] = []
+    answered = asyncio.Event()
+
+    class Method:
+        def __init__(self, answer: Callable[[], Any]) -> None:
+            self.answer = answer
+
+        def remote(self, *args: Any) -> Any:
+            return self.answer()
+
+    async def heartbeat() -> Beat:
+        beats.append(time.monotonic())
+        if len(beats) == 1:
+            await asyncio.Event().wait()  # the service does not answer this one
+        answered.set()
+        return Beat(epoch="e1")
+
+    async def restore() -> None:
+        return None
+
+    service = SimpleNamespace(heartbeat=Method(heartbeat), restore=Method(restore))
+    watcher = EpochWatcher(
+        lambda: service,
+        lambda: LedgerReport(engine_id="e", role="decode"),
+        engine_id="e",
+        timeout_s=DEADLINE_S,
+        period_s=0.05,
+    )
+
+    async def story() -> None:
+        beating = asyncio.ensure_future(watcher.run_forever())
+        try:
+            await asyncio.wait_for(answered.wait(), BACK_WITHIN_S + 1.0)
+        finally:
+            beating.cancel()
+
+    asyncio.run(story())
+    # The first beat was given up at its deadline, the next sent a period later.
+    assert len(beats) == 2 and beats[1] - beats[0] < BACK_WITHIN_S + 0.05
+    assert watcher.reported_epoch == "e1"

@@ -66,6 +66,8 @@ def test_a_non_utf8_session_id_is_a_400_naming_the_header() -> None:
     # Serve's other decoded headers too, whatever the spelling Serve matches.
     status, body = call(guarded(), [(b"serve-multiplexed-model-id", b"\xc3(")])
     assert status == 400 and body["error"]["param"] == "serve-multiplexed-model-id"
+    status, body = call(guarded(), [(b"x-request-id", b"r\xff")])
+    assert status == 400 and body["error"]["param"] == "x-request-id"
 
 
 def test_good_headers_pass_through_untouched() -> None:

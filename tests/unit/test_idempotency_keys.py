@@ -136,3 +136,78 @@ def test_a_begin_whose_answer_was_lost_does_not_hold_the_key(tiny_tokenizer: Any
         assert status == 200 and again == body  # replayed: it ran once
 
     asyncio.run(run())
+
+
+def test_a_key_is_1_to_255_printable_characters(tiny_tokenizer: Any) -> None:
+    ingress = bare_ingress(tiny_tokenizer)
+
+    async def run() -> None:
+        for key in ("k" * 256, "a\tb", " "):
+            status, body = await handle(
+                ingress, CHAT, _body(messages=MESSAGES), idempotency_key=key
+            )
+            assert status == 400, (key, body)
+            assert body["error"]["param"] == "Idempotency-Key"
+            assert "1-255 printable characters" in body["error"]["message"]
+        for key in ("k" * 255, "k"):
+            status, body = await handle(
+                ingress, CHAT, _body(messages=MESSAGES), idempotency_key=key
+            )
+            assert status == 200, (key, body)
+
+    asyncio.run(run())
+
+
+def test_a_retry_may_change_how_it_is_delivered_and_its_token_budget(tiny_tokenizer: Any) -> None:
+    """What a retry may change and still be answered from the first run: ``stream``,
+    ``stream_options``, ``max_tokens``, ``max_completion_tokens``, ``min_tokens``."""
+    ingress = bare_ingress(tiny_tokenizer)
+
+    async def run() -> None:
+        status, first = await handle(ingress, CHAT, _body(messages=MESSAGES), idempotency_key="k")
+        assert status == 200
+        for changed in (
+            {"max_tokens": 2},
+            {"max_tokens": None, "max_completion_tokens": 3},
+            {"min_tokens": 1},
+        ):
+            body = {"model": MODEL, "max_tokens": 4, "messages": MESSAGES, **changed}
+            body = {k: v for k, v in body.items() if v is not None}
+            status, again = await handle(
+                ingress, CHAT, json.dumps(body).encode(), idempotency_key="k"
+            )
+            assert status == 200 and again == first, changed  # replayed: the same answer
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        status, text = await handle(
+            ingress,
+            CHAT,
+            _body(messages=MESSAGES, stream=True, stream_options=options),
+            idempotency_key="k",
+        )
+        assert status == 200
+        events = [json.loads(line[6:]) for line in text.splitlines() if line[6:12] == '{"id":']
+        assert events and all(e["id"] == first["id"] for e in events)  # the first run's
+        text_streamed = "".join(
+            e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]
+        )
+        assert text_streamed == first["choices"][0]["message"]["content"]
+
+    asyncio.run(run())
+
+
+def test_a_key_is_scoped_by_the_session(tiny_tokenizer: Any) -> None:
+    ingress = bare_ingress(tiny_tokenizer)
+
+    async def run() -> None:
+        other = [{"role": "user", "content": "something else"}]
+        status, first = await handle(
+            ingress, CHAT, _body(messages=MESSAGES), idempotency_key="k", x_session_id="s1"
+        )
+        assert status == 200
+        # The same key in another session names another request: it runs, not a 422.
+        status, second = await handle(
+            ingress, CHAT, _body(messages=other), idempotency_key="k", x_session_id="s2"
+        )
+        assert status == 200 and second["id"] != first["id"], second
+
+    asyncio.run(run())

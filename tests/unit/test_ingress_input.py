@@ -250,3 +250,41 @@ def test_the_report_says_how_long_the_template_and_tokenizing_took(tiny_tokenize
     chat, completion = asyncio.run(story())
     assert 0.1 <= chat["tokenize_s"] <= chat["ingress_s"]
     assert completion["tokenize_s"] == 0.0  # token ids: nothing to tokenize
+
+
+def test_max_tokens_omitted_is_up_to_256_within_the_context(tiny_tokenizer: Any) -> None:
+    def asked(max_model_len: int) -> tuple[int, int]:
+        """The turn's max tokens, and its prompt's length."""
+        ingress = bare_ingress(tiny_tokenizer, max_model_len=max_model_len)
+        status, body = asyncio.run(handle(ingress, CHAT, _chat("hi " * 50)))
+        assert status == 200, body
+        prefill, decode = ingress.router.prefill.requests[0], ingress.router.decode.requests[0]
+        return decode.max_tokens, len(prefill.prompt_token_ids)
+
+    # A context with room for more: 256.
+    assert asked(1024)[0] == 256
+    # A 256-token context: what the prompt leaves of it.
+    max_tokens, num_prompt = asked(256)
+    assert num_prompt > 50 and max_tokens == 256 - num_prompt
+
+
+def test_a_stream_carries_the_kvtide_object_on_its_final_chunk_and_usage_chunk(
+    tiny_tokenizer: Any,
+) -> None:
+    ingress = bare_ingress(tiny_tokenizer)
+    for include_usage in (False, True):
+        options = {"include_usage": True} if include_usage else None
+        fields = {"stream_options": options} if options else {}
+        status, text = asyncio.run(
+            handle(ingress, CHAT, _chat("q", stream=True, max_tokens=4, **fields))
+        )
+        assert status == 200
+        events = [json.loads(line[6:]) for line in text.splitlines() if line[6:].startswith("{")]
+        carrying = [i for i, e in enumerate(events) if "kvtide" in e]
+        final = next(
+            i for i, e in enumerate(events) if e["choices"] and e["choices"][0]["finish_reason"]
+        )
+        usage = [i for i, e in enumerate(events) if e.get("usage") and not e["choices"]]
+        assert carrying == [final, *usage], (include_usage, carrying)
+        assert len(usage) == int(include_usage)
+        assert all(events[i]["kvtide"]["request_id"] == events[0]["id"] for i in carrying)

@@ -410,6 +410,32 @@ def test_checks_past_the_running_limit_are_skipped() -> None:
     assert [r.prompt_logprobs for r in prefill.requests] == [None, None]
 
 
+def test_a_check_whose_recompute_hangs_is_skipped_at_its_deadline() -> None:
+    class HungRecompute(Prefill):
+        async def _hung(self, req: GenerateRequest) -> Any:
+            self.requests.append(req)
+            await asyncio.Event().wait()  # the engine never answers the recompute
+            yield GenerateChunk(request_id=req.request_id)
+
+        def generate(self, req: GenerateRequest) -> Any:
+            return self._hung(req) if req.prompt_logprobs is not None else self._stream(req)
+
+    prefill, decode = HungRecompute(), Decode()
+    router = make_router(prefill, decode)
+    # Its deadline is server.request_timeout_s in the ingress; 0.2 s here.
+    router.integrity.settings = IntegritySettings(sample_fraction=1.0, timeout_s=0.2)
+
+    async def story() -> None:
+        prompt = list(range(100))
+        for _ in range(2):  # the second pulls the first's KV back: sampled
+            await asyncio.wait_for(turn(router, prompt), 30.0)  # a hung check fails here
+            prompt = [*prompt, *TOKENS, 50, 51]
+
+    asyncio.run(story())
+    assert [r.prompt_logprobs for r in prefill.requests][-1] == 0  # the check was sent
+    assert checks(router) == {"skipped": 1.0}
+
+
 def test_a_turn_sampled_under_a_grammar_is_skipped_not_failed() -> None:
     # vLLM applies a structured output's bitmask to the logits before its sampler, so
     # the decode's log probabilities are renormalised over what the grammar allows: a

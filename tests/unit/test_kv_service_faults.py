@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from test_kv_service import S1_T1, S1_T2, Cluster
 
 from orchestrator.kv.durable import MemoryStore
 from orchestrator.kv.messages import TurnDone
 from orchestrator.kv.ownership import Principal
 from orchestrator.kv.service import KVService, ServiceSettings, merge_counters
+from orchestrator.serve.responses import pool_stats
 
 ALICE = Principal(name="alice")
 MALLORY = Principal(name="mallory")
@@ -226,3 +228,14 @@ def test_stats_sum_every_replicas_counters_instead_of_overwriting() -> None:
         assert (await c.service.stats())["ingress_metrics"] == {}
 
     asyncio.run(run())
+
+
+def test_a_pools_stats_sum_its_engines_counters_and_average_their_kv_cache_use() -> None:
+    books = [
+        {"engine_id": "decode-a", "num_requests": 5, "num_running": 1, "kv_cache_usage": 0.5},
+        {"engine_id": "decode-b", "num_requests": 2, "num_running": 0, "kv_cache_usage": 0.1},
+    ]
+    merged = pool_stats("decode", books)
+    assert (merged["num_requests"], merged["num_running"]) == (7, 1)
+    assert merged["kv_cache_usage"] == pytest.approx(0.3)
+    assert (merged["engine_id"], merged["num_replicas"]) == ("decode", 2)

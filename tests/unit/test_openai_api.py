@@ -10,10 +10,15 @@ import pytest
 
 from engines.base import Sampling
 from orchestrator.errors import (
+    DeadlineExceeded,
+    EngineUnavailable,
     InvalidRequest,
     ModelNotFound,
+    Overloaded,
     PayloadTooLarge,
     RequestError,
+    ServiceUnavailable,
+    TurnInProgress,
     UnsupportedMediaType,
 )
 from orchestrator.sdk._wire import check_session_id
@@ -112,6 +117,24 @@ def test_valid_requests_parse_to_one_frozen_request() -> None:
     assert one.prompt_text == "just one"
 
 
+def test_every_documented_role_and_content_form_is_accepted() -> None:
+    messages = [
+        {"role": "system", "content": "s"},
+        {"role": "developer", "content": "d"},
+        {"role": "user", "content": [{"type": "text", "text": "u"}]},
+        {"role": "assistant", "content": None},
+        {"role": "tool", "content": "t"},
+        {"role": "user", "content": "u2"},
+    ]
+    req = api.parse_chat(_chat(messages=messages), MODEL)
+    assert [role for role, _ in req.messages] == [m["role"] for m in messages]
+    # A one-item list of token ids is the prompt; top_k -1 and 0 both turn it off.
+    one = api.parse_completion({"model": MODEL, "prompt": [[1, 2, 3]]}, MODEL)
+    assert one.prompt_token_ids == (1, 2, 3)
+    for top_k in (-1, 0):
+        api.parse_chat(_chat(top_k=top_k), MODEL)
+
+
 def test_completion_prompt_errors() -> None:
     with pytest.raises(InvalidRequest, match="batched prompts"):
         api.parse_completion({"model": MODEL, "prompt": ["a", "b"]}, MODEL)
@@ -125,6 +148,7 @@ def test_session_ids_are_checked() -> None:
     assert api.parse_session_id("agent-7:run.3") == "agent-7:run.3"
     with pytest.raises(InvalidRequest, match="x-session-id"):
         api.parse_session_id("has space")
+    assert api.parse_session_id("x" * 128) == "x" * 128
     with pytest.raises(InvalidRequest):
         api.parse_session_id("x" * 129)
 
@@ -152,6 +176,12 @@ def test_stream_chunks_are_openai_shaped() -> None:
 def test_every_request_error_has_a_4xx_or_503_status() -> None:
     for cls in RequestError.__subclasses__():
         assert 400 <= cls.status_code < 500 or cls.status_code == 503, cls
+
+
+def test_a_busy_session_and_every_503_say_when_to_retry() -> None:
+    assert TurnInProgress("busy").headers() == {"Retry-After": "1"}
+    for cls in (EngineUnavailable, ServiceUnavailable, DeadlineExceeded, Overloaded):
+        assert cls("x").status_code == 503 and cls("x").headers()["Retry-After"] == "1", cls
 
 
 # ---- strict request models (issue 12: bad input never a 500, nothing ignored) ------------
@@ -203,6 +233,8 @@ def _refusal(fields: dict[str, object], parse: str = "chat") -> InvalidRequest:
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
         ({"max_tokens": 8, "max_completion_tokens": 9}, "max_completion_tokens"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),  # up to 16 pairs
+        ({"metadata": {"k": 1}}, "metadata.k"),
     ],
 )
 def test_wrong_types_and_ranges_are_400s_naming_the_field(
@@ -294,6 +326,7 @@ def test_neutral_values_openai_clients_send_are_accepted() -> None:
             user="end-user-7",
             metadata={"team": "search"},
             prompt_cache_key="k",
+            safety_identifier="end-user-7",
             stream_options={"include_usage": False, "include_obfuscation": True},
             messages=[
                 {"role": "system", "content": "be brief"},
@@ -315,6 +348,14 @@ def test_neutral_values_openai_clients_send_are_accepted() -> None:
     )
     assert [r for r, _ in req.messages] == ["system", "user", "assistant", "user"]
     assert api.parse_chat(_chat(tool_choice="auto", tools=None), MODEL).kind == "chat"
+    for neutral in (
+        {"service_tier": "default"},
+        {"function_call": "none"},
+        {"function_call": "auto"},
+        {"audio": None, "prediction": None, "reasoning_effort": None},
+        {"verbosity": None, "web_search_options": None},
+    ):
+        assert api.parse_chat(_chat(**neutral), MODEL).kind == "chat", neutral
     done = api.parse_completion(
         {"model": MODEL, "prompt": "p", "echo": False, "best_of": 1, "suffix": "", "n": 1},
         MODEL,
@@ -349,6 +390,7 @@ def test_sampling_vllm_can_honour_is_carried() -> None:
     "raw,needle",
     [
         (b'{"model": "m", "seed": ' + b"9" * 5000 + b"}", "5000 digits"),  # once a 500
+        (b'{"model": "m", "metadata": {"a": ' + b"9" * 4301 + b"}}", "4301 digits"),
         (b"[" * 50_000 + b"]" * 50_000, "nests"),  # once a RecursionError (500)
         (b'{"model": "m", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nests"),
         (b'{"temperature": NaN}', "NaN"),
@@ -361,6 +403,14 @@ def test_malformed_bodies_are_400s(raw: bytes, needle: str) -> None:
     with pytest.raises(InvalidRequest) as err:
         api.parse_body(raw, "application/json")
     assert needle in err.value.message
+
+
+def test_metadata_of_16_string_pairs_is_accepted() -> None:
+    api.parse_chat(_chat(metadata={f"k{i}": "v" for i in range(16)}), MODEL)
+
+
+def test_an_integer_of_4300_digits_is_json() -> None:
+    assert api.parse_body(b'{"a": ' + b"9" * 4300 + b"}", "application/json") == {"a": 10**4300 - 1}
 
 
 def test_error_bodies_always_encode_and_name_no_internals() -> None:

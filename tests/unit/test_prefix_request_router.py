@@ -9,6 +9,7 @@ import asyncio
 import uuid
 from typing import Any
 
+import pytest
 from ray import cloudpickle
 from ray.serve._private.common import (
     DeploymentHandleSource,
@@ -20,6 +21,7 @@ from ray.serve._private.request_router.common import PendingRequest
 
 from engines.base import GenerateRequest
 from orchestrator.cluster import route_notes
+from orchestrator.cluster.deadlines import CallTimedOut
 from orchestrator.cluster.prefix_router import PrefixAwareRouter, prefill_router_config
 from policies.prefix_routing import PrefixRoutingSettings
 
@@ -180,5 +182,43 @@ def test_the_turn_reads_the_note_when_serve_ships_both_sides_by_value() -> None:
         replica = await serve.route("s-1", list(range(8)))
         note = take("s-1")
         assert note is not None and (note.replica, note.reason) == (replica, "least_loaded")
+
+    asyncio.run(story())
+
+
+def test_an_endpoint_lookup_past_its_deadline_routes_without_it_and_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The GCS does not answer the lookup of the engine's KV-event endpoint within its
+    # deadline (orchestrator.cluster.kv_events.lookup_endpoint: 1 s).
+    asked: list[str] = []
+
+    def lookup(replica: str) -> str | None:
+        asked.append(replica)
+        raise CallTimedOut("the GCS lookup of an engine's KV events endpoint", 1.0)
+
+    # Where the router's method finds it: once Serve has shipped the class by value
+    # (the test above), its methods' globals are a copy of the module's.
+    monkeypatch.setitem(PrefixAwareRouter._find_publishers.__globals__, "lookup_endpoint", lookup)
+
+    async def story() -> None:
+        serve = Serve([FakeReplica("a"), FakeReplica("b")])
+        serve.router.initialize_state(
+            block_size_tokens=BLOCK,
+            imbalance_threshold=2,
+            max_index_entries=1000,
+            ttl_s=600.0,
+            kv_events=True,
+        )
+        now = [100.0]
+        serve.router._clock = lambda: now[0]
+        prompt = list(range(16))
+        # Routed all the same, by kvtide's record alone.
+        first = await serve.route("r1", prompt)
+        assert sorted(asked) == ["a", "b"]
+        # Looked up again later: not within the second, then once it has passed.
+        assert await serve.route("r2", prompt) == first and sorted(asked) == ["a", "b"]
+        now[0] += 1.0
+        assert await serve.route("r3", prompt) == first and sorted(asked) == ["a", "a", "b", "b"]
 
     asyncio.run(story())

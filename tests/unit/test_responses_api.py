@@ -24,6 +24,7 @@ from test_router import FakePool
 from test_vllm_layer import scripted
 
 from engines.base import GenerateChunk, GenerateRequest
+from orchestrator.config import parse_config
 from orchestrator.errors import RequestError
 
 
@@ -406,3 +407,33 @@ def test_a_stored_response_is_not_replayed_as_a_stream(ingress: Any) -> None:
 def test_a_null_is_the_fields_default(ingress: Any, field: str) -> None:
     status, body = create(ingress, input="hello", **{field: None})
     assert status == 200, body
+
+
+def test_a_background_response_is_refused_naming_the_field(ingress: Any) -> None:
+    status, body = create(ingress, input="hello", background=True)
+    assert status == 400 and body["error"]["param"] == "background", body
+    assert "background: false" in body["error"]["message"]
+    # The store's bounds by default: 64 MiB a key, 256 MiB in all.
+    server = parse_config({}).server
+    assert (server.responses_max_mib_per_key, server.responses_max_mib) == (64, 256)
+
+
+def test_a_session_the_client_names_is_the_chains_and_is_never_closed_by_it(
+    ingress: Any,
+) -> None:
+    body = json.dumps({"model": MODEL, "max_output_tokens": 4, "input": "hello"}).encode()
+    status, first = asyncio.run(
+        handle(ingress, "/v1/responses", body, authorization=f"Bearer {KEY_A}", x_session_id="mine")
+    )
+    assert status == 200 and first["kvtide"]["session_id"] == "mine", first
+    # Deleting its response closes nothing: the session is the client's.
+    assert delete(ingress, first["id"])["deleted"] is True
+    assert asyncio.run(ingress.kv.session("mine")).known
+    # store: false with the header still runs in that session.
+    body = json.dumps(
+        {"model": MODEL, "max_output_tokens": 4, "input": "again", "store": False}
+    ).encode()
+    status, second = asyncio.run(
+        handle(ingress, "/v1/responses", body, authorization=f"Bearer {KEY_A}", x_session_id="mine")
+    )
+    assert status == 200 and second["kvtide"]["session_id"] == "mine", second

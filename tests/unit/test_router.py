@@ -610,6 +610,11 @@ def test_the_report_names_the_prefill_engine_and_why_the_router_chose_it() -> No
         0,
     )
 
+    # With prefix routing, a request the router left no note for: Serve chose by load.
+    router = make_router(FakePool(plain), FakePool(decode_script), prefill_routes=notes.take)
+    report = asyncio.run(turn(router, list(range(100)), None)).as_dict()
+    assert (report["prefill_route_reason"], report["prefill_matched_tokens"]) == ("unrecorded", 0)
+
 
 def test_the_report_carries_the_decode_engines_step_time() -> None:
     # The decode engine's finished chunk says how long its steps took by its own clock:

@@ -375,6 +375,7 @@ def stream_of(
     clock: FakeClock,
     *,
     error_after: int | None = None,
+    error_code: str = "engine_unavailable",
     drop_after: int | None = None,
     replayed: bool = False,
 ) -> Script:
@@ -396,7 +397,7 @@ def stream_of(
             events.append((0.1, sse({**base, "choices": [choice], "usage": so_far})))
         if error_after is not None:
             error = {"message": "no decode engine left", "type": "server_error"}
-            error |= {"param": None, "code": "engine_unavailable"}
+            error |= {"param": None, "code": error_code}
             events.append((0.1, sse({"error": error, "kvtide": {"completion_tokens": 3}})))
         else:
             usage = {"prompt_tokens": 30, "completion_tokens": len(words), "total_tokens": 0}
@@ -514,6 +515,22 @@ def test_a_broken_stream_is_not_continued_past_its_budget_or_without_a_count(
     with pytest.raises(EngineUnavailableError):
         list(session.stream("x", max_tokens=3))
     assert len(server.chats()) == 1 and session.messages == []
+
+
+@pytest.mark.parametrize("code", ["engine_unavailable", "service_unavailable", "stream_failed"])
+def test_a_failed_stream_is_continued_up_to_max_retries_times(
+    server: FakeKVTide, sleeps: list[float], code: str
+) -> None:
+    session = make_client(server, sleeps, max_retries=1).session(model=MODEL, renew_every_s=None)
+    # Both the stream and its one continuation fail: a second continuation is not sent.
+    server.script = [
+        stream_of(["Once", " upon", " a"], server.clock, error_after=1, error_code=code),
+        stream_of([" upon", " a"], server.clock, error_after=1, error_code=code),
+    ]
+    with pytest.raises(KVTideAPIError) as err:
+        list(session.stream("tell me", max_tokens=32))
+    assert err.value.code == code
+    assert len(server.chats()) == 2 and session.messages == []
 
 
 def test_async_stream_goes_on_after_an_engine_failure(
@@ -654,6 +671,20 @@ def test_turn_in_progress_then_replay_runs_the_turn_once(
     assert sleeps == [0.5, 2.0]  # backoff, then the server's retry-after
     assert result.text == "answer 1 from kvtide" and result.num_attempts == 3
     assert len(session.turns) == 1
+
+
+def test_a_turn_still_running_past_the_retry_budget_raises_the_409(
+    server: FakeKVTide, sleeps: list[float]
+) -> None:
+    # The turn's ingress died with it: the server answers 409 until its book forgets it.
+    session = make_client(server, sleeps, max_retries=2).session(model=MODEL, renew_every_s=None)
+    in_progress = error_response(409, "turn_in_progress", "turn still running")
+    server.script = [lambda r: in_progress] * 3
+    with pytest.raises(KVTideAPIError) as info:
+        session.send("hello")
+    assert (info.value.status_code, info.value.code) == (409, "turn_in_progress")
+    assert len(server.chats()) == 3 and len(set(server.keys())) == 1  # one key throughout
+    assert session.turns == []
 
 
 @pytest.mark.parametrize(

@@ -189,6 +189,22 @@ def test_decode_keeps_blocks_only_when_asked_and_a_drain_frees_the_prefill_copy(
     run(story())
 
 
+def test_a_prefills_blocks_nobody_reads_are_kept_for_the_prefill_lease() -> None:
+    """vLLM's ``kv_lease_duration`` (``kv.prefill_lease_s``), not the decode TTL."""
+
+    async def story() -> None:
+        async with Pair(prefill_lease_s=90) as pair:
+            p = pair.prefill
+            assert (await collect(p, req("a-p", PROMPT, 1, KEEP)))[-1].kv_transfer_params
+            assert p.stats().kv_cache_usage == 13 / 64  # kept for the decode's read
+            pair.clock.advance(89.0)
+            assert p.stats().kv_cache_usage == 13 / 64
+            pair.clock.advance(2.0)  # the lease ran out, nobody read them: free
+            assert p.stats().kv_cache_usage == 0
+
+    run(story())
+
+
 def test_without_kvtide_connector_decode_keeps_every_finished_request() -> None:
     async def story() -> None:
         async with Pair(per_request_keep=False) as pair:  # vLLM's own NixlConnector

@@ -9,7 +9,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from ingress_harness import MODEL, bare_ingress, handle
+from ingress_harness import MODEL, bare_ingress, handle, http_request
 from test_router import FakePool
 
 from engines.base import GenerateChunk, GenerateRequest
@@ -73,3 +73,51 @@ def _out() -> Any:
     from orchestrator.serve.responses import Output
 
     return Output()
+
+
+class _CompleteFails:
+    """The KV service, whose ``replay_complete`` fails with an error no refusal names."""
+
+    def __init__(self, kv: Any) -> None:
+        self._kv = kv
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kv, name)
+
+    async def replay_complete(self, *args: Any) -> None:
+        raise RuntimeError("ActorDiedError: actor 4f2a pid=4242 in /opt/kvtide/x.py")
+
+
+def test_a_stream_failing_on_an_unexpected_error_ends_with_stream_failed(
+    tiny_tokenizer: Any,
+) -> None:
+    ingress = bare_ingress(tiny_tokenizer, kv=_CompleteFails)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+    async def run() -> None:
+        status, text = await handle(ingress, CHAT, json.dumps(body).encode(), idempotency_key="k")
+        assert status == 200
+        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        assert last["error"]["code"] == "stream_failed" and last["error"]["type"] == "server_error"
+        assert not any(word in events[-2] for word in ("Actor", "4242", "/opt", "RuntimeError"))
+
+    asyncio.run(run())
+
+
+def test_a_stream_whose_client_went_away_counts_as_cancelled(tiny_tokenizer: Any) -> None:
+    ingress = bare_ingress(tiny_tokenizer)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+    async def run() -> None:
+        request, _ = http_request(CHAT, json.dumps(body).encode())
+        routes = ingress.routes
+        response = await routes.edge.traced(request, "chat", routes.own.chat)
+        events = response.body_iterator
+        assert (await events.__anext__()).startswith("data: ")
+        await events.aclose()  # the client left after the first event
+        await ingress.router.settled()
+
+    asyncio.run(run())
+    assert statuses(ingress) == {'kvtide_requests_total{status="cancelled"}': 1.0}

@@ -140,6 +140,24 @@ def test_logprobs_come_back_in_openai_shape(ingress: Any) -> None:
     assert decode_requests(ingress)[0].sampling_params.logprobs == 2
 
 
+def test_a_replay_is_the_first_answer_streamed_only_if_it_was_streamed(ingress: Any) -> None:
+    ingress.router.decode.script = scripted("hi")
+    path, body = "/v1/chat/completions", chat(logprobs=True)
+    first = asyncio.run(handle(ingress, path, body, idempotency_key="v1"))
+    assert first[0] == 200, first
+    ran = len(decode_requests(ingress))
+    assert asyncio.run(handle(ingress, path, body, idempotency_key="v1")) == first
+    # Asked as a stream, the unstreamed turn is not replayed: 422 naming the key.
+    streamed = chat(logprobs=True, stream=True)
+    status, refused = asyncio.run(handle(ingress, path, streamed, idempotency_key="v1"))
+    assert status == 422 and refused["error"]["param"] == "Idempotency-Key", refused
+    # A streamed turn replays as the same stream.
+    events = asyncio.run(handle(ingress, path, streamed, idempotency_key="v2"))
+    assert events[0] == 200 and "data: [DONE]" in events[1]
+    assert asyncio.run(handle(ingress, path, streamed, idempotency_key="v2")) == events
+    assert len(decode_requests(ingress)) == ran + 1  # each key's turn ran once
+
+
 def test_n_choices_share_one_prompt_and_only_the_first_keeps_the_session(ingress: Any) -> None:
     ingress.router.decode.script = scripted("ok")
     status, body = asyncio.run(
@@ -191,6 +209,11 @@ def test_vllms_refusals_are_400s_naming_the_field(ingress: Any) -> None:
     )
     assert status == 400, body
     assert "tool" in body["error"]["message"]
+    # In kvtide's words, as every refusal: no exception's name.
+    assert (body["error"]["type"], body["error"]["code"]) == (
+        "invalid_request_error",
+        "invalid_request",
+    )
     status, body = asyncio.run(
         handle(
             ingress,
@@ -199,6 +222,53 @@ def test_vllms_refusals_are_400s_naming_the_field(ingress: Any) -> None:
         )
     )
     assert status == 400 and body["error"]["param"] == "logprobs", body
+
+
+def test_tool_choice_auto_is_parsed_with_the_tiny_models_hermes_parser(ingress: Any) -> None:
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    ingress.router.decode.script = scripted(call)
+    status, body = asyncio.run(
+        handle(ingress, "/v1/chat/completions", chat(tools=TOOLS, tool_choice="auto"))
+    )
+    assert status == 200, body
+    (tool_call,) = body["choices"][0]["message"]["tool_calls"]
+    assert tool_call["function"]["name"] == "get_weather"
+    assert json.loads(tool_call["function"]["arguments"]) == {"city": "Paris"}
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_tool_choice_auto_without_a_parser_is_vllms_400(tiny_tokenizer: Any) -> None:
+    ingress = bare_ingress(tiny_tokenizer, model={"enable_auto_tool_choice": False})
+    status, body = asyncio.run(
+        handle(ingress, "/v1/chat/completions", chat(tools=TOOLS, tool_choice="auto"))
+    )
+    assert status == 400 and "auto" in body["error"]["message"], body
+    # vLLM's message, in kvtide's words around it (vLLM's type is an exception's name).
+    assert (body["error"]["type"], body["error"]["code"]) == (
+        "invalid_request_error",
+        "invalid_request",
+    )
+    assert not decode_requests(ingress)
+
+
+def test_a_failure_inside_vllms_layer_is_a_500_that_names_nothing_internal() -> None:
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    from orchestrator.serve.vllm_api import error_of
+
+    # vLLM's server answers an exception it did not expect with its text.
+    failed = error_of(create_error_response(RuntimeError("ActorDiedError pid=4242 /opt/x.py")))
+    body = failed.body()
+    assert failed.status_code == 500
+    assert (body["error"]["type"], body["error"]["code"]) == ("server_error", "internal_error")
+    assert not any(word in json.dumps(body) for word in ("Actor", "4242", "/opt", "Runtime"))
+
+
+def test_logprobs_from_engines_that_return_none_are_a_400_naming_them(ingress: Any) -> None:
+    # The simulated engine's decode, as the default fake pool's: tokens, no logprobs.
+    status, body = asyncio.run(handle(ingress, "/v1/chat/completions", chat(logprobs=True)))
+    assert status == 400 and body["error"]["param"] == "logprobs", body
+    assert "leave logprobs out" in body["error"]["message"]
 
 
 def test_a_field_neither_layer_knows_is_refused_by_name(ingress: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -185,3 +186,44 @@ def test_a_decode_engine_measures_its_prefill_time_per_token() -> None:
 def test_a_measurement_that_fails_reports_nothing() -> None:
     assert measured(TimedDecode(per_token_s=0.0014, fail_at=512)) is None
     assert measured(TimedDecode(per_token_s=0.0)) is None  # the longer was not slower
+
+
+def test_a_read_back_that_hangs_is_given_up_at_its_step_deadline_each_try() -> None:
+    class HungReads(FlakyPrefill):
+        async def _hung(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+            await asyncio.Event().wait()  # the read of decode's blocks never completes
+            yield GenerateChunk(request_id=request.request_id)
+
+        def __call__(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+            params = request.kv_transfer_params
+            if params is not None and params.remote_block_ids:
+                self.request_ids.append(request.request_id)
+                return self._hung(request)
+            return self.engine.generate(request)
+
+    async def story() -> tuple[WarmUp, float, list[str]]:
+        clock, fabric = VirtualClock(), SimulatedFabric()
+        prefill_engine, decode = (
+            _engine("p0", "prefill", clock, fabric),
+            _engine("d0", "decode", clock, fabric),
+        )
+        await prefill_engine.start()
+        info = await decode.start()
+        prefill = HungReads(prefill_engine)
+        t0 = time.monotonic()
+        result = await warm_up_transfers(
+            decode.generate,
+            prefill,
+            name="d0-0",
+            num_prompt_tokens=warm_up_prompt_tokens(16, 64),
+            vocab_size=info.vocab_size,
+            step_timeout_s=0.2,
+            clock=clock.time,
+        )
+        return result, time.monotonic() - t0, prefill.request_ids
+
+    result, took_s, reads = asyncio.run(story())
+    # 3 tries, each given up after 0.2 s; the engine then serves anyway.
+    assert not result.sent_back and result.attempts == 3
+    assert reads == ["warmup-d0-0-1-r", "warmup-d0-0-2-r", "warmup-d0-0-3-r"]
+    assert took_s < 3 * 0.2 + 2.0
