@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from placement.errors import DuplicateEngine, UnknownEngine
-from placement.plan import EngineRequest, ShardAssignment, Unplaceable
+from placement.plan import EngineRequest, EngineShards, ShardAssignment, Unplaceable
 from placement.planner import describe_domains
 from placement.topology import ClusterLedger, ClusterSnapshot, ClusterTopology, NodeClaim
 
@@ -20,21 +20,10 @@ __all__ = ["FirstFitPlacement", "FirstFitPlanner"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class FirstFitPlacement:
+class FirstFitPlacement(EngineShards):
     """A first-fit placement; unlike `PlacementPlan` it may cover several domains."""
 
-    engine_id: str
-    tp_size: int
-    shards: tuple[ShardAssignment, ...]
     domain_ids: tuple[str, ...]
-
-    @property
-    def node_ids(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(shard.node_id for shard in self.shards))
-
-    @property
-    def num_nodes(self) -> int:
-        return len(self.node_ids)
 
     @property
     def spans_domains(self) -> bool:

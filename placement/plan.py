@@ -15,6 +15,7 @@ from placement.topology import DomainState
 __all__ = [
     "MAX_TP_SIZE",
     "EngineRequest",
+    "EngineShards",
     "PlacementDecision",
     "PlacementPlan",
     "ShardAssignment",
@@ -77,7 +78,26 @@ class ShardAssignment:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PlacementPlan:
+class EngineShards:
+    """One engine's shards, wherever a planner put them (`PlacementPlan`, or the
+    baseline's `FirstFitPlacement`), in rank order."""
+
+    engine_id: str
+    tp_size: int
+    shards: tuple[ShardAssignment, ...]
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        """The engine's nodes, the one holding rank 0 first."""
+        return tuple(dict.fromkeys(shard.node_id for shard in self.shards))
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_ids)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlacementPlan(EngineShards):
     """Everything the code that calls Ray needs to know about one engine's placement.
 
     Contract: all shards are in `domain_id`; `shards` are ordered by rank, ranks on
@@ -85,11 +105,8 @@ class PlacementPlan:
     rank 0 comes first. `bundles` follows the same order.
     """
 
-    engine_id: str
     role: str
-    tp_size: int
     domain_id: str
-    shards: tuple[ShardAssignment, ...]
 
     def __post_init__(self) -> None:
         if len(self.shards) != self.tp_size:
@@ -102,15 +119,6 @@ class PlacementPlan:
                 if shard.node_id in seen:
                     raise ValueError(f"ranks on node {shard.node_id!r} are not contiguous")
                 seen.append(shard.node_id)
-
-    @property
-    def node_ids(self) -> tuple[str, ...]:
-        """The engine's nodes, the one holding rank 0 first."""
-        return tuple(dict.fromkeys(shard.node_id for shard in self.shards))
-
-    @property
-    def num_nodes(self) -> int:
-        return len(self.node_ids)
 
     def shards_on(self, node_id: str) -> tuple[ShardAssignment, ...]:
         return tuple(shard for shard in self.shards if shard.node_id == node_id)

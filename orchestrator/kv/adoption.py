@@ -45,10 +45,11 @@ def restore_running(
     lease's mark ends on its lessee's evidence (``RestoredLeases``), ``lease_lapse_s``
     after its claim at the latest."""
     wall = running.wall_clock()
+    grace_s = running.state.running_grace_s
     for sid, raw in entries(store, RUNNING_PREFIX):
         mark = read_running(raw)
-        age = running.grace_s if mark is None else wall - mark.claimed_wall_s
-        if mark is None or not 0 <= age < running.grace_s:
+        age = grace_s if mark is None else wall - mark.claimed_wall_s
+        if mark is None or not 0 <= age < grace_s:
             store.delete(RUNNING_PREFIX + sid)
             continue
         running.restored(sid, now - age)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from orchestrator.kv.messages import LeaseWatch, TurnLease
 from orchestrator.kv.ownership import SessionOwners
@@ -22,30 +23,19 @@ from policies.turn_state import TurnState
 __all__ = ["LeaseDesk"]
 
 
+@dataclass(kw_only=True, eq=False)
 class LeaseDesk:
     """Grants, revocations and uses of turn leases, and the restored marks of a previous
     instance's unused ones (``TurnState.restored``)."""
 
-    def __init__(
-        self,
-        *,
-        state: TurnState,
-        book: LeaseBook,
-        effects: TurnEffects,
-        running: RunningTurns,
-        tokens: SessionTokens,
-        owners: SessionOwners,
-        epoch: str,
-        clock: Callable[[], float],
-    ) -> None:
-        self.state = state
-        self.book = book
-        self.effects = effects
-        self.running = running
-        self.tokens = tokens
-        self.owners = owners
-        self.epoch = epoch
-        self.clock = clock
+    state: TurnState
+    book: LeaseBook
+    effects: TurnEffects
+    running: RunningTurns
+    tokens: SessionTokens
+    owners: SessionOwners
+    epoch: str
+    clock: Callable[[], float]
 
     def grant(
         self,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -55,32 +56,20 @@ def whole_turn_done(done: TurnDone, tokens: SessionTokens) -> TurnDone | None:
     )
 
 
+@dataclass(kw_only=True, eq=False)
 class SessionTurns:
     """Claims, begins, hands over and abandons sessions' turns; closes sessions."""
 
-    def __init__(
-        self,
-        *,
-        state: TurnState,
-        effects: TurnEffects,
-        decider: KVDecider,
-        tokens: SessionTokens,
-        owners: OwnerMarks,
-        running: RunningTurns,
-        leases: LeaseDesk,
-        drains: Drains,
-        clock: Callable[[], float],
-    ) -> None:
-        self.state = state
-        self.effects = effects
-        self.decider = decider
-        self.tokens = tokens
-        self.owners = owners
-        self.running = running
-        self.leases = leases
-        self.drains = drains
-        self.clock = clock
-        self._closing: set[asyncio.Task[bool]] = set()
+    state: TurnState
+    effects: TurnEffects
+    decider: KVDecider
+    tokens: SessionTokens
+    owners: OwnerMarks
+    running: RunningTurns
+    leases: LeaseDesk
+    drains: Drains
+    clock: Callable[[], float]
+    _closing: set[asyncio.Task[bool]] = field(default_factory=set, init=False)
 
     def prefix(self, session_id: str, principal: Principal | None) -> SessionPrefix:
         """The session's last turn; ``owned`` False (and nothing else) when another API

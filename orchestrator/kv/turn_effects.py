@@ -7,6 +7,7 @@ the service's."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from orchestrator.kv.drains import Drains
 from orchestrator.kv.turn_marks import OwnerMarks, RunningTurns
@@ -15,21 +16,14 @@ from policies.turn_state import ClearRunning, MarkRunning, TouchOwner, TurnEffec
 __all__ = ["TurnEffects"]
 
 
+@dataclass(kw_only=True, eq=False)
 class TurnEffects:
     """Applies a list of ``TurnEffect``s."""
 
-    def __init__(
-        self,
-        *,
-        running: RunningTurns,
-        owners: OwnerMarks,
-        drains: Drains,
-        clock: Callable[[], float],
-    ) -> None:
-        self.running = running
-        self.owners = owners
-        self.drains = drains
-        self.clock = clock
+    running: RunningTurns
+    owners: OwnerMarks
+    drains: Drains
+    clock: Callable[[], float]
 
     def apply(
         self, effects: Iterable[TurnEffect], candidates: Sequence[Sequence[int] | None] = ()

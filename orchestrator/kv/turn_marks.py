@@ -3,10 +3,10 @@ its ``DurableStore`` (formats: ``orchestrator.kv.marks``).
 
 ``RunningTurns``: one turn per session at once. A session's running turn is marked when
 it is claimed (or held for an ingress replica by a turn lease) and cleared when it ends;
-a mark older than ``grace_s`` is stale (its ingress is gone): those rules are
-``policies.turn_state``'s, and this part applies them. The marks are written through, so
-a restarted service still refuses a second turn of a session whose turn its ingress is
-running. A turn hands itself over (``turn_done``) after its client has its last token:
+a mark older than the state's ``running_grace_s`` is stale (its ingress is gone): those
+rules are ``policies.turn_state``'s, and this part applies them. The marks are written
+through, so a restarted service still refuses a second turn of a session whose turn its
+ingress is running. A turn hands itself over (``turn_done``) after its client has its last token:
 the session's next turn waits ``handover_wait_s`` for it (``wait_ended``).
 
 ``OwnerMarks``: the owner book's durable entries, each rewritten whenever the owner's
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.kv.durable import DurableStore, WriteBehind
@@ -29,37 +30,21 @@ from policies.turn_state import ClearRunning, MarkRunning, TurnState
 __all__ = ["OwnerMarks", "RunningTurns"]
 
 
+@dataclass(kw_only=True, eq=False)
 class RunningTurns:
     """The running marks in the store, and the waits on them: applies the turn state's
     ``MarkRunning`` and ``ClearRunning`` (``policies.turn_state``, which keeps the marks'
     times and decides when they are set and cleared), and a session's next turn waits
     here for its running one to end."""
 
-    def __init__(
-        self,
-        *,
-        state: TurnState,
-        marks: DurableStore | WriteBehind,
-        handover_wait_s: float,
-        wall_clock: Callable[[], float],
-    ) -> None:
-        self.state = state
-        self.marks = marks
-        self.handover_wait_s = handover_wait_s
-        self.wall_clock = wall_clock
-        self._ended: dict[str, asyncio.Event] = {}
+    state: TurnState
+    marks: DurableStore | WriteBehind
+    handover_wait_s: float
+    wall_clock: Callable[[], float]
+    _ended: dict[str, asyncio.Event] = field(default_factory=dict, init=False)
 
     def __contains__(self, session_id: object) -> bool:
         return session_id in self.state
-
-    @property
-    def grace_s(self) -> float:
-        """How long a running mark holds (older, it is stale: its ingress is gone)."""
-        return self.state.running_grace_s
-
-    @grace_s.setter
-    def grace_s(self, value: float) -> None:
-        self.state.running_grace_s = value
 
     def restored(self, session_id: str, started_s: float) -> None:
         """A turn a previous instance marked (its mark is already in the store)."""

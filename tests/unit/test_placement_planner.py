@@ -154,6 +154,8 @@ def test_first_fit_spans_domains_where_the_planner_does_not() -> None:
         (tray("b", 1), 0),
         (tray("b", 1), 1),
     ]
+    assert packed.node_ids == (tray("a", 17), tray("b", 0), tray("b", 1))
+    assert packed.num_nodes == 3
     assert packed.domain_ids == ("nvl72-a", "nvl72-b")
     assert packed.spans_domains
 
