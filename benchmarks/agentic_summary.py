@@ -81,6 +81,8 @@ class Summary:
     """Later turns run on the decode engine that kept their history (plan ``extend``)."""
     extended_moved: int | None = None
     """The KV bytes the engines moved for those turns (None: none reported)."""
+    plan_reasons: dict[str, int] = field(default_factory=dict)
+    """Why later turns offered a pull extended or pulled (their ``extend_reason``)."""
 
 
 REPORT_PARTS = ("ingress_s", "service_s", "prefill_s", "num_cached_tokens")
@@ -114,6 +116,9 @@ def summarize(
         itl_p99=_p(gaps, 0.99),
         num_extended=len(extended),
         extended_moved=sum(extended_moved) if extended_moved else None,
+        plan_reasons=collections.Counter(
+            str(t.report["extend_reason"]) for t in later if t.report.get("extend_reason")
+        ),
         tokens_per_s=sum(t.output_tokens for t in done) / run.wall_s,
         goodput=sum(1 for t in done if t.ttft_s <= ttft_target_s) / run.wall_s,
         sources=collections.Counter(
@@ -275,6 +280,9 @@ def _target_lines(
         checks.append((f"TTFT p50 at {late}, {mode} / {agg}", ttft, {"at_most": 1.2}))
         checks.append((f"ITL p99 {mode} / {agg}", itl, {"below": 1.0}))
     lines = ["", f"{mode}: {k.num_extended} later turns extended on decode"]
+    if k.plan_reasons:
+        why = ", ".join(f"{r} {n}" for r, n in sorted(k.plan_reasons.items()))
+        lines[-1] += f"; extend or pull, by reason: {why}"
     lines += [target(what, value, **bound) for what, value, bound in checks]
     if k.moved_ratio_cached is not None:
         lines.append(

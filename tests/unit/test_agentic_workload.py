@@ -102,7 +102,7 @@ def test_each_target_is_met_or_missed_by_how_much() -> None:
 
 def test_the_targets_read_the_extended_turns_and_the_setups_without_the_plan() -> None:
     extended = _turn(2, 0.1, 0)
-    extended.report["kv_plan"] = "extend"
+    extended.report |= {"kv_plan": "extend", "extend_reason": "short_increment"}
     extended.gaps = [0.01] * 99 + [0.05]
     k = summarize(Run("kvtide", [extended], wall_s=1.0), WORK, 0.5, 4, 4096)
     pulled = summarize(
@@ -112,6 +112,8 @@ def test_the_targets_read_the_extended_turns_and_the_setups_without_the_plan() -
     args = arguments().parse_args(["--kv-blocks", "64", "--budget-mib", "1"])
     table = format_summaries([k, pulled], WORK, args)
     assert "KV bytes moved for the 1 extended turns = 0 (target 0): met" in table
+    assert "kvtide: 1 later turns extended on decode; extend or pull, by reason: " in table
+    assert "by reason: short_increment 1" in table
     # p99 of 100 gaps, 50 ms against kvtide-pull's 20 ms.
     assert (
         "ITL p99 kvtide / kvtide-pull (without the plan) = 2.50x (target <= 1x): missed by 2.50x"
