@@ -31,11 +31,14 @@ Memory is made scarce on purpose: each engine gets ``--kv-blocks`` KV blocks (an
 ``--budget-mib`` for idle sessions), fewer than every session's history needs, so kept
 KV is evicted and turns fall back to recompute.
 
-Printed per setup: TTFT p50 by turn index and p90 over turns >= 4, ITL p90, output
-throughput, goodput (turns within ``--ttft-target-s`` per second), kvtide's KV sources
-and recompute reasons, and the KV bytes moved per turn (as the engines measured them,
-where the report carries them) against the new tokens' KV. Then the ratios the issue's
-targets are stated in, and kvtide's KV integrity checks (``--integrity-fraction`` of the
+Printed per setup: TTFT p50 by turn index and p90 over turns >= 4, ITL p90 and p99,
+output throughput, goodput (turns within ``--ttft-target-s`` per second), kvtide's KV
+sources and recompute reasons, and the KV bytes moved per turn (as the engines measured
+them, where the report carries them) against the new tokens' KV. Then each of the
+issue's targets for each kvtide setup, met or missed and by how much (later turns' TTFT
+against plain P/D and the aggregated engine, the last turn's against turn 2, bytes
+moved, 0 for extended turns, ITL p99 against ``kvtide-pull`` and the aggregated
+engine), and kvtide's KV integrity checks (``--integrity-fraction`` of the
 turns that pull KV back, computed again without reuse off the client's path, on the same
 prefill engine: docs/kv_lifecycle.md#integrity-check): matches, mismatches (target 0),
 skipped, and the engine pairs whose reuse a mismatch turned off; for ``kvtide-host``

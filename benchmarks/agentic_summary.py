@@ -76,6 +76,13 @@ class Summary:
     pulled back): what moves is the new tokens' KV, prefill to decode."""
     parts: dict[str, float | None] = field(default_factory=dict)
     """p50 at the late turns of the turn report's parts (``REPORT_PARTS``)."""
+    itl_p99: float | None = None
+    num_extended: int = 0
+    """Later turns run on the decode engine that kept their history (plan ``extend``)."""
+    extended_moved: int | None = None
+    """The KV bytes the engines moved for those turns (None: none reported)."""
+    plan_reasons: dict[str, int] = field(default_factory=dict)
+    """Why later turns offered a pull extended or pulled (their ``extend_reason``)."""
 
 
 REPORT_PARTS = ("ingress_s", "service_s", "prefill_s", "num_cached_tokens")
@@ -96,6 +103,8 @@ def summarize(
     later = [t for t in done if t.index > 1]
     ratio = _moved_ratio(later, token_kv_bytes)
     cached = [t for t in later if t.report.get("kv_source") == "prefix_cache"]
+    extended = [t for t in later if t.report.get("kv_plan") == "extend"]
+    extended_moved = [m for t in extended if (m := _moved(t)) is not None]
     return Summary(
         mode=run.mode,
         ok=len(done),
@@ -104,6 +113,12 @@ def summarize(
         ttft_p50_late=_p(late, 0.5),
         ttft_p90_late=_p(late, 0.9),
         itl_p90=_p(gaps, 0.9),
+        itl_p99=_p(gaps, 0.99),
+        num_extended=len(extended),
+        extended_moved=sum(extended_moved) if extended_moved else None,
+        plan_reasons=collections.Counter(
+            str(t.report["extend_reason"]) for t in later if t.report.get("extend_reason")
+        ),
         tokens_per_s=sum(t.output_tokens for t in done) / run.wall_s,
         goodput=sum(1 for t in done if t.ttft_s <= ttft_target_s) / run.wall_s,
         sources=collections.Counter(
@@ -139,6 +154,7 @@ def format_summaries(
     turns = list(range(1, work.turns + 1))
     head = ["setup", "ok/failed", *[f"TTFT t{i} ms" for i in turns]]
     head += [f"TTFT p50 t>={args.late_from}", f"p90 t>={args.late_from}", "ITL p90 ms"]
+    head += ["ITL p99 ms"]
     head += ["out tok/s", f"goodput/s @{args.ttft_target_s:g}s", "moved/new KV"]
     rows = []
     for s in summaries:
@@ -150,6 +166,7 @@ def format_summaries(
                 _ms(s.ttft_p50_late),
                 _ms(s.ttft_p90_late),
                 _ms(s.itl_p90),
+                _ms(s.itl_p99),
                 f"{s.tokens_per_s:.1f}",
                 f"{s.goodput:.2f}",
                 "-" if s.moved_ratio is None else f"{s.moved_ratio:.2f}x",
@@ -199,8 +216,35 @@ def _model_words(args: argparse.Namespace) -> str:
     return f"generated Llama, {layers} layers, hidden {hidden}"
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return "-" if a is None or b is None or a == 0 else f"{b / a:.2f}x"
+def _over(a: float | None, b: float | None) -> float | None:
+    """``a / b``; None where either is missing or ``b`` is 0."""
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def target(
+    what: str,
+    value: float | None,
+    *,
+    at_least: float | None = None,
+    at_most: float | None = None,
+    below: float | None = None,
+) -> str:
+    """One of the issue's targets, met or missed and by how much: ``value`` against
+    ``at_least``, ``at_most`` (inclusive) or ``below`` (strict)."""
+    if value is None:
+        return f"  {what}: not measured in this run"
+    if at_least is not None:
+        sign, bound, met = ">=", at_least, value >= at_least
+        short = at_least / value if value > 0 else None
+    elif at_most is not None:
+        sign, bound, met = "<=", at_most, value <= at_most
+        short = value / at_most
+    else:
+        assert below is not None
+        sign, bound, met = "<", below, value < below
+        short = value / below
+    verdict = "met" if met else "missed" if short is None else f"missed by {short:.2f}x"
+    return f"  {what} = {value:.2f}x (target {sign} {bound:g}x): {verdict}"
 
 
 def _target_lines(
@@ -210,35 +254,46 @@ def _target_lines(
     args: argparse.Namespace,
     integrity: Integrity | None,
 ) -> list[str]:
-    """The issue's targets for one kvtide setup, against the others in the run."""
+    """The issue's targets for one kvtide setup, against the others in the run, each
+    met or missed and by how much."""
     k = by[mode]
-    lines = ["", f"{mode}:"]
-    if "plain-pd" in by:
-        p = by["plain-pd"]
-        lines.append(
-            f"  TTFT p50 at turns >= {args.late_from}: plain P/D / {mode} = "
-            f"{_ratio(k.ttft_p50_late, p.ttft_p50_late)} (target >= 5x); throughput "
-            f"{mode} / plain P/D = {_ratio(p.tokens_per_s, k.tokens_per_s)} (target >= 1x)"
-        )
+    late = f"turns >= {args.late_from}"
+    plain, q, v = by.get("plain-pd"), by.get("kvtide-pull"), by.get("vllm")
     last, second = k.ttft_by_turn.get(work.turns), k.ttft_by_turn.get(2)
-    lines.append(
-        f"  TTFT p50 turn {work.turns} / turn 2 = {_ratio(second, last)} "
-        "(target <= 1.5x at the same new-token count)"
-    )
-    if "vllm" in by:
-        v = by["vllm"]
+    # (what, value, bound): each target of the issue this run can state.
+    checks: list[tuple[str, float | None, dict[str, float]]] = []
+    if plain is not None:
+        ttft = _over(plain.ttft_p50_late, k.ttft_p50_late)
+        out = _over(k.tokens_per_s, plain.tokens_per_s)
+        checks.append((f"TTFT p50 at {late}, plain P/D / {mode}", ttft, {"at_least": 5.0}))
+        checks.append((f"throughput {mode} / plain P/D", out, {"at_least": 1.0}))
+    turn_n = f"TTFT p50 turn {work.turns} / turn 2 (same new tokens)"
+    checks.append((turn_n, _over(last, second), {"at_most": 1.5}))
+    moved = "KV bytes moved per later turn / the new tokens' KV"
+    checks.append((moved, k.moved_ratio, {"at_most": 1.1}))
+    if q is not None and q is not k:
+        without = f"ITL p99 {mode} / kvtide-pull (without the plan)"
+        checks.append((without, _over(k.itl_p99, q.itl_p99), {"at_most": 1.0}))
+    if v is not None:
+        agg = "one aggregated vLLM engine"
+        ttft, itl = _over(k.ttft_p50_late, v.ttft_p50_late), _over(k.itl_p99, v.itl_p99)
+        checks.append((f"TTFT p50 at {late}, {mode} / {agg}", ttft, {"at_most": 1.2}))
+        checks.append((f"ITL p99 {mode} / {agg}", itl, {"below": 1.0}))
+    lines = ["", f"{mode}: {k.num_extended} later turns extended on decode"]
+    if k.plan_reasons:
+        why = ", ".join(f"{r} {n}" for r, n in sorted(k.plan_reasons.items()))
+        lines[-1] += f"; extend or pull, by reason: {why}"
+    lines += [target(what, value, **bound) for what, value, bound in checks]
+    if k.moved_ratio_cached is not None:
         lines.append(
-            f"  against one aggregated vLLM engine: ITL p90 vLLM / {mode} = "
-            f"{_ratio(k.itl_p90, v.itl_p90)} (target > 1x); TTFT p50 at turns >= "
-            f"{args.late_from} {mode} / vLLM = {_ratio(v.ttft_p50_late, k.ttft_p50_late)} "
-            "(target <= 1.5x)"
+            "  (bytes moved where the prefill engine held the history: "
+            f"{k.moved_ratio_cached:.2f}x)"
         )
-    if k.moved_ratio is not None:
-        cached = "-" if k.moved_ratio_cached is None else f"{k.moved_ratio_cached:.2f}x"
+    if k.num_extended:
+        moved = "not reported" if k.extended_moved is None else f"{k.extended_moved:,}"
+        met = "met" if k.extended_moved == 0 else "missed"
         lines.append(
-            f"  KV bytes moved per later turn / the new tokens' KV: {cached} where the "
-            f"prefill engine held the history (target <= 1.2x); {k.moved_ratio:.2f}x over "
-            "every later turn, the histories pulled back from decode or host memory among them"
+            f"  KV bytes moved for the {k.num_extended} extended turns = {moved} (target 0): {met}"
         )
     if integrity is not None:
         c = integrity.checks

@@ -206,6 +206,10 @@ class GenerateChunk(msgspec.Struct, frozen=True, kw_only=True):
     # from its own clock (first token to last, over the steps between); None where the
     # engine did not say or made fewer than two tokens.
     engine_step_s: float | None = None
+    # On the finished chunk: the engine's time from first scheduling the request to its
+    # first token, by its own clock (the steps that computed its prompt, or pulled it);
+    # None where the engine did not say.
+    engine_prefill_s: float | None = None
 
 
 class RequestFailed(RuntimeError):

@@ -59,6 +59,7 @@ __all__ = [
     "VLLMEngine",
     "add_reads",
     "engine_args_for",
+    "engine_prefill_s",
     "engine_step_s",
     "runs_kvtide_connector",
     "sampling_args_for",
@@ -265,6 +266,18 @@ def engine_step_s(stats: Any) -> float | None:
     return (last - first) / (num_tokens - 1)
 
 
+def engine_prefill_s(stats: Any) -> float | None:
+    """A request's time from its first scheduling to its first token, from vLLM's own
+    per-request timestamps (``RequestStateStats``, the engine core's clock); None without
+    stats or either timestamp."""
+    if stats is None:
+        return None
+    scheduled, first = float(stats.scheduled_ts), float(stats.first_token_ts)
+    if scheduled <= 0 or first < scheduled:
+        return None
+    return first - scheduled
+
+
 class VLLMEngine(EngineAdapter):
     """One vLLM engine in this process. Not thread-safe: use from one event loop."""
 
@@ -411,6 +424,7 @@ class VLLMEngine(EngineAdapter):
             stop_reason=completion.stop_reason if completion else None,
             prompt_logprobs=prompt_logprobs_of(out.prompt_logprobs),
             engine_step_s=engine_step_s(out.metrics) if out.finished else None,
+            engine_prefill_s=engine_prefill_s(out.metrics) if out.finished else None,
             kv_read_bytes=read_bytes,
         )
 

@@ -24,14 +24,17 @@ is what an in-place prefill of the increment adds to the decode engine's steps, 
 its other running sequences wait through; over ``itl_budget_s`` (with others running)
 the turn pulls. The per-token cost is the decode engine's own, as it measured it at
 start and reports it with its load (``PlanInputs.decode_prefill_s_per_token``), or,
-where it reported none, the calibration ``kv.extend_prefill_ms_per_token``.
+where it reported none, the calibration ``kv.extend_prefill_ms_per_token``. What it
+reports follows what it does while serving: ``PrefillCost`` starts at that measurement
+and folds in each in-place prefill the engine runs (``observe_prefill``: the time the
+prefill added to its steps over its tokens), smoothed and bounded.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from policies.kv_records import (
     HOST_POOL,
@@ -49,11 +52,15 @@ __all__ = [
     "PlanChoice",
     "PlanInputs",
     "PlanReason",
+    "PrefillCost",
+    "PrefillCostSettings",
     "choose_plan",
     "decide_turn",
     "estimate_cost",
     "kv_bytes",
+    "observe_prefill",
     "offer_refused",
+    "prefill_steps",
     "worth_pulling",
 ]
 
@@ -284,3 +291,67 @@ def choose_plan(inputs: PlanInputs, settings: ExtendSettings, now_s: float) -> P
     if inputs.prefill_waiting >= settings.prefill_queue_waiting:
         return PlanChoice(extend=True, reason=PlanReason.PREFILL_QUEUED, extra_step_s=extra_s)
     return pull(PlanReason.LONG_INCREMENT)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillCostSettings:
+    """How a decode engine's prefill cost follows its serving (``observe_prefill``):
+    ``weight``, each sample's share of the new mean; ``bound_factor``, how far from its
+    start calibration the figure may go either way; ``min_tokens``, fewer computed
+    tokens are not a sample (the step's own overhead and the clock's grain would decide)."""
+
+    weight: float = 0.2
+    bound_factor: float = 4.0
+    min_tokens: int = 16
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillCost:
+    """A decode engine's in-place prefill time per token, the figure its heartbeat
+    reports (``PlanInputs.decode_prefill_s_per_token``): ``calibrated_s_per_token`` as
+    its host measured it at start, ``s_per_token`` the exponentially weighted mean of
+    that and the samples ``observe_prefill`` folded in since (``num_samples``), always
+    within ``bound_factor`` of the calibration."""
+
+    calibrated_s_per_token: float
+    s_per_token: float
+    num_samples: int = 0
+
+    @classmethod
+    def calibrated(cls, s_per_token: float) -> PrefillCost:
+        return cls(calibrated_s_per_token=s_per_token, s_per_token=s_per_token)
+
+
+def prefill_steps(num_tokens: int, chunk_tokens: int | None) -> int:
+    """The engine steps a prefill of ``num_tokens`` takes when each computes at most
+    ``chunk_tokens`` of it (vLLM's ``long_prefill_token_threshold``; None: all in one)."""
+    if chunk_tokens is None or chunk_tokens <= 0:
+        return 1
+    return max(1, -(-num_tokens // chunk_tokens))
+
+
+def observe_prefill(
+    cost: PrefillCost,
+    *,
+    num_tokens: int,
+    prefill_s: float,
+    step_s: float,
+    num_steps: int,
+    settings: PrefillCostSettings,
+) -> PrefillCost:
+    """``cost`` with one in-place prefill folded in. The engine computed ``num_tokens``
+    of a prompt in ``num_steps`` steps, ``prefill_s`` from scheduling it to its first
+    token by its own clock, while one of its steps without the prefill took ``step_s``
+    (the request's own decode steps after it, in the same batch): the prefill added
+    ``prefill_s - num_steps * step_s`` to those steps, which, over its tokens, is the
+    sample; what the engine's other sequences waited per token, as the ITL budget
+    prices it. The sample is held within ``settings.bound_factor`` of the calibration
+    and weighs ``settings.weight`` in the new mean. Unchanged for a prefill of fewer than
+    ``settings.min_tokens`` tokens or without its times."""
+    if num_tokens < settings.min_tokens or num_steps < 1 or prefill_s <= 0 or step_s < 0:
+        return cost
+    sample = max(0.0, prefill_s - num_steps * step_s) / num_tokens
+    base = cost.calibrated_s_per_token
+    sample = min(max(sample, base / settings.bound_factor), base * settings.bound_factor)
+    mean = cost.s_per_token + settings.weight * (sample - cost.s_per_token)
+    return replace(cost, s_per_token=mean, num_samples=cost.num_samples + 1)

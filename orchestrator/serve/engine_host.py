@@ -9,7 +9,8 @@ Serve calls ``check_health`` periodically and replaces a replica whose engine di
 A new vLLM decode replica first runs one throw-away turn, and its send-back, with each
 prefill deployment (``orchestrator.serve.warm_up``), so that NIXL's handshakes are made
 before users' turns need them. With ``kv.extend`` on it then times its own prefill
-(``measure_prefill``) and reports the time per token with its load each second.
+(``measure_prefill``), follows it as it serves (``orchestrator.serve.prefill_meter``)
+and reports the time per token with its load each second.
 
 Each host also keeps its half of the KV ledger (``orchestrator.serve.ledger``: the blocks a
 decode engine kept, the kept blocks a prefill engine read) and sends it to the KV
@@ -50,6 +51,7 @@ from orchestrator.kv.actor import EpochWatcher, lookup_service, service_client
 from orchestrator.observability.logs import route_kvtide_logs
 from orchestrator.serve.coalesce import coalesce
 from orchestrator.serve.ledger import EngineLedger
+from orchestrator.serve.prefill_meter import PrefillMeter
 from orchestrator.serve.warm_up import (
     WarmUp,
     measure_prefill,
@@ -177,8 +179,9 @@ def host_engine_spec(
 
 
 def heartbeat_stats(stats: EngineStats, prefill_s_per_token: float | None) -> dict[str, Any]:
-    """What a host's heartbeat tells the KV service: the engine's counters, and the
-    prefill time per token it measured at start, if any (``measure_prefill``)."""
+    """What a host's heartbeat tells the KV service: the engine's counters, and its
+    prefill time per token, if it measured one (``measure_prefill`` at start, followed
+    as it serves: ``orchestrator.serve.prefill_meter``)."""
     beat: dict[str, Any] = msgspec.to_builtins(stats)
     if prefill_s_per_token is not None:
         beat["prefill_s_per_token"] = prefill_s_per_token
@@ -255,11 +258,12 @@ class EngineHost:
                 config.kv.pull_timeout_s,
                 prompt_logprobs=config.kv.integrity_sample_fraction > 0,
             )
-        # Its own prefill time per token, for the cost of extending a turn here.
-        self._prefill_s_per_token: float | None = None
+        # Its own prefill time per token, for the cost of extending a turn here:
+        # measured now, then followed as it serves (``PrefillMeter``).
+        calibrated: float | None = None
         kv = config.kv
         if role == "decode" and config.backend == "vllm" and kv.extend and kv.per_request_keep:
-            self._prefill_s_per_token = await measure_prefill(
+            calibrated = await measure_prefill(
                 self.engine.generate,
                 name=engine_id,
                 num_prompt_tokens=warm_up_prompt_tokens(
@@ -268,7 +272,9 @@ class EngineHost:
                 vocab_size=self._info.vocab_size,
                 timeout_s=kv.pull_timeout_s,
             )
-            log.info("engine %s prefills %s s per token", engine_id, self._prefill_s_per_token)
+            log.info("engine %s prefills %s s per token", engine_id, calibrated)
+        chunk = dict(spec.extra_engine_args).get("long_prefill_token_threshold")
+        self._prefill = PrefillMeter(calibrated, chunk_tokens=chunk)
         self.ledger = EngineLedger(
             engine_id=engine_id,
             role=role,
@@ -296,7 +302,7 @@ class EngineHost:
         self._watcher = asyncio.get_running_loop().create_task(watcher.run_forever())
 
     def _heartbeat_stats(self) -> dict[str, Any]:
-        return heartbeat_stats(self.engine.stats(), self._prefill_s_per_token)
+        return heartbeat_stats(self.engine.stats(), self._prefill.s_per_token)
 
     async def _warm_up(
         self,
@@ -381,6 +387,7 @@ class EngineHost:
             async for chunk in stream:
                 if chunk.finished:  # which engine ran it, for the turn's report
                     chunk = msgspec.structs.replace(chunk, engine_id=self._info.engine_id)
+                    self._prefill.record(request, chunk)
                 yield chunk
         finally:
             await stream.aclose()  # a caller gone mid-stream: the engine's request ends

@@ -8,6 +8,12 @@ the session, not two: the previous turn's kept blocks were freed unread (its vLL
 cache use, in blocks, is turn 1's count less turn 1's blocks plus turn 2's). A long
 increment is pulled to prefill as before.
 
+A third short turn extends the extended one: the decode engine's cache hit covers every
+whole block of turn 2's prompt and answer, the blocks turn 2 computed in place among
+them (the turns are sized so that turn 2's in-place tokens complete a block turn 1 left
+partial). With the decode engine running its ``max_num_seqs`` sequences, the next short
+turn goes to prefill (``decode_saturated``).
+
 The shared app runs with ``kv.extend`` off (its tests are of pulls); here a router in the
 test process, over the app's engine deployments and its KV service, runs with it on, its
 engine loads read from the service as an ingress reads them.
@@ -16,15 +22,17 @@ engine loads read from the service as an ingress reads them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
 import ray
 from app_calls import BLOCK_TOKENS, engine_read_bytes, pulled, settled, settled_read_bytes
 from ray import serve
+from ray.serve.exceptions import RayServeException
 
 from engines.base import GenerateChunk, GenerateRequest, Sampling
 
@@ -150,7 +158,9 @@ async def _story(app: Any) -> dict[str, Any]:
         return out
 
     rng = random.Random(41)
-    first = [rng.randrange(10, 1000) for _ in range(300)]
+    # 490 + 16 answer tokens leave turn 1's last block partial (505 kept, blocks of 128);
+    # turn 2's 8 new tokens and answer complete it in place (529 kept).
+    first = [rng.randrange(10, 1000) for _ in range(490)]
     out1, r1 = await turn(first, 1)
     held_after_1 = await asyncio.to_thread(
         settled, decode_blocks_held, "the decode engine's KV use"
@@ -167,18 +177,32 @@ async def _story(app: Any) -> dict[str, Any]:
     one_turn = held_after_1 - turn_1 + turn_2
     held_after_2 = await asyncio.to_thread(blocks_held_once, one_turn, 30.0)
     scratch2 = await from_scratch(second)
+    # A short increment over the extended turn: extended again, on turn 2's blocks.
+    third = [*second, *out2, *(rng.randrange(10, 1000) for _ in range(8))]
+    out3, r3 = await turn(third, 3)
+    # The decode engine saturated: the next short increment goes to prefill.
+    fourth = [*third, *out3, *(rng.randrange(10, 1000) for _ in range(8))]
+    r4, out4 = await _saturated_turn(kv, decode_handle, prefill, app, lambda: turn(fourth, 4))
     # A long increment: pulled to prefill. Its plan reads the decode engine's last load
-    # report, which may still show the release of turn 1's blocks running: wait for one
-    # that shows it idle, so that the increment's length decides.
+    # report, which may still show a release of kept blocks or the saturating requests'
+    # ends running: wait for one that shows it idle, so that the increment's length
+    # decides.
     await decode_idle(kv)
-    third = [*second, *out2, *(rng.randrange(10, 1000) for _ in range(MAX_NEW_TOKENS + 40))]
-    _, r3 = await turn(third, 3)
+    fifth = [*fourth, *out4, *(rng.randrange(10, 1000) for _ in range(MAX_NEW_TOKENS + 40))]
+    _, r5 = await turn(fifth, 5)
     await kv.close(SESSION)
     return {
         "r1": r1,
         "r2": r2,
         "r3": r3,
-        "usage": [(len(first), len(out1)), (len(second), len(out2))],
+        "r4": r4,
+        "r5": r5,
+        "usage": [
+            (len(first), len(out1)),
+            (len(second), len(out2)),
+            (len(third), len(out3)),
+            (len(fourth), len(out4)),
+        ],
         "out2": out2,
         "scratch2": scratch2,
         "prefilled_for_2": prefilled_for_2,
@@ -186,6 +210,60 @@ async def _story(app: Any) -> dict[str, Any]:
         "bytes_after": bytes_after,
         "held": (held_after_1, held_after_2, one_turn),
     }
+
+
+async def _saturated_turn(
+    kv: Any,
+    decode_handle: Any,
+    prefill: Recorded,
+    app: Any,
+    run: Callable[[], Awaitable[tuple[list[int], dict[str, Any]]]],
+) -> tuple[dict[str, Any], list[int]]:
+    """``run``'s turn while the decode engine runs its ``max_num_seqs`` sequences (no
+    session, nothing kept, far from their end), as its load report shows before the turn
+    plans: its report and tokens. The saturating requests are aborted once the turn's
+    prefill is sent (its plan made), so that its decode gets a slot."""
+    most = app.config.decode.max_num_seqs
+    streams = []
+    for i in range(most):
+        request = GenerateRequest(
+            request_id=f"{SESSION}-busy-{i}",
+            prompt_token_ids=[10 + i, 11 + i, 12 + i],
+            max_tokens=4096,
+            sampling=Sampling(ignore_eos=True),
+        )
+        streams.append(decode_handle.options(stream=True).generate.remote(request))
+
+    async def drain(stream: Any) -> None:
+        with contextlib.suppress(asyncio.CancelledError, RayServeException):
+            async for _ in stream:
+                pass
+
+    busy = [asyncio.create_task(drain(stream)) for stream in streams]
+    try:
+        deadline = time.monotonic() + 60.0
+        while True:
+            loads = await kv.engine_loads()
+            decode = [x for e, x in loads.items() if e.startswith("decode")]
+            if decode and all(x["num_running"] >= most or x["num_waiting"] > 0 for x in decode):
+                break
+            assert time.monotonic() < deadline, f"the decode engine never reported busy: {loads}"
+            await asyncio.sleep(0.2)
+        num_prefills = len(prefill.requests)
+        turn = asyncio.create_task(run())
+        # Planned as a pull, the turn's prefill is sent at once; planned otherwise, its
+        # decode waits for a slot: within 60 s either way, the busy requests go.
+        deadline = time.monotonic() + 60.0
+        while len(prefill.requests) == num_prefills and not turn.done():
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        for stream in streams:
+            stream.cancel()
+        await asyncio.gather(*busy)
+    out, report = await turn
+    return report, out
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +307,36 @@ def test_an_extended_turns_tokens_equal_a_recompute(story: dict[str, Any]) -> No
     assert story["out2"] == story["scratch2"]
 
 
-def test_a_long_increment_is_pulled_to_prefill(story: dict[str, Any]) -> None:
+def test_an_extended_turn_extends_again_on_the_blocks_it_computed_in_place(
+    story: dict[str, Any],
+) -> None:
     r3 = story["r3"]
-    assert r3["extend_reason"] == "long_increment", r3
-    pulled(r3, story["usage"][1])
+    assert (r3["kv_plan"], r3["kv_source"], r3["extend_reason"]) == (
+        "extend",
+        "extended",
+        "short_increment",
+    ), r3
+    (prompt1, answer1), (prompt2, answer2) = story["usage"][:2]
+    # Turn 2 computed in place a block that turn 1 left partial (the turns are sized so):
+    # without it, turn 3's hit would stop at turn 1's blocks.
+    turn_1_whole = (prompt1 + answer1 - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+    turn_2_whole = (prompt2 + answer2 - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+    assert turn_2_whole > turn_1_whole, story["usage"]
+    # The decode engine's cache held every whole block of turn 2's prompt and answer (its
+    # last token never computed): the most a prefix cache of whole blocks can give.
+    assert r3["num_cached_tokens"] == turn_2_whole, (r3, story["usage"])
+    assert r3["kv_transfer_bytes"] == {"prefill_to_decode": 0, "decode_to_prefill": 0}, r3
+
+
+def test_a_saturated_decode_engine_sends_a_short_increment_to_prefill(
+    story: dict[str, Any],
+) -> None:
+    r4 = story["r4"]
+    assert r4["extend_reason"] == "decode_saturated", r4
+    pulled(r4, story["usage"][2])
+
+
+def test_a_long_increment_is_pulled_to_prefill(story: dict[str, Any]) -> None:
+    r5 = story["r5"]
+    assert r5["extend_reason"] == "long_increment", r5
+    pulled(r5, story["usage"][3])

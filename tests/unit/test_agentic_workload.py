@@ -4,7 +4,7 @@ sees the same tokens, and the table's figures are what the turns say."""
 from __future__ import annotations
 
 from benchmarks.agentic import Run, Turn, Workload, arguments
-from benchmarks.agentic_summary import Integrity, format_summaries, summarize
+from benchmarks.agentic_summary import Integrity, format_summaries, summarize, target
 
 WORK = Workload(
     sessions=3,
@@ -88,3 +88,34 @@ def test_the_summary_prints_the_integrity_checks() -> None:
         "skipped 2; reuse off for: prefill-a <- decode-b"
     ) in table
     assert "host tier: 5 sessions taken in, 3.0 MiB, 4 pulled back, 0 expired there" in table
+
+
+def test_each_target_is_met_or_missed_by_how_much() -> None:
+    assert target("TTFT", 6.0, at_least=5.0) == "  TTFT = 6.00x (target >= 5x): met"
+    assert target("TTFT", 2.5, at_least=5.0) == "  TTFT = 2.50x (target >= 5x): missed by 2.00x"
+    assert target("moved", 1.1, at_most=1.1).endswith("(target <= 1.1x): met")
+    assert target("moved", 3.3, at_most=1.1).endswith("missed by 3.00x")
+    assert target("ITL", 1.0, below=1.0).endswith("(target < 1x): missed by 1.00x")
+    assert target("ITL", 0.5, below=1.0).endswith("met")
+    assert target("ITL", None, below=1.0) == "  ITL: not measured in this run"
+
+
+def test_the_targets_read_the_extended_turns_and_the_setups_without_the_plan() -> None:
+    extended = _turn(2, 0.1, 0)
+    extended.report |= {"kv_plan": "extend", "extend_reason": "short_increment"}
+    extended.gaps = [0.01] * 99 + [0.05]
+    k = summarize(Run("kvtide", [extended], wall_s=1.0), WORK, 0.5, 4, 4096)
+    pulled = summarize(
+        Run("kvtide-pull", [_turn(2, 0.2, 5 * 4096)], wall_s=1.0), WORK, 0.5, 4, 4096
+    )
+    assert (k.num_extended, k.extended_moved, k.itl_p99) == (1, 0, 0.05)
+    args = arguments().parse_args(["--kv-blocks", "64", "--budget-mib", "1"])
+    table = format_summaries([k, pulled], WORK, args)
+    assert "KV bytes moved for the 1 extended turns = 0 (target 0): met" in table
+    assert "kvtide: 1 later turns extended on decode; extend or pull, by reason: " in table
+    assert "by reason: short_increment 1" in table
+    # p99 of 100 gaps, 50 ms against kvtide-pull's 20 ms.
+    assert (
+        "ITL p99 kvtide / kvtide-pull (without the plan) = 2.50x (target <= 1x): missed by 2.50x"
+        in table
+    )
