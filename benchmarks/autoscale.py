@@ -2,7 +2,7 @@
 
 Run from the repository root (no install needed):
 
-    python benchmarks/autoscale.py [--quick] [--start-s 90] [--seed 1]
+    python benchmarks/autoscale.py [--quick] [--start-s 90] [--seed 1] [--intervals]
 
 The trace: sessions of chat turns (a prompt, an answer, a pause), arriving in a ramp up,
 a burst, a lull in which most sessions pause (their KV kept on decode until their lease
@@ -31,6 +31,9 @@ lease; a new engine serves ``--start-s`` after it is asked for. It prints, per p
 TTFT and ITL p90 against the targets and the share of turns within both (SLO
 attainment), replica-seconds per pool, turns failed, sessions whose KV a scale-in lost,
 and scaling events; then, per policy, which targets it met and by how much it missed.
+With ``--intervals``, kvtide's decisions first, one row per 10 s: the turns that arrived
+then and how many of them missed the TTFT target, and each pool's engines serving, the
+count decided and the signal that drove it, with decode's sequences running and waiting.
 """
 
 from __future__ import annotations
@@ -418,6 +421,8 @@ class Replay:
         self.paused: list[tuple[float, Session]] = []
         self.pause_of: dict[int, int] = {}
         self.num_seen = 0
+        # kvtide's decisions: (now, the pools' signals, each pool's decision)
+        self.decisions: list[tuple[float, dict[Pool, PoolSignals], dict[Pool, Any]]] = []
 
     def run(self, arrivals: list[tuple[float, Session, int]], horizon_s: float) -> None:
         pending = list(arrivals)
@@ -448,9 +453,40 @@ class Replay:
                 target = self.serve_default(self.pools, pool, now)
                 self.pools.resize(pool, target, now, moves_kv=False)
             return
-        for pool, d in decide(self.pools.signals(now), self.targets, self.states, now).items():
+        signals = self.pools.signals(now)
+        decisions = decide(signals, self.targets, self.states, now)
+        self.decisions.append((now, signals, decisions))
+        for pool, d in decisions.items():
             self.states[pool] = d.state
             self.pools.resize(pool, d.desired_replicas, now, moves_kv=True)
+
+
+def intervals(replay: Replay, every_s: int = 10) -> str:
+    """kvtide's decisions as a table, one row per ``every_s``: the turns that arrived in
+    it and how many missed the TTFT target (failed, or their first token late), and each
+    pool's engines serving -> decided (the driving signal and what it asked for)."""
+    arrived: dict[int, list[Turn]] = {}
+    for turn in replay.pools.finished:
+        arrived.setdefault(int(turn.arrived // every_s) * every_s, []).append(turn)
+    rows = []
+    for now, signals, decisions in replay.decisions:
+        if int(now) % every_s:
+            continue
+        turns = arrived.get(int(now), [])
+        late = sum(
+            1
+            for t in turns
+            if t.failed or t.first_token is None or t.first_token - t.arrived > TARGETS.ttft_p90_s
+        )
+        cells: list[Any] = [int(now), len(turns), late]
+        for pool in POOLS:
+            d = decisions[pool]
+            cells.append(f"{d.num_replicas}->{d.desired_replicas} {d.signal}={d.signal_replicas}")
+        dec = signals["decode"]
+        cells.append(f"{dec.num_running_seqs}/{dec.num_waiting_seqs}")
+        rows.append(cells)
+    headers = ["t_s", "turns", "over_ttft", "prefill", "decode", "decode_run/wait"]
+    return format_table(headers, rows)
 
 
 def _summary(name: str, pools: Pools) -> dict[str, Any]:
@@ -484,6 +520,18 @@ def _p90(values: list[float]) -> str:
     return f"{values[min(len(values) - 1, int(0.9 * len(values)))]:.3f}"
 
 
+def compare(quick: bool, seed: int, start_s: float, headroom: float) -> list[Replay]:
+    """kvtide, serve-default and static-peak (at kvtide's peak) over the same trace."""
+    horizon = max(at for at, _, _ in trace(quick, seed)) + 300.0
+    replays: list[Replay] = []
+    for name in ("kvtide", "serve-default", "static-peak"):
+        static = replays[0].peak if name == "static-peak" else None
+        replay = Replay(name, start_s, static, headroom)
+        replay.run(trace(quick, seed), horizon)
+        replays.append(replay)
+    return replays
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a trace 0.4x as long (CI)")
@@ -497,18 +545,16 @@ def main(argv: list[str] | None = None) -> int:
         default=TARGETS.headroom,
         help=f"kvtide's autoscaling.headroom ({TARGETS.headroom:g}, the config's default)",
     )
+    parser.add_argument(
+        "--intervals", action="store_true", help="print kvtide's decisions, one row per 10 s"
+    )
     args = parser.parse_args(argv)
     start_s = args.start_s if args.start_s is not None else (30.0 if args.quick else 90.0)
-    horizon = max(at for at, _, _ in trace(args.quick, args.seed)) + 300.0
-    replays = []
-    peak: dict[Pool, int] | None = None
-    for name in ("kvtide", "serve-default", "static-peak"):
-        replay = Replay(name, start_s, peak if name == "static-peak" else None, args.headroom)
-        replay.run(trace(args.quick, args.seed), horizon)
-        if name == "kvtide":
-            peak = replay.peak
-        replays.append(replay)
+    replays = compare(args.quick, args.seed, start_s, args.headroom)
+    peak = replays[0].peak
     rows = [_summary(r.name, r.pools) for r in replays]
+    if args.intervals:
+        print(intervals(replays[0]))
     print(
         f"targets: TTFT p90 {TARGETS.ttft_p90_s} s, ITL p90 {TARGETS.itl_p90_s} s; "
         f"engine start {start_s:g} s; kvtide's headroom {args.headroom:g}; "

@@ -18,6 +18,10 @@ What each pool needs:
 * **decode** (the ITL target): the larger of
   - sequences: those running and waiting on decode, plus those in prefill now (they
     reach decode next), over the sequences one engine runs at ``seq_utilization``;
+    looked ahead by the engine start time along their growth, where they grew over
+    the last two ticks both (a load rising tick after tick, not one wobbling around
+    its mean): a decode engine asked for once the seats are full serves only
+    ``engine_start_s`` later, and the turns in between wait for a seat;
   - KV: the blocks in use for running turns, plus the blocks **held for paused
     sessions** (kept after their turn until their lease ends or the host tier takes
     them), over one engine's blocks at ``kv_cache_utilization``. A paused session's KV
@@ -137,6 +141,8 @@ class PoolState:
     below_since_s: float | None = None  # since when every tick wanted fewer
     window_need: int = 0  # the most any tick of that window wanted
     backlog_tokens: float = 0.0  # at the last tick (prefill look-ahead)
+    seqs: float | None = None  # decode's sequences at the last tick (its look-ahead)
+    seqs_growth_per_s: float = 0.0  # their growth to that tick from the one before
     last_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -145,6 +151,8 @@ class PoolState:
             "below_since_s": self.below_since_s,
             "window_need": self.window_need,
             "backlog_tokens": self.backlog_tokens,
+            "seqs": self.seqs,
+            "seqs_growth_per_s": self.seqs_growth_per_s,
             "last_s": self.last_s,
         }
 
@@ -154,11 +162,14 @@ class PoolState:
         try:
             below = state.get("below_since_s")
             last = state.get("last_s")
+            seqs = state.get("seqs")
             return cls(
                 target=int(state.get("target", 0)),
                 below_since_s=None if below is None else float(below),
                 window_need=int(state.get("window_need", 0)),
                 backlog_tokens=float(state.get("backlog_tokens", 0.0)),
+                seqs=None if seqs is None else float(seqs),
+                seqs_growth_per_s=float(state.get("seqs_growth_per_s", 0.0)),
                 last_s=None if last is None else float(last),
             )
         except (TypeError, ValueError):
@@ -200,10 +211,24 @@ def decide(
             )
         else:
             backlog = 0.0
-            needs_up = _decode_needs(sig, targets, incoming, targets.scale_up_utilization)
-            needs_down = _decode_needs(sig, targets, incoming, targets.scale_down_utilization)
+            seqs = float(sig.num_running_seqs + sig.num_waiting_seqs + incoming)
+            previous_growth = state.seqs_growth_per_s
+            growth = _growth_per_s(state, seqs, now_s)
+            state = replace(state, seqs=seqs, seqs_growth_per_s=growth)
+            # Grown over both of the last two ticks: the smaller growth goes on for as
+            # long as an engine asked for now takes to serve.
+            ahead = seqs + max(0.0, min(growth, previous_growth)) * targets.engine_start_s
+            needs_up = _decode_needs(sig, targets, ahead, targets.scale_up_utilization)
+            needs_down = _decode_needs(sig, targets, ahead, targets.scale_down_utilization)
         out[pool] = _hysteresis(pool, sig, targets, state, needs_up, needs_down, backlog, now_s)
     return out
+
+
+def _growth_per_s(state: PoolState, seqs: float, now_s: float) -> float:
+    """Decode's sequences' growth per second since the last tick (0: no last tick)."""
+    if state.seqs is None or state.last_s is None or now_s <= state.last_s:
+        return 0.0
+    return (seqs - state.seqs) / (now_s - state.last_s)
 
 
 def _prefill_needs(
@@ -225,12 +250,12 @@ def _prefill_needs(
 
 
 def _decode_needs(
-    sig: PoolSignals, targets: AutoscaleTargets, incoming: int, util: float
+    sig: PoolSignals, targets: AutoscaleTargets, seqs: float, util: float
 ) -> dict[Signal, int]:
+    """``seqs``: the sequences to seat, prefill's and the look-ahead's included."""
     needs: dict[Signal, int] = {}
     seats = sig.max_num_seqs_per_engine * util / (1 + targets.headroom)
     if seats > 0:
-        seqs = sig.num_running_seqs + sig.num_waiting_seqs + incoming
         needs["running_seqs"] = _ceil(seqs / seats)
     blocks = sig.kv_blocks_per_engine * util
     if blocks > 0:

@@ -47,7 +47,8 @@ class AutoscalingConfig(StrictSection):
         le=3600,
         description="How long a new engine takes to serve, until one has been measured "
         "(each engine host reports its own start time; the policy uses the latest): the "
-        "policy sizes a growing prefill backlog for when a new engine is up.",
+        "policy sizes a growing prefill backlog, and decode's sequences rising over the "
+        "last two decisions, for when a new engine is up.",
     )
     scale_down_window_s: float = Field(
         60.0,

@@ -50,6 +50,7 @@ from orchestrator.config.server import internal_address
 from orchestrator.kv.actor import EpochWatcher, lookup_service, service_client
 from orchestrator.observability.logs import route_kvtide_logs
 from orchestrator.serve.coalesce import coalesce
+from orchestrator.serve.hand_offs import hand_offs_read
 from orchestrator.serve.ledger import EngineLedger
 from orchestrator.serve.prefill_meter import PrefillMeter
 from orchestrator.serve.warm_up import (
@@ -123,12 +124,14 @@ def _graceful_shutdown_s(config: KVTideConfig, pool_name: str) -> float:
     """How long Serve gives a stopping replica: 5 s; an autoscaled decode replica, its
     in-flight turns' deadline and the move of its sessions' KV to the host tier
     (``EngineHost.__del__``). The ingresses end their standing step streams to it once
-    their requests there are done (``step_streams.replicas_gone``), so the drain ends."""
+    their requests there are done (``step_streams.replicas_gone``), so the drain ends.
+    An autoscaled prefill replica: 5 s and the lease of the prompts' KV it keeps for
+    decode, which it waits for decode to read (``orchestrator.serve.hand_offs``)."""
     pool = config.pool(pool_name)
-    if pool.role != "decode":
-        return 5.0
     if autoscaling_options(config, pool_name) is None:
         return 5.0
+    if pool.role != "decode":
+        return 5.0 + config.kv.prefill_lease_s
     return config.server.request_timeout_s + config.kv.service_timeout_s + 5.0
 
 
@@ -223,6 +226,7 @@ class EngineHost:
             events_port = free_port(host)
         self._events_replica = None if events_port is None else ctx.replica_id.unique_id
         self._retire: tuple[str, float] | None = None  # set once the engine runs
+        self._hand_offs_within_s: float | None = None
         spec = host_engine_spec(
             config, pool_name, domain_id, engine_id, port, host, gcs_address, events_port
         )
@@ -247,6 +251,10 @@ class EngineHost:
             # Stopped by a scale-in, this host has the KV service move its sessions' KV
             # to the host tier before the engine stops (``__del__``).
             self._retire = (ctx.app_name, config.kv.service_timeout_s)
+        if role == "prefill" and autoscaling_options(config, pool_name) is not None:
+            # Stopped by a scale-in, this host keeps its engine until decode has read
+            # the prompts' KV it keeps, within their lease (``__del__``).
+            self._hand_offs_within_s = float(config.kv.prefill_lease_s)
         if warm_with and role == "decode" and config.kv.warm_up and config.backend == "vllm":
             tokens = warm_up_prompt_tokens(
                 self._info.block_size, config.kv.kv_recompute_threshold_tokens
@@ -453,9 +461,25 @@ class EngineHost:
         if not health.healthy:
             raise RuntimeError(f"engine {health.engine_id} unhealthy: {health.detail}")
 
+    async def _wait_hand_offs(self, within_s: float) -> None:
+        """Before the engine stops: decode engines read the prompts' KV it keeps for
+        them (``orchestrator.serve.hand_offs``), within ``within_s``."""
+        engine_id = self.engine.info().engine_id
+        started_s = time.monotonic()
+        read = await hand_offs_read(
+            self.engine.stats, within_s=within_s, clock=time.monotonic, sleep=asyncio.sleep
+        )
+        waited_s = time.monotonic() - started_s
+        if read:
+            log.info("engine %s scaled in: its KV read by decode in %.1f s", engine_id, waited_s)
+        else:
+            log.warning("engine %s scaled in with KV unread after %.1f s", engine_id, waited_s)
+
     async def __del__(self) -> None:
         if self._retire is not None:
             await self._move_sessions(*self._retire)
+        if self._hand_offs_within_s is not None:
+            await self._wait_hand_offs(self._hand_offs_within_s)
         if self._events_replica is not None:
             with contextlib.suppress(Exception):  # the cluster may be going down too
                 forget_endpoint(self._events_replica)

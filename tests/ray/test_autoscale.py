@@ -1,13 +1,15 @@
 """The decode pool sizes itself to its load, against the whole app on a local Ray.
 
 kvtide's simulated engines behind the real Serve app and HTTP endpoint, with
-``autoscaling`` on: the decode pool between 1 and 2 engines, each running 2 sequences
-(``max_num_seqs``), the engines reporting their load every second and a 5 s scale-down
-window. Six sessions in a loop of turns need 6 / (2 x 0.8) = 4 engines: Serve's
-autoscaler, asking kvtide's policy, starts the second; the load over, it stops it once
-the reports and the window have passed, its sessions' KV moved off first. Every
-session's next turn is then served, none recomputing for KV lost with the engine, and
-``GET /metrics`` and Serve's controller log show the policy's decisions.
+``autoscaling`` on: the decode pool between 1 and 2 engines, each running 4 sequences
+(``max_num_seqs``), the engines reporting their load every second, a 5 s scale-down
+window and no headroom. Six sessions in a loop of turns need 6 / (4 x 0.8) = 2 engines:
+Serve's autoscaler, asking kvtide's policy, starts the second; the load over, it stops
+it once the reports and the window have passed, while a long turn streams on it (two
+sequences fit one engine at the scale-down utilization: 4 x 0.6), its sessions' KV
+moved off once that turn is done. The long turn finishes whole; every session's next
+turn is then served, none recomputing for KV lost with the engine, and ``GET /metrics``
+and Serve's controller log show the policy's decisions.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,9 @@ pytestmark = pytest.mark.ray
 
 NUM_SESSIONS = 6
 MAX_TOKENS = 600
+# A long turn (about 10 s on the simulated engine here): two sessions run them one
+# after another through the scale-in, one on each decode replica.
+LONG_TOKENS = 4000
 POLL_S = 0.5
 
 
@@ -35,9 +41,9 @@ def autoscale_config(tmp: Path) -> Any:
     config = parse_config(
         {
             "backend": "simulated",
-            "model": {"path": str(tmp / "tiny"), "max_model_len": 4096},
+            "model": {"path": str(tmp / "tiny"), "max_model_len": 8192},
             "prefill": {"num_engines": 1, "cpu_threads_bind": None},
-            "decode": {"num_engines": 1, "cpu_threads_bind": None, "max_num_seqs": 2},
+            "decode": {"num_engines": 1, "cpu_threads_bind": None, "max_num_seqs": 4},
             # Simulated engines in two processes cannot read each other's blocks: the
             # decode computes the prompt itself.
             "kv": {"kv_load_failure_policy": "recompute", "prefill_lease_s": 5},
@@ -53,6 +59,7 @@ def autoscale_config(tmp: Path) -> Any:
                 "decode": {"min_replicas": 1, "max_replicas": 2},
                 "interval_s": 1,
                 "scale_down_window_s": 5,
+                "headroom": 0,  # the counts above size the load alone
             },
             "ray": {"temp_dir": str(tmp / "ray"), "num_cpus": 16},
         }
@@ -80,6 +87,74 @@ def turn(base_url: str, model: str, session_id: str) -> tuple[int, dict[str, Any
         timeout=90,
     )
     return resp.status_code, resp.json()
+
+
+@dataclass
+class LongTurn:
+    """One streamed turn of ``LONG_TOKENS``: when it started and ended, its status, its
+    stream's events (the last with the usage and the turn's report)."""
+
+    started_s: float
+    ended_s: float = 0.0
+    status: int = 0
+    chunks: list[dict[str, Any]] = field(default_factory=list)
+
+    def finish_reason(self) -> str | None:
+        reasons = [c["choices"][0]["finish_reason"] for c in self.chunks if c.get("choices")]
+        return next((r for r in reversed(reasons) if r is not None), None)
+
+    def completion_tokens(self) -> int:
+        return int(self.chunks[-1]["usage"]["completion_tokens"])
+
+
+class LongSession:
+    """A session's long streamed turns, one after another on its own thread, until
+    ``stop`` is set; ``placed`` is set at its first turn's first chunk (its decode has
+    started)."""
+
+    def __init__(self, base_url: str, model: str, session_id: str, stop: threading.Event) -> None:
+        self.session_id = session_id
+        self.placed = threading.Event()
+        self.turns: list[LongTurn] = []
+        self.thread = threading.Thread(target=self._run, args=(base_url, model, stop), daemon=True)
+        self.thread.start()
+
+    def _run(self, base_url: str, model: str, stop: threading.Event) -> None:
+        try:
+            while not stop.is_set():
+                self.turns.append(self._turn(base_url, model))
+        finally:
+            self.placed.set()
+
+    def _turn(self, base_url: str, model: str) -> LongTurn:
+        import json
+
+        import httpx
+
+        body = {
+            "model": model,
+            "prompt": "lorem ipsum " * 20,
+            "max_tokens": LONG_TOKENS,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        turn = LongTurn(started_s=time.monotonic())
+        try:
+            with httpx.stream(
+                "POST",
+                f"{base_url}/v1/completions",
+                json=body,
+                headers={"x-session-id": self.session_id},
+                timeout=90,
+            ) as resp:
+                turn.status = resp.status_code
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        turn.chunks.append(json.loads(line[len("data: ") :]))
+                        self.placed.set()
+        finally:
+            turn.ended_s = time.monotonic()
+        return turn
 
 
 def record_engine(base_url: str, session_id: str) -> str | None:
@@ -177,6 +252,29 @@ def test_decode_scales_out_under_load_and_back_in_after_with_every_session_serve
         stop.set()
         for thread in threads:
             thread.join()
+    # The load over, two new sessions run long turns one after another, the second
+    # starting once the first's decode has: both decode replicas idle then, it goes
+    # where the first is not (Serve's pow2 counts the request it sent), and each next
+    # turn where its session's last one was (the other replica runs the other's). So a
+    # long turn streams on the replica Serve stops, whenever it stops it.
+    stopping = threading.Event()
+    stop_seen: list[float] = []
+
+    def watch_stops() -> None:  # when Serve first stops a decode replica
+        while not stopping.is_set():
+            if decode_replicas("STOPPING"):
+                stop_seen.append(time.monotonic())
+                stopping.set()
+            # Polling Serve's status, not waiting out a race; often, so that no long turn
+            # starts (on the other replica) between the stop and its sight.
+            stopping.wait(0.1)
+
+    watcher = threading.Thread(target=watch_stops, daemon=True)  # ends with the test at most
+    watcher.start()
+    long_sessions: list[LongSession] = []
+    for sid in ("autoscale-long-0", "autoscale-long-1"):
+        long_sessions.append(LongSession(base_url, model, sid, stopping))
+        assert long_sessions[-1].placed.wait(timeout=60)
     # Every turn of the load was served, the scale-out's included.
     assert statuses and set(statuses) == {200}, statuses
     # The sessions' last turns may all have landed on one engine: more turns, one at a
@@ -194,11 +292,34 @@ def test_decode_scales_out_under_load_and_back_in_after_with_every_session_serve
     before = {sid: record_engine(base_url, sid) for sid in sessions}
     assert all(before.values()) and len(set(before.values())) == 2, before
 
-    # The load over: the reports' window (11 s) and the scale-down window (5 s) pass,
-    # and the pool goes back to one engine.
-    wait_for_replicas(1, within_s=90)
-    wait_for_replicas(1, within_s=90, state=None)  # the other one stopped, not stopping
+    try:
+        # The reports' look-back (11 s) and the scale-down window (5 s) pass, and the
+        # pool goes back to one engine.
+        wait_for_replicas(1, within_s=90)
+        wait_for_replicas(1, within_s=90, state=None)  # the other one stopped, not stopping
+    finally:
+        stopping.set()
+        for long_session in long_sessions:
+            long_session.thread.join()
+    # Every long turn finished whole, the one streaming on the stopping replica too: it
+    # ran to its length within Serve's drain.
+    for long_session in long_sessions:
+        for long_turn in long_session.turns:
+            assert long_turn.status == 200, (long_turn.status, long_turn.chunks[-3:])
+            assert long_turn.finish_reason() == "length", long_turn.chunks[-3:]
+            assert long_turn.completion_tokens() == LONG_TOKENS
     survivor = surviving_decode_engine()
+    # The session whose last long turn ran on the stopped replica: that turn streamed
+    # while Serve stopped it, handed its KV over there, and the scale-in moved it off.
+    long_stopped = [
+        ls for ls in long_sessions if record_engine(base_url, ls.session_id) != survivor
+    ]
+    assert len(long_stopped) == 1, [record_engine(base_url, ls.session_id) for ls in long_sessions]
+    last = long_stopped[0].turns[-1]
+    assert stop_seen and last.started_s < stop_seen[0] < last.ended_s, (
+        stop_seen,
+        [(t.started_s, t.ended_s) for t in long_stopped[0].turns],
+    )
     stopped = {sid for sid, engine in before.items() if engine != survivor}
     assert stopped, (before, survivor)
     # The stopped engine's sessions had their KV moved off it before it stopped: no
@@ -207,12 +328,14 @@ def test_decode_scales_out_under_load_and_back_in_after_with_every_session_serve
     assert not (set(before.values()) - {survivor}) & set(after.values()), (before, after)
     # Every session's next turn is served: the stopped engine's sessions from the host
     # tier or recomputed with reason scaled_in, none for KV lost with its engine.
-    for sid in sessions:
+    # The long turn's session too, whose turn streamed through the stop: its KV source
+    # reported, nothing lost.
+    for sid in [*sessions, *(ls.session_id for ls in long_sessions)]:
         status, body = turn(base_url, model, sid)
         assert status == 200, body
         report = body["kvtide"]
         assert report["kv_plan_reason"] != "evicted", report
-        if sid in stopped:
+        if sid in stopped or sid == long_stopped[0].session_id:
             assert report["kv_source"] == "host_tier" or report["kv_plan_reason"] == "scaled_in"
     metrics = httpx.get(f"{base_url}/metrics", timeout=30).text
     assert 'kvtide_autoscale_decisions_total{pool="decode",action="down"}' in metrics

@@ -200,6 +200,32 @@ def test_a_growing_backlog_is_looked_ahead_by_the_engine_start_time() -> None:
     )
 
 
+def test_decode_sequences_rising_tick_after_tick_are_looked_ahead_by_the_engine_start_time() -> (
+    None
+):
+    targets = replace(TARGETS, decode=PoolBounds(min_replicas=1, max_replicas=100))
+
+    def decode_counts(targets: AutoscaleTargets, seqs: list[int]) -> list[int]:
+        cluster = Cluster(targets)
+        return [
+            cluster.tick({"prefill": prefill(1), "decode": decode(1, seqs=n)})[
+                "decode"
+            ].desired_replicas
+            for n in seqs
+        ]
+
+    # Decode's sequences rise 4 a tick (0.8/s): 8, 12, 16. At the third tick they have
+    # grown over two ticks running, and an engine asked for now serves in 30 s, when
+    # they are 16 + 0.8 x 30 = 40: 40 / 12.8 → 4 engines, not the 2 that 16 needs now
+    # (the seats full until the engines asked for then are up).
+    assert decode_counts(targets, [8, 12, 16]) == [1, 1, 4]
+    assert decode_counts(replace(targets, engine_start_s=0.0), [8, 12, 16]) == [1, 1, 2]
+    # One step up, then flat: no trend to follow (the step is met at once, as it is).
+    assert decode_counts(targets, [8, 16, 16, 16]) == [1, 2, 2, 2]
+    # Falling after a rise: the smaller growth (none) is looked ahead.
+    assert decode_counts(targets, [8, 12, 10]) == [1, 1, 1]
+
+
 def test_a_lull_scales_down_only_after_the_window() -> None:
     cluster = Cluster(prefill_n=5, decode_n=5)
     cluster.states = {p: PoolState(target=5) for p in ("prefill", "decode")}
@@ -314,7 +340,15 @@ def test_no_scale_in_while_engines_are_still_starting() -> None:
 
 
 def test_state_round_trips_through_serves_dict() -> None:
-    state = PoolState(target=3, below_since_s=12.5, window_need=2, backlog_tokens=40.0, last_s=13.0)
+    state = PoolState(
+        target=3,
+        below_since_s=12.5,
+        window_need=2,
+        backlog_tokens=40.0,
+        seqs=14.0,
+        seqs_growth_per_s=0.4,
+        last_s=13.0,
+    )
     assert PoolState.from_dict(state.as_dict()) == state
     assert PoolState.from_dict({}) == PoolState()
     assert PoolState.from_dict({"target": "x"}) == PoolState()

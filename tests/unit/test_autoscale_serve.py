@@ -290,6 +290,9 @@ def test_a_stopping_autoscaled_decode_replica_gets_its_turns_deadline() -> None:
         assert engine_deployment_options(on, "decode")["graceful_shutdown_timeout_s"] == (
             60 + on.kv.service_timeout_s + 5
         )
-        assert engine_deployment_options(on, "prefill")["graceful_shutdown_timeout_s"] == 5
+        # A prefill replica: its drain, then its KV read by decode, within the lease.
+        assert engine_deployment_options(on, "prefill")["graceful_shutdown_timeout_s"] == (
+            5 + on.kv.prefill_lease_s
+        )
     # Not autoscaled: Serve's 5 s.
     assert engine_deployment_options(parse_config({}), "decode")["graceful_shutdown_timeout_s"] == 5
