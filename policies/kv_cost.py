@@ -57,6 +57,7 @@ __all__ = [
     "choose_plan",
     "decide_turn",
     "estimate_cost",
+    "extra_step_s",
     "kv_bytes",
     "observe_prefill",
     "offer_refused",
@@ -223,7 +224,10 @@ class PlanInputs:
     engines; ``in_turn_pool``: the engine holding the history is in the decode pool the
     prompt goes to (a prompt past the long-context threshold goes to the other);
     ``decode_prefill_s_per_token``: the decode engine's own prefill time per token, as it
-    measured and reported it (None: none reported; the settings' calibration then)."""
+    measured and reported it (None: none reported; the settings' calibration then);
+    ``decode_chunk_tokens``: the most prompt tokens of one request the decode engine
+    computes in a step (vLLM's ``long_prefill_token_threshold``; None: a prompt's new
+    tokens in one step)."""
 
     num_new_tokens: int
     history_pool: str
@@ -235,16 +239,31 @@ class PlanInputs:
     decode_max_running: int | None = None
     prefill_waiting: int = 0
     decode_prefill_s_per_token: float | None = None
+    decode_chunk_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanChoice:
     """``choose_plan``'s answer: extend in place or pull, why, and the in-place
-    prefill's estimated extra step time for the engine's other sequences."""
+    prefill's estimated extra time in each step of the engine's other sequences."""
 
     extend: bool
     reason: PlanReason
     extra_step_s: float = 0.0
+
+
+def extra_step_s(inputs: PlanInputs, settings: ExtendSettings) -> float:
+    """What an in-place prefill of the turn's new tokens adds to each step of the decode
+    engine's other sequences: one step's share of them (all, or ``decode_chunk_tokens``
+    where the engine chunks prefills) at the engine's reported time per token, else the
+    settings' calibration."""
+    per_token = inputs.decode_prefill_s_per_token
+    if per_token is None or per_token <= 0:
+        per_token = settings.decode_prefill_s_per_token
+    step_tokens = max(0, inputs.num_new_tokens)
+    if inputs.decode_chunk_tokens is not None and inputs.decode_chunk_tokens > 0:
+        step_tokens = min(step_tokens, inputs.decode_chunk_tokens)
+    return step_tokens * per_token
 
 
 def choose_plan(inputs: PlanInputs, settings: ExtendSettings, now_s: float) -> PlanChoice:
@@ -257,15 +276,13 @@ def choose_plan(inputs: PlanInputs, settings: ExtendSettings, now_s: float) -> P
     4. it is not saturated: nothing waiting, fewer running than its maximum;
     5. its KV cache is under ``max_kv_cache_usage``;
     6. the ITL budget: with other sequences running, the increment's in-place prefill
-       adds at most ``itl_budget_s`` to their step (at the engine's reported prefill
-       time per token, else the settings');
+       adds at most ``itl_budget_s`` to each of their steps (at the engine's reported
+       prefill time per token, else the settings'; an engine that chunks prefills
+       computes at most ``decode_chunk_tokens`` of it a step);
     7. the increment is at most ``max_new_tokens``, or the prefill pool has
        ``prefill_queue_waiting`` requests waiting (a queue the pull would join).
     """
-    per_token = inputs.decode_prefill_s_per_token
-    if per_token is None or per_token <= 0:
-        per_token = settings.decode_prefill_s_per_token
-    extra_s = max(0, inputs.num_new_tokens) * per_token
+    extra_s = extra_step_s(inputs, settings)
 
     def pull(reason: PlanReason) -> PlanChoice:
         return PlanChoice(extend=False, reason=reason, extra_step_s=extra_s)

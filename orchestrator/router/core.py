@@ -139,7 +139,10 @@ class Router:
         # A pull run instead where its history is: on the decode engine that kept it
         # (``engine_loads``: the engines' latest reports; None: no turn extends).
         self.extend = ExtendPlan(
-            settings=s.extend, loads=engine_loads, decode_max_running=s.decode_max_running
+            settings=s.extend,
+            loads=engine_loads,
+            decode_max_running=s.decode_max_running,
+            decode_chunk_tokens=s.decode_chunk_tokens,
         )
         self.prefill_side = PrefillSide(
             pool=prefill,

@@ -36,8 +36,10 @@ class ExtendPlan:
     """Turns a pull into an extend where the cost function says so (see the module).
 
     ``loads``: the engines' latest reports (None: none known here, so no turn extends);
-    ``decode_max_running``: a decode engine's ``max_num_seqs``; ``prefill_pool``: the
-    pool name of the prefill engines in the reports."""
+    ``decode_max_running``: a decode engine's ``max_num_seqs``; ``decode_chunk_tokens``:
+    the most prompt tokens of one request it computes in a step (vLLM's
+    ``long_prefill_token_threshold``; None: all at once); ``prefill_pool``: the pool name
+    of the prefill engines in the reports."""
 
     def __init__(
         self,
@@ -45,11 +47,13 @@ class ExtendPlan:
         settings: ExtendSettings,
         loads: Callable[[], Iterable[EngineLoad]] | None = None,
         decode_max_running: int | None = None,
+        decode_chunk_tokens: int | None = None,
         prefill_pool: str = "prefill",
     ) -> None:
         self.settings = settings
         self.loads = loads
         self.decode_max_running = decode_max_running
+        self.decode_chunk_tokens = decode_chunk_tokens
         self.prefill_pool = prefill_pool
 
     def plan(
@@ -73,6 +77,7 @@ class ExtendPlan:
                 decode_waiting=0 if engine is None else engine.num_waiting,
                 decode_kv_cache_usage=0.0 if engine is None else engine.kv_cache_usage,
                 decode_max_running=self.decode_max_running,
+                decode_chunk_tokens=self.decode_chunk_tokens,
                 prefill_waiting=sum(x.num_waiting for x in loads if x.pool == self.prefill_pool),
                 decode_prefill_s_per_token=None if engine is None else engine.prefill_s_per_token,
             ),

@@ -29,7 +29,8 @@ class RouterSettings:
     (the default samples none); ``extend``: when a turn offered a pull runs on the
     decode engine that kept its history instead (``orchestrator.router.extend_plan``;
     it needs the engines' loads, which ``Router`` is given as ``engine_loads``);
-    ``decode_max_running``: a decode engine's ``max_num_seqs``."""
+    ``decode_max_running``: a decode engine's ``max_num_seqs``; ``decode_chunk_tokens``:
+    the most prompt tokens of one request it computes in a step (None: all at once)."""
 
     pull_timeout_s: float
     request_timeout_s: float = 600.0
@@ -43,3 +44,4 @@ class RouterSettings:
     )
     extend: ExtendSettings = field(default_factory=ExtendSettings)
     decode_max_running: int | None = None
+    decode_chunk_tokens: int | None = None

@@ -34,7 +34,7 @@ from ray.serve.handle import DeploymentHandle
 
 from orchestrator.cluster import route_notes
 from orchestrator.cluster.handle_pool import HandlePool
-from orchestrator.config import KVTideConfig
+from orchestrator.config import KVTideConfig, step_tokens
 from orchestrator.errors import RequestError
 from orchestrator.kv.actor import get_or_create_service, service_client
 from orchestrator.kv.decider import kv_lifecycle_config
@@ -293,6 +293,10 @@ class Ingress:
                     prefill_queue_waiting=kv.extend_prefill_queue_waiting,
                 ),
                 decode_max_running=config.decode.max_num_seqs,
+                # The chunk kvtide's config gives a decode pool that may extend in place.
+                decode_chunk_tokens=step_tokens(
+                    config.decode, config.kv, config.backend, config.device
+                )[1],
             ),
             decode_long=self.pools.get("decode_long"),
             metrics=self.metrics,

@@ -118,3 +118,23 @@ def test_the_itl_budget_prices_the_prefill_at_the_decode_engines_measured_cost()
     fast = inputs(100, decode_running=1, decode_prefill_s_per_token=0.0004)
     assert choose_plan(fast, SETTINGS, NOW).extend
     assert not choose_plan(inputs(100, decode_running=1), SETTINGS, NOW).extend
+
+
+def test_an_engine_that_chunks_its_prefills_is_priced_one_chunk_a_step() -> None:
+    # A decode engine that computes at most 35 prompt tokens of a request a step (vLLM's
+    # long_prefill_token_threshold, which kvtide sets on a CPU decode pool that may
+    # extend) adds one chunk's time to its other sequences' steps, however long the
+    # increment: 130 new tokens at 1 ms are 35 ms a step, within the 50 ms budget.
+    chunked = choose_plan(inputs(130, decode_running=3, decode_chunk_tokens=35), SETTINGS, NOW)
+    assert (chunked.extend, chunked.reason) == (True, PlanReason.SHORT_INCREMENT)
+    assert chunked.extra_step_s == pytest.approx(0.035)
+    # The same increment in one step is 130 ms: over the budget.
+    whole = choose_plan(inputs(130, decode_running=3), SETTINGS, NOW)
+    assert (whole.extend, whole.reason) == (False, PlanReason.ITL_BUDGET)
+    # A chunk that alone is over the budget is still refused: 60 tokens a step at 1 ms.
+    wide = choose_plan(inputs(130, decode_running=3, decode_chunk_tokens=60), SETTINGS, NOW)
+    assert wide.reason is PlanReason.ITL_BUDGET
+    # An increment shorter than the chunk is priced whole.
+    assert choose_plan(
+        inputs(20, decode_running=3, decode_chunk_tokens=35), SETTINGS, NOW
+    ).extra_step_s == pytest.approx(0.02)
