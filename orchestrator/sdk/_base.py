@@ -10,6 +10,7 @@ in), then returns its value. ``Client._run`` and ``AsyncClient._run`` drive one 
 
 from __future__ import annotations
 
+import abc
 import copy
 import os
 from collections.abc import Callable, Generator
@@ -143,7 +144,7 @@ class BaseClient:
         return self._model
 
 
-class SessionView:
+class SessionView(abc.ABC):
     """A session's read-only side, its bookkeeping and its calls, the same in both shells;
     a shell adds how it sends (its client's ``_run``) and how it renews in the background
     (``_start_renewer``)."""
@@ -192,9 +193,10 @@ class SessionView:
     def _renew_due(self, now_s: float) -> bool:
         return self._state.renew_due(now_s)
 
+    @abc.abstractmethod
     def _start_renewer(self) -> None:
-        """Renew the lease in the background while the session is open and idle."""
-        raise NotImplementedError
+        """Renew the lease in the background while the session is open and idle (a
+        thread in ``Session``, a task in ``AsyncSession``)."""
 
     # ---- calls (``Exchange``s) ------------------------------------------------------
 

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import pytest
 from simulated_specs import llama_spec
 
-from engines.base import GenerateChunk, GenerateRequest, KVTransferSpec
+from engines.base import EngineInfo, GenerateChunk, GenerateRequest, KVTransferSpec
 from engines.kv_params import KVTransferParams
 from engines.simulated import RequestRejected, SimulatedEngine, VirtualClock
 from engines.simulated_kv import SimulatedFabric
@@ -57,15 +57,21 @@ class FlakyPrefill:
         return self.engine.generate(request)
 
 
+async def _started_pair() -> tuple[VirtualClock, SimulatedEngine, SimulatedEngine, EngineInfo]:
+    """A started prefill and decode engine on one virtual clock and fabric, and the
+    decode engine's info."""
+    clock, fabric = VirtualClock(), SimulatedFabric()
+    prefill_engine = _engine("p0", "prefill", clock, fabric)
+    decode = _engine("d0", "decode", clock, fabric)
+    await prefill_engine.start()
+    return clock, prefill_engine, decode, await decode.start()
+
+
 def warm_up(
     fail_reads: int, attempts: int = 3, prompt_logprobs: bool = False
 ) -> tuple[WarmUp, FlakyPrefill, SimulatedEngine]:
     async def story() -> tuple[WarmUp, FlakyPrefill, SimulatedEngine]:
-        clock, fabric = VirtualClock(), SimulatedFabric()
-        prefill_engine = _engine("p0", "prefill", clock, fabric)
-        decode = _engine("d0", "decode", clock, fabric)
-        await prefill_engine.start()
-        info = await decode.start()
+        clock, prefill_engine, decode, info = await _started_pair()
         prefill = FlakyPrefill(prefill_engine, fail_reads)
         result = await warm_up_transfers(
             decode.generate,
@@ -202,13 +208,7 @@ def test_a_read_back_that_hangs_is_given_up_at_its_step_deadline_each_try() -> N
             return self.engine.generate(request)
 
     async def story() -> tuple[WarmUp, float, list[str]]:
-        clock, fabric = VirtualClock(), SimulatedFabric()
-        prefill_engine, decode = (
-            _engine("p0", "prefill", clock, fabric),
-            _engine("d0", "decode", clock, fabric),
-        )
-        await prefill_engine.start()
-        info = await decode.start()
+        clock, prefill_engine, decode, info = await _started_pair()
         prefill = HungReads(prefill_engine)
         t0 = time.monotonic()
         result = await warm_up_transfers(
