@@ -1,4 +1,5 @@
-"""Pieces the engine benchmarks share: the app they start and vLLM's direct P/D flow."""
+"""Pieces the benchmarks share: the app the engine benchmarks start, vLLM's direct P/D
+flow, and the hand-over the KV service's own benchmarks book."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import httpx
 
 from engines.base import GenerateRequest, Sampling
 from engines.kv_params import KVTransferParams
+from orchestrator.kv.messages import TurnDone
 
 
 def add_serve_proxy_flag(parser: argparse.ArgumentParser) -> None:
@@ -120,6 +122,33 @@ def token_gaps(times: list[float], counts: list[int]) -> list[float]:
         if k > 0:
             gaps.extend([(times[i] - times[i - 1]) / k] * k)
     return gaps
+
+
+def kept_turn_done(
+    session_id: str,
+    token_ids: list[int],
+    *,
+    engine_id: str,
+    request_id: str,
+    kv_expires_in_s: float,
+) -> TurnDone:
+    """A decode engine's hand-over of a turn that ended with ``token_ids``: its blocks
+    kept for every token but the last (which no step computed), and the session's next
+    turn continuing from those tokens."""
+    params = KVTransferParams(
+        do_remote_decode=True,
+        remote_engine_id=engine_id,
+        remote_request_id=request_id,
+        remote_block_ids=((1, 2, 3),),
+        remote_num_tokens=len(token_ids) - 1,
+    )
+    return TurnDone(
+        session_id=session_id,
+        token_ids=token_ids,
+        kv_transfer_params=params,
+        kv_expires_in_s=kv_expires_in_s,
+        next_token_ids=token_ids,
+    )
 
 
 @dataclass

@@ -39,11 +39,13 @@ from benchmarks.common import (
     add_serve_proxy_flag,
     direct_turn,
     embedded_app,
+    kept_turn_done,
     stream_completion,
 )
 from benchmarks.stream_targets import sendback_targets
 from engines.kv_params import KVTransferParams
 from orchestrator.cli.table import format_table
+from orchestrator.kv.messages import TurnDone
 
 OUTPUT_TOKENS = 16
 QUESTION_TOKENS = 32
@@ -238,22 +240,13 @@ def _pct(xs: list[float], q: float) -> float:
     return sorted(xs)[int(q * (len(xs) - 1))] * 1e6
 
 
-def _done(sid: str, prompt: list[int], i: int) -> Any:
-    from orchestrator.kv.messages import TurnDone
-
-    params = KVTransferParams(
-        do_remote_decode=True,
-        remote_engine_id=f"decode-{i % 16}",
-        remote_request_id=f"r{i}",
-        remote_block_ids=((1, 2, 3),),
-        remote_num_tokens=len(prompt),
-    )
-    return TurnDone(
-        session_id=sid,
-        token_ids=[*prompt, 5],
-        kv_transfer_params=params,
+def _done(sid: str, prompt: list[int], i: int) -> TurnDone:
+    return kept_turn_done(
+        sid,
+        [*prompt, 5],
+        engine_id=f"decode-{i % 16}",
+        request_id=f"r{i}",
         kv_expires_in_s=480.0,
-        next_token_ids=[*prompt, 5],
     )
 
 

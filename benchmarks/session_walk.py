@@ -27,10 +27,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import msgspec
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engines.kv_params import KVTransferParams  # noqa: E402
+from benchmarks.common import kept_turn_done  # noqa: E402
 from orchestrator.kv.messages import TurnDone  # noqa: E402
 from orchestrator.kv.ownership import ANONYMOUS  # noqa: E402
 from orchestrator.kv.service import KVService, ServiceSettings  # noqa: E402
@@ -95,28 +97,12 @@ class Walk:
             sys.setprofile(None)
 
 
-def kept(num_tokens: int, request_id: str) -> KVTransferParams:
-    """The params of blocks a decode engine kept for ``num_tokens`` tokens."""
-    return KVTransferParams(
-        do_remote_decode=True,
-        remote_engine_id="decode-0",
-        remote_request_id=request_id,
-        remote_block_ids=((1, 2, 3),),
-        remote_num_tokens=num_tokens,
-    )
-
-
 def done(token_ids: list[int], request_id: str, lease_id: int | None = None) -> TurnDone:
     """The hand-over of replica-a's turn of s1 that ended with ``token_ids``."""
-    return TurnDone(
-        session_id="s1",
-        token_ids=token_ids,
-        kv_transfer_params=kept(len(token_ids) - 1, request_id),
-        kv_expires_in_s=120.0,
-        next_token_ids=token_ids,
-        holder="replica-a",
-        lease_id=lease_id,
+    kept = kept_turn_done(
+        "s1", token_ids, engine_id="decode-0", request_id=request_id, kv_expires_in_s=120.0
     )
+    return msgspec.structs.replace(kept, holder="replica-a", lease_id=lease_id)
 
 
 def report(name: str, walk: Walk) -> None:

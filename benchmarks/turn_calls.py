@@ -34,33 +34,25 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import kept_turn_done
 from benchmarks.overhead import actor_round_trip_s
-from engines.kv_params import KVTransferParams
 from orchestrator.cli.table import format_table
+from orchestrator.kv.messages import TurnDone
 
 
-def _done(sid: str, prompt: list[int], turn: int) -> Any:
-    from orchestrator.kv.messages import TurnDone
-
-    params = KVTransferParams(
-        do_remote_decode=True,
-        remote_engine_id="decode-0",
-        remote_request_id=f"{sid}-{turn}",
-        remote_block_ids=((1, 2, 3),),
-        remote_num_tokens=len(prompt),
-    )
-    ids = [*prompt, 5]
-    return TurnDone(
-        session_id=sid,
-        token_ids=ids,
-        kv_transfer_params=params,
+def _done(sid: str, prompt: list[int], turn: int) -> TurnDone:
+    done = kept_turn_done(
+        sid,
+        [*prompt, 5],
+        engine_id="decode-0",
+        request_id=f"{sid}-{turn}",
         kv_expires_in_s=480.0,
-        next_text=None,
-        next_token_ids=ids,
-        owner="bench",
     )
+    return msgspec.structs.replace(done, owner="bench")
 
 
 async def _timed(step: Callable[[], Awaitable[Any]]) -> float:

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kernels.resources import PTX_TARGET, PTX_VERSION
 
 __all__ = [
     "PARAM_CTYPES",
@@ -119,8 +120,8 @@ def candidate_images(image: KernelImage) -> list[tuple[str, bytes]]:
         return images
     ptx = image.ptx.read_text()
     images.append(("ptx", ptx.encode() + b"\0"))
-    target = re.search(r"^\.target\s+(\S+)", ptx, re.M)
-    version = re.search(r"^\.version\s+(\S+)", ptx, re.M)
+    target = PTX_TARGET.search(ptx)
+    version = PTX_VERSION.search(ptx)
     lowest = _MIN_PTX_ISA.get(target.group(1)) if target else None
     if version and lowest and float(lowest) < float(version.group(1)):
         lowered = ptx[: version.start(1)] + lowest + ptx[version.end(1) :]

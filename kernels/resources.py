@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "PTX_TARGET",
+    "PTX_VERSION",
     "CubinUsage",
     "PtxEntry",
     "PtxSummary",
@@ -55,14 +57,18 @@ class PtxSummary:
         return self.entries[0]
 
 
+PTX_TARGET = re.compile(r"^\.target\s+(\S+)", re.M)
+"""A PTX file's ``.target`` line; group 1 the target (``sm_90a``)."""
+PTX_VERSION = re.compile(r"^\.version\s+(\S+)", re.M)
+"""A PTX file's ``.version`` line; group 1 its ISA version (``8.8``)."""
 _ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(([^)]*)\)([^{]*)\{", re.S)
 _PARAM = re.compile(r"\.param\s+\.(\w+)")
 _REQNTID = re.compile(r"\.reqntid\s+([\d,\s]+)")
 
 
 def ptx_summary(ptx: str) -> PtxSummary:
-    target = re.search(r"^\.target\s+(\S+)", ptx, re.M)
-    version = re.search(r"^\.version\s+(\S+)", ptx, re.M)
+    target = PTX_TARGET.search(ptx)
+    version = PTX_VERSION.search(ptx)
     entries = []
     for m in _ENTRY.finditer(ptx):
         params = tuple(p for p in _PARAM.findall(m.group(2)))

@@ -13,7 +13,7 @@ A figure the vendor has not published is an estimate: `is_estimate` is True and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from placement.model_errors import UnknownDevice
 
@@ -35,6 +35,23 @@ class DeviceSpec:
     bf16_dense_tflops: float  # dense (no sparsity) BF16 tensor throughput
     source: str
     is_estimate: bool = False
+
+
+_CRESCENT_ISLAND = DeviceSpec(
+    name="crescent-island",
+    memory_bytes=160 * _GB,
+    memory_bandwidth_gbps=684.0,
+    interconnect_bandwidth_gbps=64.0,
+    nvlink_domain_size=8,
+    scale_out_bandwidth_gbps=50.0,
+    bf16_dense_tflops=200.0,
+    source="Intel newsroom, OCP Global Summit 2025 (Crescent Island data center GPU, "
+    "Xe3P, 160 GB LPDDR5X, air-cooled PCIe card); Computex 2026 (350 W, partner "
+    "designs up to 480 GB). Intel has published no bandwidth or TFLOPS: 684 GB/s is "
+    "Tom's Hardware's estimate for a 640-bit LPDDR5X bus; PCIe Gen5 x16 (64 GB/s) "
+    "between up to 8 cards in one server and 200 TFLOPS are placeholders",
+    is_estimate=True,
+)
 
 
 DEVICES: tuple[DeviceSpec, ...] = (
@@ -123,32 +140,14 @@ DEVICES: tuple[DeviceSpec, ...] = (
         "not published: 28 TFLOPS is an estimate (80 GPU cores)",
         is_estimate=True,
     ),
-    DeviceSpec(
-        name="crescent-island",
-        memory_bytes=160 * _GB,
-        memory_bandwidth_gbps=684.0,
-        interconnect_bandwidth_gbps=64.0,
-        nvlink_domain_size=8,
-        scale_out_bandwidth_gbps=50.0,
-        bf16_dense_tflops=200.0,
-        source="Intel newsroom, OCP Global Summit 2025 (Crescent Island data center GPU, "
-        "Xe3P, 160 GB LPDDR5X, air-cooled PCIe card); Computex 2026 (350 W, partner "
-        "designs up to 480 GB). Intel has published no bandwidth or TFLOPS: 684 GB/s is "
-        "Tom's Hardware's estimate for a 640-bit LPDDR5X bus; PCIe Gen5 x16 (64 GB/s) "
-        "between up to 8 cards in one server and 200 TFLOPS are placeholders",
-        is_estimate=True,
-    ),
-    DeviceSpec(
+    _CRESCENT_ISLAND,
+    # A partner design of the same card with more memory; bandwidth and TFLOPS as for it.
+    replace(
+        _CRESCENT_ISLAND,
         name="crescent-island-480gb",
         memory_bytes=480 * _GB,
-        memory_bandwidth_gbps=684.0,
-        interconnect_bandwidth_gbps=64.0,
-        nvlink_domain_size=8,
-        scale_out_bandwidth_gbps=50.0,
-        bf16_dense_tflops=200.0,
         source="Intel, Computex 2026: Crescent Island partner designs with up to 480 GB "
         "LPDDR5X; bandwidth and TFLOPS as for crescent-island (estimates)",
-        is_estimate=True,
     ),
     DeviceSpec(
         name="cpu-host",

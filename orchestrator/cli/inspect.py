@@ -18,7 +18,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_URL",
     "InspectFailed",
+    "add_command_group",
     "add_http_options",
     "add_inspect_parser",
     "base_url",
@@ -53,13 +54,13 @@ class InspectFailed(Exception):
 
 def add_inspect_parser(subparsers: Any) -> None:
     """Register ``inspect`` on the ``kvtide`` command's subparsers."""
-    inspect = subparsers.add_parser(
+    sub = add_command_group(
+        subparsers,
         "inspect",
         help="read-only views of a running kvtide (health, stats, sessions, domains)",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        run=cmd_inspect,
     )
-    sub = inspect.add_subparsers(dest="inspect_command", required=True)
     health = sub.add_parser("health", help="GET /health: exit 0 when the engines answer")
     stats = sub.add_parser("stats", help="KV lifecycle, engine and metric counters")
     stats.add_argument("--json", action="store_true", help="print the raw JSON")
@@ -73,7 +74,27 @@ def add_inspect_parser(subparsers: Any) -> None:
         default=os.environ.get("RAY_ADDRESS") or "auto",
         help="Ray cluster address, host:port of its GCS (default $RAY_ADDRESS or 'auto')",
     )
-    inspect.set_defaults(func=cmd_inspect)
+
+
+def add_command_group(
+    subparsers: Any,
+    name: str,
+    *,
+    help: str,
+    description: str | None,
+    run: Callable[[argparse.Namespace], int],
+) -> Any:
+    """Register the ``kvtide`` command ``name``, run by ``run``, whose subcommands
+    (required, in ``args.<name>_command``) go on the subparsers returned. Its
+    ``description`` (the module's docstring) is printed as written."""
+    group = subparsers.add_parser(
+        name,
+        help=help,
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    group.set_defaults(func=run)
+    return group.add_subparsers(dest=f"{name}_command", required=True)
 
 
 def add_http_options(command: argparse.ArgumentParser) -> None:

@@ -20,27 +20,31 @@ from typing import Any
 
 import httpx
 
-from orchestrator.cli.inspect import InspectFailed, add_http_options, request_json
+from orchestrator.cli.inspect import (
+    InspectFailed,
+    add_command_group,
+    add_http_options,
+    request_json,
+)
 
 __all__ = ["add_integrity_parser", "cmd_integrity", "format_reuse_off"]
 
 
 def add_integrity_parser(subparsers: Any) -> None:
     """Register ``integrity`` on the ``kvtide`` command's subparsers."""
-    integrity = subparsers.add_parser(
+    sub = add_command_group(
+        subparsers,
         "integrity",
         help="engine pairs whose KV reuse an integrity check turned off",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        run=cmd_integrity,
     )
-    sub = integrity.add_subparsers(dest="integrity_command", required=True)
     listing = sub.add_parser("list", help="the pairs whose reuse is off, and why")
     on = sub.add_parser("reuse-on", help="turn reuse back on for one pair")
     on.add_argument("--prefill", required=True, help="the prefill engine id (pulled the KV)")
     on.add_argument("--source", required=True, help="the source engine id (kept the KV)")
     for command in (listing, on):
         add_http_options(command)
-    integrity.set_defaults(func=cmd_integrity)
 
 
 def cmd_integrity(args: argparse.Namespace, *, transport: httpx.BaseTransport | None = None) -> int:

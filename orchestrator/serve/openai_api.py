@@ -28,6 +28,7 @@ from orchestrator.serve.requests import ApiRequest, parse_chat, parse_completion
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
+    "RESPONSE_OBJECT",
     "ApiRequest",
     "chat_response",
     "completion_response",
@@ -43,6 +44,13 @@ __all__ = [
 ]
 
 DEFAULT_MAX_TOKENS = 256
+RESPONSE_OBJECT = {
+    "chat": "chat.completion",
+    "completion": "text_completion",
+    "responses": "response",
+}
+"""A whole response body's ``object``, by the kind of request it answers."""
+
 # fullmatch: "$" would also match before a final newline ("abc\n").
 _SESSION_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 # Python's own bound on int(str) (sys.get_int_max_str_digits), checked before it raises.
@@ -180,33 +188,33 @@ def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, An
 def chat_response(
     rid: str, model: str, text: str, finish: str | None, use: dict[str, Any], ext: dict[str, Any]
 ) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish,
-                "logprobs": None,
-            }
-        ],
-        "usage": use,
-        "kvtide": ext,
-    }
+    message = {"role": "assistant", "content": text}
+    choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+    return _response("chat", rid, model, choice, use, ext)
 
 
 def completion_response(
     rid: str, model: str, text: str, finish: str | None, use: dict[str, Any], ext: dict[str, Any]
 ) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    return _response("completion", rid, model, choice, use, ext)
+
+
+def _response(
+    kind: str,
+    rid: str,
+    model: str,
+    choice: dict[str, Any],
+    use: dict[str, Any],
+    ext: dict[str, Any],
+) -> dict[str, Any]:
+    """A whole (not streamed) response body with its one choice."""
     return {
         "id": rid,
-        "object": "text_completion",
+        "object": RESPONSE_OBJECT[kind],
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+        "choices": [choice],
         "usage": use,
         "kvtide": ext,
     }

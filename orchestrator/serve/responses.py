@@ -86,7 +86,6 @@ _NOT_FINGERPRINTED = frozenset(
     {"stream", "include_usage", "continuous_usage", "max_tokens", "min_tokens"}
     | {"continue_final_message"}
 )
-_OBJECT_OF = {"chat": "chat.completion", "completion": "text_completion", "responses": "response"}
 
 
 def _fingerprint(kind: str, fields: dict[str, Any]) -> str:
@@ -133,7 +132,8 @@ async def begin_replay(
         )
     body = replay.body
     if replay.action == "mismatch" or (
-        replay.action == "replay" and (body is None or body.get("object") != _OBJECT_OF[kind])
+        replay.action == "replay"
+        and (body is None or body.get("object") != api.RESPONSE_OBJECT[kind])
     ):
         raise IdempotencyKeyReused(
             "this Idempotency-Key was first sent with a different request (another "

@@ -43,7 +43,6 @@ log = logging.getLogger("kvtide.ingress")
 
 # How a stream's response is kept for an Idempotency-Key's replay: its events.
 _EVENTS = "kvtide_events"
-_OBJECT = {"chat": "chat.completion", "completion": "text_completion", "responses": "response"}
 _PROMPT_PARAM = {"chat": "messages", "completion": "prompt", "responses": "input"}
 
 
@@ -288,7 +287,7 @@ class VLLMLayer:
                 if ctx.on_done is not None:
                     ctx.on_done()
             if replay_key is not None and completed:
-                stored = {"object": _OBJECT[ctx.kind], _EVENTS: events}
+                stored = {"object": api.RESPONSE_OBJECT[ctx.kind], _EVENTS: events}
                 await self.kv.replay_complete(replay_key, stored)
         finally:
             self.gate.release(ticket)
