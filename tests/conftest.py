@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from netns_child import CHILD_KEY, NETNS_CHILD_ENV, NetnsChild, child_for
+from children import ran_lines, stop_all
+from clock_runs import runs_for, why_not
+from netns_child import NETNS_CHILD_ENV, child_for
 from tiers import Phase, summary_lines, tier_of
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,8 +37,14 @@ def _has_gpu() -> bool:
 
 NETNS_DIR = REPO / "tests" / "netns"
 NETNS_TIER_TEST = REPO / "tests" / "test_netns_tier.py"
-# The test at whose setup the fake-host tier's child pytest starts (the unit tier's first).
+CLOCK_ORIGIN_TEST = REPO / "tests" / "unit" / "test_clock_origin.py"
+# The tests at whose setup children start early (docs/testing.md#what-runs-beside-what):
+# the clock-origin runs at the session's first (beside the Ray tier), the fake-host
+# tier's child pytest at the unit tier's first, the own-engines child at the fake-host
+# tier's wait (once the unit tests have freed a core).
+_CLOCK_EARLY = pytest.StashKey[str]()
 _NETNS_EARLY = pytest.StashKey[str]()
+_OWN_EARLY = pytest.StashKey[str]()
 
 
 def _only_netns(config: pytest.Config) -> bool:
@@ -74,10 +83,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return 4 if "kvtide_app" in getattr(item, "fixturenames", ()) else 3
 
     items.sort(key=order)
-    if any(item.path == NETNS_TIER_TEST for item in items):
+    if any(item.path == CLOCK_ORIGIN_TEST for item in items) and why_not() is None:
+        config.stash[_CLOCK_EARLY] = items[0].nodeid
+    netns = next((item for item in items if item.path == NETNS_TIER_TEST), None)
+    if netns is not None:
         unit = next((item for item in items if order(item) == 1), None)
         if unit is not None:
             config.stash[_NETNS_EARLY] = unit.nodeid
+        config.stash[_OWN_EARLY] = netns.nodeid
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
@@ -111,14 +124,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.nodeid == item.config.stash.get(_NETNS_EARLY, None):
-        child_for(item.config)
+    config = item.config
+    if item.nodeid == config.stash.get(_CLOCK_EARLY, None):
+        runs_for(config, item.nodeid)
+    if item.nodeid == config.stash.get(_NETNS_EARLY, None):
+        child_for(config, item.nodeid)
+    # Loaded (``tests/engine/conftest.py``) where the engine tier was collected.
+    own = sys.modules.get("own_engines")
+    if own is not None and item.nodeid == config.stash.get(_OWN_EARLY, None):
+        if own.selected(item.session.items):
+            own.own_engines_for(config, item.session.items, item.nodeid)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    child: NetnsChild | None = config.stash.get(CHILD_KEY, None)
-    if child is not None:
-        child.stop()
+    stop_all(config)
     root = config.stash.get(_OWN_CACHE_ROOT, None)
     if root is not None:
         shutil.rmtree(root, ignore_errors=True)
@@ -144,14 +163,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_sep("=", "time per tier")
         for line in summary_lines(_PHASES):
             terminalreporter.write_line(line)
-    child = terminalreporter.config.stash.get(CHILD_KEY, None)
-    if child is not None and child.ran_s is not None:
-        # The netns tier's line above is its test's wait, after what ran beside the child.
-        early = terminalreporter.config.stash.get(_NETNS_EARLY, None)
-        beside = f", started at {early}" if early else ""
-        terminalreporter.write_line(
-            f"the fake-host tier's child pytest ran {child.ran_s:.1f}s{beside}"
-        )
+    # The netns tier's line above is its test's wait, after what ran beside its child.
+    for line in ran_lines(terminalreporter.config):
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

@@ -11,20 +11,15 @@ process group, when the session ends.
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from children import Child, track
 
 __all__ = ["CHILD_KEY", "NETNS_CHILD_ENV", "NetnsChild", "Outcome", "child_for"]
 
-REPO = Path(__file__).resolve().parent.parent
 # Set in the child pytest, which then collects tests/netns (``tests/conftest.py``).
 NETNS_CHILD_ENV = "KVTIDE_NETNS_CHILD"
 
@@ -44,60 +39,44 @@ class NetnsChild:
 
     def __init__(self, paths: tuple[str, ...] = ("tests/netns",)) -> None:
         self._paths = paths
-        self._dir = Path(tempfile.mkdtemp(prefix="kvt-netns-"))
-        self.report = self._dir / "netns.xml"
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._started_s = 0.0
-        self.ran_s: float | None = None  # from start() to the child's exit, once waited for
+        self._child = Child("netns")
+        self.report = self._child.dir / "netns.xml"
+
+    @property
+    def ran_s(self) -> float | None:
+        """From ``start()`` to the child's exit, once waited for."""
+        return self._child.ran_s
 
     def start(self) -> None:
         args = [*self._paths, "-p", "no:cacheprovider", "-rfEs", f"--junitxml={self.report}"]
-        with open(self._dir / "stdout", "wb") as out, open(self._dir / "stderr", "wb") as err:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "pytest", *args, "--durations=5"],
-                cwd=REPO,
-                env={**os.environ, NETNS_CHILD_ENV: "1"},
-                stdout=out,
-                stderr=err,
-                start_new_session=True,
-            )
-        self._started_s = time.monotonic()
+        self._child.start(
+            [sys.executable, "-m", "pytest", *args, "--durations=5"],
+            {**os.environ, NETNS_CHILD_ENV: "1"},
+        )
 
     def wait(self, timeout_s: float) -> Outcome:
         """The child's outcome, ``timeout_s`` after its start at the latest (then the
         group is killed and ``subprocess.TimeoutExpired`` raised)."""
-        assert self._proc is not None, "start() the child first"
-        left_s = timeout_s - (time.monotonic() - self._started_s)
-        try:
-            returncode = self._proc.wait(timeout=max(left_s, 0.0))
-        except subprocess.TimeoutExpired:
-            self.stop()
-            raise
-        self.ran_s = time.monotonic() - self._started_s
+        done = self._child.wait(timeout_s)
         return Outcome(
-            returncode=returncode,
-            stdout=(self._dir / "stdout").read_text(errors="replace"),
-            stderr=(self._dir / "stderr").read_text(errors="replace"),
-            report=self.report,
+            returncode=done.returncode, stdout=done.stdout, stderr=done.stderr, report=self.report
         )
 
     def stop(self) -> None:
         """Kill the child's group if it still runs; remove its files."""
-        if self._proc is not None and self._proc.poll() is None:
-            os.killpg(self._proc.pid, signal.SIGKILL)
-            self._proc.wait()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._child.stop()
 
 
 # The session's child, once started (by conftest's early start or by ``child_for``).
 CHILD_KEY = pytest.StashKey[NetnsChild]()
 
 
-def child_for(config: pytest.Config) -> NetnsChild:
+def child_for(config: pytest.Config, started_at: str) -> NetnsChild:
     """The session's child: the one started early, else one started now. The session's
     end stops it (``tests/conftest.py``)."""
     child = config.stash.get(CHILD_KEY, None)
     if child is None:
         child = config.stash[CHILD_KEY] = NetnsChild()
+        track(config, "the fake-host tier's child pytest", child, started_at)
         child.start()
     return child

@@ -25,7 +25,7 @@ TIMEOUT_S = 2400  # the tier takes 8-15 min on a 2-core machine
 
 def test_the_fake_host_tier_passes_in_a_process_of_its_own(request: pytest.FixtureRequest) -> None:
     try:
-        proc = child_for(request.config).wait(TIMEOUT_S)
+        proc = child_for(request.config, request.node.nodeid).wait(TIMEOUT_S)
     except subprocess.TimeoutExpired:
         pytest.fail(f"the fake-host tier's child pytest ran past {TIMEOUT_S} s")
     print(proc.stdout[-6000:])  # shown with -s or when the test fails

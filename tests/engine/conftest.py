@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from own_engines import MODULES, Results, run_own_engines
+from own_engines import Results, own_engines_for
 
 
 @pytest.fixture(scope="session")
-def own_engines(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Results:
-    """Every collected own-engines module's result, from one child started at the first
-    test that asks (the engines of those modules are started once between them)."""
-    selected = {
-        item.path.stem
-        for item in request.session.items
-        if "own_engines" in getattr(item, "fixturenames", ())
-    }
-    return run_own_engines(tmp_path_factory.mktemp("own-engines"), sorted(selected & set(MODULES)))
+def own_engines(request: pytest.FixtureRequest) -> Results:
+    """Every collected own-engines module's result, from one child: started early by
+    the full suite (at the fake-host tier's wait), else at the first test that asks (the
+    engines of those modules are started once between them)."""
+    return own_engines_for(request.config, request.session.items, request.node.nodeid).results()

@@ -21,13 +21,16 @@ import asyncio
 import importlib
 import json
 import os
+import subprocess
 import sys
 import traceback
 from collections.abc import Awaitable, Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MODULES", "Results", "run_own_engines"]
+import pytest
+
+__all__ = ["MODULES", "OWN_KEY", "OwnEngines", "Results", "own_engines_for", "selected"]
 
 PAIR_STORIES = ("test_provisional_pull", "test_host_store_nixl", "test_kv_integrity")
 """Modules whose ``_story(decode, prefill, root)`` runs on the shared pair, in this
@@ -65,8 +68,6 @@ class Results:
     def of(self, module_file: str) -> dict[str, Any]:
         """The result of the module at ``module_file``; fails the test with the child's
         error where it has none."""
-        import pytest
-
         name = Path(module_file).stem
         entry = self._found.get(name)
         if entry is None:
@@ -77,21 +78,70 @@ class Results:
         return result
 
 
-def run_own_engines(root: Path, modules: Iterable[str]) -> Results:
-    """Run the child for ``modules`` (names from ``MODULES``), bounded by their shares."""
-    from procs import run_bounded  # tests/, on the parent's path
+class OwnEngines:
+    """The child for ``modules`` (names from ``MODULES``), from ``start()`` until
+    ``results()``, bounded by their shares from its start."""
 
-    names = [m for m in MODULES if m in set(modules)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_CPU_", "KVTIDE_FAULT"))}
-    timeout_s = _BOUND_S["pair"] + sum(_BOUND_S[m] for m in names)
-    returncode, stdout, stderr = run_bounded(__file__, [str(root), *names], env, timeout_s)
-    failure = f"ran past {timeout_s} s" if returncode is None else f"exit {returncode}"
-    found = {}
-    for line in stdout.splitlines():
-        if line.startswith(_MARKER):
-            entry = json.loads(line[len(_MARKER) :])
-            found[entry["module"]] = entry
-    return Results(found, f"{failure}:\n{stderr[-6000:]}")
+    def __init__(self, modules: Iterable[str]) -> None:
+        from children import Child  # tests/, on the parent's path
+
+        self.names = [m for m in MODULES if m in set(modules)]
+        self.timeout_s = _BOUND_S["pair"] + sum(_BOUND_S[m] for m in self.names)
+        self._child = Child("own-engines")
+
+    def start(self) -> None:
+        own = ("VLLM_CPU_", "KVTIDE_FAULT")  # the child sets its engines' own
+        env = {k: v for k, v in os.environ.items() if not k.startswith(own)}
+        root = self._child.dir / "root"
+        root.mkdir()
+        self._child.start([sys.executable, __file__, str(root), *self.names], env)
+
+    def results(self) -> Results:
+        try:
+            done = self._child.wait(self.timeout_s)
+        except subprocess.TimeoutExpired:
+            failure = f"ran past {self.timeout_s} s"
+            stdout = (self._child.dir / "stdout").read_text(errors="replace")
+            stderr = (self._child.dir / "stderr").read_text(errors="replace")
+        else:
+            failure, stdout, stderr = f"exit {done.returncode}", done.stdout, done.stderr
+        found = {}
+        for line in stdout.splitlines():
+            if line.startswith(_MARKER):
+                entry = json.loads(line[len(_MARKER) :])
+                found[entry["module"]] = entry
+        return Results(found, f"{failure}:\n{stderr[-6000:]}")
+
+    @property
+    def ran_s(self) -> float | None:
+        return self._child.ran_s
+
+    def stop(self) -> None:
+        self._child.stop()
+
+
+OWN_KEY = pytest.StashKey["OwnEngines"]()
+
+
+def selected(items: Iterable[pytest.Item]) -> list[str]:
+    """The modules of ``MODULES`` whose tests are among ``items`` (a session's)."""
+    asking = {i.path.stem for i in items if "own_engines" in getattr(i, "fixturenames", ())}
+    return [m for m in MODULES if m in asking]
+
+
+def own_engines_for(
+    config: pytest.Config, items: Iterable[pytest.Item], started_at: str
+) -> OwnEngines:
+    """The session's child: the one started early (at the fake-host tier's wait, by
+    ``tests/conftest.py``), else one started now; stopped when the session ends."""
+    from children import track
+
+    run = config.stash.get(OWN_KEY, None)
+    if run is None:
+        run = config.stash[OWN_KEY] = OwnEngines(selected(items))
+        track(config, "the own-engines child", run, started_at)
+        run.start()
+    return run
 
 
 # ---- the child process ----------------------------------------------------------------

@@ -1,14 +1,18 @@
-"""The fake-host tier's child pytest, started early and waited for later
-(``tests/netns_child.py``): its output goes to files, so a child that writes more than
-a pipe holds still finishes; one past its deadline is killed with its process group."""
+"""The children a test session starts early and waits for later (``tests/children.py``;
+the fake-host tier's child pytest, ``tests/netns_child.py``): output goes to files, so a
+child that writes more than a pipe holds still finishes; one past its deadline is killed
+with its process group, and what it wrote is kept until it is stopped."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from children import Child
 from netns_child import NetnsChild
 from polling import wait_for
 from procs import alive
@@ -26,6 +30,8 @@ def test_hangs():
     Path(os.environ["PID_FILE"]).write_text(str(os.getpid()))
     time.sleep(3600)
 """
+
+SAYS_THEN_HANGS = "import time; print('started', flush=True); time.sleep(3600)"
 
 
 def test_a_child_that_writes_more_than_a_pipe_holds_finishes_and_reports(tmp_path: Path) -> None:
@@ -57,3 +63,17 @@ def test_a_child_past_its_deadline_is_killed(
         assert not alive(int(pid_file.read_text()))
     finally:
         child.stop()
+
+
+def test_a_child_killed_at_its_deadline_keeps_what_it_wrote_until_stopped() -> None:
+    # The own-engines child's report of a timeout shows what its engines printed.
+    child = Child("deadline")
+    child.start([sys.executable, "-c", SAYS_THEN_HANGS], dict(os.environ))
+    try:
+        wait_for(lambda: "started" in (child.dir / "stdout").read_text(), 60, "its first line")
+        with pytest.raises(subprocess.TimeoutExpired):
+            child.wait(timeout_s=0)
+        assert (child.dir / "stdout").read_text() == "started\n"
+    finally:
+        child.stop()
+    assert not child.dir.exists()
