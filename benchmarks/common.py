@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import tempfile
 import time
 import uuid
@@ -73,12 +74,15 @@ def embedded_app(
             "decode": dict(pools or {}),
         }
     )
-    with runtime.running(config) as base_url:
-        handles = [
-            serve.get_deployment_handle(f"{pool}-pool", app_name="kvtide").options(stream=True)
-            for pool in ("prefill", "decode")
-        ]
-        yield base_url, config.model.name, handles[0], handles[1]
+    try:
+        with runtime.running(config) as base_url:
+            handles = [
+                serve.get_deployment_handle(f"{pool}-pool", app_name="kvtide").options(stream=True)
+                for pool in ("prefill", "decode")
+            ]
+            yield base_url, config.model.name, handles[0], handles[1]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # Ray's temp dir, once Ray has stopped
 
 
 async def engine_requests(base_url: str, prefill: Any, decode: Any) -> int:
