@@ -95,22 +95,24 @@ def decode_replica_states() -> dict[str, int]:
     return dict(app.deployments[deployment_name("decode")].replica_states)
 
 
-def wait_replaced(config: Any) -> None:
-    """Poll Serve's status until the decode pool runs its two new replicas only: the old
-    ones' drains ended with their requests (their turns', and the step streams their
-    ingresses ended) and their sessions' KV moved, well before Serve's force-kill
-    (``graceful_shutdown_timeout_s``: the turns' deadline), after which nothing moves."""
-    deadline = time.monotonic() + config.kv.service_timeout_s + 30
-    while decode_replica_states() != {"RUNNING": 2}:
-        assert time.monotonic() < deadline, decode_replica_states()
-        time.sleep(0.5)  # polling Serve's status, not waiting out a race
+def redeploy(config: Any) -> None:
+    """Deploy ``config`` over the running app: ``runtime.deploy`` returns once Serve has
+    replaced what changed, the old replicas stopped too. Each old decode replica's drain
+    ends with its requests (its turns', and the step streams its ingresses end) and its
+    sessions' KV moved, well before Serve's force-kill (``graceful_shutdown_timeout_s``,
+    the turns' deadline: 155 s here), after which nothing would have moved."""
+    from orchestrator import runtime
+
+    started = time.monotonic()
+    runtime.deploy(config, say=lambda _: None)
+    took_s = time.monotonic() - started
+    assert took_s < config.kv.service_timeout_s + 30, took_s
+    assert decode_replica_states() == {"RUNNING": 2}
 
 
 def test_a_redeploy_that_replaces_the_decode_engines_moves_their_sessions_kv_first(
     app: tuple[str, list[str], Any],
 ) -> None:
-    from orchestrator import runtime
-
     base_url, keys, config = app
     key, model = keys[0], config.model.name
     sessions = [f"upgrade-{i}" for i in range(4)]
@@ -136,12 +138,11 @@ def test_a_redeploy_that_replaces_the_decode_engines_moves_their_sessions_kv_fir
     changed = config.model_copy(
         update={"decode": config.decode.model_copy(update={"max_num_seqs": 32})}
     )
-    runtime.deploy(changed, say=lambda _: None)
+    redeploy(changed)
     running.join(timeout=config.server.request_timeout_s)
     # The running turn finished on the engine it started on (no migration, no error).
     assert long.get("status") == 200, long
     assert long["body"]["kvtide"]["migrations"] == 0, long["body"]["kvtide"]
-    wait_replaced(config)
     # No session's record names a stopped engine: each was moved off it before it
     # stopped (to the host tier; with none, as here, dropped for its next turn to
     # recompute with reason replaced), none left to a pull that fails.
@@ -157,5 +158,4 @@ def test_a_redeploy_that_replaces_the_decode_engines_moves_their_sessions_kv_fir
         )
     # The app as the other tests found it: the replicas replaced again, with the step
     # streams to them of the ingress replicas this replaces, which may stop before them.
-    runtime.deploy(config, say=lambda _: None)
-    wait_replaced(config)
+    redeploy(config)
