@@ -243,7 +243,9 @@ def deploy(
         proxy_location="HeadOnly",
         http_options={"host": config.server.host, "port": config.server.port},
     )
+    before = _serve_status().applications.get(APP_NAME)
     _start(app, config)
+    _release_dropped(before, layout)
     _wait_running(config, layout, say)
     say(f"serving {config.model.name!r} at http://{config.server.host}:{config.server.port}/v1")
     return layout
@@ -276,7 +278,8 @@ def _wait_running(config: KVTideConfig, layout: PoolLayout, say: Callable[[str],
         overdue = watch.overdue(read_pending_groups(APP_NAME)) if layout.by_domain else []
         if overdue:
             domains = domain_states(read_ray_nodes(), read_free_gpus())
-            serve.delete(APP_NAME)
+            if not _delete_app():
+                say(f"app {APP_NAME!r} still stopping after {DELETE_TIMEOUT_S:g} s")
             raise not_placed_error(APP_NAME, overdue, layout, domains, watch.timeout_s)
         time.sleep(1.0)  # Serve's status, read once a second
 
@@ -290,11 +293,52 @@ def _start(app: Any, config: KVTideConfig) -> None:
 
 
 def redeploy(config: KVTideConfig, layout: PoolLayout) -> None:
-    """Deploy ``layout`` over the running app without waiting: deployments whose
-    placement is unchanged keep their replicas (see ``build_app``)."""
+    """Deploy ``layout`` over the running app without waiting for it: deployments whose
+    placement is unchanged keep their replicas (see ``build_app``); those it drops go
+    (``_release_dropped``)."""
     from orchestrator.serve.app import build_app
 
+    before = _serve_status().applications.get(APP_NAME)
     _start(build_app(config, layout), config)
+    _release_dropped(before, layout)
+
+
+def _release_dropped(before: Any, layout: PoolLayout) -> None:
+    """Serve deletes the engine deployments of ``before`` (the app's status before a
+    deploy) that ``layout`` drops: their replicas Ray never placed are stopped at once
+    (``orchestrator.cluster.pending_replicas``, within ``DELETE_TIMEOUT_S``), their
+    started ones drain on their own."""
+    from orchestrator.cluster.pending_replicas import (
+        kill_replica,
+        read_pending_of,
+        release_while_deleting,
+    )
+    from orchestrator.serve.ingress import Ingress
+
+    kept = {Ingress.name, *(d.name for d in layout.deployments)}
+    dropped = set() if before is None else set(before.deployments) - kept
+    if not dropped:
+        return
+
+    def let_go() -> bool:  # every replica of theirs stopping, none pending
+        app = _serve_status().applications.get(APP_NAME)
+        states = [] if app is None else [app.deployments.get(name) for name in dropped]
+        starting = any(
+            state != "STOPPING" and count
+            for status in states
+            if status is not None
+            for state, count in status.replica_states.items()
+        )
+        return not starting and not read_pending_of(APP_NAME, dropped)
+
+    if not release_while_deleting(
+        deleted=let_go,
+        pending=lambda: read_pending_of(APP_NAME, dropped),
+        kill=kill_replica,
+        within_s=DELETE_TIMEOUT_S,
+    ):
+        log = logging.getLogger("kvtide")
+        log.warning("%s still starting after %g s", sorted(dropped), DELETE_TIMEOUT_S)
 
 
 def pool_supervisor(config: KVTideConfig, layout: PoolLayout) -> PoolSupervisor:
@@ -335,12 +379,47 @@ def supervise(
             say("engines re-placed after lost nodes:\n" + result.layout.describe())
 
 
-SHUTDOWN_TIMEOUT_S = 60.0
-"""How long ``shutdown`` waits for Serve to delete the app before leaving Ray anyway."""
+DELETE_TIMEOUT_S = 60.0
+"""How long kvtide waits for Serve to delete its app (``shutdown``, a deploy whose engines
+Ray did not place; ``serve.delete`` itself gives up after 60 s) or to stop the replicas of
+the deployments a redeploy drops."""
+
+STATUS_TIMEOUT_S = 10.0
+"""The deadline of one read of Serve's status (a call to its controller)."""
+
+
+def _serve_status() -> Any:
+    """``serve.status()`` within ``STATUS_TIMEOUT_S``."""
+    from ray import serve
+
+    from orchestrator.cluster.deadlines import call_within
+
+    return call_within(serve.status, STATUS_TIMEOUT_S, "Serve's status")
+
+
+def _delete_app() -> bool:
+    """Have Serve delete kvtide's app and wait for it, within ``DELETE_TIMEOUT_S``: its
+    replicas Ray never placed are stopped at once (``orchestrator.cluster.pending_replicas``),
+    its started ones drain. True once the app is gone."""
+    from ray import serve
+
+    from orchestrator.cluster.pending_replicas import (
+        kill_replica,
+        read_pending_of,
+        release_while_deleting,
+    )
+
+    serve.delete(APP_NAME, _blocking=False)
+    return release_while_deleting(
+        deleted=lambda: APP_NAME not in _serve_status().applications,
+        pending=lambda: read_pending_of(APP_NAME, None),
+        kill=kill_replica,
+        within_s=DELETE_TIMEOUT_S,
+    )
 
 
 def shutdown() -> None:
-    """Delete kvtide's app (its engines stop gracefully, within ``SHUTDOWN_TIMEOUT_S``)
+    """Delete kvtide's app (its engines stop gracefully, within ``DELETE_TIMEOUT_S``)
     and its KV service, then leave Ray; a Ray that kvtide started goes down with it.
 
     Serve itself is not shut down: on a joined cluster it may serve other apps, and on
@@ -348,9 +427,9 @@ def shutdown() -> None:
     its pending long-poll tasks as failed after the demo's table.)
     """
     import ray
-    from ray import serve
     from ray.serve.exceptions import RayServeException
 
+    from orchestrator.cluster.deadlines import CallTimedOut
     from orchestrator.kv.actor import lookup_app_host_stores, lookup_service
 
     if not ray.is_initialized():
@@ -358,12 +437,11 @@ def shutdown() -> None:
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # not "Deleting app ..."
     try:
         try:
-            serve.delete(APP_NAME, _blocking=False)
-            deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
-            while APP_NAME in serve.status().applications and time.monotonic() < deadline:
-                time.sleep(0.2)  # polling Serve's deletion, bounded
+            _delete_app()
         except RayServeException:
             pass  # Serve never started: nothing was deployed
+        except CallTimedOut as exc:  # Serve's controller not answering: leave it be
+            logging.getLogger("kvtide").warning("deleting the app: %s", exc)
         # Detached, both: they outlive the app on a shared cluster.
         for actor in (lookup_service(APP_NAME), *lookup_app_host_stores(APP_NAME)):
             if actor is not None:

@@ -73,6 +73,13 @@ __all__ = [
     "prefix_hash",
 ]
 
+_RETIRED = {
+    EvictReason.SCALED_IN: RecomputeReason.SCALED_IN,
+    EvictReason.REPLACED: RecomputeReason.REPLACED,
+}
+"""Why an engine's records go before it stops (``retire``), and the reason its sessions
+recompute with when the host tier did not take them."""
+
 COPY_MIN_LEFT_S = 6.0
 """An expiring record's blocks are offered to a host tier's copy only with this long
 left before the engine frees them: a reader within 5 s of the expiry is declined (vLLM's
@@ -639,17 +646,19 @@ class KVLifecycle:
         self._room_made_s[engine_id] = now_s
         return [self._evict(session_id, self._books.sessions[session_id], EvictReason.PRESSURE)]
 
-    def retire(self, engine_id: str) -> list[Effect]:
-        """The engine is being stopped (a scale-in): evict every record on it
-        (``Evict(scaled_in)``, for the host tier to take), as ``on_engine_lost`` does but
-        while its blocks can still be read; a session held for an ingress loses its lease
-        with the record (the caller's part). A session whose record is not booked again
-        from the tier recomputes its next turn with reason ``scaled_in``."""
+    def retire(self, engine_id: str, reason: EvictReason = EvictReason.SCALED_IN) -> list[Effect]:
+        """The engine is being stopped (``scaled_in``: a scale-in; ``replaced``: a
+        redeploy or a removal): evict every record on it (``Evict(reason)``, for the host
+        tier to take), as ``on_engine_lost`` does but while its blocks can still be read;
+        a session held for an ingress loses its lease with the record (the caller's part).
+        A session whose record is not booked again from the tier recomputes its next turn
+        with the same reason."""
+        assert reason in _RETIRED, reason
         effects: list[Effect] = []
         for session_id in sorted(self._books.sessions_by_engine.get(engine_id, ())):
             session = self._books.sessions[session_id]
-            effects.append(self._evict(session_id, session, EvictReason.SCALED_IN))
-            session.lost_reason = RecomputeReason.SCALED_IN
+            effects.append(self._evict(session_id, session, reason))
+            session.lost_reason = _RETIRED[reason]
         return effects
 
     def held_nearest_expiry(self, engine_id: str) -> str | None:

@@ -233,6 +233,9 @@ class RecomputeReason(enum.StrEnum):
     CHEAPER_TO_RECOMPUTE = "cheaper_to_recompute"  # the cost model says so
     EVICTED = "evicted"  # dropped under the idle budget or with its engine
     SCALED_IN = "scaled_in"  # its engine was scaled in and the host tier did not take it
+    # Its engine was stopped by a redeploy (replaced) or removed (a deleted deployment,
+    # fewer engines) and the host tier did not take it.
+    REPLACED = "replaced"
     FAILED_PULL = "failed_pull"  # the last pull of this record failed or hung
     # An integrity check found a pull from the record's engine gave wrong KV: reuse from
     # it is off until an operator turns it back on (``KVLifecycle.set_reuse_off``).
@@ -255,6 +258,7 @@ class EvictReason(enum.StrEnum):
     PRESSURE = "pressure"  # its engine's KV cache was full with nothing running or turns waiting
     ENGINE_LOST = "engine_lost"  # its engine died or restarted: the blocks are gone
     SCALED_IN = "scaled_in"  # its engine is being stopped by a scale-in
+    REPLACED = "replaced"  # its engine is being stopped by a redeploy or a removal
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

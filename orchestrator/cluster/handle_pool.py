@@ -82,6 +82,14 @@ class HandlePool:
     def _done(self, index: int) -> None:
         self._in_flight[index] -= 1
 
+    async def close(self) -> None:
+        """End this process's step streams (its ingress replica is going away): Serve
+        drains a replica it stops by waiting for its ongoing calls, and does not end a
+        standing stream whose caller is gone, so a decode replica stopped after the
+        ingress would wait for it to its force-kill and never move its sessions' KV."""
+        for channels in self._steps or ():
+            await channels.close()
+
 
 class _Counted:
     """A deployment's stream that gives its in-flight count back exactly once: when it

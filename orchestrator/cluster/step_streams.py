@@ -54,7 +54,9 @@ replica's ``__del__`` (which moves its sessions' KV off) would never run. So the
 deployments' request router (``step_router.StepRouter``), told which replicas left its
 set, calls ``replicas_gone`` (a module function: the router is shipped by value), and
 each caller in the process ends its step stream to such a replica once no request of
-its own reads from there.
+its own reads from there. An ingress replica Serve stops ends all of its step streams
+(``HandlePool.close``, from ``Ingress.__del__``): Serve does not end a standing stream
+whose caller is gone, and a redeploy may stop the ingress before the decode replica.
 """
 
 from __future__ import annotations

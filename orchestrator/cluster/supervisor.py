@@ -62,6 +62,7 @@ class PendingGroup:
     """A replica's placement group that Ray has not placed."""
 
     group_id: str
+    replica: str  # the replica actor's name, which Serve names its group after
     deployment: str
     bundles: tuple[Mapping[str, float], ...]
     state: str
@@ -95,6 +96,7 @@ def pending_groups_of(app_name: str, table: Mapping[str, Mapping[str, Any]]) -> 
         out.append(
             PendingGroup(
                 group_id=group_id,
+                replica=str(row["name"]),
                 deployment=parsed[1],
                 bundles=tuple(bundles[i] for i in sorted(bundles)),
                 state=str(row.get("state")),

@@ -238,9 +238,9 @@ class Drains:
 
     def _to_host(self, effect: Effect) -> bool:
         """The effect's record goes to the host tier, with a tier to take it: a decode's
-        record evicted under the idle budget, for room or by a scale-in, or one that
-        reached its offer deadline unpulled (its engine frees it at its TTL: an agent's
-        SDK session outliving it)."""
+        record evicted under the idle budget, for room or before its engine stops, or one
+        that reached its offer deadline unpulled (its engine frees it at its TTL: an
+        agent's SDK session outliving it)."""
         return (
             self.host is not None
             and self.demote is not None
@@ -248,7 +248,12 @@ class Drains:
                 (
                     isinstance(effect, Evict)
                     and effect.reason
-                    in (EvictReason.BUDGET, EvictReason.PRESSURE, EvictReason.SCALED_IN)
+                    in (
+                        EvictReason.BUDGET,
+                        EvictReason.PRESSURE,
+                        EvictReason.SCALED_IN,
+                        EvictReason.REPLACED,
+                    )
                 )
                 or (isinstance(effect, Expire) and effect.unread)
             )

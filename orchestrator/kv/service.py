@@ -69,7 +69,7 @@ from orchestrator.kv.turn_effects import TurnEffects
 from orchestrator.kv.turn_leases import LeaseBook
 from orchestrator.kv.turn_marks import OwnerMarks, RunningTurns
 from policies.admission import AdmissionSettings, EngineBook, EngineLoad, short_of_kv
-from policies.kv_lifecycle import KVLifecycleConfig, Release, ReleaseReason
+from policies.kv_lifecycle import EvictReason, KVLifecycleConfig, Release, ReleaseReason
 from policies.turn_state import TurnState
 
 log = logging.getLogger("kvtide.kv_service")
@@ -169,7 +169,7 @@ class KVServiceAPI(Protocol):
 
     async def engines_lost(self, engine_ids: Sequence[str]) -> int: ...
 
-    async def retire_engine(self, engine_id: str) -> dict[str, int]: ...
+    async def retire_engine(self, engine_id: str, reason: str = "scaled_in") -> dict[str, int]: ...
 
     async def engine_loads(self) -> dict[str, dict[str, float]]: ...
 
@@ -577,18 +577,26 @@ class KVService:
         returns the sessions whose KV was."""
         return self.engines.lose(engine_ids, self.clock())
 
-    async def retire_engine(self, engine_id: str) -> dict[str, int]:
-        """A decode engine is being stopped by a scale-in (its host calls this before it
-        stops the engine): the KV of its sessions goes to the host tier (drained back
-        where there is none), and this answers once those moves are over, with how many
-        sessions were on it and how many the tier took (``KVLifecycle.retire``)."""
+    async def retire_engine(self, engine_id: str, reason: str = "scaled_in") -> dict[str, int]:
+        """A decode engine is being stopped (its host calls this before it stops the
+        engine; ``reason``: ``scaled_in`` by the autoscaler, ``replaced`` by a redeploy
+        or a removal): the KV of its sessions goes to the host tier, and this answers once
+        those moves are over, with how many sessions were on it and how many the tier
+        took (``KVLifecycle.retire``). Where there is no tier, or its take-in fails,
+        nothing moves: the blocks are drained back into a prefill engine (freed on the
+        decode) and each of those sessions recomputes its next turn with ``reason``."""
         before = self.drains.counters["host_take_ins"]
-        effects = self.decider.lifecycle.retire(engine_id)
+        effects = self.decider.lifecycle.retire(engine_id, EvictReason(reason))
         self.drains.apply(effects)
         await self.drains.wait()
         moved = self.drains.counters["host_take_ins"] - before
         log.info(
-            "engine %s scaled in: %d sessions, %d to the host tier", engine_id, len(effects), moved
+            "engine %s %s: %d sessions, %d to the host tier, %d to recompute",
+            engine_id,
+            reason.replace("_", " "),
+            len(effects),
+            moved,
+            len(effects) - moved,
         )
         return {"num_sessions": len(effects), "num_to_host": moved}
 

@@ -77,11 +77,16 @@ def build_app(config: KVTideConfig, layout: PoolLayout | None = None) -> Applica
 
 def ingress_options(config: KVTideConfig) -> dict[str, Any]:
     """The ingress deployment's Serve options: the environment its vLLM serving layer
-    reads when it loads (vLLM reads tool-call strictness once, at import)."""
+    reads when it loads (vLLM reads tool-call strictness once, at import), and, stopped
+    by a redeploy, its turns' deadline for the turns it runs to finish (Serve's own
+    20 s would cut a longer one while the decode replica it runs on waits for it)."""
+    options: dict[str, Any] = {"graceful_shutdown_timeout_s": config.server.request_timeout_s + 5}
     env = {}
     if not config.model.tool_structural_tags:
         env["VLLM_ENFORCE_STRICT_TOOL_CALLING"] = "0"
-    return {"ray_actor_options": {"runtime_env": {"env_vars": env}}} if env else {}
+    if env:
+        options["ray_actor_options"] = {"runtime_env": {"env_vars": env}}
+    return options
 
 
 def _stable_version(config: KVTideConfig, key: str) -> dict[str, Any]:

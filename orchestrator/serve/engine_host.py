@@ -121,14 +121,15 @@ def engine_deployment_options(
 
 
 def _graceful_shutdown_s(config: KVTideConfig, pool_name: str) -> float:
-    """How long Serve gives a stopping replica: 5 s; an autoscaled decode replica, its
-    in-flight turns' deadline and the move of its sessions' KV to the host tier
-    (``EngineHost.__del__``). The ingresses end their standing step streams to it once
-    their requests there are done (``step_streams.replicas_gone``), so the drain ends.
-    An autoscaled prefill replica: 5 s and the lease of the prompts' KV it keeps for
-    decode, which it waits for decode to read (``orchestrator.serve.hand_offs``)."""
+    """How long Serve gives a stopping replica: 5 s; a decode replica (a scale-in, a
+    redeploy, a removal), its in-flight turns' deadline and the move of its sessions' KV
+    to the host tier (``EngineHost.__del__``). The ingresses end their standing step
+    streams to it once their requests there are done (``step_streams.replicas_gone``),
+    so the drain ends with them. An autoscaled prefill replica: 5 s and the lease of the
+    prompts' KV it keeps for decode, which it waits for decode to read
+    (``orchestrator.serve.hand_offs``)."""
     pool = config.pool(pool_name)
-    if autoscaling_options(config, pool_name) is None:
+    if pool.role == "prefill" and autoscaling_options(config, pool_name) is None:
         return 5.0
     if pool.role != "decode":
         return 5.0 + config.kv.prefill_lease_s
@@ -225,7 +226,7 @@ class EngineHost:
         while publishes_kv_events(config, pool_name) and events_port in (None, port):
             events_port = free_port(host)
         self._events_replica = None if events_port is None else ctx.replica_id.unique_id
-        self._retire: tuple[str, float] | None = None  # set once the engine runs
+        self._retire: tuple[str, float, str] | None = None  # set once the engine runs
         self._hand_offs_within_s: float | None = None
         spec = host_engine_spec(
             config, pool_name, domain_id, engine_id, port, host, gcs_address, events_port
@@ -247,10 +248,13 @@ class EngineHost:
         log.info("engine %s ready: %s", engine_id, self._info)
         self._role = role
         self.load = LoadMeter(clock=time.monotonic, engine_start_s=time.monotonic() - started_s)
-        if role == "decode" and autoscaling_options(config, pool_name) is not None:
-            # Stopped by a scale-in, this host has the KV service move its sessions' KV
-            # to the host tier before the engine stops (``__del__``).
-            self._retire = (ctx.app_name, config.kv.service_timeout_s)
+        if role == "decode":
+            # However Serve stops it (a scale-in, a redeploy, a removal), this host has
+            # the KV service move its sessions' KV to the host tier before the engine
+            # stops (``__del__``); only an autoscaled pool's replica is scaled in.
+            scaled = autoscaling_options(config, pool_name) is not None
+            reason = "scaled_in" if scaled else "replaced"
+            self._retire = (ctx.app_name, config.kv.service_timeout_s, reason)
         if role == "prefill" and autoscaling_options(config, pool_name) is not None:
             # Stopped by a scale-in, this host keeps its engine until decode has read
             # the prompts' KV it keeps, within their lease (``__del__``).
@@ -439,10 +443,11 @@ class EngineHost:
             "bundles": bundles,
         }
 
-    async def _move_sessions(self, app: str, timeout_s: float) -> None:
+    async def _move_sessions(self, app: str, timeout_s: float, reason: str) -> None:
         """Before the engine stops: the KV service moves the KV of the sessions it kept
         to the host tier (``KVService.retire_engine``), within ``timeout_s``; the
-        sessions it could not move recompute their next turn (reason ``scaled_in``)."""
+        sessions it could not move recompute their next turn (``reason``: ``scaled_in``
+        or ``replaced``)."""
         engine_id = self._info.engine_id
         try:
             handle = await call_within_async(
@@ -451,10 +456,11 @@ class EngineHost:
             if handle is None:
                 return
             service = service_client(handle, timeout_s=timeout_s)
-            moved = await service.retire_engine(engine_id)
-            log.info("engine %s scaled in: %s", engine_id, moved)
+            moved = await service.retire_engine(engine_id, reason)
+            log.info("engine %s %s: %s", engine_id, reason.replace("_", " "), moved)
         except Exception as exc:  # the engine stops anyway: its sessions recompute
-            log.warning("engine %s scaled in without moving its sessions: %s", engine_id, exc)
+            how = reason.replace("_", " ")
+            log.warning("engine %s %s without moving its sessions: %s", engine_id, how, exc)
 
     async def check_health(self) -> None:
         health = await self.engine.health()

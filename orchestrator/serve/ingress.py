@@ -390,8 +390,8 @@ class Ingress:
     async def __del__(self) -> None:
         """Serve's replica shutdown: the turns that finished here reach the service
         (each hand-over is bounded by the service client's deadline), so do the
-        integrity mismatches found here (within ``kv.service_timeout_s``), and its
-        unused turn leases go back to it."""
+        integrity mismatches found here (within ``kv.service_timeout_s``), its
+        unused turn leases go back to it, and its step streams end."""
         self._reporter.cancel()
         await self.router.settled()
         # A mismatch an integrity check found here still on its way to the service
@@ -409,6 +409,8 @@ class Ingress:
             leases.revoke([lease.lease_id for lease in leases.unused()])
             with contextlib.suppress(RequestError):
                 await self.kv.lease_watch(leases.holder, leases.take_released(), 0.0)
+        for pool in self.pools.values():
+            await pool.close()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """Serve's call once the replica is built: the app this replica serves."""

@@ -294,5 +294,8 @@ def test_a_stopping_autoscaled_decode_replica_gets_its_turns_deadline() -> None:
         assert engine_deployment_options(on, "prefill")["graceful_shutdown_timeout_s"] == (
             5 + on.kv.prefill_lease_s
         )
-    # Not autoscaled: Serve's 5 s.
-    assert engine_deployment_options(parse_config({}), "decode")["graceful_shutdown_timeout_s"] == 5
+    # Not autoscaled, the same: a redeploy or a removal stops it (test_faults.py).
+    fixed = parse_config({"server": {"request_timeout_s": 60}})
+    assert engine_deployment_options(fixed, "decode")["graceful_shutdown_timeout_s"] == (
+        60 + fixed.kv.service_timeout_s + 5
+    )

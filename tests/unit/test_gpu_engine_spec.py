@@ -101,7 +101,8 @@ def test_tp16_dcp16_replica_bundles_and_serve_options() -> None:
         "max_ongoing_requests": 64,
         "health_check_period_s": 10,
         "health_check_timeout_s": 30,
-        "graceful_shutdown_timeout_s": 5,
+        # A decode replica's turns' deadline and its sessions' move before it stops.
+        "graceful_shutdown_timeout_s": cfg.server.request_timeout_s + cfg.kv.service_timeout_s + 5,
         "ray_actor_options": {"num_cpus": 1.0, "num_gpus": 0.0},
         "placement_group_bundles": [{"CPU": 1.0}] + [{"GPU": 1.0, "CPU": 2.0}] * 16,
         "placement_group_strategy": "PACK",

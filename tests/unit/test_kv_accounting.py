@@ -15,6 +15,7 @@ import pytest
 
 from policies.kv_lifecycle import (
     Effect,
+    EvictReason,
     Expire,
     KVLifecycle,
     KVLifecycleConfig,
@@ -111,8 +112,9 @@ class Model:
         elif op == "tick":
             effects = self.kv.on_tick(self.now_s)
             self.check_nothing_due()
-        elif op == "retire":  # a scale-in stops an engine: its idle records go first
-            effects = self.kv.retire(self.rng.choice(ENGINES))
+        elif op == "retire":  # a scale-in or a redeploy stops an engine: its records go first
+            why = self.rng.choice([EvictReason.SCALED_IN, EvictReason.REPLACED])
+            effects = self.kv.retire(self.rng.choice(ENGINES), why)
         else:
             effects = self.kv.on_engine_lost(self.rng.choice(ENGINES), self.now_s)
         self.check_effects(effects, before)

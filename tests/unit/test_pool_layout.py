@@ -197,7 +197,9 @@ def test_pending_replica_groups_are_found_by_the_app_and_bounded_in_time() -> No
         "g4": {"name": "", "state": "PENDING"},
     }
     pending = pending_groups_of("kvtide", table)
-    assert [(g.group_id, g.deployment) for g in pending] == [("g1", "decode-pool-nvl72-a")]
+    assert [(g.group_id, g.deployment, g.replica) for g in pending] == [
+        ("g1", "decode-pool-nvl72-a", "SERVE_REPLICA::kvtide#decode-pool-nvl72-a#x1")
+    ]
     now = [100.0]
     watch = PlacementWatch(timeout_s=5.0, clock=lambda: now[0])
     assert watch.overdue(pending) == []
@@ -214,6 +216,7 @@ def test_the_bounded_wait_error_lists_the_ask_against_each_domain() -> None:
     (decode,) = layout.of_pool("decode")
     group = PendingGroup(
         group_id="g1",
+        replica=f"SERVE_REPLICA::kvtide#{decode.name}#x1",
         deployment=decode.name,
         bundles=({"CPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}),
         state="PENDING",

@@ -1,7 +1,9 @@
 """A decode engine stopped by a scale-in: the KV service moves its idle sessions' KV to
 the host tier first (``KVService.retire_engine``, which the engine host calls before
 it stops its engine), so their next turns pull it back instead of recomputing; a
-session whose KV the tier did not take recomputes with reason ``scaled_in``.
+session whose KV the tier did not take recomputes with reason ``scaled_in``. An engine
+stopped by a redeploy or a removal (``replaced``) moves its sessions' KV the same way,
+and a session the tier did not take recomputes with reason ``replaced``.
 
 The engines are test_kv_service.py's fake pools, the tier test_host_tier.py's fake."""
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from test_host_tier import FakeHostTier, prompt
 from test_kv_service import Cluster
 from test_turn_leases import first_turn_leased, leasing_router
@@ -51,6 +54,32 @@ def test_a_session_the_tier_did_not_take_recomputes_with_reason_scaled_in() -> N
         assert svc.decider.lifecycle.record("a") is None
         report = await c.turn([*prompt(0), 11, 12, 13, 60, 61], "a")
         assert (report.kv_plan, report.kv_plan_reason) == ("recompute", "scaled_in")
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("with_tier", [True, False])
+def test_a_replaced_engines_sessions_move_to_the_tier_or_recompute_with_reason_replaced(
+    with_tier: bool,
+) -> None:
+    c = Cluster()
+    svc = c.new_service(host=FakeHostTier() if with_tier else None)
+
+    async def run() -> None:
+        await c.turn(prompt(0), "a")
+        kept = svc.decider.lifecycle.record("a")
+        assert kept is not None and kept.pool_id == "decode"
+        moved = await svc.retire_engine(kept.engine_id, "replaced")
+        assert moved == {"num_sessions": 1, "num_to_host": int(with_tier)}
+        # The record no longer names the stopped engine: the tier's copy, or none (its
+        # blocks drained back to prefill).
+        record = svc.decider.lifecycle.record("a")
+        assert (record and record.pool_id) == (HOST_POOL if with_tier else None)
+        report = await c.turn([*prompt(0), 11, 12, 13, 60, 61], "a")
+        if with_tier:
+            assert (report.kv_plan, report.kv_source) == ("pull", "host_tier")
+        else:
+            assert (report.kv_plan, report.kv_plan_reason) == ("recompute", "replaced")
 
     asyncio.run(run())
 

@@ -10,8 +10,9 @@ import yaml
 from ray.serve import Application
 from ray.serve.schema import ServeDeploySchema
 
+from orchestrator.config import parse_config
 from orchestrator.errors import ConfigError
-from orchestrator.serve.app import app_builder
+from orchestrator.serve.app import app_builder, ingress_options
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,3 +35,10 @@ def test_builder_takes_inline_config_or_a_file(tmp_path: Path) -> None:
     assert isinstance(app_builder({"config": str(cfg)}), Application)
     with pytest.raises(ConfigError, match=r"decode\.num_engines"):
         app_builder({"kvtide": {"model": {"path": str(model)}, "decode": {"num_engines": -1}}})
+
+
+def test_a_replaced_ingress_replica_waits_for_its_turns_deadline() -> None:
+    # A redeploy replaces the ingress with the decode replicas: Serve's own 20 s would
+    # cut a turn the decode replica it runs on still waits for.
+    config = parse_config({"server": {"request_timeout_s": 90}})
+    assert ingress_options(config)["graceful_shutdown_timeout_s"] == 90 + 5

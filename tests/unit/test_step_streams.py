@@ -453,3 +453,27 @@ def test_a_replica_serve_stops_has_its_step_stream_ended_once_its_requests_end()
         assert len(host.outboxes) == 0
 
     asyncio.run(story())
+
+
+def test_a_pool_closed_with_its_ingress_ends_its_step_streams() -> None:
+    """An ingress replica Serve stops ends its standing step streams (``Ingress.__del__``):
+    Serve does not end them when their caller is gone, so a decode replica stopped after
+    the ingress (a redeploy replaces both) drained to its force-kill and never moved its
+    sessions' KV."""
+
+    async def story() -> None:
+        host = Host()
+        pool = HandlePool(host, steps=True)
+        a = pool.generate(req("a"))
+        await anext_after_step(host, a, {"a": 1})
+        (call,) = host.steps.calls
+        host.engine.step({"a": 2}, finished=("a",))
+        assert (await anext(a)).finished
+        await settle()
+        assert not call.task.done()  # a standing stream, as long as the ingress runs
+        await pool.close()
+        await settle()
+        assert call.task.done()  # the replica's side ended: its drain can finish
+        assert len(host.outboxes) == 0
+
+    asyncio.run(story())
