@@ -61,10 +61,11 @@ def extend_router(
     waiting: int = 0,
     running: int = 0,
     prefill_s_per_token: float | None = None,
+    max_new_tokens: int = 16,
 ) -> Router:
     """A router whose engines report: decode engine ``ENGINE`` idle (or with ``waiting`` and
     ``running`` requests), its KV cache 10 % used (and the prefill time per token it
-    measured, if given); extends up to 8 new tokens."""
+    measured, if given); extends a turn of up to ``max_new_tokens`` computed in place."""
 
     def loads(clock: FakeClock) -> list[EngineLoad]:
         return [
@@ -84,7 +85,7 @@ def extend_router(
         prefill,
         decode,
         kv_bytes_per_token=100,
-        extend=ExtendSettings(max_new_tokens=8),
+        extend=ExtendSettings(max_new_tokens=max_new_tokens),
         decode_max_running=4,
         engine_loads=loads,
     )
@@ -102,9 +103,11 @@ async def turn(router: Router, prompt: list[int], **kw: Any) -> TurnReport:
 
 
 FIRST = list(range(100))
-# Turn 1's prompt and answer (11, 12, 13), then the new tokens.
-SHORT = [*FIRST, 11, 12, 13, 50, 51]
-LONG = [*FIRST, 11, 12, 13, *range(200, 209)]  # 9 new tokens: one over the bound
+# Turn 1's prompt and answer (11, 12, 13), then the new tokens. Turn 1 kept 102 tokens
+# (its answer's last never computed), 96 of them in whole 16-token blocks: the decode
+# engine computes a later turn's tokens from the 97th on.
+SHORT = [*FIRST, 11, 12, 13, 50, 51]  # 3 new tokens, 9 computed in place
+LONG = [*FIRST, 11, 12, 13, *range(200, 210)]  # 17 computed in place: one over the bound
 
 
 def prefills(pool: FakePool) -> list[GenerateRequest]:
@@ -167,6 +170,26 @@ def test_an_extended_turns_first_output_already_says_what_it_reused() -> None:
         return seen
 
     assert asyncio.run(first_output()) == (HISTORY_CACHED, "extended")
+
+
+def test_the_bound_on_an_increment_counts_the_history_after_its_last_whole_block() -> None:
+    # SHORT adds 3 tokens to turn 1's 102 kept ones, but the decode engine's prefix
+    # cache holds whole 16-token blocks only (96 tokens): it would compute 9 in place.
+    # Over a bound of 8, the turn is pulled; at 9 it extends, and its report's figure is
+    # what the engine computed (the prompt less its cache hit).
+    prefill, decode = FakePool(prefill_script(cached=101)), FakePool(caching_decode)
+    router = extend_router(prefill, decode, max_new_tokens=8)
+    asyncio.run(turn(router, FIRST))
+    r2 = asyncio.run(turn(router, SHORT))
+    assert (r2.kv_plan, r2.extend_reason) == ("pull", "long_increment"), r2
+    assert r2.extend_prefill_tokens == 9
+    prefill, decode = FakePool(prefill_script(cached=101)), FakePool(caching_decode)
+    router = extend_router(prefill, decode, max_new_tokens=9)
+    asyncio.run(turn(router, FIRST))
+    r2 = asyncio.run(turn(router, SHORT))
+    assert (r2.kv_plan, r2.extend_reason) == ("extend", "short_increment"), r2
+    assert r2.extend_prefill_tokens == len(SHORT) - r2.num_cached_tokens == 9
+    assert r2.as_dict()["extend_prefill_tokens"] == 9
 
 
 def test_a_long_increment_is_pulled_to_prefill() -> None:
@@ -257,9 +280,9 @@ def test_an_extended_turn_that_fails_leaves_the_previous_record_for_the_next_tur
 def test_the_decode_engines_reported_prefill_cost_prices_the_itl_budget() -> None:
     """The engine's heartbeat carries the prefill time per token its host measured
     (``heartbeat_stats``); the service passes it with the engine's load, the ingress
-    reads it, and the cost function prices the in-place prefill with it: 5 new tokens
-    beside a running stream at 20 ms a token is 100 ms, over the 50 ms budget, where the
-    settings' 1.4 ms would extend."""
+    reads it, and the cost function prices the in-place prefill with it: 9 tokens
+    computed in place beside a running stream at 20 ms a token is 180 ms, over the 50 ms
+    budget, where the settings' 1.4 ms would extend."""
     service = KVService(
         lifecycle_config(), prefill=None, settings=ServiceSettings(drain_timeout_s=5.0)
     )
