@@ -57,6 +57,7 @@ __all__ = [
     "PlanReason",
     "PrefillCost",
     "PrefillCostSettings",
+    "budget_chunk_tokens",
     "choose_plan",
     "decide_turn",
     "estimate_cost",
@@ -378,6 +379,16 @@ class PrefillCost:
     @classmethod
     def calibrated(cls, s_per_token: float) -> PrefillCost:
         return cls(calibrated_s_per_token=s_per_token, s_per_token=s_per_token)
+
+
+def budget_chunk_tokens(*, itl_budget_s: float, s_per_token: float) -> int:
+    """The most prompt tokens of an in-place prefill a decode engine may compute in one
+    step beside other sequences for that step to grow by at most ``itl_budget_s``, at
+    ``s_per_token``: its prefill chunk (vLLM's ``long_prefill_token_threshold``); at
+    least 1. Sized at deploy from the configured cost, then by each engine from its own."""
+    if s_per_token <= 0:
+        raise ValueError(f"s_per_token must be above 0, got {s_per_token}")
+    return max(1, int(itl_budget_s / s_per_token + 1e-9))
 
 
 def prefill_steps(num_tokens: int, chunk_tokens: int | None) -> int:

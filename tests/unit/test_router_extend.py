@@ -61,11 +61,14 @@ def extend_router(
     waiting: int = 0,
     running: int = 0,
     prefill_s_per_token: float | None = None,
+    prefill_chunk_tokens: int | None = None,
     max_new_tokens: int = 16,
+    decode_chunk_tokens: int | None = None,
 ) -> Router:
     """A router whose engines report: decode engine ``ENGINE`` idle (or with ``waiting`` and
     ``running`` requests), its KV cache 10 % used (and the prefill time per token it
-    measured, if given); extends a turn of up to ``max_new_tokens`` computed in place."""
+    measured and the chunk it prefills in, if given); extends a turn of up to
+    ``max_new_tokens`` computed in place; ``decode_chunk_tokens``: the deployed chunk."""
 
     def loads(clock: FakeClock) -> list[EngineLoad]:
         return [
@@ -78,6 +81,7 @@ def extend_router(
                 num_finished=0,
                 reported_s=clock.now_s,
                 prefill_s_per_token=prefill_s_per_token,
+                prefill_chunk_tokens=prefill_chunk_tokens,
             )
         ]
 
@@ -87,6 +91,7 @@ def extend_router(
         kv_bytes_per_token=100,
         extend=ExtendSettings(max_new_tokens=max_new_tokens),
         decode_max_running=4,
+        decode_chunk_tokens=decode_chunk_tokens,
         engine_loads=loads,
     )
 
@@ -307,3 +312,40 @@ def test_the_decode_engines_reported_prefill_cost_prices_the_itl_budget() -> Non
     )
     asyncio.run(turn(router, FIRST))
     assert asyncio.run(turn(router, SHORT)).extend_reason == "short_increment"
+
+
+def test_a_step_is_priced_at_the_chunk_the_decode_engine_reports() -> None:
+    """The deploy chunks the decode pool's prefills at 35 tokens (1.4 ms a token in a
+    50 ms budget); an engine that measured 1.45 ms runs 34, fitted by its host, and
+    reports it with its cost: a turn computing more than a chunk in place beside a
+    running stream then adds 34 x 1.45 = 49.3 ms a step, within the budget, where a
+    35-token chunk at that cost would be 50.75 ms, over it."""
+    service = KVService(
+        lifecycle_config(), prefill=None, settings=ServiceSettings(drain_timeout_s=5.0)
+    )
+    load = {"num_running": 1, "kv_cache_usage": 0.1, "num_requests": 3}
+    beat = heartbeat_stats(EngineStats(engine_id=ENGINE, **load), 0.00145, 34)  # type: ignore[arg-type]
+    asyncio.run(service.heartbeat(ENGINE, stats=beat))
+    gate = AdmissionGate(AdmissionSettings(), pools=["prefill", "decode"])
+    asyncio.run(gate.refresh(service))
+    [seen] = [view.load for view in gate.book.views()]
+    assert (seen.prefill_s_per_token, seen.prefill_chunk_tokens) == (0.00145, 34)
+
+    def second_turn(chunk: int | None) -> TurnReport:
+        router = extend_router(
+            FakePool(prefill_script(cached=101)),
+            FakePool(caching_decode),
+            running=1,
+            prefill_s_per_token=0.00145,
+            prefill_chunk_tokens=chunk,
+            max_new_tokens=64,
+            decode_chunk_tokens=35,
+        )
+        asyncio.run(turn(router, FIRST))
+        # 38 new tokens, 44 computed in place: more than a chunk.
+        return asyncio.run(turn(router, [*FIRST, 11, 12, 13, *range(300, 337)]))
+
+    fitted = second_turn(34)
+    assert (fitted.kv_plan, fitted.extend_reason) == ("extend", "short_increment"), fitted
+    # Without the engine's chunk, the deployed one is priced: over the budget.
+    assert second_turn(None).extend_reason == "itl_budget"
