@@ -20,7 +20,9 @@ one. So the meter keeps the engine's chunk at what its figure fits in the budget
 step holds ``max_num_seqs`` + that many tokens): at start and whenever a sample moves
 it, one request tells the engine's scheduler (``KVTransferParams.set_prefill_chunk``,
 read by ``engines.kv_connector``), and the heartbeat reports the chunk the engine runs
-with the figure, which the cost function prices a step with.
+with the figure it was fitted to, which the cost function prices a step with. While a
+new chunk is on its way the report keeps the previous pair: a new figure beside the old
+chunk would price a whole chunk over the budget until the next report.
 """
 
 from __future__ import annotations
@@ -105,11 +107,13 @@ class PrefillMeter:
         self.setter = setter
         self.settings = settings or PrefillCostSettings()
         self._fitting: asyncio.Task[None] | None = None
+        # The figure reported with ``chunk_tokens``: the one that chunk was fitted to.
+        self._paired_s_per_token = calibrated_s_per_token
 
     @property
     def s_per_token(self) -> float | None:
-        """The figure to report now (None: never measured)."""
-        return None if self.cost is None else self.cost.s_per_token
+        """The figure to report now, with ``chunk_tokens`` (None: never measured)."""
+        return self._paired_s_per_token
 
     def fitted_chunk(self) -> int | None:
         """The chunk for the figure now: the most tokens a step may compute within the
@@ -122,18 +126,23 @@ class PrefillMeter:
 
     async def fit(self) -> None:
         """Give the engine ``fitted_chunk()`` where it runs another (one request through
-        ``setter``); ``chunk_tokens`` is what it runs after, the old one if that failed."""
+        ``setter``); ``chunk_tokens`` is what it runs after, the old one if that failed,
+        and the figure reported with it is the one now."""
         chunk = self.fitted_chunk()
+        figure = self.cost.s_per_token if self.cost is not None else None
         if chunk is None or chunk == self.chunk_tokens or self.setter is None:
+            self._paired_s_per_token = figure
             return
-        if await self.setter.set(chunk):
-            log.info(
-                "engine %s prefills in chunks of %d tokens (%s s per token)",
-                self.setter.name,
-                chunk,
-                self.s_per_token,
-            )
-            self.chunk_tokens = chunk
+        if not await self.setter.set(chunk):
+            self._paired_s_per_token = figure  # the engine's chunk stays, at this figure
+            return
+        log.info(
+            "engine %s prefills in chunks of %d tokens (%s s per token)",
+            self.setter.name,
+            chunk,
+            figure,
+        )
+        self.chunk_tokens, self._paired_s_per_token = chunk, figure
 
     def record(self, request: GenerateRequest, chunk: GenerateChunk) -> None:
         """Fold in ``request``'s finished ``chunk`` if it computed its prompt here: not a
@@ -157,6 +166,7 @@ class PrefillMeter:
             num_steps=prefill_steps(computed, self.chunk_tokens),
             settings=self.settings,
         )
-        fitting = self._fitting is not None and not self._fitting.done()
-        if self.setter is not None and not fitting and self.fitted_chunk() != self.chunk_tokens:
+        if self.setter is None or self.fitted_chunk() == self.chunk_tokens:
+            self._paired_s_per_token = self.cost.s_per_token
+        elif self._fitting is None or self._fitting.done():
             self._fitting = asyncio.get_running_loop().create_task(self.fit())

@@ -234,6 +234,11 @@ def test_the_chunk_follows_the_figure_as_the_engine_serves() -> None:
         assert engine.chunks == []  # 35 tokens at 1.4 ms fit 50 ms
         for _ in range(20):
             meter.record(*extended(130, per_token_s=0.002))
+            # What the heartbeat reports prices a whole chunk within the budget, also
+            # while a new chunk is on its way to the engine (the previous pair).
+            figure, chunk = meter.s_per_token, meter.chunk_tokens
+            assert figure is not None and chunk is not None
+            assert chunk * figure <= 0.05
             await asyncio.sleep(0)  # the fitting task runs
         assert meter.s_per_token is not None and meter.chunk_tokens is not None
         assert meter.chunk_tokens == budget_chunk_tokens(
