@@ -103,7 +103,9 @@ def _positive(value: object) -> float | None:
 
 
 def _whole(value: object) -> int | None:
-    """A reported count that is a positive whole number, else None (not reported)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
+    """A reported count that is a positive whole number, else None (not reported). The
+    service's answer types every figure a float (``engine_loads``): 34.0 is 34."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and value >= 1:
+        if float(value).is_integer():
+            return int(value)
     return None

@@ -23,6 +23,7 @@ from test_router import (
 
 from engines.base import EngineStats, GenerateChunk, GenerateRequest
 from engines.kv_params import KVTransferParams
+from orchestrator.kv.envelope import decode_result
 from orchestrator.kv.service import KVService, ServiceSettings
 from orchestrator.router import Router, Turn, TurnReport
 from orchestrator.serve.admission import AdmissionGate
@@ -327,7 +328,9 @@ def test_a_step_is_priced_at_the_chunk_the_decode_engine_reports() -> None:
     beat = heartbeat_stats(EngineStats(engine_id=ENGINE, **load), 0.00145, 34)  # type: ignore[arg-type]
     asyncio.run(service.heartbeat(ENGINE, stats=beat))
     gate = AdmissionGate(AdmissionSettings(), pools=["prefill", "decode"])
-    asyncio.run(gate.refresh(service))
+    # The loads as the service's actor answers an ingress: every figure a float.
+    answer = msgspec.msgpack.encode(asyncio.run(service.engine_loads()))
+    gate.observe(decode_result("engine_loads", answer))
     [seen] = [view.load for view in gate.book.views()]
     assert (seen.prefill_s_per_token, seen.prefill_chunk_tokens) == (0.00145, 34)
 
