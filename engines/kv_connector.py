@@ -294,12 +294,26 @@ def _scheduler() -> type:
     finished = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
     class KVTideNixlScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
-        """The scheduler side: ``request_finished`` honours ``kvtide_keep``, and passes
-        a ``kvtide_release`` to the worker (``build_connector_meta``)."""
+        """The scheduler side: ``request_finished`` honours ``kvtide_keep``, passes a
+        ``kvtide_release`` to the worker (``build_connector_meta``), and a new request's
+        ``kvtide_prefill_chunk`` becomes the scheduler's chunk
+        (``get_num_new_matched_tokens``)."""
 
         def __init__(self, *args: Any) -> None:
             super().__init__(*args)
             self._kvtide_release: set[str] = set()  # for the next step's metadata
+
+        def get_num_new_matched_tokens(
+            self, request: Any, num_computed_tokens: int
+        ) -> tuple[int, bool]:
+            chunk = KVTransferParams.prefill_chunk(request.kv_transfer_params)
+            if chunk is not None:
+                # The scheduler holds this same config and reads the threshold each step.
+                self.vllm_config.scheduler_config.long_prefill_token_threshold = chunk
+            matched: tuple[int, bool] = super().get_num_new_matched_tokens(
+                request, num_computed_tokens
+            )
+            return matched
 
         def build_connector_meta(self, scheduler_output: Any) -> Any:
             meta = super().build_connector_meta(scheduler_output)

@@ -36,6 +36,12 @@ finishes, as a completed read would, with nothing read (``releases``; the connec
 scheduler and worker, ``engines/kv_connector.py``). kvtide sends it once a turn extended
 on that engine is booked: the previous turn's blocks are then the new turn's prefix
 (vLLM's prefix cache shares them), so freeing the old hold loses nothing.
+
+**Setting the engine's prefill chunk** (``kvtide_prefill_chunk``): a request whose
+params carry it sets the engine scheduler's ``long_prefill_token_threshold`` to it when
+the scheduler first sees the request (``prefill_chunk``; the connector's scheduler,
+``engines/kv_connector.py``). A decode host sends one with the chunk its own prefill
+cost fits in the ITL budget (``orchestrator.serve.prefill_meter``).
 """
 
 from __future__ import annotations
@@ -90,6 +96,9 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     # kvtide's own key, read by engines.kv_connector: the request id (this engine's) of
     # kept blocks to free, unread, when this request finishes.
     kvtide_release: str | None = None
+    # kvtide's own key, read by engines.kv_connector: the engine's prefill chunk from now
+    # on (vLLM's long_prefill_token_threshold: prompt tokens of one request per step).
+    kvtide_prefill_chunk: int | None = None
     # Every key vLLM sent that kvtide does not know, unchanged.
     extra: dict[str, Any] = {}
 
@@ -178,6 +187,22 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
         (``kvtide_release``), or None. Read by ``engines.kv_connector``."""
         released = None if params is None else params.get("kvtide_release")
         return released if isinstance(released, str) and released else None
+
+    @classmethod
+    def set_prefill_chunk(cls, chunk_tokens: int) -> KVTransferParams:
+        """A request's params that set its engine's prefill chunk to ``chunk_tokens``
+        (vLLM's ``long_prefill_token_threshold``; 0: none); its own blocks are freed at
+        once."""
+        return cls(kvtide_keep=False, kvtide_prefill_chunk=chunk_tokens)
+
+    @staticmethod
+    def prefill_chunk(params: Mapping[str, Any] | None) -> int | None:
+        """The prefill chunk vLLM's dict of a new request sets (``kvtide_prefill_chunk``;
+        0: none, vLLM's own value for no threshold), or None. Read by
+        ``engines.kv_connector``."""
+        chunk = None if params is None else params.get("kvtide_prefill_chunk")
+        valid = isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 0
+        return chunk if valid else None
 
     # ---- queries ----------------------------------------------------------------------
     @property

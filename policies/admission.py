@@ -76,6 +76,9 @@ class EngineLoad:
     # A decode engine's prefill time per token, as its host measured it at start
     # (``orchestrator.serve.warm_up.measure_prefill``); None: not reported.
     prefill_s_per_token: float | None = None
+    # The most prompt tokens of one request it computes in a step beside others (vLLM's
+    # ``long_prefill_token_threshold``, fitted by its host to its cost); None: not reported.
+    prefill_chunk_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

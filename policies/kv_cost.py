@@ -14,15 +14,18 @@ recomputing, which is always correct, only slower.
 
 A turn whose KV the service offers for a pull may instead **extend** it: run on the
 decode engine that kept it, which prefills only the new tokens against its own prefix
-cache and decodes; nothing moves. ``choose_plan`` decides between the two from the new
-tokens' count, where the history is, the decode engine's reported load and KV headroom,
-the prefill pool's queue and an ITL budget (``PlanInputs``, ``ExtendSettings``):
+cache and decodes; nothing moves. ``choose_plan`` decides between the two from the
+tokens the engine would compute, where the history is, the decode engine's reported load
+and KV headroom, the prefill pool's queue and an ITL budget (``PlanInputs``,
+``ExtendSettings``). vLLM's prefix cache hits whole blocks only, and never the prompt's
+last token, so the engine computes the new tokens and the history after its last whole
+block (``in_place_tokens``), up to ``block_size - 1`` more than the increment:
 
-    extra_step_s = num_new_tokens * decode_prefill_s_per_token
+    extra_step_s = min(num_prefill_tokens, chunk) * decode_prefill_s_per_token
 
-is what an in-place prefill of the increment adds to the decode engine's steps, which
-its other running sequences wait through; over ``itl_budget_s`` (with others running)
-the turn pulls. The per-token cost is the decode engine's own, as it measured it at
+is what one step of that in-place prefill adds to the decode engine's steps, which its
+other running sequences wait through; over ``itl_budget_s`` (with others running) the
+turn pulls. The per-token cost is the decode engine's own, as it measured it at
 start and reports it with its load (``PlanInputs.decode_prefill_s_per_token``), or,
 where it reported none, the calibration ``kv.extend_prefill_ms_per_token``. What it
 reports follows what it does while serving: ``PrefillCost`` starts at that measurement
@@ -54,10 +57,12 @@ __all__ = [
     "PlanReason",
     "PrefillCost",
     "PrefillCostSettings",
+    "budget_chunk_tokens",
     "choose_plan",
     "decide_turn",
     "estimate_cost",
     "extra_step_s",
+    "in_place_tokens",
     "kv_bytes",
     "observe_prefill",
     "offer_refused",
@@ -198,7 +203,8 @@ class ExtendSettings:
     """The ``kv.extend_*`` settings (``docs/config.md``). ``decode_prefill_s_per_token``:
     a decode engine's time to prefill one token in place (its calibration);
     ``itl_budget_s``: the extra step time its other sequences may see from one turn's
-    in-place prefill; ``max_new_tokens``: longer increments go to the prefill pool
+    in-place prefill; ``max_new_tokens``: a turn whose in-place prefill is longer (its
+    new tokens and the history after its last whole block) goes to the prefill pool
     unless it has ``prefill_queue_waiting`` requests waiting; ``max_kv_cache_usage``:
     the decode engine's KV cache use at which it takes no more in-place prefills;
     ``max_load_age_s``: older load reports are not trusted."""
@@ -212,11 +218,28 @@ class ExtendSettings:
     max_load_age_s: float = 5.0
 
 
+def in_place_tokens(
+    *, num_prompt_tokens: int, num_history_tokens: int, block_size_tokens: int | None
+) -> int:
+    """The prompt tokens a decode engine computes for a prompt whose first
+    ``num_history_tokens`` it computed before and kept: all but its prefix cache hit.
+    vLLM caches a block once all its tokens are computed and looks a prompt up in whole
+    blocks, at most ``num_prompt_tokens - 1`` tokens (the last is computed again for its
+    logits: ``KVCacheManager.get_computed_blocks``), so the hit is the history's whole
+    blocks, short of the prompt's last token (None: a cache of single tokens)."""
+    block = block_size_tokens if block_size_tokens is not None and block_size_tokens > 0 else 1
+    hit = max(0, min(num_history_tokens, num_prompt_tokens - 1)) // block * block
+    return max(0, num_prompt_tokens - hit)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanInputs:
     """What ``choose_plan`` weighs for one turn the service offered a pull.
 
-    ``num_new_tokens``: the prompt's tokens after the kept history; ``history_pool``: the
+    ``num_new_tokens``: the prompt's tokens after the kept history, the
+    ``num_history_tokens`` the decode engine computed and kept in blocks of
+    ``block_size_tokens`` (``num_prefill_tokens``: what it computes of the prompt in
+    place, the new tokens and the history after its last whole block); ``history_pool``: the
     kept history's pool (``HOST_POOL``: a host tier's store); the decode engine's load,
     as it last reported it at ``decode_reported_s`` (None: no report): its running and
     waiting requests, its KV cache use (0-1) and ``decode_max_running`` (its
@@ -240,27 +263,39 @@ class PlanInputs:
     prefill_waiting: int = 0
     decode_prefill_s_per_token: float | None = None
     decode_chunk_tokens: int | None = None
+    num_history_tokens: int = 0
+    block_size_tokens: int | None = None
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return in_place_tokens(
+            num_prompt_tokens=self.num_history_tokens + max(0, self.num_new_tokens),
+            num_history_tokens=self.num_history_tokens,
+            block_size_tokens=self.block_size_tokens,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanChoice:
-    """``choose_plan``'s answer: extend in place or pull, why, and the in-place
+    """``choose_plan``'s answer: extend in place or pull, why, the prompt tokens the
+    decode engine would compute in place (``PlanInputs.num_prefill_tokens``) and that
     prefill's estimated extra time in each step of the engine's other sequences."""
 
     extend: bool
     reason: PlanReason
+    num_prefill_tokens: int = 0
     extra_step_s: float = 0.0
 
 
 def extra_step_s(inputs: PlanInputs, settings: ExtendSettings) -> float:
-    """What an in-place prefill of the turn's new tokens adds to each step of the decode
-    engine's other sequences: one step's share of them (all, or ``decode_chunk_tokens``
-    where the engine chunks prefills) at the engine's reported time per token, else the
-    settings' calibration."""
+    """What the turn's in-place prefill (``PlanInputs.num_prefill_tokens``) adds to each
+    step of the decode engine's other sequences: one step's share of it (all, or
+    ``decode_chunk_tokens`` where the engine chunks prefills) at the engine's reported
+    time per token, else the settings' calibration."""
     per_token = inputs.decode_prefill_s_per_token
     if per_token is None or per_token <= 0:
         per_token = settings.decode_prefill_s_per_token
-    step_tokens = max(0, inputs.num_new_tokens)
+    step_tokens = inputs.num_prefill_tokens
     if inputs.decode_chunk_tokens is not None and inputs.decode_chunk_tokens > 0:
         step_tokens = min(step_tokens, inputs.decode_chunk_tokens)
     return step_tokens * per_token
@@ -275,17 +310,24 @@ def choose_plan(inputs: PlanInputs, settings: ExtendSettings, now_s: float) -> P
     3. that engine reported its load within ``max_load_age_s``;
     4. it is not saturated: nothing waiting, fewer running than its maximum;
     5. its KV cache is under ``max_kv_cache_usage``;
-    6. the ITL budget: with other sequences running, the increment's in-place prefill
-       adds at most ``itl_budget_s`` to each of their steps (at the engine's reported
-       prefill time per token, else the settings'; an engine that chunks prefills
-       computes at most ``decode_chunk_tokens`` of it a step);
-    7. the increment is at most ``max_new_tokens``, or the prefill pool has
+    6. the ITL budget: with other sequences running, the in-place prefill (the new
+       tokens and the history after its last whole block) adds at most ``itl_budget_s``
+       to each of their steps (at the engine's reported prefill time per token, else
+       the settings'; an engine that chunks prefills computes at most
+       ``decode_chunk_tokens`` of it a step);
+    7. the in-place prefill is at most ``max_new_tokens``, or the prefill pool has
        ``prefill_queue_waiting`` requests waiting (a queue the pull would join).
     """
     extra_s = extra_step_s(inputs, settings)
+    num_prefill = inputs.num_prefill_tokens
+
+    def plan(extend: bool, reason: PlanReason) -> PlanChoice:
+        return PlanChoice(
+            extend=extend, reason=reason, num_prefill_tokens=num_prefill, extra_step_s=extra_s
+        )
 
     def pull(reason: PlanReason) -> PlanChoice:
-        return PlanChoice(extend=False, reason=reason, extra_step_s=extra_s)
+        return plan(False, reason)
 
     if not settings.enabled:
         return pull(PlanReason.EXTEND_OFF)
@@ -303,10 +345,10 @@ def choose_plan(inputs: PlanInputs, settings: ExtendSettings, now_s: float) -> P
         return pull(PlanReason.DECODE_KV_FULL)
     if inputs.decode_running > 0 and extra_s > settings.itl_budget_s:
         return pull(PlanReason.ITL_BUDGET)
-    if inputs.num_new_tokens <= settings.max_new_tokens:
-        return PlanChoice(extend=True, reason=PlanReason.SHORT_INCREMENT, extra_step_s=extra_s)
+    if num_prefill <= settings.max_new_tokens:
+        return plan(True, PlanReason.SHORT_INCREMENT)
     if inputs.prefill_waiting >= settings.prefill_queue_waiting:
-        return PlanChoice(extend=True, reason=PlanReason.PREFILL_QUEUED, extra_step_s=extra_s)
+        return plan(True, PlanReason.PREFILL_QUEUED)
     return pull(PlanReason.LONG_INCREMENT)
 
 
@@ -337,6 +379,16 @@ class PrefillCost:
     @classmethod
     def calibrated(cls, s_per_token: float) -> PrefillCost:
         return cls(calibrated_s_per_token=s_per_token, s_per_token=s_per_token)
+
+
+def budget_chunk_tokens(*, itl_budget_s: float, s_per_token: float) -> int:
+    """The most prompt tokens of an in-place prefill a decode engine may compute in one
+    step beside other sequences for that step to grow by at most ``itl_budget_s``, at
+    ``s_per_token``: its prefill chunk (vLLM's ``long_prefill_token_threshold``); at
+    least 1. Sized at deploy from the configured cost, then by each engine from its own."""
+    if s_per_token <= 0:
+        raise ValueError(f"s_per_token must be above 0, got {s_per_token}")
+    return max(1, int(itl_budget_s / s_per_token + 1e-9))
 
 
 def prefill_steps(num_tokens: int, chunk_tokens: int | None) -> int:

@@ -56,6 +56,7 @@ from orchestrator.config.server import (
     nixl_transport_env,
 )
 from orchestrator.errors import ConfigError
+from policies.kv_cost import budget_chunk_tokens
 
 __all__ = [
     "AdmissionConfig",
@@ -249,7 +250,10 @@ def step_tokens(
     bounded = pool.role == "decode" and backend == "vllm" and device == "cpu" and kv.extend
     if given is not None or not bounded:
         return given, None
-    budget = max(1, int(kv.extend_itl_budget_ms // kv.extend_prefill_ms_per_token))
+    budget = budget_chunk_tokens(
+        itl_budget_s=kv.extend_itl_budget_ms / 1000,
+        s_per_token=kv.extend_prefill_ms_per_token / 1000,
+    )
     return pool.max_num_seqs + budget, budget
 
 

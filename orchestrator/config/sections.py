@@ -313,9 +313,11 @@ class KVConfig(StrictSection):
         512,
         ge=0,
         le=2**24,
-        description="Longest increment (prompt tokens after the kept history) extended on a "
-        "decode engine; longer ones are pulled to the prefill pool, unless its engines have "
-        "kv.extend_prefill_queue_waiting requests waiting.",
+        description="Most prompt tokens a turn extended on a decode engine may compute there "
+        "(its increment after the kept history, plus the history after its last whole KV "
+        "block, which the engine's prefix cache does not hold); longer ones are pulled to the "
+        "prefill pool, unless its engines have kv.extend_prefill_queue_waiting requests "
+        "waiting.",
     )
     extend_prefill_queue_waiting: int = Field(
         2,
@@ -329,8 +331,9 @@ class KVConfig(StrictSection):
         ge=0,
         le=60_000,
         description="Extra step time one turn's in-place prefill may add for the decode "
-        "engine's other running sequences (new tokens x the engine's measured prefill time "
-        "per token, else kv.extend_prefill_ms_per_token); over it the turn is pulled. An "
+        "engine's other running sequences (the tokens it computes in a step, of the new "
+        "tokens and the history after its last whole block, x the engine's measured prefill "
+        "time per token, else kv.extend_prefill_ms_per_token); over it the turn is pulled. An "
         "engine running nothing else is not bounded by it.",
     )
     extend_prefill_ms_per_token: float = Field(

@@ -117,6 +117,9 @@ class EngineRegistry:
             measured = stats.get("prefill_s_per_token")
             if measured is not None:  # a decode engine's, measured by its host at start
                 loads[engine_id]["prefill_s_per_token"] = measured
+            chunk = stats.get("prefill_chunk_tokens")
+            if chunk is not None:  # the chunk its in-place prefills run in
+                loads[engine_id]["prefill_chunk_tokens"] = chunk
         return loads
 
     def by_decode_path(self) -> dict[str, dict[str, int]]:

@@ -143,6 +143,7 @@ class Router:
             loads=engine_loads,
             decode_max_running=s.decode_max_running,
             decode_chunk_tokens=s.decode_chunk_tokens,
+            block_size_tokens=s.block_size_tokens,
         )
         self.prefill_side = PrefillSide(
             pool=prefill,
@@ -321,6 +322,7 @@ class Router:
                     )
                     if choice is not None:
                         report.extend_reason = choice.reason.value
+                        report.extend_prefill_tokens = choice.num_prefill_tokens
                 tr.set_attrs(
                     decision_span,
                     {tr.KV_PLAN: decision.kind, tr.KV_PLAN_REASON: decision.reason_text},

@@ -38,8 +38,11 @@ class ExtendPlan:
     ``loads``: the engines' latest reports (None: none known here, so no turn extends);
     ``decode_max_running``: a decode engine's ``max_num_seqs``; ``decode_chunk_tokens``:
     the most prompt tokens of one request it computes in a step (vLLM's
-    ``long_prefill_token_threshold``; None: all at once); ``prefill_pool``: the pool name
-    of the prefill engines in the reports."""
+    ``long_prefill_token_threshold``, as deployed; None: all at once), where the engine
+    reported none (its host fits it to its own cost: ``orchestrator.serve.prefill_meter``);
+    ``block_size_tokens``: its KV block, the grain of its prefix cache (what it computes
+    in place is the new tokens and the history after its last whole block);
+    ``prefill_pool``: the pool name of the prefill engines in the reports."""
 
     def __init__(
         self,
@@ -48,12 +51,14 @@ class ExtendPlan:
         loads: Callable[[], Iterable[EngineLoad]] | None = None,
         decode_max_running: int | None = None,
         decode_chunk_tokens: int | None = None,
+        block_size_tokens: int | None = None,
         prefill_pool: str = "prefill",
     ) -> None:
         self.settings = settings
         self.loads = loads
         self.decode_max_running = decode_max_running
         self.decode_chunk_tokens = decode_chunk_tokens
+        self.block_size_tokens = block_size_tokens
         self.prefill_pool = prefill_pool
 
     def plan(
@@ -70,6 +75,8 @@ class ExtendPlan:
         choice = choose_plan(
             PlanInputs(
                 num_new_tokens=num_prompt_tokens - decision.num_reusable_tokens,
+                num_history_tokens=decision.num_reusable_tokens,
+                block_size_tokens=self.block_size_tokens,
                 history_pool=decision.source_pool,
                 in_turn_pool=engine_pool(params.remote_engine_id) == decode_pool,
                 decode_reported_s=None if engine is None else engine.reported_s,
@@ -77,7 +84,9 @@ class ExtendPlan:
                 decode_waiting=0 if engine is None else engine.num_waiting,
                 decode_kv_cache_usage=0.0 if engine is None else engine.kv_cache_usage,
                 decode_max_running=self.decode_max_running,
-                decode_chunk_tokens=self.decode_chunk_tokens,
+                decode_chunk_tokens=self.decode_chunk_tokens
+                if engine is None or engine.prefill_chunk_tokens is None
+                else engine.prefill_chunk_tokens,
                 prefill_waiting=sum(x.num_waiting for x in loads if x.pool == self.prefill_pool),
                 decode_prefill_s_per_token=None if engine is None else engine.prefill_s_per_token,
             ),

@@ -49,6 +49,10 @@ class TurnReport:
     # Why a turn offered a pull extended its history in place or pulled it
     # (``policies.kv_cost.PlanReason``); None: it had no kept history to choose for.
     extend_reason: str | None = None
+    # For the same turns: the prompt tokens the decode engine would compute in place (the
+    # new tokens and the history after its last whole cached block), as the plan priced
+    # them; an extended turn's engine computes them (``num_prompt_tokens`` less its hit).
+    extend_prefill_tokens: int | None = None
     pull_fallback: bool = False
     decode_pool: str = "decode"
     prefill_s: float = 0.0
@@ -109,6 +113,7 @@ class TurnReport:
             "kv_plan": self.kv_plan,
             "kv_plan_reason": self.kv_plan_reason,
             "extend_reason": self.extend_reason,
+            "extend_prefill_tokens": self.extend_prefill_tokens,
             "pull_fallback": self.pull_fallback,
             "decode_pool": self.decode_pool,
             "num_cached_tokens": self.num_cached_tokens,

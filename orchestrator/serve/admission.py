@@ -62,6 +62,7 @@ class AdmissionGate:
                 num_finished=int(report.get("num_requests", 0)),
                 reported_s=now - float(report.get("age_s", 0.0)),
                 prefill_s_per_token=_positive(report.get("prefill_s_per_token")),
+                prefill_chunk_tokens=_whole(report.get("prefill_chunk_tokens")),
             )
             for engine_id, report in reports.items()
         )
@@ -98,4 +99,13 @@ def _positive(value: object) -> float | None:
     """A reported figure that is a positive number, else None (not reported)."""
     if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
         return float(value)
+    return None
+
+
+def _whole(value: object) -> int | None:
+    """A reported count that is a positive whole number, else None (not reported). The
+    service's answer types every figure a float (``engine_loads``): 34.0 is 34."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and value >= 1:
+        if float(value).is_integer():
+            return int(value)
     return None

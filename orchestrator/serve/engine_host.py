@@ -52,7 +52,7 @@ from orchestrator.observability.logs import route_kvtide_logs
 from orchestrator.serve.coalesce import coalesce
 from orchestrator.serve.hand_offs import hand_offs_read
 from orchestrator.serve.ledger import EngineLedger
-from orchestrator.serve.prefill_meter import PrefillMeter
+from orchestrator.serve.prefill_meter import ChunkSetter, PrefillMeter
 from orchestrator.serve.warm_up import (
     WarmUp,
     measure_prefill,
@@ -182,13 +182,17 @@ def host_engine_spec(
     return spec
 
 
-def heartbeat_stats(stats: EngineStats, prefill_s_per_token: float | None) -> dict[str, Any]:
-    """What a host's heartbeat tells the KV service: the engine's counters, and its
-    prefill time per token, if it measured one (``measure_prefill`` at start, followed
-    as it serves: ``orchestrator.serve.prefill_meter``)."""
+def heartbeat_stats(
+    stats: EngineStats, prefill_s_per_token: float | None, prefill_chunk_tokens: int | None = None
+) -> dict[str, Any]:
+    """What a host's heartbeat tells the KV service: the engine's counters, its prefill
+    time per token, if it measured one (``measure_prefill`` at start, followed as it
+    serves: ``orchestrator.serve.prefill_meter``), and the prefill chunk it runs, if any."""
     beat: dict[str, Any] = msgspec.to_builtins(stats)
     if prefill_s_per_token is not None:
         beat["prefill_s_per_token"] = prefill_s_per_token
+    if prefill_chunk_tokens is not None:
+        beat["prefill_chunk_tokens"] = prefill_chunk_tokens
     return beat
 
 
@@ -285,8 +289,14 @@ class EngineHost:
                 timeout_s=kv.pull_timeout_s,
             )
             log.info("engine %s prefills %s s per token", engine_id, calibrated)
-        chunk = dict(spec.extra_engine_args).get("long_prefill_token_threshold")
-        self._prefill = PrefillMeter(calibrated, chunk_tokens=chunk)
+        # The chunk of its in-place prefills, fitted to the ITL budget at its own cost.
+        self._prefill = PrefillMeter(
+            calibrated,
+            chunk_tokens=dict(spec.extra_engine_args).get("long_prefill_token_threshold"),
+            itl_budget_s=kv.extend_itl_budget_ms / 1000,
+            setter=ChunkSetter(self.engine.generate, name=engine_id, timeout_s=kv.pull_timeout_s),
+        )
+        await self._prefill.fit()
         self.ledger = EngineLedger(
             engine_id=engine_id,
             role=role,
@@ -314,7 +324,8 @@ class EngineHost:
         self._watcher = asyncio.get_running_loop().create_task(watcher.run_forever())
 
     def _heartbeat_stats(self) -> dict[str, Any]:
-        return heartbeat_stats(self.engine.stats(), self._prefill.s_per_token)
+        meter = self._prefill
+        return heartbeat_stats(self.engine.stats(), meter.s_per_token, meter.chunk_tokens)
 
     async def _warm_up(
         self,

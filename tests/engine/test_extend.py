@@ -16,7 +16,12 @@ turn goes to prefill (``decode_saturated``).
 
 The shared app runs with ``kv.extend`` off (its tests are of pulls); here a router in the
 test process, over the app's engine deployments and its KV service, runs with it on, its
-engine loads read from the service as an ingress reads them.
+engine loads read from the service as an ingress reads them. The default path over HTTP
+runs through an ingress built in the test process as Serve builds one, with ``kv.extend``
+at its default: the official ``openai`` client's short second turn, no kv-plan header,
+is extended and moves nothing. A decode host's request setting its engine's prefill
+chunk (``KVTransferParams.set_prefill_chunk``) makes a prompt beside a running request
+take a step per chunk.
 """
 
 from __future__ import annotations
@@ -26,11 +31,19 @@ import contextlib
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import ray
-from app_calls import BLOCK_TOKENS, engine_read_bytes, pulled, settled, settled_read_bytes
+from app_calls import (
+    BLOCK_TOKENS,
+    engine_read_bytes,
+    pulled,
+    settled,
+    settled_read_bytes,
+    usage_of,
+)
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
@@ -39,8 +52,11 @@ from engines.base import GenerateChunk, GenerateRequest, Sampling
 pytestmark = pytest.mark.engine
 
 SESSION = "it-extend"
+HTTP_SESSION = "it-extend-http"
 ANSWER_TOKENS = 16
-MAX_NEW_TOKENS = 32  # the test router's kv.extend_max_new_tokens
+# The test router's kv.extend_max_new_tokens: the tokens a turn computes in place, its new
+# ones and the history after its last whole block (turn 2: 8 new and 122 of turn 1's).
+MAX_NEW_TOKENS = 160
 
 
 def decode_blocks_held() -> int:
@@ -169,6 +185,8 @@ async def _story(app: Any) -> dict[str, Any]:
     second = [*first, *out1, *(rng.randrange(10, 1000) for _ in range(8))]
     num_prefills = len(prefill.requests)
     bytes_before = await asyncio.to_thread(settled_read_bytes)
+    # Its 130 tokens in place would be over the ITL budget beside a running turn 1.
+    await decode_idle(kv)
     out2, r2 = await turn(second, 2)
     bytes_after = await asyncio.to_thread(engine_read_bytes)
     prefilled_for_2 = len(prefill.requests) - num_prefills
@@ -271,6 +289,163 @@ def story(kvtide_app: Any) -> dict[str, Any]:
     return asyncio.run(_story(kvtide_app))
 
 
+async def _busy_steps_during_a_prefill(decode: Any, chunk: int | None, tag: str) -> int:
+    """The tokens a running request got while the decode engine computed a 128-token
+    prompt beside it (one a step), its prefill chunk set to ``chunk`` first as a decode
+    host sets it (``KVTransferParams.set_prefill_chunk``; None: left as it is). Nothing
+    is kept."""
+    from engines.kv_params import KVTransferParams
+
+    none_kept = KVTransferParams(kvtide_keep=False)
+    busy = decode.options(stream=True).generate.remote(
+        GenerateRequest(
+            request_id=f"{SESSION}-steps-busy-{tag}",
+            prompt_token_ids=[20, 21, 22],
+            max_tokens=4096,
+            sampling=Sampling(ignore_eos=True),
+            kv_transfer_params=none_kept,
+        )
+    )
+    received = [0]
+    running = asyncio.Event()
+
+    async def count() -> None:
+        with contextlib.suppress(asyncio.CancelledError, RayServeException):
+            async for chunk in busy:
+                received[0] += len(chunk.token_ids)
+                running.set()
+
+    counting = asyncio.create_task(count())
+    try:
+        await asyncio.wait_for(running.wait(), 60.0)
+        if chunk is not None:
+            setting = GenerateRequest(
+                request_id=f"{SESSION}-steps-chunk-{tag}",
+                prompt_token_ids=[1],
+                max_tokens=1,
+                kv_transfer_params=KVTransferParams.set_prefill_chunk(chunk),
+            )
+            async for _ in decode.options(stream=True).generate.remote(setting):
+                pass
+        rng = random.Random(tag)
+        prompt = GenerateRequest(
+            request_id=f"{SESSION}-steps-prompt-{tag}",
+            prompt_token_ids=[rng.randrange(10, 1000) for _ in range(128)],
+            max_tokens=1,
+            kv_transfer_params=none_kept,
+        )
+        before = received[0]
+        async for _ in decode.options(stream=True).generate.remote(prompt):
+            pass
+        return received[0] - before
+    finally:
+        busy.cancel()
+        await counting
+
+
+async def _chunked_and_not(app: Any) -> tuple[int, int]:
+    """``_busy_steps_during_a_prefill`` with the chunk set to 1 token, then to none (0,
+    as the shared app's decode engine runs: kv.extend off there)."""
+    from orchestrator.runtime import APP_NAME
+
+    decode = serve.get_deployment_handle("decode-pool", app_name=APP_NAME)
+    try:
+        chunked = await _busy_steps_during_a_prefill(decode, 1, "chunked")
+    finally:
+        whole = await _busy_steps_during_a_prefill(decode, 0, "whole")
+    return chunked, whole
+
+
+def test_a_decode_host_sets_its_engines_prefill_chunk_with_a_request(kvtide_app: Any) -> None:
+    # A decode host fits its engine's chunk to its own cost with one request (kvtide's
+    # connector sets vLLM's long_prefill_token_threshold from it). With the chunk at 1
+    # token, a 128-token prompt beside a running request takes 128 steps, each a token of
+    # the running request's; with none, one step (and the calls' own latency).
+    chunked, whole = asyncio.run(_chunked_and_not(kvtide_app))
+    # At most a stream chunk (16 tokens) of the running request's may still be on its
+    # way when the prompt's answer arrives.
+    assert chunked >= 128 - 16, (chunked, whole)
+    assert whole < chunked / 2, (chunked, whole)
+
+
+async def _over_http(app: Any) -> dict[str, Any]:
+    """A two-turn chat session through the official ``openai`` client, no kv-plan header,
+    over the HTTP app of an ingress built in this process as Serve builds one
+    (``Ingress.__init__``, the shared app's config with ``kv.extend`` at its default, on)
+    over the app's engine deployments and its KV service; requests go to its ASGI app.
+    The second turn's report and usage, turn 1's, and the engines' own NIXL read counts
+    around the second turn."""
+    import httpx
+    import openai
+
+    from orchestrator.runtime import APP_NAME
+    from orchestrator.serve.ingress import Ingress
+
+    class BareIngress(Ingress.func_or_class):  # type: ignore[misc,name-defined]
+        def __del__(self) -> None:
+            """Serve's wrapper closes its ASGI app here; this one never started it."""
+
+    own = Ingress.func_or_class.__mro__[1]  # the class as written, under Serve's wrapper
+    kv_section = app.config.kv.model_copy(update={"extend": True})
+    config = app.config.model_copy(update={"kv": kv_section})
+    ingress = BareIngress.__new__(BareIngress)
+    context = SimpleNamespace(app_name=APP_NAME, replica_id=SimpleNamespace(unique_id="it-http"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(serve, "get_replica_context", lambda: context)
+        await own.__init__(
+            ingress,
+            config,
+            serve.get_deployment_handle("prefill-pool", app_name=APP_NAME),
+            serve.get_deployment_handle("decode-pool", app_name=APP_NAME),
+        )
+    transport = httpx.ASGITransport(app=ingress.__serve_build_asgi_app__())
+    http = httpx.AsyncClient(transport=transport, base_url="http://ingress", timeout=300)
+    client = openai.AsyncOpenAI(
+        base_url="http://ingress/v1", api_key="unused", max_retries=0, http_client=http
+    )
+    rng = random.Random(43)
+    words = "cache token prefill decode engine session rack domain tensor block".split()
+    messages = [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(400))}]
+
+    async def ask() -> tuple[dict[str, Any], tuple[int, int]]:
+        reply = await client.chat.completions.create(
+            model=app.model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=ANSWER_TOKENS,
+            temperature=0,
+            extra_headers={"x-session-id": HTTP_SESSION},
+        )
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
+        report: dict[str, Any] = (reply.model_extra or {})["kvtide"]
+        return report, usage_of(reply.usage)
+
+    try:
+        r1, usage1 = await ask()
+        messages.append({"role": "user", "content": "And after?"})
+        bytes_before = await asyncio.to_thread(settled_read_bytes)
+        # Turn 1 no longer runs in the decode engine's reports, as the ingress reads them.
+        await decode_idle(ingress.kv)
+        await ingress.admission.refresh(ingress.kv)
+        r2, usage2 = await ask()
+        bytes_after = await asyncio.to_thread(engine_read_bytes)
+        closed = await http.delete(f"/kvtide/sessions/{HTTP_SESSION}")
+        assert closed.status_code == 200, closed.text
+    finally:
+        await http.aclose()
+        await own.__del__(ingress)
+    return {
+        "r1": r1,
+        "r2": r2,
+        "usage": (usage1, usage2),
+        "bytes": (bytes_before, bytes_after),
+    }
+
+
+@pytest.fixture(scope="module")
+def over_http(kvtide_app: Any) -> dict[str, Any]:
+    return asyncio.run(_over_http(kvtide_app))
+
+
 def test_a_short_increment_extends_on_the_decode_engine_and_moves_nothing(
     story: dict[str, Any],
 ) -> None:
@@ -283,8 +458,11 @@ def test_a_short_increment_extends_on_the_decode_engine_and_moves_nothing(
     ), r2
     # The decode engine's cache held every whole block turn 1 left there (its prompt and
     # answer but the last token, never computed).
-    prompt1, answer1 = story["usage"][0]
+    (prompt1, answer1), (prompt2, _) = story["usage"][:2]
     assert r2["num_cached_tokens"] == (prompt1 + answer1 - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+    # It computed the rest in place, as the plan priced it: the 8 new tokens and turn 1's
+    # history after its last whole block.
+    assert r2["extend_prefill_tokens"] == prompt2 - r2["num_cached_tokens"] == 130, r2
     # Nothing moved, by the engines' own counts: the decode's for this request, both
     # engines' totals, and no prefill request at all.
     assert r2["kv_transfer_bytes"] == {"prefill_to_decode": 0, "decode_to_prefill": 0}, r2
@@ -340,3 +518,24 @@ def test_a_long_increment_is_pulled_to_prefill(story: dict[str, Any]) -> None:
     r5 = story["r5"]
     assert r5["extend_reason"] == "long_increment", r5
     pulled(r5, story["usage"][3])
+
+
+def test_a_short_later_turn_over_http_extends_by_default(over_http: dict[str, Any]) -> None:
+    # The default path: kv.extend at its default, no x-kvtide-kv-plan header, the
+    # official client. Turn 1 is P/D; turn 2, a short question, runs on the decode engine
+    # that kept turn 1 and moves nothing, by the engines' own counts.
+    r1, r2 = over_http["r1"], over_http["r2"]
+    assert (r1["kv_plan"], r1["extend_reason"]) == ("recompute", None), r1
+    assert (r2["kv_plan"], r2["kv_source"], r2["extend_reason"]) == (
+        "extend",
+        "extended",
+        "short_increment",
+    ), r2
+    assert r2["kv_transfer_bytes"] == {"prefill_to_decode": 0, "decode_to_prefill": 0}, r2
+    before, after = over_http["bytes"]
+    assert after == before
+    # The decode engine found turn 1's whole blocks in its cache and computed the rest,
+    # the figure the plan priced.
+    (prompt1, answer1), (prompt2, _) = over_http["usage"]
+    assert r2["num_cached_tokens"] == (prompt1 + answer1 - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+    assert r2["extend_prefill_tokens"] == prompt2 - r2["num_cached_tokens"], r2

@@ -150,7 +150,9 @@ def make_router(
         settings=RouterSettings(
             pull_timeout_s=5.0,
             integrity=IntegritySettings(sample_fraction=fraction, logprob_tolerance=0.01),
-            extend=ExtendSettings(enabled=extend, max_new_tokens=8),
+            # A turn extends with up to 16 tokens to compute in place: its new ones and the
+            # history after its last whole 16-token block.
+            extend=ExtendSettings(enabled=extend, max_new_tokens=16),
             decode_max_running=4,
         ),
         clock=clock,

@@ -6,6 +6,8 @@ budget with it."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
@@ -14,13 +16,14 @@ from engines.base import EngineStats, GenerateChunk, GenerateRequest
 from engines.kv_params import KVTransferParams
 from engines.vllm_engine import engine_prefill_s
 from orchestrator.serve.engine_host import heartbeat_stats
-from orchestrator.serve.prefill_meter import PrefillMeter
+from orchestrator.serve.prefill_meter import ChunkSetter, PrefillMeter
 from policies.kv_cost import (
     ExtendSettings,
     PlanInputs,
     PlanReason,
     PrefillCost,
     PrefillCostSettings,
+    budget_chunk_tokens,
     choose_plan,
     observe_prefill,
     prefill_steps,
@@ -169,3 +172,85 @@ def test_the_engines_prefill_time_is_its_scheduling_to_its_first_token() -> None
     assert engine_prefill_s(Stats(0.0, 100.25)) is None  # never stamped
     assert engine_prefill_s(Stats(100.3, 100.25)) is None  # not yet a first token
     assert engine_prefill_s(None) is None  # stats logging off
+
+
+class FakeEngine:
+    """A decode engine's ``generate`` that records the chunk each request sets (its
+    scheduler's, as kvtide's connector sets it) and finishes it, or fails it."""
+
+    def __init__(self, *, fail: bool = False) -> None:
+        self.fail = fail
+        self.chunks: list[int | None] = []
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        params = request.kv_transfer_params
+        assert params is not None and params.kvtide_keep is False  # nothing kept
+        if self.fail:
+            raise RuntimeError("engine gone")
+        self.chunks.append(params.kvtide_prefill_chunk)
+        yield GenerateChunk(request_id=request.request_id, finished=True, token_ids=[1])
+
+
+def test_the_engines_chunk_is_fitted_to_the_budget_at_its_own_cost() -> None:
+    """The deploy sized the chunk at 1.4 ms a token (35 tokens in a 50 ms budget); an
+    engine that measured 1.45 ms at start runs 34, and one that measured less keeps the
+    deployed 35 (its step holds no more); the heartbeat reports what the engine runs."""
+
+    async def story() -> None:
+        engine = FakeEngine()
+        setter = ChunkSetter(engine.generate, name="decode-1", timeout_s=5.0)
+        slower = PrefillMeter(0.00145, chunk_tokens=35, itl_budget_s=0.05, setter=setter)
+        assert slower.fitted_chunk() == 34
+        await slower.fit()
+        assert engine.chunks == [34] and slower.chunk_tokens == 34
+        beat = heartbeat_stats(EngineStats(engine_id="decode-1"), 0.00145, slower.chunk_tokens)
+        assert beat["prefill_chunk_tokens"] == 34
+        faster = PrefillMeter(0.001, chunk_tokens=35, itl_budget_s=0.05, setter=setter)
+        await faster.fit()
+        assert engine.chunks == [34] and faster.chunk_tokens == 35
+        # A request that fails leaves the engine's chunk, and the meter says so.
+        broken = ChunkSetter(FakeEngine(fail=True).generate, name="decode-2", timeout_s=5.0)
+        failed = PrefillMeter(0.00145, chunk_tokens=35, itl_budget_s=0.05, setter=broken)
+        await failed.fit()
+        assert failed.chunk_tokens == 35
+
+    asyncio.run(story())
+
+
+def test_the_chunk_follows_the_figure_as_the_engine_serves() -> None:
+    """In-place prefills that cost 2 ms a token move the figure up, and with it the chunk
+    the engine is given (one request at a time), so a whole chunk stays within the
+    budget at the figure the heartbeat reports with it."""
+
+    async def story() -> None:
+        engine = FakeEngine()
+        meter = PrefillMeter(
+            0.0014,
+            chunk_tokens=35,
+            itl_budget_s=0.05,
+            setter=ChunkSetter(engine.generate, name="decode-1", timeout_s=5.0),
+        )
+        await meter.fit()
+        assert engine.chunks == []  # 35 tokens at 1.4 ms fit 50 ms
+        for _ in range(20):
+            meter.record(*extended(130, per_token_s=0.002))
+            # What the heartbeat reports prices a whole chunk within the budget, also
+            # while a new chunk is on its way to the engine (the previous pair).
+            figure, chunk = meter.s_per_token, meter.chunk_tokens
+            assert figure is not None and chunk is not None
+            assert chunk * figure <= 0.05
+            await asyncio.sleep(0)  # the fitting task runs
+        assert meter.s_per_token is not None and meter.chunk_tokens is not None
+        assert meter.chunk_tokens == budget_chunk_tokens(
+            itl_budget_s=0.05, s_per_token=meter.s_per_token
+        )
+        assert meter.chunk_tokens * meter.s_per_token <= 0.05 < 35 * meter.s_per_token
+        assert engine.chunks[-1] == meter.chunk_tokens
+
+    asyncio.run(story())
+
+
+def test_the_deployed_chunk_is_the_budget_at_the_configured_cost() -> None:
+    assert budget_chunk_tokens(itl_budget_s=0.05, s_per_token=0.0014) == 35
+    assert budget_chunk_tokens(itl_budget_s=0.02, s_per_token=0.002) == 10
+    assert budget_chunk_tokens(itl_budget_s=0.001, s_per_token=0.01) == 1  # at least one

@@ -156,7 +156,9 @@ def make_router(prefill: FakePool, decode: FakePool, **kw: Any) -> Router:
             pull_timeout_s=kw.get("pull_timeout_s", 5.0),
             block_size_tokens=kw.get("block_size_tokens", 16),
             kv_bytes_per_token=kw.get("kv_bytes_per_token", 0),
-            **{k: kw[k] for k in ("extend", "decode_max_running") if k in kw},
+            **{
+                k: kw[k] for k in ("extend", "decode_max_running", "decode_chunk_tokens") if k in kw
+            },
         ),
         clock=clock,
         prefill_routes=kw.get("prefill_routes"),

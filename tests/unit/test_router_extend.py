@@ -23,6 +23,7 @@ from test_router import (
 
 from engines.base import EngineStats, GenerateChunk, GenerateRequest
 from engines.kv_params import KVTransferParams
+from orchestrator.kv.envelope import decode_result
 from orchestrator.kv.service import KVService, ServiceSettings
 from orchestrator.router import Router, Turn, TurnReport
 from orchestrator.serve.admission import AdmissionGate
@@ -61,10 +62,14 @@ def extend_router(
     waiting: int = 0,
     running: int = 0,
     prefill_s_per_token: float | None = None,
+    prefill_chunk_tokens: int | None = None,
+    max_new_tokens: int = 16,
+    decode_chunk_tokens: int | None = None,
 ) -> Router:
     """A router whose engines report: decode engine ``ENGINE`` idle (or with ``waiting`` and
     ``running`` requests), its KV cache 10 % used (and the prefill time per token it
-    measured, if given); extends up to 8 new tokens."""
+    measured and the chunk it prefills in, if given); extends a turn of up to
+    ``max_new_tokens`` computed in place; ``decode_chunk_tokens``: the deployed chunk."""
 
     def loads(clock: FakeClock) -> list[EngineLoad]:
         return [
@@ -77,6 +82,7 @@ def extend_router(
                 num_finished=0,
                 reported_s=clock.now_s,
                 prefill_s_per_token=prefill_s_per_token,
+                prefill_chunk_tokens=prefill_chunk_tokens,
             )
         ]
 
@@ -84,8 +90,9 @@ def extend_router(
         prefill,
         decode,
         kv_bytes_per_token=100,
-        extend=ExtendSettings(max_new_tokens=8),
+        extend=ExtendSettings(max_new_tokens=max_new_tokens),
         decode_max_running=4,
+        decode_chunk_tokens=decode_chunk_tokens,
         engine_loads=loads,
     )
 
@@ -102,9 +109,11 @@ async def turn(router: Router, prompt: list[int], **kw: Any) -> TurnReport:
 
 
 FIRST = list(range(100))
-# Turn 1's prompt and answer (11, 12, 13), then the new tokens.
-SHORT = [*FIRST, 11, 12, 13, 50, 51]
-LONG = [*FIRST, 11, 12, 13, *range(200, 209)]  # 9 new tokens: one over the bound
+# Turn 1's prompt and answer (11, 12, 13), then the new tokens. Turn 1 kept 102 tokens
+# (its answer's last never computed), 96 of them in whole 16-token blocks: the decode
+# engine computes a later turn's tokens from the 97th on.
+SHORT = [*FIRST, 11, 12, 13, 50, 51]  # 3 new tokens, 9 computed in place
+LONG = [*FIRST, 11, 12, 13, *range(200, 210)]  # 17 computed in place: one over the bound
 
 
 def prefills(pool: FakePool) -> list[GenerateRequest]:
@@ -167,6 +176,26 @@ def test_an_extended_turns_first_output_already_says_what_it_reused() -> None:
         return seen
 
     assert asyncio.run(first_output()) == (HISTORY_CACHED, "extended")
+
+
+def test_the_bound_on_an_increment_counts_the_history_after_its_last_whole_block() -> None:
+    # SHORT adds 3 tokens to turn 1's 102 kept ones, but the decode engine's prefix
+    # cache holds whole 16-token blocks only (96 tokens): it would compute 9 in place.
+    # Over a bound of 8, the turn is pulled; at 9 it extends, and its report's figure is
+    # what the engine computed (the prompt less its cache hit).
+    prefill, decode = FakePool(prefill_script(cached=101)), FakePool(caching_decode)
+    router = extend_router(prefill, decode, max_new_tokens=8)
+    asyncio.run(turn(router, FIRST))
+    r2 = asyncio.run(turn(router, SHORT))
+    assert (r2.kv_plan, r2.extend_reason) == ("pull", "long_increment"), r2
+    assert r2.extend_prefill_tokens == 9
+    prefill, decode = FakePool(prefill_script(cached=101)), FakePool(caching_decode)
+    router = extend_router(prefill, decode, max_new_tokens=9)
+    asyncio.run(turn(router, FIRST))
+    r2 = asyncio.run(turn(router, SHORT))
+    assert (r2.kv_plan, r2.extend_reason) == ("extend", "short_increment"), r2
+    assert r2.extend_prefill_tokens == len(SHORT) - r2.num_cached_tokens == 9
+    assert r2.as_dict()["extend_prefill_tokens"] == 9
 
 
 def test_a_long_increment_is_pulled_to_prefill() -> None:
@@ -257,9 +286,9 @@ def test_an_extended_turn_that_fails_leaves_the_previous_record_for_the_next_tur
 def test_the_decode_engines_reported_prefill_cost_prices_the_itl_budget() -> None:
     """The engine's heartbeat carries the prefill time per token its host measured
     (``heartbeat_stats``); the service passes it with the engine's load, the ingress
-    reads it, and the cost function prices the in-place prefill with it: 5 new tokens
-    beside a running stream at 20 ms a token is 100 ms, over the 50 ms budget, where the
-    settings' 1.4 ms would extend."""
+    reads it, and the cost function prices the in-place prefill with it: 9 tokens
+    computed in place beside a running stream at 20 ms a token is 180 ms, over the 50 ms
+    budget, where the settings' 1.4 ms would extend."""
     service = KVService(
         lifecycle_config(), prefill=None, settings=ServiceSettings(drain_timeout_s=5.0)
     )
@@ -284,3 +313,42 @@ def test_the_decode_engines_reported_prefill_cost_prices_the_itl_budget() -> Non
     )
     asyncio.run(turn(router, FIRST))
     assert asyncio.run(turn(router, SHORT)).extend_reason == "short_increment"
+
+
+def test_a_step_is_priced_at_the_chunk_the_decode_engine_reports() -> None:
+    """The deploy chunks the decode pool's prefills at 35 tokens (1.4 ms a token in a
+    50 ms budget); an engine that measured 1.45 ms runs 34, fitted by its host, and
+    reports it with its cost: a turn computing more than a chunk in place beside a
+    running stream then adds 34 x 1.45 = 49.3 ms a step, within the budget, where a
+    35-token chunk at that cost would be 50.75 ms, over it."""
+    service = KVService(
+        lifecycle_config(), prefill=None, settings=ServiceSettings(drain_timeout_s=5.0)
+    )
+    load = {"num_running": 1, "kv_cache_usage": 0.1, "num_requests": 3}
+    beat = heartbeat_stats(EngineStats(engine_id=ENGINE, **load), 0.00145, 34)  # type: ignore[arg-type]
+    asyncio.run(service.heartbeat(ENGINE, stats=beat))
+    gate = AdmissionGate(AdmissionSettings(), pools=["prefill", "decode"])
+    # The loads as the service's actor answers an ingress: every figure a float.
+    answer = msgspec.msgpack.encode(asyncio.run(service.engine_loads()))
+    gate.observe(decode_result("engine_loads", answer))
+    [seen] = [view.load for view in gate.book.views()]
+    assert (seen.prefill_s_per_token, seen.prefill_chunk_tokens) == (0.00145, 34)
+
+    def second_turn(chunk: int | None) -> TurnReport:
+        router = extend_router(
+            FakePool(prefill_script(cached=101)),
+            FakePool(caching_decode),
+            running=1,
+            prefill_s_per_token=0.00145,
+            prefill_chunk_tokens=chunk,
+            max_new_tokens=64,
+            decode_chunk_tokens=35,
+        )
+        asyncio.run(turn(router, FIRST))
+        # 38 new tokens, 44 computed in place: more than a chunk.
+        return asyncio.run(turn(router, [*FIRST, 11, 12, 13, *range(300, 337)]))
+
+    fitted = second_turn(34)
+    assert (fitted.kv_plan, fitted.extend_reason) == ("extend", "short_increment"), fitted
+    # Without the engine's chunk, the deployed one is priced: over the budget.
+    assert second_turn(None).extend_reason == "itl_budget"

@@ -138,3 +138,30 @@ def test_an_engine_that_chunks_its_prefills_is_priced_one_chunk_a_step() -> None
     assert choose_plan(
         inputs(20, decode_running=3, decode_chunk_tokens=35), SETTINGS, NOW
     ).extra_step_s == pytest.approx(0.02)
+
+
+def test_the_price_counts_the_history_after_its_last_whole_block() -> None:
+    # vLLM's prefix cache hits whole blocks: a turn of 8 new tokens over a history of
+    # 1,000 kept tokens in 128-token blocks hits 896 (7 blocks) and computes 112 in place,
+    # 112 ms at 1 ms a token beside running streams: over the 50 ms budget.
+    long_tail = inputs(8, decode_running=3, num_history_tokens=1000, block_size_tokens=128)
+    assert long_tail.num_prefill_tokens == 112
+    choice = choose_plan(long_tail, SETTINGS, NOW)
+    assert (choice.extend, choice.reason, choice.num_prefill_tokens) == (
+        False,
+        PlanReason.ITL_BUDGET,
+        112,
+    )
+    assert choice.extra_step_s == pytest.approx(0.112)
+    # The same increment over a history that ends on a block computes only itself.
+    aligned = inputs(8, decode_running=3, num_history_tokens=1024, block_size_tokens=128)
+    assert choose_plan(aligned, SETTINGS, NOW).num_prefill_tokens == 8
+    assert choose_plan(aligned, SETTINGS, NOW).extend
+    # The bound on an increment's size counts the tail too: 8 new tokens over 1,000 kept
+    # with 32-token blocks (992 cached) compute 16, over a bound of 15.
+    bound = ExtendSettings(max_new_tokens=15)
+    small_blocks = inputs(8, num_history_tokens=1000, block_size_tokens=32)
+    assert choose_plan(small_blocks, bound, NOW).reason is PlanReason.LONG_INCREMENT
+    # A prompt that adds nothing still computes its last token (vLLM recomputes it for
+    # its logits), so its hit stops a block short where the history ends on one.
+    assert inputs(0, num_history_tokens=1024, block_size_tokens=128).num_prefill_tokens == 128
