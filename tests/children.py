@@ -17,14 +17,14 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import pytest
 
-__all__ = ["Child", "Finished", "ran_lines", "stop_all", "track"]
+__all__ = ["Child", "Finished", "ran_lines", "session_child", "stop_all"]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -96,7 +96,12 @@ class _Tracked(Protocol):
     @property
     def ran_s(self) -> float | None: ...
 
+    def start(self) -> None: ...
+
     def stop(self) -> None: ...
+
+
+T = TypeVar("T", bound=_Tracked)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,10 +114,23 @@ class _Entry:
 _TRACKED = pytest.StashKey[list[_Entry]]()
 
 
-def track(config: pytest.Config, what: str, child: _Tracked, started_at: str) -> None:
-    """Report ``child``'s run time at the session's end, and where it started (a test's
-    node id), and stop it then (``ran_lines``, ``stop_all``, from ``tests/conftest.py``)."""
-    config.stash.setdefault(_TRACKED, []).append(_Entry(what, started_at, child))
+def session_child(
+    config: pytest.Config,
+    key: pytest.StashKey[T],
+    make: Callable[[], T],
+    what: str,
+    started_at: str,
+) -> T:
+    """The session's child under ``key``: the one started early, else one ``make``s and
+    starts now (at the setup of the test ``started_at``). Its run time is reported at the
+    session's end, and it is stopped then (``ran_lines``, ``stop_all``, from
+    ``tests/conftest.py``)."""
+    child = config.stash.get(key, None)
+    if child is None:
+        child = config.stash[key] = make()
+        config.stash.setdefault(_TRACKED, []).append(_Entry(what, started_at, child))
+        child.start()
+    return child
 
 
 def ran_lines(config: pytest.Config) -> list[str]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from children import Child, track
+from children import Child, session_child
 
 __all__ = ["BOUND_S", "ORIGINS", "RUNS_KEY", "ClockRuns", "runs_for", "why_not"]
 
@@ -108,12 +108,7 @@ RUNS_KEY = pytest.StashKey[ClockRuns]()
 def runs_for(config: pytest.Config, started_at: str) -> ClockRuns:
     """The session's runs: the ones started early, else ones started now (at the setup
     of the test ``started_at``); stopped when the session ends."""
-    runs = config.stash.get(RUNS_KEY, None)
-    if runs is None:
-        runs = config.stash[RUNS_KEY] = ClockRuns()
-        track(config, "the clock-origin runs' child", runs, started_at)
-        runs.start()
-    return runs
+    return session_child(config, RUNS_KEY, ClockRuns, "the clock-origin runs' child", started_at)
 
 
 def _make_runs(into: Path) -> None:

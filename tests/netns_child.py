@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from children import Child, track
+from children import Child, session_child
 
 __all__ = ["CHILD_KEY", "NETNS_CHILD_ENV", "NetnsChild", "Outcome", "child_for"]
 
@@ -74,9 +74,5 @@ CHILD_KEY = pytest.StashKey[NetnsChild]()
 def child_for(config: pytest.Config, started_at: str) -> NetnsChild:
     """The session's child: the one started early, else one started now. The session's
     end stops it (``tests/conftest.py``)."""
-    child = config.stash.get(CHILD_KEY, None)
-    if child is None:
-        child = config.stash[CHILD_KEY] = NetnsChild()
-        track(config, "the fake-host tier's child pytest", child, started_at)
-        child.start()
-    return child
+    what = "the fake-host tier's child pytest"
+    return session_child(config, CHILD_KEY, NetnsChild, what, started_at)

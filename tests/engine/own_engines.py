@@ -134,14 +134,12 @@ def own_engines_for(
 ) -> OwnEngines:
     """The session's child: the one started early (at the fake-host tier's wait, by
     ``tests/conftest.py``), else one started now; stopped when the session ends."""
-    from children import track
+    from children import session_child  # tests/, on the parent's path
 
-    run = config.stash.get(OWN_KEY, None)
-    if run is None:
-        run = config.stash[OWN_KEY] = OwnEngines(selected(items))
-        track(config, "the own-engines child", run, started_at)
-        run.start()
-    return run
+    def make() -> OwnEngines:
+        return OwnEngines(selected(items))
+
+    return session_child(config, OWN_KEY, make, "the own-engines child", started_at)
 
 
 # ---- the child process ----------------------------------------------------------------
